@@ -1,0 +1,55 @@
+"""``m3export`` command line: one sub-command per module in ``m3export.commands``.
+
+Each command module defines ``NAME``, ``HELP``, ``EXAMPLES``, ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = ("synth", "export", "verify", "generate", "triton_repo", "build_engine", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="m3export",
+        description="Take MiniMax M3 from PyTorch to ONNX / ONNX Runtime / TensorRT / Triton.",
+        epilog="Run 'm3export COMMAND --help' for examples of each command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for mod_name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"m3export.commands.{mod_name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"m3export.commands.{mod_name}":
+                raise
+            continue
+        p = sub.add_parser(
+            mod.NAME, help=mod.HELP, description=mod.HELP, epilog="examples:\n" + mod.EXAMPLES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's job is to turn errors into one clear line
+        from .errors import M3Error
+
+        if isinstance(e, M3Error):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

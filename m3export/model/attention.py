@@ -1,0 +1,75 @@
+"""M3 attention: per-head QK norm, partial RoPE, paged cache write, then dense or indexer-sparse attention."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import M3Config
+from .batch import Batch, write_pool
+from .linear import Linear
+from .norm import RMSNorm
+from .rope import apply_rope
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: 4 index query heads against one shared index-key head; chooses blocks per KV head."""
+
+    def __init__(self, cfg: M3Config, mxfp8: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.index_q_proj = Linear(cfg.hidden_size, cfg.index_n_heads * cfg.index_head_dim, mxfp8)
+        self.index_k_proj = Linear(cfg.hidden_size, cfg.index_head_dim, mxfp8)
+        self.index_q_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+        self.index_k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def keys_and_queries(self, x, cos, sin):
+        t = x.shape[0]
+        iq = apply_rope(self.index_q_norm(self.index_q_proj(x).view(t, self.n_heads, self.head_dim)), cos, sin)
+        ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(t, 1, self.head_dim)), cos, sin)
+        return iq, ik[:, 0]
+
+    def select(self, iq: torch.Tensor, ik_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+        c = self.cfg
+        return torch.ops.m3.lightning_indexer(
+            iq, ik_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.positions,
+            c.index_block_size, c.index_topk_blocks, c.index_local_blocks, c.index_init_blocks,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: M3Config, sparse: bool, mxfp8: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.sparse = sparse
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(h, self.n_heads * d, mxfp8)
+        self.k_proj = Linear(h, self.n_kv * d, mxfp8)
+        self.v_proj = Linear(h, self.n_kv * d, mxfp8)
+        self.o_proj = Linear(self.n_heads * d, h, mxfp8)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # Indexer weights sit directly under self_attn in the original layout (index_q_proj, ...).
+        self.indexer = Indexer(cfg, mxfp8) if sparse else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
+                cache: tuple[torch.Tensor, ...], inplace: bool):
+        """x [T, H] -> (out [T, H], updated cache tuple, selected blocks [T, Hkv, K] or None)."""
+        t = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        k_cache = write_pool(cache[0], batch.slot_mapping, k, inplace)
+        v_cache = write_pool(cache[1], batch.slot_mapping, v, inplace)
+        args = (q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.positions)
+        if self.indexer is None:
+            o = torch.ops.m3.paged_attention(*args, self.scale)
+            return self.o_proj(o.reshape(t, -1)), (k_cache, v_cache), None
+        iq, ik = self.indexer.keys_and_queries(x, cos, sin)
+        ik_cache = write_pool(cache[2], batch.slot_mapping, ik, inplace)
+        sel = self.indexer.select(iq, ik_cache, batch)
+        o = torch.ops.m3.sparse_paged_attention(*args, sel, self.cfg.index_block_size, self.scale)
+        return self.o_proj(o.reshape(t, -1)), (k_cache, v_cache, ik_cache), sel

@@ -1,0 +1,107 @@
+"""The M3 text backbone with its MTP modules, written once for the paged, flattened batch.
+
+``step`` is what the runtime and the exporter call. ``forward(input_ids)`` is the cache-free reference
+(positions 0..T-1): it lays each sequence on fresh pages and runs the very same ``step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import ops  # noqa: F401  (registers torch.ops.m3.*)
+from ..config import M3Config
+from .batch import Batch
+from .layer import DecoderLayer
+from .mtp import MTPModule
+from .norm import RMSNorm
+from .rope import Rotary
+
+LayerCache = tuple  # (k_pool, v_pool) or (k_pool, v_pool, index_k_pool)
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [N, vocab] at the requested token indices
+    hidden: torch.Tensor  # [T, hidden] after the final norm (what the MTP modules read)
+    caches: list  # updated per-layer cache tuples
+    selections: list  # [T, Hkv, topk] int32 per sparse layer, in layer order
+
+
+class M3TextModel(nn.Module):
+    def __init__(self, cfg: M3Config, mxfp8: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.is_sparse_layer(i), cfg.is_moe_layer(i), mxfp8) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class M3ForCausalLM(nn.Module):
+    def __init__(self, cfg: M3Config, mxfp8: bool = False, num_mtp_modules: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.mxfp8 = mxfp8
+        self.model = M3TextModel(cfg, mxfp8)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        n_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules
+        self.mtp = nn.ModuleList(MTPModule(cfg, mxfp8) for _ in range(n_mtp))
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+
+    # ------------------------------------------------------------------ caches
+    def cache_shapes(self, num_pages: int, page_size: int, layers: str = "main") -> list[tuple[tuple[int, ...], ...]]:
+        """Pool shapes per layer: K and V [pages, page, Hkv, D]; index keys [pages, page, D] on sparse layers."""
+        c = self.config
+        kv = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+        ik = (num_pages, page_size, c.index_head_dim)
+        sparse = [c.is_sparse_layer(i) for i in range(c.num_hidden_layers)] if layers == "main" else [True] * len(self.mtp)
+        return [(kv, kv, ik) if s else (kv, kv) for s in sparse]
+
+    def allocate_caches(self, num_pages: int, page_size: int, dtype: torch.dtype, device, layers: str = "main"):
+        return [tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes)
+                for shapes in self.cache_shapes(num_pages, page_size, layers)]
+
+    # ------------------------------------------------------------------ runtime path
+    def step(self, input_ids: torch.Tensor, batch: Batch, caches: list, logits_indices: torch.Tensor | None = None,
+             inplace: bool = True) -> StepOutput:
+        """One forward over a flattened mixed batch; writes the new tokens' K/V/index keys into the pools."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(batch.positions, h.dtype)
+        new_caches, selections = [], []
+        for layer, cache in zip(self.model.layers, caches):
+            h, cache, sel = layer(h, cos, sin, batch, cache, inplace)
+            new_caches.append(cache)
+            if sel is not None:
+                selections.append(sel)
+        hidden = self.model.norm(h)
+        picked = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
+        return StepOutput(self.lm_head(picked), hidden, new_caches, selections)
+
+    def mtp_step(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache,
+                 logits_indices: torch.Tensor | None = None, inplace: bool = True):
+        """MTP module ``k``: input_ids are the *next* tokens x_{t+1}, hidden the h_t they pair with.
+
+        Returns (logits at logits_indices, pre-norm output hidden [T, H] for chaining, cache, selection).
+        """
+        e = self.model.embed_tokens(input_ids)
+        e = torch.where((batch.positions == 0)[:, None], torch.zeros_like(e), e)
+        cos, sin = self.rotary(batch.positions, e.dtype)
+        out, normed, cache, sel = self.mtp[k](e, hidden, cos, sin, batch, cache, inplace)
+        picked = normed if logits_indices is None else normed.index_select(0, logits_indices)
+        return self.lm_head(picked), out, cache, sel
+
+    # ------------------------------------------------------------------ cache-free reference
+    def forward(self, input_ids: torch.Tensor, return_selections: bool = False):
+        """input_ids [B, T] (positions 0..T-1, no padding) -> logits [B, T, vocab]."""
+        bsz, length = input_ids.shape
+        page = 16
+        batch = Batch.contiguous(bsz, length, page, input_ids.device)
+        caches = self.allocate_caches(bsz * -(-length // page), page, self.lm_head.weight.dtype, input_ids.device)
+        out = self.step(input_ids.reshape(-1), batch, caches)
+        logits = out.logits.view(bsz, length, -1)
+        if return_selections:
+            return logits, [s.view(bsz, length, *s.shape[1:]) for s in out.selections]
+        return logits

@@ -1,0 +1,31 @@
+"""Reading a paged pool back as one contiguous sequence: shared by every reference implementation.
+
+Keys of sequence ``b`` at position ``j`` live in pool page ``block_tables[b, j // page]`` at row ``j % page``.
+The references gather a sequence's pages once and then work on plain tensors; the kernels never do this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_sequence(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """pool [num_pages, page, *rest], block_table [max_pages] -> [length, *rest]."""
+    page = pool.shape[1]
+    n_pages = -(-length // page)
+    if n_pages > block_table.shape[0]:
+        raise ValueError(f"sequence of {length} tokens needs {n_pages} pages; block table has {block_table.shape[0]}")
+    pages = pool.index_select(0, block_table[:n_pages].long())
+    return pages.reshape(n_pages * page, *pool.shape[2:])[:length]
+
+
+def sequences(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """Yield (b, first_token, last_token_exclusive, context_length) for each sequence of a flattened batch."""
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if len(qsl) != len(lens) + 1:
+        raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(lens)} sequences (expected B + 1)")
+    for b, (s, e, n) in enumerate(zip(qsl[:-1], qsl[1:], lens)):
+        if e < s or n < e - s:
+            raise ValueError(f"sequence {b}: {e - s} new tokens but context length {n}")
+        yield b, s, e, n
