@@ -266,6 +266,9 @@ class M3Config:
                     f"({factor}) x head_dim ({head_dim}) = {from_factor}"
                 )
             kw["rotary_dim"] = from_factor
+        if text.get("model_type") == "minimax_m3_vl_text" and kw.get("hidden_act") == "silu":
+            # transformers rewrites the release's "swigluoai" to "silu" and computes SwiGLU-OAI inline anyway.
+            kw["hidden_act"] = "swigluoai"
         if text.get("use_gemma_norm") is False:
             raise ConfigError(f"{source}: use_gemma_norm=false is not an M3 configuration")
         if text.get("qk_norm_type", "per_head") != "per_head" or text.get("use_qk_norm") is False:

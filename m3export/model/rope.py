@@ -13,9 +13,15 @@ from torch import nn
 class Rotary(nn.Module):
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        self.rotary_dim = rotary_dim
-        inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rotary_dim, self.theta = rotary_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+
+    def reset_parameters(self) -> None:
+        """Recompute the (non-persistent) frequencies after a model is materialised from ``meta``."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rotary_dim/2] (fp32 angles, rounded to the activation dtype)."""

@@ -1,0 +1,148 @@
+"""Build M3 on the ``meta`` device and stream a checkpoint into it, tensor by tensor.
+
+Each checkpoint tensor is memory-mapped, checked (shape, dtype), converted if needed (cast, or MXFP8
+dequantisation when a floating-point model is asked for) and copied straight into its slice of the allocated
+parameter, so peak memory is the model plus one tensor. Every error names the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import PRESETS, M3Config, preset
+from ..errors import CheckpointError
+from ..model import M3ForCausalLM
+from ..ops import mxfp8 as mx
+from .layout import IGNORED, Layout, detect, mtp_modules_present
+from .random_init import random_parameter
+from .shards import Checkpoint
+
+log = logging.getLogger("m3export.load")
+FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    """Router weight and correction bias stay fp32 whatever the model dtype (the checkpoint stores them so)."""
+    return name.endswith(FP32_PARAMS)
+
+
+def build_empty(cfg: M3Config, dtype: torch.dtype, device, mxfp8: bool = False,
+                num_mtp_modules: int | None = None) -> M3ForCausalLM:
+    """Allocate (uninitialised) parameters directly in their final dtype on ``device``; no fp32 detour."""
+    with torch.device("meta"):
+        model = M3ForCausalLM(cfg, mxfp8=mxfp8, num_mtp_modules=num_mtp_modules)
+    for name, p in model.named_parameters():
+        if p.dtype in FLOAT_TYPES and not keeps_fp32(name):
+            p.data = torch.empty_like(p, dtype=dtype)
+    model.to_empty(device=device)
+    model.rotary.reset_parameters()
+    return model
+
+
+def random_model(cfg: M3Config, device="cpu", dtype=torch.float32, seed: int = 0, mxfp8: bool = False,
+                 num_mtp_modules: int | None = None) -> M3ForCausalLM:
+    """A model with the deterministic random weights ``m3export synth`` writes for the same seed."""
+    model = build_empty(cfg, dtype, device, mxfp8, num_mtp_modules)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if p.dtype == torch.uint8:
+            continue  # scales are produced together with their fp8 weight
+        values = random_parameter(name, tuple(p.shape), seed)
+        if p.dtype == torch.float8_e4m3fn:
+            q, s = mx.quantize(values)
+            p.data.copy_(q)
+            params[name + "_scale_inv"].data.copy_(s)
+        else:
+            p.data.copy_(values)
+    return model.requires_grad_(False).eval()
+
+
+def load_model(path_or_preset: str | os.PathLike, device="cpu", dtype: torch.dtype | None = torch.float32,
+               dequantize: bool = False, seed: int = 0, mxfp8: bool = False, progress: bool = True
+               ) -> M3ForCausalLM:
+    """A checkpoint directory (either layout, BF16/FP32 or MXFP8) or a preset name -> ``M3ForCausalLM``.
+
+    MXFP8 checkpoints keep E4M3 weights + UE8M0 scales unless ``dequantize``; presets give random weights
+    (``mxfp8=True`` quantises them). Checkpoints without MTP tensors load with no MTP modules, and say so.
+    """
+    dtype = dtype or torch.float32
+    if str(path_or_preset) in PRESETS and not Path(path_or_preset).is_dir():
+        return random_model(preset(str(path_or_preset)), device, dtype, seed, mxfp8)
+    ckpt = Checkpoint(path_or_preset)
+    cfg = M3Config.from_pretrained(ckpt.dir)
+    try:
+        kind, prefix = detect(ckpt.tensors)
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt.dir}: {e}") from None
+    layout = Layout(kind, cfg, prefix)
+    present = mtp_modules_present(set(ckpt.tensors), layout)
+    if present != list(range(len(present))):
+        raise CheckpointError(f"{ckpt.dir}: MTP modules {present} are not numbered 0..{len(present) - 1}")
+    if len(present) < cfg.num_mtp_modules:
+        log.warning("%s: config declares %d MTP modules but the checkpoint ships %d; %s", ckpt.dir,
+                    cfg.num_mtp_modules, len(present),
+                    "speculative decoding is unavailable" if not present else "loading those")
+    quantized = any(t.dtype == torch.float8_e4m3fn for t in ckpt.tensors.values())
+    model = build_empty(cfg, dtype, device, mxfp8=quantized and not dequantize, num_mtp_modules=len(present))
+    model.checkpoint_info = {"layout": kind, "mxfp8": quantized, "mtp_modules": len(present), "path": str(ckpt.dir)}
+    _stream(ckpt, layout, model, progress)
+    return model.requires_grad_(False).eval()
+
+
+def _plan(layout: Layout, params: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple]]:
+    plan = {}
+    for pname in params:
+        for piece in layout.pieces(pname):
+            plan[piece.name] = (pname, piece.index)
+    return plan
+
+
+def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bool) -> None:
+    params = dict(model.named_parameters())
+    plan = _plan(layout, params)
+    names = set(ckpt.tensors)
+    missing = sorted(set(plan) - names)
+    if missing:
+        raise CheckpointError(f"{ckpt.dir}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
+                              f"{missing[:5]} ({layout.kind} layout)")
+    dequant_scales = {n + "_scale_inv" for n in plan if params[plan[n][0]].dtype != torch.uint8
+                      and ckpt.tensors[n].dtype == torch.float8_e4m3fn}
+    unexpected = sorted(n for n in names - set(plan) - dequant_scales if not IGNORED.match(n))
+    if unexpected:
+        raise CheckpointError(f"{ckpt.dir}: {len(unexpected)} unexpected tensor(s) for this config, e.g. "
+                              f"{unexpected[:5]} ({layout.kind} layout)")
+    order = sorted(plan, key=lambda n: (ckpt.tensors[n].file.name, ckpt.tensors[n].offset))
+    for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        pname, index = plan[name]
+        info = ckpt.tensors[name]
+        target = params[pname].data[index]
+        where = f"{info.file}: tensor {name!r}"
+        if tuple(info.shape) != tuple(target.shape):
+            raise CheckpointError(f"{where} has shape {list(info.shape)}, expected {list(target.shape)} "
+                                  f"(parameter {pname})")
+        target.copy_(_convert(ckpt, name, target.dtype, where))
+
+
+def _convert(ckpt: Checkpoint, name: str, want: torch.dtype, where: str) -> torch.Tensor:
+    have = ckpt.tensors[name].dtype
+    if want in (torch.float8_e4m3fn, torch.uint8):
+        if have != want:
+            raise CheckpointError(f"{where} has dtype {have}, expected {want} (MXFP8 weight or scale)")
+        return ckpt.get(name)
+    if have == torch.float8_e4m3fn:
+        scale = name + "_scale_inv"
+        if scale not in ckpt.tensors:
+            raise CheckpointError(f"{where} is float8_e4m3fn but its scale {scale!r} is missing")
+        try:
+            return mx.dequantize(ckpt.get(name), ckpt.get(scale), torch.float32)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: {e}") from None
+    if have not in FLOAT_TYPES:
+        raise CheckpointError(f"{where} has dtype {have}, expected a floating-point weight")
+    return ckpt.get(name)
