@@ -72,18 +72,20 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: M3Config, layout: str = "o
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        shards: list[dict[str, torch.Tensor]] = [{}]
+        shard: dict[str, torch.Tensor] = {}
+        written: list[list[str]] = []  # tensor names per flushed shard
         size = 0
         sources = _source_values(model, cfg, seed, n_mtp)
         for name, values in tqdm(sources, desc="writing checkpoint", unit="param", disable=not progress, leave=False):
             for tname, tensor in _tensors(name, values, lay, fmt, name in quantized):
                 nbytes = tensor.numel() * tensor.element_size()
-                if size and size + nbytes > shard_bytes:
-                    shards.append({})
-                    size = 0
-                shards[-1][tname] = tensor.contiguous()
+                if shard and size + nbytes > shard_bytes:
+                    written.append(_flush(tmp, shard, len(written)))
+                    shard, size = {}, 0
+                shard[tname] = tensor.contiguous()
                 size += nbytes
-        _save_shards(tmp, shards)
+        written.append(_flush(tmp, shard, len(written)))
+        _name_shards(tmp, written)
         config = cfg.to_original_dict() if layout == "original" else _hf_config(cfg)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if with_tokenizer:
@@ -128,17 +130,23 @@ def _tensors(name: str, values, lay: Layout, fmt: str, quantize: bool):
             yield piece.name, v.to(FORMATS[fmt])
 
 
-def _save_shards(tmp: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    n = len(shards)
+def _flush(tmp: Path, shard: dict[str, torch.Tensor], i: int) -> list[str]:
+    """Write one full shard now (memory stays at one shard), under a provisional name."""
+    save_file(shard, str(tmp / f"shard-{i}.tmp"), metadata={"format": "pt"})
+    return list(shard)
+
+
+def _name_shards(tmp: Path, written: list[list[str]]) -> None:
+    """Give shards their final ``model-i-of-n`` names (n is known only now) and write the index."""
+    n = len(written)
     if n == 1:
-        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "shard-0.tmp").rename(tmp / "model.safetensors")
         return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-        for k, t in shard.items():
-            weight_map[k] = fname
-            total += t.numel() * t.element_size()
+    weight_map = {}
+    for i, names in enumerate(written):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        (tmp / f"shard-{i}.tmp").rename(tmp / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,36 @@
+"""``m3export synth``: write a random-weight checkpoint (either layout, BF16/FP32/MXFP8) for tests and demos."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "synth"
+HELP = "Write a synthetic random-weight M3 checkpoint (sharded safetensors + config + tokenizer)."
+EXAMPLES = """\
+  m3export synth --preset tiny --out ckpt/tiny
+  m3export synth --preset tiny --out ckpt/tiny-hf --layout hf --dtype mxfp8
+  m3export synth --preset tiny --out ckpt/tiny-nomtp --no-mtp --seed 3
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=["tiny", "mini"],
+                   help="model size (the full release is exported from sparse files: bench/export_full.py)")
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--layout", default="original", choices=["original", "hf"],
+                   help="tensor names: MiniMax's release layout or the transformers layout")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "mxfp8"], help="weight format")
+    p.add_argument("--seed", type=int, default=0, help="weights depend only on (seed, tensor name)")
+    p.add_argument("--shard-mb", type=int, default=64, help="approximate shard size in MiB")
+    p.add_argument("--no-mtp", action="store_true", help="leave the MTP modules out (as the public release does)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint.writer import write_checkpoint
+    from ..config import preset
+
+    cfg = preset(args.preset)
+    out = write_checkpoint(args.out, cfg, args.layout, args.dtype, seed=args.seed, shard_bytes=args.shard_mb << 20,
+                           with_mtp=not args.no_mtp, with_tokenizer=args.preset == "tiny")
+    print(f"wrote {args.preset} checkpoint ({args.layout} layout, {args.dtype}) to {out}")
+    return 0
