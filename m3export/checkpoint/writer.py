@@ -30,7 +30,7 @@ from .shards import INDEX_FILE
 FORMATS = {"bf16": torch.bfloat16, "fp32": torch.float32, "mxfp8": None}
 
 
-def _quantized_names(cfg: M3Config, n_mtp: int) -> set[str]:
+def quantized_names(cfg: M3Config, n_mtp: int) -> set[str]:
     """Parameters an MXFP8 checkpoint stores as E4M3 (decided by the model definition, in one place)."""
     with torch.device("meta"):
         m = M3ForCausalLM(cfg, mxfp8=True, num_mtp_modules=n_mtp)
@@ -68,7 +68,7 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: M3Config, layout: str = "o
     if fmt == "mxfp8":
         cfg = cfg.replace(quantization=QuantConfig())
     lay = Layout(layout, cfg, hf_prefix)
-    quantized = _quantized_names(cfg, n_mtp) if fmt == "mxfp8" else set()
+    quantized = quantized_names(cfg, n_mtp) if fmt == "mxfp8" else set()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -107,27 +107,37 @@ def _hf_config(cfg: M3Config) -> dict:
     return d
 
 
+def piece_format(name: str, fmt: str, quantize: bool):
+    """How one checkpoint tensor is stored: "mxfp8" (E4M3 + UE8M0 sibling) or a torch dtype.
+
+    MXFP8 releases keep what they do not quantise (embeddings, norms, lm_head) in BF16 and the router in fp32.
+    """
+    if quantize:
+        return "mxfp8"
+    if keeps_fp32(name):
+        return torch.float32
+    return torch.bfloat16 if fmt == "mxfp8" else FORMATS[fmt]
+
+
 def _tensors(name: str, values, lay: Layout, fmt: str, quantize: bool):
     """Checkpoint tensors for one parameter: its pieces, cast or quantised as the format asks."""
+    how = piece_format(name, fmt, quantize)
     for piece in lay.pieces(name):
         if isinstance(values, tuple):  # the source already holds MXFP8 (fp8, scale)
             q, s = values[0][piece.index], values[1][piece.index]
-            if quantize:
+            if how == "mxfp8":
                 yield piece.name, q
                 yield piece.name + "_scale_inv", s
                 continue
             v = mx.dequantize(q, s)
         else:
             v = values[piece.index]
-        if quantize:
+        if how == "mxfp8":
             q, s = mx.quantize(v)
             yield piece.name, q
             yield piece.name + "_scale_inv", s
-        elif keeps_fp32(name) or fmt == "mxfp8":
-            # MXFP8 releases keep unquantised tensors (embeddings, norms, lm_head) in BF16, router in fp32.
-            yield piece.name, v.to(torch.float32 if keeps_fp32(name) else torch.bfloat16)
         else:
-            yield piece.name, v.to(FORMATS[fmt])
+            yield piece.name, v.to(how)
 
 
 def _flush(tmp: Path, shard: dict[str, torch.Tensor], i: int) -> list[str]:
