@@ -1,0 +1,144 @@
+"""``m3export triton-repo``: the repository layout Triton expects, the config it parses, what gets referenced or
+copied, and one-line errors for everything a user can get wrong. (test_triton_server.py loads it for real.)"""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from m3export.cli import main
+from m3export.config import preset
+from m3export.runtime import Engine, SamplingParams
+from m3export.serve.protocol import INPUTS, OUTPUTS
+from m3export.serve.repo import RepositoryError, load_engine, parse_engine_args, write_repository
+
+
+def parse_config(model_dir: Path):
+    """Parse config.pbtxt with Triton's own ModelConfig schema, as the server will."""
+    text_format = pytest.importorskip("google.protobuf.text_format")
+    model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    return text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+
+
+def parameters(cfg) -> dict[str, str]:
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def fake_artifact(root: Path, files: dict[str, bytes] | None = None, listed: list[str] | None = None) -> Path:
+    """A structurally valid artifact (what the writer inspects); the server tests use real engines."""
+    root.mkdir(parents=True)
+    files = files if files is not None else {"model.onnx": b"graph bytes"}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    entries = {n: {"sha256": hashlib.sha256(d).hexdigest(), "bytes": len(d)} for n, d in files.items()}
+    for name in listed or []:
+        entries[name] = {"sha256": "0" * 64, "bytes": 0}
+    manifest = {
+        "format": "m3export.artifact", "format_version": 1, "config": preset("tiny").to_text_dict(),
+        "dtype": "float32", "mxfp8": False, "page_size": 16, "mtp_modules": 0, "source": "test", "opset": {},
+        "graphs": {"model": {"file": "model.onnx", "inputs": [], "outputs": [], "aliases": {}}},
+        "tensors": {}, "files": entries, "tools": {},
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def test_preset_repository_layout_and_config(tmp_path):
+    model_dir = write_repository("tiny", tmp_path / "repo", instances=2)
+    assert model_dir == (tmp_path / "repo" / "m3").resolve()
+    assert sorted(p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*")) == [
+        "1", "1/model.py", "config.pbtxt"]
+    cfg = parse_config(model_dir)
+    assert cfg.name == "m3" and cfg.backend == "python" and cfg.max_batch_size == 0
+    assert cfg.model_transaction_policy.decoupled
+    assert [(i.name, list(i.dims), i.optional) for i in cfg.input] == [(s.name, list(s.dims), s.optional)
+                                                                      for s in INPUTS]
+    assert [o.name for o in cfg.output] == [s.name for s in OUTPUTS] == ["text_output", "output_ids"]
+    assert cfg.instance_group[0].count == 2
+    assert parameters(cfg) == {"source_kind": "preset", "source": "tiny", "backend": "torch", "engine_args": "{}"}
+    compile((model_dir / "1" / "model.py").read_text(), "model.py", "exec")
+
+
+def test_checkpoint_link_and_copy_load_the_same_engine(tmp_path):
+    from m3export.checkpoint.writer import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", preset("tiny"), "original", "fp32", with_tokenizer=True)
+    linked = write_repository(str(ckpt), tmp_path / "repo", name="linked",
+                              engine_args=parse_engine_args(["max_model_len=64"]))
+    copied = write_repository(str(ckpt), tmp_path / "repo", name="copied", copy=True)
+    p_link, p_copy = parameters(parse_config(linked)), parameters(parse_config(copied))
+    assert p_link["source"] == str(Path(ckpt).resolve()) and p_link["source_kind"] == "checkpoint"
+    assert p_copy["source"] == "checkpoint" and (copied / "1" / "checkpoint" / "config.json").is_file()
+    assert json.loads(p_link["engine_args"]) == {"max_model_len": 64}
+
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=5)
+    want = Engine.from_checkpoint(ckpt).generate(["abc"], params)[0].token_ids
+    eng = load_engine(p_link, linked / "1")
+    assert eng.max_model_len == 64 and eng.generate(["abc"], params)[0].token_ids == want
+    assert load_engine(p_copy, copied / "1").generate(["abc"], params)[0].token_ids == want
+
+
+def test_artifact_backends_copy_and_link(tmp_path):
+    art = fake_artifact(tmp_path / "art")
+    linked = write_repository(str(art), tmp_path / "repo", backend="onnxruntime")
+    assert parameters(parse_config(linked))["source"] == str(art.resolve())
+    copied = write_repository(str(art), tmp_path / "repo", name="c", backend="tensorrt", copy=True)
+    assert parameters(parse_config(copied))["source"] == "artifact"
+    assert (copied / "1" / "artifact" / "manifest.json").is_file()
+
+
+def test_copy_refuses_artifacts_that_reach_outside(tmp_path):
+    (tmp_path / "elsewhere.safetensors").write_bytes(b"")
+    art = fake_artifact(tmp_path / "art", listed=["../elsewhere.safetensors"])
+    with pytest.raises(RepositoryError, match="outside its directory.*--link"):
+        write_repository(str(art), tmp_path / "repo", copy=True)
+    assert not (tmp_path / "repo" / "m3").exists()
+
+
+def test_cli_writes_and_refuses_to_overwrite(tmp_path, capsys):
+    out = str(tmp_path / "repo")
+    assert main(["triton-repo", "tiny", "--out", out, "--instances", "3", "--name", "tiny-m3"]) == 0
+    assert "tiny-m3" in capsys.readouterr().out
+    assert parse_config(tmp_path / "repo" / "tiny-m3").instance_group[0].count == 3
+    assert main(["triton-repo", "tiny", "--out", out, "--name", "tiny-m3"]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["triton-repo", "tiny", "--out", out, "--name", "tiny-m3", "--force"]) == 0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["nope"], "no such directory, and not a preset"),
+    (["tiny", "--backend", "onnxruntime"], "torch backend only; export it first"),
+    (["tiny", "--copy"], "nothing to copy"),
+    (["tiny", "--name", "a/b"], "model name"),
+    (["tiny", "--instances", "0"], "instances must be >= 1"),
+    (["tiny", "--engine-arg", "max_model_len"], "expected KEY=VALUE"),
+    (["tiny", "--engine-arg", "warp_speed=9"], "not an engine parameter"),
+    (["tiny", "--engine-arg", "dtype=int8"], "dtype='int8'"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, match):
+    assert main(["triton-repo", *argv, "--out", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert re.search(match, err), err
+
+
+def test_sources_that_are_neither(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for src, match in ((tmp_path / "empty", "neither an exported artifact"), (tmp_path / "file", "got a file")):
+        assert main(["triton-repo", str(src), "--out", str(tmp_path / "repo")]) == 2
+        assert match in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{")
+    assert main(["triton-repo", str(bad), "--out", str(tmp_path / "repo")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_load_engine_names_what_is_missing(tmp_path):
+    with pytest.raises(RepositoryError, match="lack"):
+        load_engine({"source_kind": "preset"}, tmp_path)
+    with pytest.raises(RepositoryError, match="missing"):
+        load_engine({"source_kind": "artifact", "source": "artifact", "backend": "torch"}, tmp_path)
