@@ -1,0 +1,41 @@
+"""``m3export export``: a checkpoint or preset -> an artifact directory for every backend."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "export"
+HELP = ("Export M3 to an artifact: ONNX graphs (m3 custom nodes + ONNX function bodies, paged caches), "
+        "weights as external data, manifest.json, tokenizer.")
+EXAMPLES = """\
+  m3export export --preset tiny --out art/tiny
+  m3export export --checkpoint ckpt/tiny --out art/tiny-mx --weights mxfp8 --page-size 8
+  m3export export --checkpoint ckpt/tiny --out art/tiny --force      # replace an existing artifact
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    src.add_argument("--preset", choices=["tiny", "mini"], help="random-weight preset instead of a checkpoint")
+    p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to create")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activation / weight dtype of the graphs (ONNX Runtime's CPU EP runs float32 and float16)")
+    p.add_argument("--weights", choices=["mxfp8", "bf16"], default=None,
+                   help="mxfp8: E4M3 + UE8M0 weights (MXFP8Linear / MoEMXFP8 nodes); bf16: unquantised weights "
+                        "in --dtype. Default: whatever the source holds")
+    p.add_argument("--page-size", type=int, default=16, metavar="N",
+                   help="tokens per KV-cache page (static in the graphs; recorded in the manifest)")
+    p.add_argument("--force", action="store_true", help="replace --out if it already holds files")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from ..export.exporter import export_artifact
+
+    start = time.perf_counter()
+    out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
+                          page_size=args.page_size, force=args.force)
+    print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,35 @@
+"""``m3export verify``: the artifact in ONNX Runtime against the PyTorch model rebuilt from it."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "verify"
+HELP = ("Run an artifact in ONNX Runtime (CPU EP, paged caches bound in place) next to its PyTorch model over a "
+        "prefill and decode steps; report per-output errors, block-selection and greedy-token agreement.")
+EXAMPLES = """\
+  m3export verify art/tiny
+  m3export verify art/tiny --decode-steps 8 --tolerance 1e-5
+"""
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", metavar="DIR", help="artifact directory written by 'm3export export'")
+    p.add_argument("--decode-steps", type=_count, default=4, help="decode / multi-token steps after the prefill")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max relative error per output (default: 1e-4 for float32, looser for 16-bit)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..export.verify import verify_artifact
+
+    report = verify_artifact(args.artifact, decode_steps=args.decode_steps, tolerance=args.tolerance)
+    print("\n".join(report.lines()))
+    return 0 if report.passed else 1

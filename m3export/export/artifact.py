@@ -1,0 +1,110 @@
+"""Reading an exported artifact back: validated manifest, checked files, and the PyTorch model it describes.
+
+``load_torch_model`` rebuilds ``M3ForCausalLM`` from the artifact's own weight file through the manifest's
+tensor map, so one artifact runs on every backend (torch, ONNX Runtime, TensorRT) from the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.loader import build_empty
+from ..errors import ArtifactError
+from ..model import M3ForCausalLM
+from .manifest import MANIFEST, GraphInfo, Manifest, sha256_file
+from .weights import BY_NAME, read_tensor
+
+QUANTIZED = {torch.float8_e4m3fn, torch.uint8}  # copied bit for bit, never converted
+
+
+@dataclass
+class Artifact:
+    root: Path
+    manifest: Manifest
+
+    @property
+    def config(self):
+        return self.manifest.config
+
+    @property
+    def page_size(self) -> int:
+        return self.manifest.page_size
+
+    @property
+    def graphs(self) -> dict[str, GraphInfo]:
+        return self.manifest.graphs
+
+    def path(self, graph: str) -> Path:
+        if graph not in self.graphs:
+            raise ArtifactError(f"{self.root}: no graph {graph!r} (has {sorted(self.graphs)})")
+        return self.root / self.graphs[graph].file
+
+
+def load_artifact(path: str | Path, verify_checksums: bool = True) -> Artifact:
+    """Open an artifact directory; every problem is an ``ArtifactError`` naming the file or field."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: not an artifact directory (does not exist or is not a directory)")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{root}: no {MANIFEST} (not an m3export artifact, or an interrupted export)")
+    try:
+        raw = json.loads(mpath.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e})") from None
+    manifest = Manifest.from_json(raw, str(mpath))
+
+    referenced = {g.file for g in manifest.graphs.values()} | {e.file for e in manifest.tensors.values()}
+    unlisted = sorted(referenced - set(manifest.files))
+    if unlisted:
+        raise ArtifactError(f"{mpath}: files {unlisted} are used but have no checksum entry")
+    if "model" not in manifest.graphs:
+        raise ArtifactError(f"{mpath}: no 'model' graph")
+    for name, meta in sorted(manifest.files.items()):
+        f = root / name
+        if not f.is_file():
+            raise ArtifactError(f"{f}: listed in {MANIFEST} but missing")
+        if not isinstance(meta, dict) or "sha256" not in meta or "bytes" not in meta:
+            raise ArtifactError(f"{mpath}: files[{name!r}] needs 'sha256' and 'bytes'")
+        if f.stat().st_size != meta["bytes"]:
+            raise ArtifactError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated or replaced)")
+        if verify_checksums and sha256_file(f) != meta["sha256"]:
+            raise ArtifactError(f"{f}: sha256 does not match {MANIFEST} (file corrupted or modified)")
+    for name, e in manifest.tensors.items():
+        if e.offset + e.length > manifest.files[e.file]["bytes"]:
+            raise ArtifactError(f"{mpath}: tensor {name!r} extends past the end of {e.file}")
+    return Artifact(root, manifest)
+
+
+def load_torch_model(path: str | Path | Artifact, device="cpu", dtype: torch.dtype | None = None
+                     ) -> M3ForCausalLM:
+    """The artifact's model in PyTorch, in the artifact's dtype unless ``dtype`` says otherwise.
+
+    MXFP8 weights stay MXFP8; the router stays fp32 (as in every M3 model), whatever ``dtype``.
+    """
+    art = path if isinstance(path, Artifact) else load_artifact(path)
+    m = art.manifest
+    if m.dtype not in BY_NAME:
+        raise ArtifactError(f"{art.root / MANIFEST}: dtype {m.dtype!r} is not a model dtype")
+    model = build_empty(m.config, dtype or BY_NAME[m.dtype], device, mxfp8=m.mxfp8, num_mtp_modules=m.mtp_modules)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(m.tensors))
+    extra = sorted(set(m.tensors) - set(params))
+    if missing or extra:
+        raise ArtifactError(f"{art.root}: tensor map does not match the model (missing {missing[:5]}, "
+                            f"unexpected {extra[:5]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            entry = m.tensors[name]
+            if tuple(entry.shape) != tuple(p.shape):
+                raise ArtifactError(f"{art.root / entry.file}: tensor {name!r} has shape {list(entry.shape)}, "
+                                    f"the config implies {list(p.shape)}")
+            value = read_tensor(art.root, name, entry)
+            if value.dtype != p.dtype and {value.dtype, p.dtype} & QUANTIZED:
+                raise ArtifactError(f"{art.root / entry.file}: tensor {name!r} is {value.dtype}, expected {p.dtype}")
+            p.copy_(value)
+    return model.requires_grad_(False).eval()

@@ -1,0 +1,197 @@
+"""``m3export export``: a checkpoint or preset -> an artifact directory (ONNX graphs, weights, manifest, tokenizer).
+
+Everything is written into a temporary sibling directory that is renamed into place only once every file is
+complete and checked, so a failure (or Ctrl-C) never leaves a half-written artifact where a runtime could find
+it. Nothing written depends on the time, the temporary path or the order of a hash map: the same inputs give
+byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+import torch
+from tqdm.auto import tqdm
+
+from ..checkpoint.loader import build_empty
+from ..config import PRESETS, M3Config
+from ..errors import ArtifactError
+from ..model import M3ForCausalLM
+from ..ops import DOMAIN, OPS, OPSET_VERSION
+from ..ops import mxfp8 as mx
+from .graphs import finalize, mtp_signature, step_signature, trace_mtp, trace_step
+from .manifest import MANIFEST, Manifest, sha256_file, signature_of
+from .schemas import ONNX_OPSET, register_schemas
+from .weights import write_safetensors
+
+WEIGHTS_FILE = "weights.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_FORMATS = ("mxfp8", "bf16")
+
+
+def load_source(source: str, dtype: torch.dtype, weights: str | None, progress: bool) -> M3ForCausalLM:
+    """Preset or checkpoint -> model with the requested weight format (``None`` keeps the source's own)."""
+    from .. import load_model
+
+    is_preset = source in PRESETS and not Path(source).is_dir()
+    if is_preset:
+        return load_model(source, dtype=dtype, mxfp8=weights == "mxfp8", progress=progress)
+    model = load_model(source, dtype=dtype, dequantize=weights == "bf16", progress=progress)
+    if weights == "mxfp8" and not model.mxfp8:
+        model = quantize_model(model)
+    return model
+
+
+def quantize_model(model: M3ForCausalLM) -> M3ForCausalLM:
+    """A floating-point model -> the same model with MXFP8 weights wherever the MXFP8 layout has them."""
+    dtype = model.model.embed_tokens.weight.dtype
+    out = build_empty(model.config, dtype, "cpu", mxfp8=True, num_mtp_modules=len(model.mtp))
+    src = model.state_dict()
+    params = dict(out.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.dtype == torch.uint8:
+                continue  # written with its fp8 weight
+            if p.dtype == torch.float8_e4m3fn:
+                q, s = mx.quantize(src[name])
+                p.copy_(q)
+                params[name + "_scale_inv"].copy_(s)
+            else:
+                p.copy_(src[name])
+    return out.requires_grad_(False).eval()
+
+
+def _tools() -> dict[str, str]:
+    import onnx_ir
+    import onnxscript
+
+    from .. import __version__
+
+    return {"m3export": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxscript": onnxscript.__version__, "onnx_ir": onnx_ir.__version__,
+            "python": platform.python_version()}
+
+
+def _tokenizer_files(source: str, cfg: M3Config, tmp: Path) -> None:
+    """Copy the checkpoint's tokenizer files; a preset gets the byte-level tokenizer its config implies."""
+    src = Path(source)
+    if src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        return
+    from ..tokenizer import byte_level_tokenizer, tokenizer_config
+
+    try:
+        tok = byte_level_tokenizer(cfg)
+    except ValueError:
+        return  # presets with a real-size vocabulary have no stand-in tokenizer
+    (tmp / "tokenizer.json").write_text(tok.to_str())
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2, sort_keys=True))
+
+
+def _write_graph(proto: onnx.ModelProto, path: Path) -> None:
+    path.write_bytes(proto.SerializeToString(deterministic=True))
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise ArtifactError(f"{path.name}: exported graph fails onnx.checker ({e})") from e
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ArtifactError(f"{out}: directory exists and is not empty (pass --force to replace it)")
+    if not out.parent.is_dir():
+        raise ArtifactError(f"{out.parent}: parent directory does not exist")
+
+
+def export_artifact(source: str, out: str | Path, dtype: str = "float32", weights: str | None = None,
+                    page_size: int = 16, force: bool = False, progress: bool = True) -> Path:
+    """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``."""
+    out = Path(out).absolute()
+    if dtype not in DTYPE_NAMES:
+        raise ArtifactError(f"--dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
+    if weights not in (None, *WEIGHT_FORMATS):
+        raise ArtifactError(f"--weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ArtifactError(f"--page-size must be a positive integer, got {page_size!r}")
+    _prepare_out(out, force)
+    register_schemas()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would otherwise become the artifact's mode
+        _export_into(tmp, source, DTYPE_NAMES[dtype], weights, page_size, progress)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished artifact into place; an old one at ``out`` is removed only after the swap."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(old / "artifact")
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, page_size: int,
+                 progress: bool) -> None:
+    with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
+        steps.set_postfix_str("loading model")
+        model = load_source(source, dtype, weights, progress)
+        cfg, mxfp8, n_mtp = model.config, model.mxfp8, len(model.mtp)
+        steps.total = 4 + n_mtp
+        steps.update()
+
+        steps.set_postfix_str("writing weights")
+        state = model.state_dict()
+        tensors = write_safetensors(tmp / WEIGHTS_FILE, ((k, v.dtype, tuple(v.shape)) for k, v in state.items()),
+                                    state.__getitem__, progress)
+        buffers = {k: v for k, v in model.named_buffers() if k not in state}
+        del model, state  # the graphs are traced from a meta twin; weights are on disk now
+        steps.update()
+
+        meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
+        plans = [("model", "model.onnx", lambda: trace_step(meta, page_size), step_signature(meta).aliases)]
+        plans += [(f"mtp{k}", f"mtp{k}.onnx", (lambda k=k: trace_mtp(meta, k, page_size)),
+                   mtp_signature().aliases) for k in range(n_mtp)]
+        graphs = {}
+        for key, file, trace, aliases in plans:
+            steps.set_postfix_str(f"exporting {file}")
+            proto = finalize(trace(), tensors, buffers, tmp)
+            _write_graph(proto, tmp / file)
+            graphs[key] = signature_of(proto, file, aliases)
+            steps.update()
+
+        steps.set_postfix_str("manifest")
+        _tokenizer_files(source, cfg, tmp)
+        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        manifest = Manifest(
+            config=cfg, dtype=str(dtype).removeprefix("torch."), mxfp8=mxfp8, page_size=page_size,
+            mtp_modules=n_mtp, source=_describe(source),
+            opset={"domain": DOMAIN, "version": OPSET_VERSION, "onnx_opset": ONNX_OPSET, "ops": dict(OPS)},
+            graphs=graphs, tensors=tensors, files=files, tools=_tools(),
+        )
+        (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
+        steps.update()
+
+
+def _describe(source: str) -> str:
+    if source in PRESETS and not Path(source).is_dir():
+        return f"preset:{source}"
+    return f"checkpoint:{Path(source).resolve()}"
+

@@ -1,0 +1,242 @@
+"""ONNX function bodies for every ``m3`` op, built from standard ops (the portable fallback).
+
+A model that carries these ``FunctionProto``s runs on any ONNX runtime: ONNX Runtime inlines the body of a node
+whose (domain, name) matches a model-local function. The bodies follow the reference implementations in
+``m3export.ops`` step by step (same fp32 accumulation points, same tie-breaking), and trade memory for
+simplicity where ragged batches meet standard ops:
+
+* every token gathers its own context from the pool, ``[T, L, ...]`` with ``L = max(positions) + 1``;
+* the MoE runs a ``Scan`` over experts, each step computing only the tokens routed to that expert.
+
+Fast paths (Triton kernels, TensorRT plugins) replace the node, never the semantics. See docs/ops.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import FunctionProto, TensorProto, helper
+
+from ..ops import DOMAIN
+from .onnx_builder import Builder, Ref
+from .schemas import FLOAT, INT, ONNX_OPSET, SPEC_BY_NAME
+
+I64 = TensorProto.INT64
+F32 = TensorProto.FLOAT
+INF = float("inf")
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+def _dim(b: Builder, x: str, axis: int) -> str:
+    """Size of one axis as a rank-0 int64."""
+    return b.Squeeze(b.Shape(x, start=axis, end=axis + 1), b.const([0]))
+
+
+def _vec(b: Builder, scalar: str) -> str:
+    return b.Reshape(scalar, b.const([1]))
+
+
+class PagedContext:
+    """Where each token's visible keys live: one row of slots per token, ``[T, L]`` with L = max(position) + 1.
+
+    Token t belongs to sequence ``#{b : query_start_loc[b + 1] <= t}``; its key j sits in pool slot
+    ``block_tables[seq, j // page] * page + j % page``. Slots of keys after the token's position are never read
+    for their value (they point at slot 0), so padding in ``block_tables`` may hold anything.
+    """
+
+    def __init__(self, b: Builder, pool: str, block_tables: str, query_start_loc: str, positions: str):
+        self.b = b
+        tokens = b.Range(b.const(0), _dim(b, positions, 0), b.const(1))
+        ends = b.Slice(b.Cast(query_start_loc, to=I64), b.const([1]), b.const([np.iinfo(np.int64).max]))
+        started = b.LessOrEqual(b.Unsqueeze(ends, b.const([0])), b.Unsqueeze(tokens, b.const([1])))  # [T, B]
+        seq = b.ReduceSum(b.Cast(started, to=I64), b.const([1]), keepdims=0)  # [T]
+        rows = b.Gather(b.Cast(block_tables, to=I64), seq, axis=0)  # [T, max_pages]
+        self.length = b.Add(b.ReduceMax(positions, keepdims=0), b.const(1))  # L
+        self.key_pos = b.Range(b.const(0), self.length, b.const(1))  # [L]
+        page = _dim(b, pool, 1)
+        pages = b.Gather(rows, b.Div(self.key_pos, page), axis=1)  # [T, L]
+        self.visible = b.LessOrEqual(
+            b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
+        )  # [T, L]
+        slots = b.Add(b.Mul(pages, page), b.Mod(self.key_pos, page))
+        self.slots = b.Where(self.visible, slots, b.const(0))
+
+    def gather(self, pool: str) -> str:
+        """pool [pages, page, *rest] -> fp32 [T, L, *rest]."""
+        b = self.b
+        flat = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=2), axis=0))
+        return b.Cast(b.Gather(flat, self.slots, axis=0), to=F32)
+
+    def num_blocks(self, block_size: str) -> str:
+        """ceil(L / block_size) as a rank-0 int64."""
+        b = self.b
+        return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
+
+
+def _swiglu(b: Builder, gate_up: str, alpha: str, limit: str) -> str:
+    """Uninterleaved SwiGLU-OAI with clamp, in gate_up's dtype (as m3export.ops.moe.swiglu_oai)."""
+    gate, up = b.Split(gate_up, axis=-1, num_outputs=2, n_out=2)
+    limit = b.CastLike(limit, gate_up)
+    gate = b.Clip(gate, None, limit)
+    up = b.Clip(up, b.Neg(limit), limit)
+    sig = b.Mul(gate, b.Sigmoid(b.Mul(gate, b.CastLike(alpha, gate_up))))
+    return b.Mul(b.Add(up, b.CastLike(b.const(1.0, np.float32), gate_up)), sig)
+
+
+def _dequant(b: Builder, weight: str, scale: str) -> str:
+    """E4M3 [..., N, K] and UE8M0 [..., N, K/32] -> fp32 W = w * 2^(s - 127) (exact)."""
+    blocks = b.Concat(b.Shape(scale), b.const([32]), axis=0)
+    exps = b.Sub(b.Cast(scale, to=F32), b.const(127.0, np.float32))
+    factor = b.Unsqueeze(b.Pow(b.const(2.0, np.float32), exps), b.const([-1]))
+    flat = b.Concat(b.Shape(scale, end=-1), b.const([-1]), axis=0)  # (ORT has no Shape kernel for fp8 inputs)
+    return b.Reshape(b.Mul(b.Reshape(b.Cast(weight, to=F32), blocks), factor), flat)
+
+
+def _function(name: str, b: Builder, outputs: list[str]) -> FunctionProto:
+    spec = SPEC_BY_NAME[name]
+    renamed = dict(zip(outputs, (p.name for p in spec.outputs)))
+    for node in b.nodes:
+        node.output[:] = [renamed.get(o, o) for o in node.output]
+    return helper.make_function(
+        DOMAIN, name, [p.name for p in spec.inputs], [p.name for p in spec.outputs], b.nodes,
+        [helper.make_opsetid("", ONNX_OPSET)], attributes=[a.name for a in spec.attributes], doc_string=spec.doc,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- indexer
+def lightning_indexer() -> FunctionProto:
+    b = Builder("")
+    ctx = PagedContext(b, "index_k_cache", "block_tables", "query_start_loc", "positions")
+    keys = ctx.gather("index_k_cache")  # [T, L, D]
+    scores = b.MatMul(b.Cast("index_q", to=F32), b.Transpose(keys, perm=[0, 2, 1]))  # [T, H, L]
+    neg = b.const(-INF, np.float32)
+    scores = b.Where(b.Unsqueeze(ctx.visible, b.const([1])), scores, neg)
+
+    bs = b.attr(Ref("block_size", INT))
+    nb = ctx.num_blocks(bs)
+    pad = b.Sub(b.Mul(nb, bs), ctx.length)
+    scores = b.Pad(scores, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, pad), axis=0), neg)
+    blocked = b.Reshape(scores, b.Concat(b.const([0, 0]), _vec(b, nb), _vec(b, bs), axis=0))
+    block_max = b.ReduceMax(blocked, b.const([3]), keepdims=0)  # [T, H, NB]; -inf where nothing is visible
+
+    ids = b.Range(b.const(0), nb, b.const(1))
+    own = b.Unsqueeze(b.Div("positions", bs), b.const([1, 2]))  # [T, 1, 1]
+    visible = b.LessOrEqual(ids, own)
+    local = b.Greater(ids, b.Sub(own, b.attr(Ref("local_blocks", INT))))
+    init = b.Less(ids, b.attr(Ref("init_blocks", INT)))
+    forced = b.And(visible, b.Or(local, init))
+    block_max = b.Where(forced, b.const(INF, np.float32), block_max)
+
+    topk = b.attr(Ref("topk_blocks", INT))
+    k = b.Min(topk, nb)
+    values, idx = b.TopK(block_max, _vec(b, k), axis=-1, largest=1, sorted=1, n_out=2)
+    idx = b.Where(b.Equal(values, neg), b.const(-1), idx)
+    idx = b.Pad(idx, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, b.Sub(topk, k)), axis=0), b.const(-1))
+    return _function("LightningIndexer", b, [b.Cast(idx, to=TensorProto.INT32)])
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def _attention(name: str, sparse: bool) -> FunctionProto:
+    b = Builder("")
+    ctx = PagedContext(b, "k_cache", "block_tables", "query_start_loc", "positions")
+    keys, values = ctx.gather("k_cache"), ctx.gather("v_cache")  # [T, L, Hkv, D]
+    hkv = b.Shape("k_cache", start=2, end=3)
+    q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), b.Shape("q", start=2), axis=0))
+    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 2, 3, 1]))  # [T, Hkv, G, L]
+    scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
+    allowed = b.Unsqueeze(ctx.visible, b.const([1, 2]))  # [T, 1, 1, L]
+    if sparse:
+        bs = b.attr(Ref("block_size", INT))
+        ids = b.Range(b.const(0), ctx.num_blocks(bs), b.const(1))
+        hit = b.Equal(b.Unsqueeze(b.Cast("block_idx", to=I64), b.const([3])), ids)  # [T, Hkv, K, NB]
+        keep = b.ReduceMax(b.Cast(hit, to=TensorProto.INT32), b.const([2]), keepdims=0)  # [T, Hkv, NB]
+        keep = b.Gather(keep, b.Div(ctx.key_pos, bs), axis=2)  # [T, Hkv, L]
+        allowed = b.And(allowed, b.Cast(b.Unsqueeze(keep, b.const([2])), to=TensorProto.BOOL))
+    probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
+    # Zero the values of invisible keys: their slots may hold anything (even NaN) and 0 * NaN would leak.
+    values = b.Where(b.Unsqueeze(ctx.visible, b.const([2, 3])), values, b.const(0.0, np.float32))
+    out = b.MatMul(probs, b.Transpose(values, perm=[0, 2, 1, 3]))  # [T, Hkv, G, Dv]
+    out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
+    return _function(name, b, [b.CastLike(out, "q")])
+
+
+def paged_attention() -> FunctionProto:
+    return _attention("PagedAttention", sparse=False)
+
+
+def sparse_paged_attention() -> FunctionProto:
+    return _attention("SparsePagedAttention", sparse=True)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+def _moe(name: str, mxfp8: bool) -> FunctionProto:
+    b = Builder("")
+    alpha, limit = b.attr(Ref("swiglu_alpha", FLOAT)), b.attr(Ref("swiglu_limit", FLOAT))
+
+    def weight(bld: Builder, w: str, scale: str) -> str:
+        """An expert weight in the activation dtype (MXFP8: dequantised exactly first; ``scale`` unused else)."""
+        return bld.CastLike(_dequant(bld, w, scale) if mxfp8 else w, "x")
+
+    # Router: fp32 sigmoid scores; the bias only ranks; weights renormalised over the chosen experts.
+    logits = b.MatMul(b.Cast("x", to=F32), b.Transpose(b.Cast("router_weight", to=F32), perm=[1, 0]))
+    scores = b.Sigmoid(logits)  # [T, E]
+    biased = b.Add(scores, b.Cast("e_score_correction_bias", to=F32))
+    _, idx = b.TopK(biased, _vec(b, b.attr(Ref("top_k", INT))), axis=-1, largest=1, sorted=1, n_out=2)
+    w = b.GatherElements(scores, idx, axis=1)
+    w = b.Div(w, b.ReduceSum(w, b.const([1]), keepdims=1))  # [T, k]
+
+    # Routed experts: one Scan step per expert, in ascending id order (the reference's accumulation order).
+    s = Builder("e_")
+    hit = s.Equal(idx, "expert")  # [T, k]
+    gain = s.ReduceSum(s.Mul(w, s.Cast(hit, to=F32)), s.const([1]), keepdims=0)  # [T]
+    rows = s.Transpose(s.NonZero(s.ReduceMax(s.Cast(hit, to=TensorProto.INT32), s.const([1]), keepdims=0)))
+    xr = s.GatherND("x", rows)  # [R, H]
+    w13, w2 = weight(s, "w13_e", "w13_scale_e"), weight(s, "w2_e", "w2_scale_e")
+    y = s.MatMul(_swiglu(s, s.MatMul(xr, s.Transpose(w13, perm=[1, 0])), alpha, limit), s.Transpose(w2, perm=[1, 0]))
+    y = s.CastLike(s.Mul(s.Cast(y, to=F32), s.Unsqueeze(s.GatherND(gain, rows), s.const([1]))), "x")
+    # rows are distinct within one expert, so a plain scatter of acc[rows] + y is the add (and unlike
+    # ScatterND(reduction="add") it has ORT CPU kernels for every float type)
+    acc_out = s.ScatterND("acc", rows, s.Add(s.GatherND("acc", rows), y))
+    scanned = ["w13_e", "w13_scale_e", "w2_e", "w2_scale_e"] if mxfp8 else ["w13_e", "w2_e"]
+    body = s.graph("expert_step", ["acc", "expert", *scanned], [acc_out])
+
+    experts = b.Range(b.const(0), _dim(b, "router_weight", 0), b.const(1))
+    zeros = b.Expand(b.CastLike(b.const(0.0, np.float32), "x"), b.Shape("x"))
+    scan_in = ["w13", "w13_scale", "w2", "w2_scale"] if mxfp8 else ["w13", "w2"]
+    routed = b.Scan(zeros, experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+
+    shared_w13, shared_w2 = weight(b, "shared_w13", "shared_w13_scale"), weight(b, "shared_w2", "shared_w2_scale")
+    shared = b.MatMul(
+        _swiglu(b, b.MatMul("x", b.Transpose(shared_w13, perm=[1, 0])), alpha, limit),
+        b.Transpose(shared_w2, perm=[1, 0]),
+    )
+    scaled = b.Mul(routed, b.CastLike(b.attr(Ref("routed_scaling_factor", FLOAT)), "x"))
+    return _function(name, b, [b.Add(scaled, shared)])
+
+
+def moe() -> FunctionProto:
+    return _moe("MoE", mxfp8=False)
+
+
+def moe_mxfp8() -> FunctionProto:
+    return _moe("MoEMXFP8", mxfp8=True)
+
+
+def mxfp8_linear() -> FunctionProto:
+    b = Builder("")
+    w = b.CastLike(_dequant(b, "weight", "weight_scale"), "x")
+    return _function("MXFP8Linear", b, [b.MatMul("x", b.Transpose(w, perm=[1, 0]))])
+
+
+BUILDERS = {
+    "LightningIndexer": lightning_indexer,
+    "PagedAttention": paged_attention,
+    "SparsePagedAttention": sparse_paged_attention,
+    "MoE": moe,
+    "MoEMXFP8": moe_mxfp8,
+    "MXFP8Linear": mxfp8_linear,
+}
+
+
+def functions_for(op_types: set[str]) -> list[FunctionProto]:
+    """The bodies of the given m3 ops, in a fixed order (so exports are byte-identical)."""
+    return [BUILDERS[name]() for name in sorted(op_types)]

@@ -1,0 +1,217 @@
+"""The paged-runtime graphs: ``model.onnx`` (one step of the main model) and ``mtp{k}.onnx`` (one MTP module).
+
+Graphs are traced from a model on the ``meta`` device, so exporting costs the same whatever the weights weigh;
+every parameter then becomes an external-data reference into the artifact's weight file. Caches are written
+functionally (``inplace=False``), so each pool update is one ScatterND whose output is a graph output: a runtime
+binds the same buffer to ``k_cache.{i}`` and ``k_cache_out.{i}`` and ONNX Runtime writes in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import onnxscript.optimizer
+import onnxscript.rewriter
+import torch
+from torch import nn
+
+from ..model import Batch, M3ForCausalLM
+from .functions import functions_for
+from .schemas import ONNX_OPSET
+from .translation import translation_table
+from .weights import DTYPES, TensorEntry
+
+BATCH_INPUTS = ("positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
+ROOT = "m3"  # attribute under which the wrappers hold the model; stripped from initializer names
+IR_VERSION = 10  # ORT 1.30 / 1.31 reject the IR 11+ that onnx 1.23 writes by default
+
+
+def _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping) -> Batch:
+    return Batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
+
+
+class StepGraph(nn.Module):
+    """model.onnx: the main model over one flattened paged batch; caches in and out, per layer."""
+
+    def __init__(self, model: M3ForCausalLM):
+        super().__init__()
+        setattr(self, ROOT, model)
+        self.cache_arity = [len(s) for s in model.cache_shapes(1, 1)]
+
+    def forward(self, input_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping, logits_indices,
+                *pools):
+        caches, i = [], 0
+        for n in self.cache_arity:
+            caches.append(tuple(pools[i:i + n]))
+            i += n
+        batch = _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
+        out = getattr(self, ROOT).step(input_ids, batch, caches, logits_indices, inplace=False)
+        return (out.logits.float(), out.hidden, *(p for layer in out.caches for p in layer), *out.selections)
+
+
+class MTPGraph(nn.Module):
+    """mtp{k}.onnx: MTP module k (input_ids are the next tokens, hidden the main model's final-normed h)."""
+
+    def __init__(self, model: M3ForCausalLM, k: int):
+        super().__init__()
+        setattr(self, ROOT, model)
+        self.k = k
+
+    def forward(self, input_ids, hidden, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
+                logits_indices, k_cache, v_cache, index_k_cache):
+        batch = _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
+        logits, out, cache, sel = getattr(self, ROOT).mtp_step(
+            self.k, input_ids, hidden, batch, (k_cache, v_cache, index_k_cache), logits_indices, inplace=False
+        )
+        return (logits.float(), out, *cache, sel)
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    """Names of a graph's inputs and outputs, in order, and which pool outputs alias which inputs."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    aliases: dict[str, str]  # cache output -> the cache input it updates in place
+
+
+def step_signature(model: M3ForCausalLM) -> GraphSignature:
+    cfg = model.config
+    ins, outs, aliases, sel = ["input_ids", *BATCH_INPUTS], ["logits", "hidden"], {}, []
+    for i in range(cfg.num_hidden_layers):
+        names = ["k_cache", "v_cache"] + (["index_k_cache"] if cfg.is_sparse_layer(i) else [])
+        for n in names:
+            ins.append(f"{n}.{i}")
+            outs.append(f"{n}_out.{i}")
+            aliases[f"{n}_out.{i}"] = f"{n}.{i}"
+        if cfg.is_sparse_layer(i):
+            sel.append(f"selection.{i}")
+    return GraphSignature(tuple(ins), tuple(outs + sel), aliases)
+
+
+def mtp_signature() -> GraphSignature:
+    pools = ("k_cache", "v_cache", "index_k_cache")
+    return GraphSignature(
+        ("input_ids", "hidden", *BATCH_INPUTS, *pools),
+        ("logits", "hidden_out", *(f"{p}_out" for p in pools), "selection"),
+        {f"{p}_out": p for p in pools},
+    )
+
+
+def _example(model: M3ForCausalLM, page_size: int, layers: str):
+    """Meta-device inputs of a mixed batch (a 4-token prefill chunk after 2 cached tokens, plus a 3-token
+    verify), sized so that no dynamic dimension is 0 or 1 or equal to another (T 7, B 2, N 5, max_pages >= 11,
+    pages >= 32) for any page size: the tracer must not specialise or unify them."""
+    lens, new = [6, 9], [4, 3]
+    pages_per = [-(-n // page_size) for n in lens]
+    tables = torch.zeros((2, max(pages_per) + 10), dtype=torch.int32)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, new)])
+    num_pages = sum(pages_per) + 30
+    slots = torch.arange(positions.numel(), dtype=torch.int64)
+    batch = (positions, torch.tensor([0, 4, 7], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), tables,
+             slots, torch.tensor([3, 5, 6, 1, 2], dtype=torch.int64))
+    dtype = model.model.embed_tokens.weight.dtype
+    pools = [p for layer in model.allocate_caches(num_pages, page_size, dtype, "meta", layers) for p in layer]
+    ids = torch.zeros(positions.numel(), dtype=torch.int64)
+    return ids, tuple(t.to("meta") for t in batch), pools
+
+
+def _dims():
+    d = torch.export.Dim
+    return d("T", min=1), d("B", min=1), d("N", min=1), d("pages", min=1), d("max_pages", min=1)
+
+
+def _dynamic_batch(T, B, N, MP):
+    return ({0: T}, {0: B + 1}, {0: B}, {0: B, 1: MP}, {0: T}, {0: N})
+
+
+def trace_step(model: M3ForCausalLM, page_size: int) -> ir.Model:
+    ids, batch, pools = _example(model, page_size, "main")
+    T, B, N, P, MP = _dims()
+    shapes = ({0: T}, *_dynamic_batch(T, B, N, MP), tuple({0: P} for _ in pools))
+    sig = step_signature(model)
+    return _export(StepGraph(model), (ids.to("meta"), *batch, *pools), shapes, sig)
+
+
+def trace_mtp(model: M3ForCausalLM, k: int, page_size: int) -> ir.Model:
+    ids, batch, pools = _example(model, page_size, "mtp")
+    T, B, N, P, MP = _dims()
+    hidden = torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype, device="meta")
+    shapes = ({0: T}, {0: T}, *_dynamic_batch(T, B, N, MP), *({0: P} for _ in range(3)))
+    return _export(MTPGraph(model, k), (ids.to("meta"), hidden, *batch, *pools[:3]), shapes, mtp_signature())
+
+
+def _export(module: nn.Module, args, dynamic_shapes, sig: GraphSignature) -> ir.Model:
+    registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registry_log.level
+    registry_log.setLevel(logging.ERROR)  # "torchvision is not installed" for ops M3 never uses
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation chatter; failures still raise
+            program = torch.onnx.export(
+                module, args, dynamo=True, dynamic_shapes=dynamic_shapes,
+                custom_translation_table=translation_table(), input_names=list(sig.inputs),
+                output_names=list(sig.outputs), opset_version=ONNX_OPSET, optimize=False, verbose=False, report=False,
+            )
+    finally:
+        registry_log.setLevel(level)
+    return program.model
+
+
+def finalize(model: ir.Model, weights: dict[str, TensorEntry], buffers: dict[str, torch.Tensor],
+             base_dir: Path) -> onnx.ModelProto:
+    """Point parameters at the weight file, fold and clean the graph, attach the m3 function bodies.
+
+    Parameters are never folded into other constants, so each stays one named initializer whose bytes are the
+    tensor map's range; buffers (RoPE frequencies) are small and embedded.
+    """
+    prefix = ROOT + "."
+    graph = model.graph
+    for old, value in list(graph.initializers.items()):
+        name = old[len(prefix):] if old.startswith(prefix) else old
+        if name in weights:
+            e = weights[name]
+            dtype = ir.DataType(DTYPES[e.torch_dtype][2])
+            value.const_value = ir.ExternalTensor(e.file, e.offset, e.length, dtype, shape=ir.Shape(e.shape),
+                                                  name=name, base_dir=base_dir)
+        elif name in buffers:
+            value.const_value = ir.Tensor(buffers[name].numpy(), name=name)
+        else:
+            raise ValueError(f"initializer {old!r} is neither a parameter in the weight file nor a known buffer")
+        del graph.initializers[old]
+        value.name = name
+        graph.register_initializer(value)
+    frozen = {name for name in graph.initializers if name in weights}
+
+    def should_fold(node: ir.Node) -> bool | None:
+        return False if any(v is not None and v.name in frozen for v in node.inputs) else None
+
+    onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
+    onnxscript.rewriter.rewrite(model)  # the slow pass (a few seconds per graph): run it once
+    onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
+    ir.passes.Sequential(
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.CommonSubexpressionEliminationPass(),
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.ClearMetadataAndDocStringPass(),  # stack traces name local source paths
+        common_passes.NameFixPass(),
+    )(model)
+    used = {n.op_type for n in graph.all_nodes() if n.domain == "m3"}
+    for fn in functions_for(used):
+        f = ir.serde.deserialize_function(fn)
+        model.functions[f.identifier()] = f
+    model.ir_version = IR_VERSION
+    model.producer_name, model.producer_version = "m3export", _version()
+    return ir.serde.serialize_model(model)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

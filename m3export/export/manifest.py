@@ -1,0 +1,151 @@
+"""``manifest.json``: what an artifact holds and how to run it, written by the exporter, checked by every loader.
+
+The manifest is the single place a backend learns the config, the graph signatures (names, dtypes, symbolic
+shapes, which cache outputs update which cache inputs), the page size the graphs were built for, where every
+parameter's bytes are, and the checksum of every file. It carries no timestamps, so exports are reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from ..config import ConfigError, M3Config
+from ..errors import ArtifactError
+from .weights import TensorEntry
+
+FORMAT = "m3export.artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    name: str
+    dtype: str  # numpy-style name: float32, int64, ...
+    shape: tuple[int | str, ...]  # ints are static, strings name dynamic dimensions
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    file: str
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+    aliases: dict[str, str]  # output -> input it may share a buffer with (in-place cache writes)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "inputs": [t.to_json() for t in self.inputs],
+                "outputs": [t.to_json() for t in self.outputs], "aliases": dict(self.aliases)}
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+
+def signature_of(proto: onnx.ModelProto, file: str, aliases: dict[str, str]) -> GraphInfo:
+    """Read a graph's signature from the final ModelProto, so the manifest states what the file really holds."""
+
+    def sig(v: onnx.ValueInfoProto) -> TensorSig:
+        t = v.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+        name = "bfloat16" if t.elem_type == onnx.TensorProto.BFLOAT16 else \
+            "float8_e4m3fn" if t.elem_type == onnx.TensorProto.FLOAT8E4M3FN else str(dtype)
+        return TensorSig(v.name, name, dims)
+
+    return GraphInfo(file, tuple(sig(v) for v in proto.graph.input), tuple(sig(v) for v in proto.graph.output),
+                     dict(aliases))
+
+
+@dataclass
+class Manifest:
+    config: M3Config
+    dtype: str
+    mxfp8: bool
+    page_size: int
+    mtp_modules: int
+    source: str
+    opset: dict[str, Any]
+    graphs: dict[str, GraphInfo]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, dict[str, Any]]  # name -> {"sha256": ..., "bytes": ...}
+    tools: dict[str, str]
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "config": self.config.to_text_dict(),
+            "dtype": self.dtype,
+            "mxfp8": self.mxfp8,
+            "page_size": self.page_size,
+            "mtp_modules": self.mtp_modules,
+            "source": self.source,
+            "opset": self.opset,
+            "graphs": {k: g.to_json() for k, g in self.graphs.items()},
+            "tensors": {k: e.to_json() for k, e in self.tensors.items()},
+            "files": self.files,
+            "tools": self.tools,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = MANIFEST) -> "Manifest":
+        if not isinstance(raw, dict):
+            raise ArtifactError(f"{where}: expected a JSON object")
+        if raw.get("format") != FORMAT:
+            raise ArtifactError(f"{where}: not an m3export artifact (format {raw.get('format')!r})")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"{where}: format_version {raw.get('format_version')!r} is not supported "
+                                f"(this m3export reads version {FORMAT_VERSION}); re-export the artifact")
+
+        def field(name: str, kind: type | tuple[type, ...]):
+            if name not in raw:
+                raise ArtifactError(f"{where}: missing field {name!r}")
+            value = raw[name]
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ArtifactError(f"{where}: field {name!r} has the wrong type ({type(value).__name__})")
+            return value
+
+        try:
+            config = M3Config.from_dict(field("config", dict), source=f"{where}: config")
+        except ConfigError as e:
+            raise ArtifactError(str(e)) from None
+        graphs = {}
+        for gname, g in field("graphs", dict).items():
+            try:
+                graphs[gname] = GraphInfo(
+                    str(g["file"]),
+                    tuple(TensorSig(t["name"], t["dtype"], tuple(t["shape"])) for t in g["inputs"]),
+                    tuple(TensorSig(t["name"], t["dtype"], tuple(t["shape"])) for t in g["outputs"]),
+                    dict(g["aliases"]),
+                )
+            except (KeyError, TypeError) as e:
+                raise ArtifactError(f"{where}: graph {gname!r} has a malformed entry ({e!r})") from None
+        tensors = {name: TensorEntry.from_json(name, e) for name, e in field("tensors", dict).items()}
+        page_size = field("page_size", int)
+        if page_size < 1:
+            raise ArtifactError(f"{where}: page_size must be >= 1, got {page_size}")
+        return cls(
+            config=config, dtype=field("dtype", str), mxfp8=field("mxfp8", bool), page_size=page_size,
+            mtp_modules=field("mtp_modules", int), source=field("source", str), opset=field("opset", dict),
+            graphs=graphs, tensors=tensors, files=field("files", dict), tools=field("tools", dict),
+        )

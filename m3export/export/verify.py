@@ -1,0 +1,260 @@
+"""``m3export verify``: run an artifact in ONNX Runtime next to the PyTorch model rebuilt from the same artifact.
+
+The scenario is chosen from the artifact's config so that what can go wrong is exercised: two sequences long
+enough that each token sees more blocks than the indexer keeps, prompts that cross pages, a shuffled block
+table, a chunked prefill continued in a mixed batch with a decode, multi-token (verify-shaped) steps and plain
+decodes. Both sides start from zeroed pools and process the same tokens (the reference's greedy choices), so
+every output, every cache pool, every block selection and every greedy token can be compared step by step.
+The MTP graphs get the reference's main-model hidden state, so each graph is judged on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..model import Batch, M3ForCausalLM
+from .artifact import Artifact, load_artifact, load_torch_model
+
+TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+@dataclass
+class Stat:
+    """Worst error of one output over all steps; ``max_rel`` is max|ort - ref| / max|ref| of the worst step."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+
+    def update(self, got: torch.Tensor, ref: torch.Tensor) -> None:
+        got, ref = got.double(), ref.double()
+        if got.shape != ref.shape:
+            self.max_abs = self.max_rel = float("inf")
+            return
+        err = (got - ref).abs().max().item() if ref.numel() else 0.0
+        scale = ref.abs().max().item() if ref.numel() else 0.0
+        self.max_abs = max(self.max_abs, err)
+        self.max_rel = max(self.max_rel, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
+
+
+@dataclass
+class Agreement:
+    same: int = 0
+    total: int = 0
+    near_ties: int = 0  # greedy only: differing tokens whose reference logits are closer than the error
+
+    def update(self, got: torch.Tensor, ref: torch.Tensor) -> None:
+        if got.shape != ref.shape:
+            self.total += max(got.numel(), ref.numel())
+            return
+        self.same += int((got == ref).sum())
+        self.total += ref.numel()
+
+    def update_greedy(self, got_logits: torch.Tensor, ref_logits: torch.Tensor) -> None:
+        """Argmax agreement; a flip is a near-tie (not a failure) when the reference's margin between the two
+        tokens is within twice the largest logit error, which 16-bit graphs meet and float32 ones essentially
+        never do."""
+        got, ref = got_logits.argmax(-1), ref_logits.argmax(-1)
+        self.update(got, ref)
+        if got.shape == ref.shape:
+            err = (got_logits.double() - ref_logits.double()).abs().max()
+            rows = torch.arange(ref.numel())
+            margin = ref_logits[rows, ref].double() - ref_logits[rows, got].double()
+            self.near_ties += int(((got != ref) & (margin <= 2 * err)).sum())
+
+    @property
+    def exact(self) -> bool:
+        return self.same == self.total
+
+    @property
+    def acceptable(self) -> bool:
+        return self.same + self.near_ties == self.total
+
+    def __str__(self) -> str:
+        pct = 100.0 * self.same / self.total if self.total else 100.0
+        ties = f", {self.near_ties} near-tie flips" if self.near_ties else ""
+        return f"{pct:6.2f}% ({self.same}/{self.total}{ties})"
+
+
+@dataclass
+class Report:
+    tolerance: float
+    steps: int = 0
+    outputs: dict[str, Stat] = field(default_factory=dict)
+    selections: dict[str, Agreement] = field(default_factory=dict)
+    greedy: dict[str, Agreement] = field(default_factory=dict)
+    pools_in_place: int = 0
+    exercised: int = 0  # tokens that saw more blocks than the indexer keeps
+    tokens: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return (all(s.max_rel <= self.tolerance for s in self.outputs.values())
+                and all(a.exact for a in self.selections.values())
+                and all(a.acceptable for a in self.greedy.values()))
+
+    def lines(self) -> list[str]:
+        out = [f"{'output':34s} {'max abs':>10s} {'max rel':>10s}  status"]
+        for name, s in self.outputs.items():
+            out.append(f"{name:34s} {s.max_abs:10.3e} {s.max_rel:10.3e}  "
+                       f"{'ok' if s.max_rel <= self.tolerance else 'MISMATCH'}")
+        for name, a in self.selections.items():
+            out.append(f"{name:34s} block selection agreement {a}  {'ok' if a.exact else 'MISMATCH'}")
+        for name, a in self.greedy.items():
+            out.append(f"{name:34s} greedy token agreement    {a}  {'ok' if a.acceptable else 'MISMATCH'}")
+        out.append(f"block selection exercised on {self.exercised} of {self.tokens} tokens "
+                   "(more visible blocks than top-k)")
+        out.append(f"in-place cache writes: {self.pools_in_place} pools bound as input and output, buffers kept")
+        out.append(f"{self.steps} steps, tolerance max rel <= {self.tolerance:g}: "
+                   f"{'PASSED' if self.passed else 'FAILED'}")
+        return out
+
+
+def scenario(cfg, page_size: int, decode_steps: int) -> tuple[list[int], list[list[int]]]:
+    """Prompt lengths of two sequences, and per step how many new tokens each processes (0: not scheduled):
+    a chunked prefill, its continuation mixed with a decode, then decodes and 3-token (verify-shaped) steps."""
+    bs, k = cfg.index_block_size, cfg.index_topk_blocks
+    long = max((k + 2) * bs + 3, page_size + 3)  # more visible blocks than top-k, and past one page
+    prompts = [long, long - bs - 1]
+    steps = [[long - 5, prompts[1]], [5, 1]]
+    steps += [[1, 3] if i % 2 else [1, 1] for i in range(decode_steps)]
+    return prompts, steps
+
+
+class _Pages:
+    """A shuffled page assignment, so block tables are never the identity."""
+
+    def __init__(self, lengths: list[int], page_size: int, seed: int = 0):
+        self.page = page_size
+        need = [-(-n // page_size) for n in lengths]
+        self.num_pages = sum(need) + 2
+        perm = torch.randperm(self.num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables, i = [], 0
+        for n in need:
+            self.tables.append(perm[i:i + n])
+            i += n
+
+    def batch(self, starts: list[int], counts: list[int]) -> Batch:
+        seqs = [b for b, c in enumerate(counts) if c]
+        positions, slots, qsl, lens = [], [], [0], []
+        for b in seqs:
+            for p in range(starts[b], starts[b] + counts[b]):
+                positions.append(p)
+                slots.append(self.tables[b][p // self.page] * self.page + p % self.page)
+            qsl.append(qsl[-1] + counts[b])
+            lens.append(starts[b] + counts[b])
+        width = max(-(-n // self.page) for n in lens)
+        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
+        for row, (b, n) in enumerate(zip(seqs, lens)):
+            used = -(-n // self.page)
+            tables[row, :used] = torch.tensor(self.tables[b][:used], dtype=torch.int32)
+        return Batch(torch.tensor(positions), torch.tensor(qsl, dtype=torch.int32),
+                     torch.tensor(lens, dtype=torch.int32), tables, torch.tensor(slots))
+
+
+def _feeds(ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor) -> dict[str, np.ndarray]:
+    return {"input_ids": ids.numpy(), "positions": batch.positions.numpy(),
+            "query_start_loc": batch.query_start_loc.numpy(), "seq_lens": batch.seq_lens.numpy(),
+            "block_tables": batch.block_tables.numpy(), "slot_mapping": batch.slot_mapping.numpy(),
+            "logits_indices": logits_indices.numpy()}
+
+
+class _Comparison:
+    """Accumulates one report from (ONNX Runtime numpy output, PyTorch tensor) pairs."""
+
+    def __init__(self, report: Report, dtype: str):
+        self.report, self.bf16 = report, dtype == "bfloat16"
+
+    def _torch(self, value: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(value))
+        return t.view(torch.bfloat16) if self.bf16 and value.dtype == np.uint16 else t
+
+    def close(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
+        self.report.outputs.setdefault(name, Stat()).update(self._torch(got).float(), ref.float())
+
+    def selection(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
+        self.report.selections.setdefault(name, Agreement()).update(torch.from_numpy(got), ref)
+
+    def greedy(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
+        self.report.greedy.setdefault(name, Agreement()).update_greedy(torch.from_numpy(got), ref.float())
+
+
+def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, tolerance: float | None = None,
+                    providers: tuple[str, ...] = ("CPUExecutionProvider",), progress: bool = True) -> Report:
+    """Run the scenario on both sides and compare; the report says what matched and what did not."""
+    from m3export.plugins.onnxruntime.session import PagedSession
+
+    art = path if isinstance(path, Artifact) else load_artifact(path)
+    cfg, page = art.config, art.page_size
+    report = Report(TOLERANCE.get(art.manifest.dtype, 1e-4) if tolerance is None else tolerance)
+    cmp = _Comparison(report, art.manifest.dtype)
+    model: M3ForCausalLM = load_torch_model(art)
+    dtype = model.model.embed_tokens.weight.dtype
+
+    prompts, steps = scenario(cfg, page, decode_steps)
+    pages = _Pages([p + sum(s[b] for s in steps[2:]) + 1 for b, p in enumerate(prompts)], page)
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in prompts]
+
+    main = PagedSession.from_artifact(art, "model", providers=providers)
+    mtps = [PagedSession.from_artifact(art, f"mtp{k}", providers=providers) for k in range(len(model.mtp))]
+    for sess in (main, *mtps):
+        sess.allocate(pages.num_pages)
+    caches = model.allocate_caches(pages.num_pages, page, dtype, "cpu")
+    mtp_caches = model.allocate_caches(pages.num_pages, page, dtype, "cpu", layers="mtp")
+    report.pools_in_place = sum(len(sess.pool_inputs) for sess in (main, *mtps))
+    sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)]
+
+    done = [0, 0]  # tokens of each sequence already in the caches
+    greedy: list[int | None] = [None, None]  # the reference's choice after each sequence's last step
+    with torch.no_grad():
+        for step in tqdm(steps, desc="verify", unit="step", disable=not progress):
+            for b, n in enumerate(step):  # past the prompt: the greedy token, then draft-like filler
+                while len(tokens[b]) < done[b] + n:
+                    fill = greedy[b] if greedy[b] is not None else int(torch.randint(0, cfg.vocab_size, (1,),
+                                                                                     generator=gen))
+                    tokens[b].append(fill)
+                    greedy[b] = None
+            batch = pages.batch(done, step)
+            ids = torch.tensor([t for b, n in enumerate(step) for t in tokens[b][done[b]:done[b] + n]])
+            every = torch.arange(ids.numel())
+            report.tokens += ids.numel()
+            report.exercised += int((batch.positions // cfg.index_block_size + 1 > cfg.index_topk_blocks).sum())
+
+            ref = model.step(ids, batch, caches, every)
+            got = main.run(_feeds(ids, batch, every))
+            cmp.close("model:logits", got["logits"], ref.logits)
+            cmp.close("model:hidden", got["hidden"], ref.hidden)
+            for i, sel in zip(sparse, ref.selections):
+                cmp.selection(f"model:selection.{i}", got[f"selection.{i}"], sel)
+            cmp.greedy("model:logits", got["logits"], ref.logits)
+            for name, pool in zip(main.pool_inputs, (p for layer in caches for p in layer)):
+                cmp.close(f"model:{name}", main.pools[name], pool)
+
+            nxt = ref.logits.argmax(-1)
+            active = [b for b, n in enumerate(step) if n]
+            ends = (batch.query_start_loc[1:].long() - 1).tolist()
+            shifted = torch.cat([ids[1:], ids[-1:]])  # x_{t+1}: the next known token, else the greedy one
+            for b, end in zip(active, ends):
+                after = done[b] + step[b]
+                shifted[end] = tokens[b][after] if after < len(tokens[b]) else nxt[end]
+            hidden = ref.hidden.view(torch.uint16) if dtype == torch.bfloat16 else ref.hidden
+            for k, (sess, cache) in enumerate(zip(mtps, mtp_caches)):
+                logits, hidden_out, cache, sel = model.mtp_step(k, shifted, ref.hidden, batch, cache, every)
+                out = sess.run({**_feeds(shifted, batch, every), "hidden": hidden.numpy()})
+                cmp.close(f"mtp{k}:logits", out["logits"], logits)
+                cmp.close(f"mtp{k}:hidden_out", out["hidden_out"], hidden_out)
+                cmp.selection(f"mtp{k}:selection", out["selection"], sel)
+                cmp.greedy(f"mtp{k}:logits", out["logits"], logits)
+                for name, pool in zip(sess.pool_inputs, cache):
+                    cmp.close(f"mtp{k}:{name}", sess.pools[name], pool)
+
+            for b, end in zip(active, ends):
+                done[b] += step[b]
+                greedy[b] = int(nxt[end])
+            report.steps += 1
+    return report
