@@ -1,0 +1,33 @@
+"""Backends behind one interface (``Backend``): torch, onnxruntime and tensorrt, chosen by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .base import Backend
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None
+                   ) -> Backend:
+    """The backend ``name`` running the exported artifact directory ``artifact``."""
+    if name == "torch":
+        from ...export.artifact import load_torch_model
+        from .torch_backend import TorchBackend
+
+        return TorchBackend(load_torch_model(artifact, device, dtype))
+    if name == "onnxruntime":
+        from .onnxruntime_backend import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend.from_artifact(artifact, device=device)
+    if name == "tensorrt":
+        from .tensorrt_backend import open_artifact
+
+        return open_artifact(artifact, device=device)
+    raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "Backend", "create_backend"]

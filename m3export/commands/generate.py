@@ -1,0 +1,86 @@
+"""``m3export generate``: stream a completion from an artifact, checkpoint or preset through the paged runtime."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "generate"
+HELP = ("Generate from an exported artifact (torch / onnxruntime / tensorrt backend), or from a checkpoint "
+        "directory or preset (torch backend); text streams to stdout, throughput to stderr.")
+EXAMPLES = """\
+  m3export generate art/tiny --prompt "Once upon a time" --backend onnxruntime --max-tokens 32
+  m3export generate art/tiny --prompt "Hello" --speculative 2 --temperature 0.8 --top-p 0.9 --seed 0
+  m3export generate tiny --prompt-ids 1,2,3 --temperature 0        # preset, random weights, token ids out
+"""
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", metavar="ARTIFACT",
+                   help="artifact directory (has manifest.json), checkpoint directory, or preset name")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs a tokenizer: tokenizer.json or the tiny preset)")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
+                   help="runtime backend for an artifact (checkpoints and presets run on torch)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="draft K tokens per step with the MTP module(s) (0: no speculation)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
+    p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: the source's)")
+    p.add_argument("--num-pages", type=int, help="KV-cache pages to allocate (default: 4 x max-model-len)")
+    p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + generated) to allow")
+
+
+def _engine(args: argparse.Namespace):
+    import torch
+
+    from ..errors import M3Error
+    from ..runtime import Engine
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
+              "num_speculative_tokens": args.speculative}
+    if (Path(args.artifact) / "manifest.json").is_file():
+        return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype, **sizing)
+    if args.backend != "torch":
+        raise M3Error(f"{args.artifact} is not an exported artifact (no manifest.json): checkpoints and presets run "
+                      f"on the torch backend; export it first (m3export export) to use {args.backend}")
+    return Engine.from_checkpoint(args.artifact, device=args.device, dtype=dtype, **sizing)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        prompt = args.prompt if args.prompt is not None else [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = _engine(args)
+    if isinstance(prompt, str) and engine.tokenizer is None:
+        print(f"error: {args.artifact} has no tokenizer.json: pass --prompt-ids instead of --prompt", file=sys.stderr)
+        return 2
+    try:
+        for out in engine.stream(prompt, params):
+            if engine.tokenizer is not None:
+                sys.stdout.write(out.new_text)
+            elif out.new_token_ids:
+                sys.stdout.write(" ".join(map(str, out.new_token_ids)) + " ")
+            sys.stdout.flush()
+    except ValueError as e:  # the prompt was rejected (empty, too long, bad ids)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    print(engine.stats.summary() + f" [backend {engine.backend.name}, finish: {out.finish_reason}]", file=sys.stderr)
+    return 0

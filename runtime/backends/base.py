@@ -1,0 +1,49 @@
+"""The one interface the engine drives: run the target model or an MTP module on a flattened paged batch.
+
+A backend owns the cache pools (their memory layout is its business: torch tensors, ORT values bound in place,
+TensorRT buffers); the engine owns which pages each request uses and passes that in every ``Batch``. Inputs and
+outputs cross the interface as CPU-or-device torch tensors so sampling and scheduling stay backend-agnostic.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ...config import M3Config
+from ...model.batch import Batch
+
+
+class Backend(ABC):
+    name: str = "?"
+    config: M3Config
+    #: Pages of a fixed size baked into the graph, or None when the engine may choose.
+    required_page_size: int | None = None
+    #: Where batch tensors are built for this backend (the pools live there too).
+    device: torch.device = torch.device("cpu")
+
+    @property
+    @abstractmethod
+    def num_mtp_modules(self) -> int:
+        """MTP modules with weights; 0 means the engine cannot speculate."""
+
+    @abstractmethod
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes one page takes across every pool (main, index keys, all MTP modules): for sizing."""
+
+    @abstractmethod
+    def allocate(self, num_pages: int, page_size: int) -> None:
+        """Create every pool (main model and each MTP module), all addressed by the same page ids."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target model step: writes the new tokens' K/V and index keys; returns (logits [N, V] float32,
+        final-normed hidden [T, H])."""
+
+    @abstractmethod
+    def mtp_forward(self, module: int, input_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch,
+                    logits_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP module ``module`` at positions t with tokens x_{t+1} and hidden h_t; writes its own caches;
+        returns (logits [N, V] float32, output hidden [T, H] for chaining)."""

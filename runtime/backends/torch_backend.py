@@ -1,0 +1,56 @@
+"""PyTorch backend: ``M3ForCausalLM.step`` / ``mtp_step`` on pools it allocates with the model.
+
+On CPU the custom ops run their reference implementations; the same calls pick up the Triton kernels where
+those are registered for CUDA, with no change here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...model import M3ForCausalLM
+from ...model.batch import Batch
+from .base import Backend
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, model: M3ForCausalLM, cache_dtype: torch.dtype | None = None):
+        self.model = model.eval()
+        self.config = model.config
+        self.device = model.lm_head.weight.device
+        self.dtype = cache_dtype or model.lm_head.weight.dtype
+        self._caches: list | None = None
+        self._mtp_caches: list | None = None
+
+    @property
+    def num_mtp_modules(self) -> int:
+        return len(self.model.mtp)
+
+    def page_bytes(self, page_size: int) -> int:
+        shapes = self.model.cache_shapes(1, page_size, "main") + self.model.cache_shapes(1, page_size, "mtp")
+        elems = sum(torch.Size(s).numel() for layer in shapes for s in layer)
+        return elems * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_pages: int, page_size: int) -> None:
+        m = self.model
+        self._caches = m.allocate_caches(num_pages, page_size, self.dtype, self.device, layers="main")
+        self._mtp_caches = m.allocate_caches(num_pages, page_size, self.dtype, self.device, layers="mtp")
+
+    def forward(self, input_ids, batch: Batch, logits_indices):
+        if self._caches is None:
+            raise RuntimeError("TorchBackend.forward before allocate()")
+        with torch.inference_mode():
+            out = self.model.step(input_ids, batch, self._caches, logits_indices, inplace=True)
+        self._caches = out.caches
+        return out.logits.float(), out.hidden
+
+    def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
+        if self._mtp_caches is None:
+            raise RuntimeError("TorchBackend.mtp_forward before allocate()")
+        with torch.inference_mode():
+            logits, out, cache, _ = self.model.mtp_step(module, input_ids, hidden, batch, self._mtp_caches[module],
+                                                        logits_indices, inplace=True)
+        self._mtp_caches[module] = cache
+        return logits.float(), out

@@ -1,0 +1,63 @@
+"""Generated token ids -> text deltas, and stop-string detection on that text.
+
+Byte-level tokens can split a UTF-8 character; decoding such a prefix gives U+FFFD. Text is therefore released
+only once it decodes cleanly, and decoding works on a short trailing window of ids (not the whole output) so each
+token costs O(1). With stop strings, the last ``len(longest stop) - 1`` characters are held back until the
+request ends, so streamed deltas never contain text that a later stop match removes: the deltas of a request
+always add up to its final text.
+"""
+
+from __future__ import annotations
+
+from .tokenizer import TextTokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
+        self._tokenizer = tokenizer
+        self._stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""  # everything decoded cleanly so far (after stop truncation)
+        self._released = 0  # characters of _text already reported
+        self._stopped = False
+
+    def append(self, token_id: int) -> bool:
+        """Add one generated token; True if the text now contains a stop string (the text is cut before it)."""
+        if self._tokenizer is None:
+            return False
+        self._ids.append(token_id)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False
+        before = len(self._text)
+        self._text += full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if not self._stop:
+            return False
+        start = max(0, before - self._holdback)
+        hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            self._text = self._text[:min(hits)]
+            self._stopped = True
+        return self._stopped
+
+    @property
+    def text(self) -> str:
+        return self._text[:self._released]
+
+    def release(self, finished: bool) -> str:
+        """The new text since the previous call. Once the request is finished that is all of it, including a
+        trailing piece that does not decode cleanly (the output ended inside a character) unless a stop string
+        ended it, so a finished text equals decoding all its tokens at once."""
+        if finished and not self._stopped and self._read_offset < len(self._ids):
+            done = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+            self._text += self._tokenizer.decode(self._ids[self._prefix_offset:])[len(done):]
+            self._prefix_offset = self._read_offset = len(self._ids)
+        end = len(self._text) if finished else max(self._released, len(self._text) - self._holdback)
+        delta = self._text[self._released:end]
+        self._released = end
+        return delta

@@ -1,0 +1,346 @@
+"""The engine: requests in, streamed outputs back, one scheduler iteration per ``step()``.
+
+A step runs one target forward over the scheduled mix of prefill chunks, decode tokens and draft tokens; samples
+or verifies where a request reached its last known token; rolls rejected drafts back (the request's cached length
+simply stops before them and the pages past it are released); then lets the drafter catch up on the kept
+positions and propose the next drafts. Everything that needs state across steps (tokens, cache coverage, pages,
+random stream, drafts) lives on the request, so preemption and recompute are ordinary scheduling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import numbers
+import random
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from ..config import M3Config
+from .acceptance import accept
+from .backends import Backend, create_backend
+from .batch_builder import Segment, build_batch
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .drafter import Drafter, DraftJob, MTPDrafter
+from .outputs import RequestOutput
+from .params import SamplingParams
+from .request import Request
+from .sampling import sample, token_logprobs
+from .scheduler import ScheduledRequest, Scheduler
+from .stats import EngineStats
+from .tokenizer import TextTokenizer, find_tokenizer
+
+log = logging.getLogger("m3export.runtime")
+
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_PAGE_SIZE = 16
+
+
+def _pool_geometry(backend: Backend, page_size: int | None, num_pages: int | None, max_model_len: int | None,
+                   kv_cache_bytes: int | None) -> tuple[int, int, int]:
+    """Fill in (page_size, num_pages, max_model_len) and check that one longest sequence fits the pool, which is
+    what guarantees that preemption can always make progress."""
+    cfg = backend.config
+    page_size = page_size or backend.required_page_size or DEFAULT_PAGE_SIZE
+    if backend.required_page_size and page_size != backend.required_page_size:
+        raise ValueError(f"page_size {page_size}: this {backend.name} backend was built for pages of "
+                         f"{backend.required_page_size} tokens")
+    if kv_cache_bytes is not None:
+        if num_pages is not None:
+            raise ValueError("give num_pages or kv_cache_bytes, not both")
+        num_pages = kv_cache_bytes // backend.page_bytes(page_size)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no page of {page_size} tokens "
+                             f"({backend.page_bytes(page_size)} bytes across all pools)")
+    if max_model_len is None:
+        limit = num_pages * page_size if num_pages else DEFAULT_MAX_MODEL_LEN
+        max_model_len = min(cfg.max_position_embeddings, limit)
+    if not 1 < max_model_len <= cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the model's position "
+                         f"limit), got {max_model_len}")
+    pages_per_seq = -(-max_model_len // page_size)
+    num_pages = num_pages or 4 * pages_per_seq
+    if num_pages < pages_per_seq:
+        raise ValueError(f"num_pages={num_pages} of {page_size} tokens cannot hold one sequence of "
+                         f"max_model_len={max_model_len}: raise num_pages or lower max_model_len")
+    return page_size, num_pages, max_model_len
+
+
+class Engine:
+    def __init__(self, backend: Backend, tokenizer: TextTokenizer | None = None, *, page_size: int | None = None,
+                 num_pages: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, num_speculative_tokens: int = 0, drafter: Drafter | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, kv_cache_bytes: int | None = None):
+        """Pool size: ``num_pages``, or as many pages as ``kv_cache_bytes`` holds (every pool counted: main K/V,
+        index keys, MTP modules), or by default four sequences of ``max_model_len``. ``max_model_len`` defaults
+        to what the pool holds (min(4096, the model's position limit) when neither is given). ``drafter``
+        replaces the MTP drafter (tests, other draft models) when ``num_speculative_tokens`` > 0."""
+        cfg: M3Config = backend.config
+        self.backend = backend
+        self.config = cfg
+        self.tokenizer = tokenizer
+        page_size, num_pages, max_model_len = _pool_geometry(backend, page_size, num_pages, max_model_len,
+                                                             kv_cache_bytes)
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        self.max_model_len = max_model_len
+        self.page_size = page_size
+
+        if num_speculative_tokens and drafter is None and backend.num_mtp_modules == 0:
+            log.warning("speculative decoding requested (%d tokens) but the model has no MTP weights: "
+                        "running without speculation", num_speculative_tokens)
+            num_speculative_tokens = 0
+        self.num_speculative_tokens = num_speculative_tokens
+
+        backend.allocate(num_pages, page_size)
+        self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
+        if num_speculative_tokens and drafter is None:
+            drafter = MTPDrafter(backend, page_size, self._ensure_pages)
+        self.drafter = drafter if num_speculative_tokens else None
+        lookahead = self.drafter.page_lookahead if self.drafter else 0
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, lookahead)
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # outputs owed to the next step() (aborts)
+        self._ids = itertools.count()
+        self._rng = random.Random(seed)
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_checkpoint(cls, path_or_preset: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                        **engine_kwargs) -> Engine:
+        """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend."""
+        from .. import load_model
+        from .backends.torch_backend import TorchBackend
+
+        model = load_model(path_or_preset, device=device, dtype=dtype)
+        tokenizer = find_tokenizer(path_or_preset, model.config)
+        return cls(TorchBackend(model), tokenizer, **engine_kwargs)
+
+    @classmethod
+    def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",
+                      dtype: torch.dtype | None = None, **engine_kwargs) -> Engine:
+        """An exported artifact directory run by ``backend`` (torch, onnxruntime or tensorrt)."""
+        be = create_backend(backend, path, device=device, dtype=dtype)
+        return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        ids = self._prompt_ids(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer (this engine has none); use stop_token_ids")
+        if params.logprobs is not None and params.logprobs > self.config.vocab_size:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
+                             f"({self.config.vocab_size})")
+        gen = torch.Generator()
+        gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
+        req = Request(request_id, ids, params, gen, IncrementalDetokenizer(self.tokenizer, params.stop),
+                      logprobs=[] if params.logprobs is not None else None)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (this engine has none): pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            vocab = self.config.vocab_size
+            bad = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                   or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[0]!r}")
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this engine allows at most {self.max_model_len - 1} "
+                             f"(max_model_len {self.max_model_len} includes at least one generated token)")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages; the next ``step()`` reports it with finish_reason 'abort'.
+        Unknown or already finished ids are ignored (a request may finish while the abort is on its way)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        self._pending.append(self._output(req))
+
+    def has_unfinished(self) -> bool:
+        """True while a request is queued or running, or ``step()`` still owes an output."""
+        return bool(self._requests or self._pending)
+
+    # ------------------------------------------------------------------ driving
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run the prompts to completion; one final output per prompt, in order. Drives the engine itself:
+        outputs of other requests produced meanwhile are not returned to anyone."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            rid = f"generate-{next(self._ids)}"
+            self.add_request(rid, prompt, p)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Outputs of one new request as they come; closing the iterator early aborts the request."""
+        rid = f"stream-{next(self._ids)}"
+        self.add_request(rid, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: an output for every request that produced tokens or finished."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        t0 = time.perf_counter()
+        logits, hidden = self._forward(plan.scheduled)
+        jobs: list[DraftJob] = []
+        row = offset = 0
+        for s in plan.scheduled:
+            width, num_rows = s.num_new + len(s.drafts), (1 + len(s.drafts) if s.samples else 0)
+            job = self._settle(s, logits[row:row + num_rows], hidden[offset:offset + width])
+            row, offset = row + num_rows, offset + width
+            if job is not None:
+                jobs.append(job)
+        if self.drafter is not None:
+            self.drafter.run(jobs)
+        for j in jobs:
+            cached = self.drafter.cached_len(j.request) if self.drafter else j.request.num_computed
+            self.scheduler.publish(j.request, cached)
+        progressed = [s.request for s in plan.scheduled if s.samples]
+        self._account(plan, progressed, time.perf_counter() - t0)
+        for req in progressed:
+            outputs.append(self._output(req))
+            if req.finished:
+                self._requests.pop(req.request_id, None)
+        return outputs
+
+    # ------------------------------------------------------------------ step internals
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        segments, logits_rows, offset = [], [], 0
+        for s in scheduled:
+            r = s.request
+            tokens = r.tokens[r.num_computed:r.num_computed + s.num_new] + s.drafts
+            segments.append(Segment(r.pages, r.num_computed, tokens))
+            if s.samples:
+                first = offset + s.num_new - 1
+                logits_rows.extend(range(first, first + 1 + len(s.drafts)))
+            offset += len(tokens)
+        ids, batch = build_batch(segments, self.page_size, self.backend.device)
+        index = torch.tensor(logits_rows, dtype=torch.int64, device=ids.device)
+        logits, hidden = self.backend.forward(ids, batch, index)
+        return logits.float().cpu(), hidden
+
+    def _settle(self, s: ScheduledRequest, rows: torch.Tensor, hidden: torch.Tensor) -> DraftJob | None:
+        """Apply one request's share of the forward: advance its cached length, sample or verify, roll back
+        rejected drafts. Returns the drafter's job for the positions kept, or None once the request finished."""
+        req, start = s.request, s.request.num_computed
+        if not s.samples:
+            req.num_computed += s.num_new
+            return DraftJob(req, start, hidden, 0)
+        emitted = self._next_tokens(req, s, rows)
+        req.num_computed = start + s.num_new + len(emitted) - 1  # accepted drafts keep their K/V; the rest is
+        req.clear_drafts()  # past the cached length now, i.e. forgotten
+        self._append(req, emitted, rows)
+        if req.finished:
+            return None
+        self.scheduler.trim_pages(req)
+        return DraftJob(req, start, hidden[:req.num_computed - start], self._num_drafts(req))
+
+    def _next_tokens(self, req: Request, s: ScheduledRequest, rows: torch.Tensor) -> list[int]:
+        if not s.drafts:
+            return [sample(rows[0], req.params, req.generator)]
+        probs = None if req.draft_probs is None else req.draft_probs[:len(s.drafts)]
+        emitted = accept(rows, s.drafts, probs, req.params, req.generator)
+        self.stats.verify_steps += 1
+        self.stats.draft_tokens += len(s.drafts)
+        self.stats.accepted_tokens += len(emitted) - 1
+        return emitted
+
+    def _append(self, req: Request, emitted: list[int], rows: torch.Tensor) -> None:
+        """Add tokens one at a time so that a stop condition discards everything after it."""
+        p = req.params
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_token_id))
+        for i, tok in enumerate(emitted):
+            req.append_token(tok)
+            if req.logprobs is not None:
+                req.logprobs.append(token_logprobs(rows[i], tok, p.logprobs))
+            stopped = req.detokenizer.append(tok)
+            if stopped or tok in stop_ids:
+                reason = "stop"
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            else:
+                continue
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+            return
+
+    def _num_drafts(self, req: Request) -> int:
+        """Never draft past max_tokens or the length limit: a step emits at most drafts + 1 tokens."""
+        room = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+        return max(0, min(self.num_speculative_tokens, room - 1))
+
+    def _ensure_pages(self, req: Request, num_tokens: int) -> bool:
+        return self.scheduler.ensure_pages(req, num_tokens)
+
+    def _account(self, plan, progressed: list[Request], elapsed: float) -> None:
+        st = self.stats
+        if plan.num_prefill_tokens:
+            st.prefill_tokens += plan.num_prefill_tokens
+            st.prefill_time += elapsed
+        else:
+            st.decode_tokens += sum(len(r.output_token_ids) - r.reported_tokens for r in progressed)
+            st.decode_time += elapsed
+        st.preemptions = self.scheduler.num_preemptions
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_token_ids[req.reported_tokens:]
+        req.reported_tokens = len(req.output_token_ids)
+        new_text = req.detokenizer.release(req.finished)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids),
+            text=req.detokenizer.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+        )

@@ -1,0 +1,77 @@
+"""Per-request sampling parameters, validated once at the door so the engine loop never meets a bad value."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def _int_tuple(name: str, value: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"SamplingParams.{name} must be a sequence of token ids, got {value!r}")
+    out = tuple(value)
+    for v in out:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"SamplingParams.{name} must hold non-negative integers, got {v!r}")
+    return out
+
+
+def _str_tuple(name: str, value: str | Iterable[str]) -> tuple[str, ...]:
+    out = (value,) if isinstance(value, str) else tuple(value)
+    for v in out:
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"SamplingParams.{name} must hold non-empty strings, got {v!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature=0`` is greedy (top_p / top_k / seed are then irrelevant). ``top_k=0`` and ``top_p=1`` switch
+    those filters off. ``seed`` gives the request its own random stream, so its samples do not depend on what
+    else is in the batch. ``logprobs=n`` returns, per generated token, the sampled token's log-probability under
+    the model (before temperature / top-k / top-p) plus the ``n`` most likely tokens'.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] | str = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        for name in ("top_k", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"SamplingParams.{name} must be an integer, got {v!r}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
+            raise ValueError(f"SamplingParams.logprobs must be None or an integer >= 0, got {lp!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "stop", _str_tuple("stop", self.stop))
+        object.__setattr__(self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

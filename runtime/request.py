@@ -1,0 +1,72 @@
+"""Engine-side state of one request: its tokens, how much of them the caches hold, its pages and its drafts.
+
+A request is always "the tokens known so far" plus "how many of them have K/V in the pools"
+(``num_computed``). Prefill, chunked prefill, decode and recompute after preemption are all the same thing:
+compute positions ``num_computed .. len(tokens) - 1``; when that reaches the end, sample the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # Cache coverage: main/index K/V hold positions [0, num_computed); each MTP module's cache holds final
+    # entries for positions [0, num_mtp_computed). MTP at position t needs token t + 1, so within a step it
+    # trails the target until the drafter catches up; between steps the two are equal (when speculating).
+    num_computed: int = 0
+    num_mtp_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    page_digests: list[bytes] = field(default_factory=list)  # of the leading full pages already published
+    # Speculation: draft tokens for the positions after the last token, and (sampling only) the distributions
+    # they were drawn from [len(drafts), vocab]; None for greedy drafts, which act as one-hot.
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    # Output bookkeeping: what the last RequestOutput already reported.
+    reported_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._tokens = list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt + generated tokens (read-only view: extend with ``append_token``)."""
+        return self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._tokens.append(token)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def clear_drafts(self) -> None:
+        self.drafts = []
+        self.draft_probs = None

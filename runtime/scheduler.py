@@ -1,0 +1,173 @@
+"""Continuous batching: which requests run this step, how many tokens each, and who gives up pages.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go first, oldest first: a decoding
+request asks for its last token plus its draft tokens, a request still in prefill for as much of its prompt as
+the budget leaves (chunked prefill). Waiting requests are then admitted in arrival order while budget, sequence
+slots and free pages last, each starting after the longest prefix of full pages already in the cache.
+
+When a running request needs a page and none is free, it first gives up its drafts; then the newest running
+request is preempted: its pages are released and it goes back to the head of the queue to be recomputed from
+its tokens later (recompute rather than swap: the pools live on one device and recomputation reuses whatever of
+its prefix is still cached). Preemption never touches a page another request still references.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, page_digest
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as planned (facts about the request before the step ran)."""
+
+    request: Request
+    num_new: int  # known tokens computed this step, from position request.num_computed
+    drafts: list[int] = field(default_factory=list)  # verified after them (only when they reach the end)
+    #: This run reaches the request's last known token, so the step produces its next token(s).
+    samples: bool = field(init=False)
+    #: A plain generation step: only the newest generated token (and drafts) goes through the model.
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.samples = r.num_computed + self.num_new == r.num_tokens
+        self.is_decode = self.samples and self.num_new == 1 and bool(r.output_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_prefill_tokens: int  # tokens of runs that are not decode steps (prompt chunks, recompute)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 page_lookahead: int = 0):
+        """``page_lookahead``: how many tokens after a page its cached state depends on (1 with MTP, whose entry
+        at position t is computed from token t + 1), so the prefix-cache identity of a page includes them."""
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_lookahead = page_lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue changes
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Leave the scheduler (finished or aborted) and release every page."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.blocks.release(req.pages)
+        req.pages = []
+        req.status = Status.FINISHED
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req.pages)
+        req.pages, req.page_digests = [], []
+        req.num_computed = req.num_mtp_computed = 0
+        req.clear_drafts()
+        self.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ pages
+    def ensure_pages(self, req: Request, num_tokens: int) -> bool:
+        """Grow the request's block table to hold positions [0, num_tokens); False if the pool is short."""
+        missing = self.blocks.pages_for(num_tokens) - len(req.pages)
+        if missing <= 0:
+            return True
+        if missing > self.blocks.num_free:
+            return False
+        req.pages.extend(self.blocks.allocate(missing))
+        return True
+
+    def trim_pages(self, req: Request) -> None:
+        """Release pages past the request's cached positions (rolled-back drafts leave them empty)."""
+        keep = self.blocks.pages_for(req.num_computed)
+        if len(req.pages) > keep:
+            self.blocks.release(req.pages[keep:])
+            del req.pages[keep:]
+
+    def _digest(self, req: Request, i: int, parent: bytes | None) -> bytes:
+        p = self.blocks.page_size
+        return page_digest(parent, req.tokens[i * p:(i + 1) * p + self.page_lookahead])
+
+    def publish(self, req: Request, cached_len: int) -> None:
+        """Offer the request's full, final pages (every position below ``cached_len``) to the prefix cache."""
+        p = self.blocks.page_size
+        limit = min(cached_len // p, (req.num_tokens - self.page_lookahead) // p, len(req.pages))
+        for i in range(len(req.page_digests), limit):
+            parent = req.page_digests[-1] if req.page_digests else None
+            d = self._digest(req, i, parent)
+            self.blocks.register(req.pages[i], d)
+            req.page_digests.append(d)
+
+    def _cached_prefix(self, req: Request) -> tuple[list[int], list[bytes]]:
+        """Cached pages for the request's leading full pages; at least its last token is always recomputed, as
+        the step that computes it is the one that produces the next token."""
+        if not self.blocks.enable_prefix_caching:
+            return [], []
+        digests: list[bytes] = []
+        for i in range((req.num_tokens - 1) // self.blocks.page_size):
+            digests.append(self._digest(req, i, digests[-1] if digests else None))
+        hits = self.blocks.lookup(digests)
+        return hits, digests[:len(hits)]
+
+    # ------------------------------------------------------------------ the step plan
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed
+            num_new = min(remaining, budget)
+            drafts = req.drafts[:budget - num_new] if num_new == remaining else []
+            while not self.ensure_pages(req, req.num_computed + num_new + len(drafts)):
+                if drafts:
+                    drafts = []
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            scheduled.append(ScheduledRequest(req, num_new, drafts))
+            budget -= num_new + len(drafts)
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            hits, digests = self._cached_prefix(req)
+            start = len(hits) * self.blocks.page_size
+            num_new = min(req.num_tokens - start, budget)
+            fresh = self.blocks.pages_for(start + num_new) - len(hits)
+            revived = sum(1 for p in hits if self.blocks.refcount(p) == 0)
+            if fresh > self.blocks.num_free - revived:
+                break
+            self.blocks.acquire(hits)
+            req.pages = hits + self.blocks.allocate(fresh)
+            req.page_digests = digests
+            req.num_computed = req.num_mtp_computed = start
+            req.status = Status.RUNNING
+            self.waiting.popleft()
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+        prefill = sum(s.num_new for s in scheduled if not s.is_decode)
+        return SchedulerOutput(scheduled, prefill)

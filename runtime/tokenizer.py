@@ -1,0 +1,45 @@
+"""Text in and out: a thin wrapper over a ``tokenizers.Tokenizer`` with the two calls the engine needs.
+
+Where the tokenizer comes from: ``tokenizer.json`` next to the weights (artifact or checkpoint); for the ``tiny``
+preset, the byte-level tokenizer ``m3export.tokenizer`` builds from the config. Without either the engine works
+on token ids only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import M3Config
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Special tokens (BOS/EOS/PAD) are dropped: they are control, not text."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TextTokenizer:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+
+def find_tokenizer(source: str | Path, config: M3Config) -> TextTokenizer | None:
+    """``source``: a directory that may hold ``tokenizer.json``, or a preset name."""
+    path = Path(source)
+    if path.is_dir():
+        file = path / "tokenizer.json"
+        return TextTokenizer.from_file(file) if file.exists() else None
+    if str(source) == "tiny":
+        try:
+            from ..tokenizer import byte_level_tokenizer
+        except ImportError:
+            return None
+        return TextTokenizer(byte_level_tokenizer(config))
+    return None

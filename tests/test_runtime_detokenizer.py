@@ -1,0 +1,53 @@
+"""Incremental detokenization (split UTF-8 characters) and stop strings whose deltas add up to the final text."""
+
+from m3export.runtime.detokenizer import IncrementalDetokenizer
+
+
+class ByteTokenizer:
+    """Token id = byte value; decoding a split UTF-8 character yields U+FFFD like byte-level BPE does."""
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _feed(det, data: bytes):
+    deltas, stopped = [], False
+    for b in data:
+        stopped = det.append(b)
+        deltas.append(det.release(stopped))
+        if stopped:
+            break
+    return deltas, stopped
+
+
+def test_split_characters_are_released_whole():
+    det = IncrementalDetokenizer(ByteTokenizer(), ())
+    deltas, stopped = _feed(det, "aé€😀b".encode())
+    assert not stopped
+    assert "".join(deltas) == det.text == "aé€😀b"
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_cuts_text_and_never_streams_it():
+    det = IncrementalDetokenizer(ByteTokenizer(), ("STOP", "xyz"))
+    deltas, stopped = _feed(det, b"hello STOP world")
+    assert stopped and det.text == "hello " and "".join(deltas) == "hello "
+    det = IncrementalDetokenizer(ByteTokenizer(), ("STOP",))
+    deltas, stopped = _feed(det, b"no STO stop here")
+    assert not stopped and "".join(deltas) + det.release(True) == "no STO stop here"
+
+
+def test_finished_text_equals_decoding_everything():
+    det = IncrementalDetokenizer(ByteTokenizer(), ())
+    data = "ok €".encode()[:-1]  # ends inside a character
+    deltas, _ = _feed(det, data)
+    assert "".join(deltas) == "ok "
+    assert det.release(True) == "\ufffd" and det.text == ByteTokenizer().decode(list(data))
+
+
+def test_without_tokenizer_text_is_empty():
+    det = IncrementalDetokenizer(None, ())
+    assert det.append(65) is False and det.release(True) == "" and det.text == ""
