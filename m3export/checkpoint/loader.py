@@ -74,7 +74,19 @@ def load_model(path_or_preset: str | os.PathLike, device="cpu", dtype: torch.dty
     dtype = dtype or torch.float32
     if str(path_or_preset) in PRESETS and not Path(path_or_preset).is_dir():
         return random_model(preset(str(path_or_preset)), device, dtype, seed, mxfp8)
-    ckpt = Checkpoint(path_or_preset)
+    ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(path_or_preset)
+    model = build_empty(cfg, dtype, device, mxfp8=quantized and not dequantize, num_mtp_modules=n_mtp)
+    model.checkpoint_info = {"layout": layout.kind, "mxfp8": quantized, "mtp_modules": n_mtp, "path": str(ckpt.dir)}
+    _stream(ckpt, layout, model, progress)
+    return model.requires_grad_(False).eval()
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint, M3Config, Layout, int, bool]:
+    """Validated shards + config + detected layout, the number of MTP modules shipped, and whether it is MXFP8.
+
+    A config that declares more MTP modules than the checkpoint ships is reported (the release may omit them).
+    """
+    ckpt = Checkpoint(path)
     cfg = M3Config.from_pretrained(ckpt.dir)
     try:
         kind, prefix = detect(ckpt.tensors)
@@ -89,10 +101,7 @@ def load_model(path_or_preset: str | os.PathLike, device="cpu", dtype: torch.dty
                     cfg.num_mtp_modules, len(present),
                     "speculative decoding is unavailable" if not present else "loading those")
     quantized = any(t.dtype == torch.float8_e4m3fn for t in ckpt.tensors.values())
-    model = build_empty(cfg, dtype, device, mxfp8=quantized and not dequantize, num_mtp_modules=len(present))
-    model.checkpoint_info = {"layout": kind, "mxfp8": quantized, "mtp_modules": len(present), "path": str(ckpt.dir)}
-    _stream(ckpt, layout, model, progress)
-    return model.requires_grad_(False).eval()
+    return ckpt, cfg, layout, len(present), quantized
 
 
 def _plan(layout: Layout, params: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple]]:

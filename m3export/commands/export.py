@@ -11,6 +11,7 @@ EXAMPLES = """\
   m3export export --preset tiny --out art/tiny
   m3export export --checkpoint ckpt/tiny --out art/tiny-mx --weights mxfp8 --page-size 8
   m3export export --checkpoint ckpt/tiny --out art/tiny --force      # replace an existing artifact
+  m3export export --checkpoint /data/MiniMax-M3-MXFP8 --in-place --dtype bfloat16   # zero copy, full size
 """
 
 
@@ -18,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
     src.add_argument("--preset", choices=["tiny", "mini"], help="random-weight preset instead of a checkpoint")
-    p.add_argument("--out", required=True, metavar="DIR", help="artifact directory to create")
+    p.add_argument("--out", metavar="DIR", help="artifact directory to create (not with --in-place)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activation / weight dtype of the graphs (ONNX Runtime's CPU EP runs float32 and float16)")
     p.add_argument("--weights", choices=["mxfp8", "bf16"], default=None,
@@ -27,15 +28,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, metavar="N",
                    help="tokens per KV-cache page (static in the graphs; recorded in the manifest)")
     p.add_argument("--force", action="store_true", help="replace --out if it already holds files")
+    p.add_argument("--in-place", action="store_true",
+                   help="zero copy: write the graphs and manifest into the --checkpoint directory itself, referencing "
+                        "the shards' bytes (ONNX Runtime only reads external data inside the model's directory); "
+                        "existing files are never modified")
 
 
 def run(args: argparse.Namespace) -> int:
     import time
 
+    from ..errors import ArtifactError
+
+    if args.in_place == bool(args.out) or (args.in_place and not args.checkpoint):
+        raise ArtifactError("give exactly one of --out DIR or --in-place (which needs --checkpoint)")
+
     from ..export.exporter import export_artifact
 
     start = time.perf_counter()
     out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
-                          page_size=args.page_size, force=args.force)
+                          page_size=args.page_size, force=args.force, in_place=args.in_place)
     print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -17,6 +17,7 @@ from ..errors import ArtifactError
 from ..model import M3ForCausalLM
 from .manifest import MANIFEST, GraphInfo, Manifest, sha256_file
 from .weights import BY_NAME, read_tensor
+from .zero_copy import shard_identity
 
 QUANTIZED = {torch.float8_e4m3fn, torch.uint8}  # copied bit for bit, never converted
 
@@ -58,7 +59,8 @@ def load_artifact(path: str | Path, verify_checksums: bool = True) -> Artifact:
         raise ArtifactError(f"{mpath}: not valid JSON ({e})") from None
     manifest = Manifest.from_json(raw, str(mpath))
 
-    referenced = {g.file for g in manifest.graphs.values()} | {e.file for e in manifest.tensors.values()}
+    referenced = {g.file for g in manifest.graphs.values()} | {
+        pc.entry.file for e in manifest.tensors.values() for pc in e.pieces}
     unlisted = sorted(referenced - set(manifest.files))
     if unlisted:
         raise ArtifactError(f"{mpath}: files {unlisted} are used but have no checksum entry")
@@ -68,15 +70,19 @@ def load_artifact(path: str | Path, verify_checksums: bool = True) -> Artifact:
         f = root / name
         if not f.is_file():
             raise ArtifactError(f"{f}: listed in {MANIFEST} but missing")
-        if not isinstance(meta, dict) or "sha256" not in meta or "bytes" not in meta:
-            raise ArtifactError(f"{mpath}: files[{name!r}] needs 'sha256' and 'bytes'")
+        if not isinstance(meta, dict) or not ({"sha256", "header_sha256"} & set(meta)) or "bytes" not in meta:
+            raise ArtifactError(f"{mpath}: files[{name!r}] needs 'bytes' and 'sha256' (or 'header_sha256')")
         if f.stat().st_size != meta["bytes"]:
             raise ArtifactError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated or replaced)")
-        if verify_checksums and sha256_file(f) != meta["sha256"]:
+        if "header_sha256" in meta:  # a linked checkpoint shard: identified cheaply, never hashed whole
+            if shard_identity(f)["header_sha256"] != meta["header_sha256"]:
+                raise ArtifactError(f"{f}: safetensors header differs from the one exported (shard replaced)")
+        elif verify_checksums and sha256_file(f) != meta["sha256"]:
             raise ArtifactError(f"{f}: sha256 does not match {MANIFEST} (file corrupted or modified)")
     for name, e in manifest.tensors.items():
-        if e.offset + e.length > manifest.files[e.file]["bytes"]:
-            raise ArtifactError(f"{mpath}: tensor {name!r} extends past the end of {e.file}")
+        for pc in e.pieces:
+            if pc.entry.offset + pc.entry.length > manifest.files[pc.entry.file]["bytes"]:
+                raise ArtifactError(f"{mpath}: tensor {name!r} extends past the end of {pc.entry.file}")
     return Artifact(root, manifest)
 
 
@@ -101,10 +107,12 @@ def load_torch_model(path: str | Path | Artifact, device="cpu", dtype: torch.dty
         for name, p in params.items():
             entry = m.tensors[name]
             if tuple(entry.shape) != tuple(p.shape):
-                raise ArtifactError(f"{art.root / entry.file}: tensor {name!r} has shape {list(entry.shape)}, "
+                raise ArtifactError(f"{art.root / MANIFEST}: tensor {name!r} has shape {list(entry.shape)}, "
                                     f"the config implies {list(p.shape)}")
-            value = read_tensor(art.root, name, entry)
-            if value.dtype != p.dtype and {value.dtype, p.dtype} & QUANTIZED:
-                raise ArtifactError(f"{art.root / entry.file}: tensor {name!r} is {value.dtype}, expected {p.dtype}")
-            p.copy_(value)
+            for piece in entry.pieces:
+                value = read_tensor(art.root, name, piece.entry)
+                if value.dtype != p.dtype and {value.dtype, p.dtype} & QUANTIZED:
+                    raise ArtifactError(f"{art.root / piece.entry.file}: tensor {name!r} is {value.dtype}, "
+                                        f"expected {p.dtype}")
+                p[piece.torch_index()].copy_(value)
     return model.requires_grad_(False).eval()

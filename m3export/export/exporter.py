@@ -18,7 +18,7 @@ import onnx
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint.loader import build_empty
+from ..checkpoint.loader import build_empty, open_checkpoint
 from ..config import PRESETS, M3Config
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
@@ -27,7 +27,9 @@ from ..ops import mxfp8 as mx
 from .graphs import finalize, mtp_signature, step_signature, trace_mtp, trace_step
 from .manifest import MANIFEST, Manifest, sha256_file, signature_of
 from .schemas import ONNX_OPSET, register_schemas
-from .weights import write_safetensors
+from .weights import ParamEntry, write_safetensors
+from .zero_copy import converted_value, resolve, shard_files
+from .zero_copy import plan as zero_copy_plan
 
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -97,8 +99,7 @@ def _tokenizer_files(source: str, cfg: M3Config, tmp: Path) -> None:
     (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2, sort_keys=True))
 
 
-def _write_graph(proto: onnx.ModelProto, path: Path) -> None:
-    path.write_bytes(proto.SerializeToString(deterministic=True))
+def _check_graph(path: Path) -> None:
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
@@ -114,27 +115,73 @@ def _prepare_out(out: Path, force: bool) -> None:
         raise ArtifactError(f"{out.parent}: parent directory does not exist")
 
 
-def export_artifact(source: str, out: str | Path, dtype: str = "float32", weights: str | None = None,
-                    page_size: int = 16, force: bool = False, progress: bool = True) -> Path:
-    """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``."""
-    out = Path(out).absolute()
+def export_artifact(source: str, out: str | Path | None, dtype: str = "float32", weights: str | None = None,
+                    page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False) -> Path:
+    """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``.
+
+    From a checkpoint nothing is loaded: tensors stream one at a time into the artifact's weight file. With
+    ``in_place`` the artifact *is* the checkpoint directory: graphs and manifest are added next to the shards and
+    reference their bytes directly (zero copy); only tensors whose dtype must change are written.
+    """
     if dtype not in DTYPE_NAMES:
         raise ArtifactError(f"--dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
     if weights not in (None, *WEIGHT_FORMATS):
         raise ArtifactError(f"--weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if not isinstance(page_size, int) or page_size < 1:
         raise ArtifactError(f"--page-size must be a positive integer, got {page_size!r}")
-    _prepare_out(out, force)
     register_schemas()
+    if in_place:
+        return _export_in_place(source, DTYPE_NAMES[dtype], weights, page_size, force, progress)
+    out = Path(out).absolute()
+    _prepare_out(out, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would otherwise become the artifact's mode
-        _export_into(tmp, source, DTYPE_NAMES[dtype], weights, page_size, progress)
+        _export_into(tmp, source, DTYPE_NAMES[dtype], weights, page_size, progress, in_place=False)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _export_in_place(source: str, dtype: torch.dtype, weights: str | None, page_size: int, force: bool,
+                     progress: bool) -> Path:
+    """Write the artifact's files into the checkpoint directory; existing files are never modified.
+
+    Files are produced in a hidden temporary folder and moved next to the shards only when all are complete;
+    the graphs are checked (``onnx.checker``, full) in their final place, where their data references resolve.
+    """
+    root = Path(source).absolute()
+    if not root.is_dir():
+        raise ArtifactError(f"--in-place needs a checkpoint directory, got {source!r}")
+    if weights == "mxfp8" and not open_checkpoint(root)[4]:
+        raise ArtifactError(f"{root}: --in-place cannot quantise an unquantised checkpoint to MXFP8")
+    tmp = Path(tempfile.mkdtemp(prefix=".m3export-partial-", dir=root))
+    moved: list[Path] = []
+    try:
+        tmp.chmod(0o755)
+        _export_into(tmp, str(root), dtype, weights, page_size, progress, in_place=True)
+        clash = sorted(p.name for p in tmp.iterdir() if (root / p.name).exists())
+        if clash and not force:
+            raise ArtifactError(f"{root}: already holds {clash} (an earlier export?); pass --force to replace them")
+        for p in sorted(tmp.iterdir()):
+            p.replace(root / p.name)
+            moved.append(root / p.name)
+        tmp.rmdir()
+        for graph in load_artifact_graph_files(root):
+            _check_graph(root / graph)
+    except BaseException:
+        for p in moved:
+            p.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def load_artifact_graph_files(root: Path) -> list[str]:
+    manifest = json.loads((root / MANIFEST).read_text())
+    return [g["file"] for g in manifest["graphs"].values()]
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -148,24 +195,52 @@ def _replace(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, page_size: int,
-                 progress: bool) -> None:
-    with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
-        steps.set_postfix_str("loading model")
-        model = load_source(source, dtype, weights, progress)
-        cfg, mxfp8, n_mtp = model.config, model.mxfp8, len(model.mtp)
-        steps.total = 4 + n_mtp
-        steps.update()
+def _weights_from_model(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, progress: bool):
+    """Presets (and MXFP8 exports of unquantised checkpoints): the weights exist only in memory; write them."""
+    model = load_source(source, dtype, weights, progress)
+    state = model.state_dict()
+    written = write_safetensors(tmp / WEIGHTS_FILE, ((k, v.dtype, tuple(v.shape)) for k, v in state.items()),
+                                state.__getitem__, progress)
+    return model.config, model.mxfp8, len(model.mtp), {k: ParamEntry.whole(e) for k, e in written.items()}, {}
 
-        steps.set_postfix_str("writing weights")
-        state = model.state_dict()
-        tensors = write_safetensors(tmp / WEIGHTS_FILE, ((k, v.dtype, tuple(v.shape)) for k, v in state.items()),
-                                    state.__getitem__, progress)
-        buffers = {k: v for k, v in model.named_buffers() if k not in state}
-        del model, state  # the graphs are traced from a meta twin; weights are on disk now
-        steps.update()
+
+def _weights_from_checkpoint(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, zero_copy: bool,
+                             progress: bool):
+    """Checkpoints: nothing is loaded. With ``zero_copy`` pieces already in the graph's dtype are referenced where
+    they are; every other piece is converted (or copied) one checkpoint tensor at a time."""
+    ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(source)
+    mxfp8 = quantized and weights != "bf16"
+    meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
+    wp = zero_copy_plan(ckpt, layout, meta, WEIGHTS_FILE, zero_copy)
+    targets = {name: dt for name, dt, _ in wp.convert}
+    written = write_safetensors(tmp / WEIGHTS_FILE, wp.convert, lambda n: converted_value(ckpt, n, targets[n]),
+                                progress) if wp.convert else {}
+    return cfg, mxfp8, n_mtp, resolve(wp, written), shard_files(wp.shards)
+
+
+def _streams_from_checkpoint(source: str, weights: str | None) -> bool:
+    """Every checkpoint export streams, except an MXFP8 export of an unquantised checkpoint (needs quantising)."""
+    if source in PRESETS and not Path(source).is_dir():
+        return False
+    if weights != "mxfp8":
+        return True
+    return open_checkpoint(source)[4]
+
+
+def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, page_size: int,
+                 progress: bool, in_place: bool) -> None:
+    with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
+        steps.set_postfix_str("weights")
+        if _streams_from_checkpoint(source, weights):
+            cfg, mxfp8, n_mtp, tensors, shards = _weights_from_checkpoint(tmp, source, dtype, weights, in_place,
+                                                                          progress)
+        else:
+            cfg, mxfp8, n_mtp, tensors, shards = _weights_from_model(tmp, source, dtype, weights, progress)
+        steps.total = 4 + n_mtp
+        steps.update(2)
 
         meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
+        buffers = {"rotary.inv_freq": meta.rotary._inv_freq()}  # the only buffer; tiny, computed, not stored
         plans = [("model", "model.onnx", lambda: trace_step(meta, page_size), step_signature(meta).aliases)]
         plans += [(f"mtp{k}", f"mtp{k}.onnx", (lambda k=k: trace_mtp(meta, k, page_size)),
                    mtp_signature().aliases) for k in range(n_mtp)]
@@ -173,13 +248,17 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
         for key, file, trace, aliases in plans:
             steps.set_postfix_str(f"exporting {file}")
             proto = finalize(trace(), tensors, buffers, tmp)
-            _write_graph(proto, tmp / file)
+            (tmp / file).write_bytes(proto.SerializeToString(deterministic=True))
+            if not in_place:  # in place, data references resolve only once the graph sits next to the shards
+                _check_graph(tmp / file)
             graphs[key] = signature_of(proto, file, aliases)
             steps.update()
 
         steps.set_postfix_str("manifest")
-        _tokenizer_files(source, cfg, tmp)
+        if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
+            _tokenizer_files(source, cfg, tmp)
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        files.update(shards)
         manifest = Manifest(
             config=cfg, dtype=str(dtype).removeprefix("torch."), mxfp8=mxfp8, page_size=page_size,
             mtp_modules=n_mtp, source=_describe(source),

@@ -25,7 +25,8 @@ from ..model import Batch, M3ForCausalLM
 from .functions import functions_for
 from .schemas import ONNX_OPSET
 from .translation import translation_table
-from .weights import DTYPES, TensorEntry
+from .weights import DTYPES, ParamEntry, TensorEntry
+from .zero_copy import assemble
 
 BATCH_INPUTS = ("positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 ROOT = "m3"  # attribute under which the wrappers hold the model; stripped from initializer names
@@ -164,30 +165,43 @@ def _export(module: nn.Module, args, dynamic_shapes, sig: GraphSignature) -> ir.
     return program.model
 
 
-def finalize(model: ir.Model, weights: dict[str, TensorEntry], buffers: dict[str, torch.Tensor],
+def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str, torch.Tensor],
              base_dir: Path) -> onnx.ModelProto:
-    """Point parameters at the weight file, fold and clean the graph, attach the m3 function bodies.
+    """Point parameters at their bytes, fold and clean the graph, attach the m3 function bodies.
 
-    Parameters are never folded into other constants, so each stays one named initializer whose bytes are the
-    tensor map's range; buffers (RoPE frequencies) are small and embedded.
+    Parameters are never folded into other constants, so each stays named initializers whose bytes are the
+    tensor map's ranges; a parameter stored as several pieces (checkpoint tensors referenced in place) is
+    reassembled by Concat / Unsqueeze nodes. Buffers (RoPE frequencies) are small and embedded.
     """
     prefix = ROOT + "."
     graph = model.graph
+    frozen: set[str] = set()
+    assembly: list[ir.Node] = []
     for old, value in list(graph.initializers.items()):
         name = old[len(prefix):] if old.startswith(prefix) else old
-        if name in weights:
-            e = weights[name]
-            dtype = ir.DataType(DTYPES[e.torch_dtype][2])
-            value.const_value = ir.ExternalTensor(e.file, e.offset, e.length, dtype, shape=ir.Shape(e.shape),
-                                                  name=name, base_dir=base_dir)
-        elif name in buffers:
-            value.const_value = ir.Tensor(buffers[name].numpy(), name=name)
-        else:
-            raise ValueError(f"initializer {old!r} is neither a parameter in the weight file nor a known buffer")
         del graph.initializers[old]
+        if name in buffers:
+            value.const_value = ir.Tensor(buffers[name].numpy(), name=name)
+        elif name not in weights:
+            raise ValueError(f"initializer {old!r} is neither a parameter in the weight file nor a known buffer")
+        elif weights[name].single is not None:
+            value.const_value = _external(weights[name].single, name, base_dir)
+            frozen.add(name)
+        else:
+            parts = []
+            for j, piece in enumerate(weights[name].pieces):
+                pv = ir.Value(name=f"{name}.piece{j}", const_value=_external(piece.entry, f"{name}.piece{j}", base_dir))
+                graph.register_initializer(pv)
+                frozen.add(pv.name)
+                parts.append((piece.index, pv))
+            assembled, nodes = assemble(graph, name, parts, weights[name].shape)
+            assembly += nodes
+            value.replace_all_uses_with(assembled)
+            continue
         value.name = name
         graph.register_initializer(value)
-    frozen = {name for name in graph.initializers if name in weights}
+    if assembly:
+        graph.insert_before(graph.node(0), assembly)
 
     def should_fold(node: ir.Node) -> bool | None:
         return False if any(v is not None and v.name in frozen for v in node.inputs) else None
@@ -209,6 +223,11 @@ def finalize(model: ir.Model, weights: dict[str, TensorEntry], buffers: dict[str
     model.ir_version = IR_VERSION
     model.producer_name, model.producer_version = "m3export", _version()
     return ir.serde.serialize_model(model)
+
+
+def _external(e: TensorEntry, name: str, base_dir: Path) -> ir.ExternalTensor:
+    dtype = ir.DataType(DTYPES[e.torch_dtype][2])
+    return ir.ExternalTensor(e.file, e.offset, e.length, dtype, shape=ir.Shape(e.shape), name=name, base_dir=base_dir)
 
 
 def _version() -> str:

@@ -16,7 +16,7 @@ import onnx
 
 from ..config import ConfigError, M3Config
 from ..errors import ArtifactError
-from .weights import TensorEntry
+from .weights import ParamEntry
 
 FORMAT = "m3export.artifact"
 FORMAT_VERSION = 1
@@ -86,7 +86,7 @@ class Manifest:
     source: str
     opset: dict[str, Any]
     graphs: dict[str, GraphInfo]
-    tensors: dict[str, TensorEntry]
+    tensors: dict[str, ParamEntry]
     files: dict[str, dict[str, Any]]  # name -> {"sha256": ..., "bytes": ...}
     tools: dict[str, str]
 
@@ -140,7 +140,7 @@ class Manifest:
                 )
             except (KeyError, TypeError) as e:
                 raise ArtifactError(f"{where}: graph {gname!r} has a malformed entry ({e!r})") from None
-        tensors = {name: TensorEntry.from_json(name, e) for name, e in field("tensors", dict).items()}
+        tensors = {name: ParamEntry.from_json(name, e) for name, e in field("tensors", dict).items()}
         page_size = field("page_size", int)
         if page_size < 1:
             raise ArtifactError(f"{where}: page_size must be >= 1, got {page_size}")

@@ -1,24 +1,23 @@
-"""Weights straight from the checkpoint: the artifact references the checkpoint's own safetensors bytes.
+"""Weights straight from the checkpoint: the graphs reference the checkpoint's own safetensors bytes.
 
 safetensors stores each tensor as raw row-major bytes at a known offset, which is exactly what an ONNX
-external-data entry is (file, offset, length). ONNX Runtime and ``onnx.checker`` only accept data files inside
-the model's directory (symbolic links are resolved and refused), so the checkpoint's shards are *hard-linked*
-into the artifact: no byte is copied, and deleting the checkpoint later does not break the artifact.
+external-data entry is (file, offset, length). ONNX Runtime and ``onnx.checker`` accept data files only inside
+the model's directory (links are resolved and refused, hard links flagged as an attack), so a zero-copy export
+writes its graphs *into the checkpoint directory* (``m3export export --checkpoint DIR --in-place``): nothing
+existing is modified, and no tensor byte is copied.
 
 Each of our parameters is made of one or more checkpoint tensors (``Layout.pieces``: e.g. the original
 layout stores every expert's w1 / w3 / w2 separately, while we stack them). A piece whose dtype already is
-the graph's is referenced in place; any other piece is converted and streamed, one piece at a time, into the
+the graph's is referenced where it is; any other piece is converted and streamed, one piece at a time, into the
 artifact's own weight file. The graph reassembles multi-piece parameters with standard Concat / Unsqueeze
 nodes (see ``assemble``), which runtimes fold once at load.
 
-Linked shards are identified by size and a hash of their safetensors header, never by hashing gigabytes.
+Referenced shards are identified by size and a hash of their safetensors header, never by hashing gigabytes.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +30,9 @@ from ..checkpoint.shards import Checkpoint
 from ..errors import ArtifactError, CheckpointError
 from ..model import M3ForCausalLM
 from ..ops import mxfp8 as mx
-from .weights import DTYPES, TensorEntry
+from .weights import DTYPES, ParamEntry, PieceEntry, TensorEntry
 
-LINK_DIR = "checkpoint"
+AXES0 = "m3export.axes0"  # the one [0] constant every Unsqueeze of an assembly shares
 
 
 def shard_identity(path: Path) -> dict:
@@ -44,25 +43,6 @@ def shard_identity(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
 
 
-@dataclass(frozen=True)
-class PieceEntry:
-    """One checkpoint tensor filling ``index`` (ints and (start, stop) row ranges) of a parameter."""
-
-    index: tuple
-    entry: TensorEntry
-
-    def to_json(self) -> dict:
-        return {"index": [list(i) if isinstance(i, tuple) else i for i in self.index], **self.entry.to_json()}
-
-    @classmethod
-    def from_json(cls, name: str, d: dict) -> "PieceEntry":
-        index = tuple(tuple(i) if isinstance(i, list) else int(i) for i in d.get("index", []))
-        return cls(index, TensorEntry.from_json(name, d))
-
-    def torch_index(self) -> tuple:
-        return tuple(slice(*i) if isinstance(i, tuple) else i for i in self.index)
-
-
 def _plain_index(piece: Piece) -> tuple:
     return tuple((i.start, i.stop) if isinstance(i, slice) else i for i in piece.index)
 
@@ -71,16 +51,17 @@ def _plain_index(piece: Piece) -> tuple:
 class WeightPlan:
     """Every parameter's pieces, which pieces must be converted, and the shards to link."""
 
-    pieces: dict[str, list[PieceEntry]]
+    params: dict[str, ParamEntry]
     convert: list[tuple[str, torch.dtype, tuple[int, ...]]]  # (checkpoint tensor, target dtype, shape)
-    shards: dict[str, Path]  # artifact-relative link name -> checkpoint shard
+    shards: dict[str, Path]  # name relative to the checkpoint directory -> shard
 
 
-def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file: str) -> WeightPlan:
+def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file: str, zero_copy: bool = True
+         ) -> WeightPlan:
     """Decide, piece by piece, whether the checkpoint bytes can be used as they are (``model`` on ``meta`` gives
-    the dtype and shape each parameter has in the graph). Converted pieces get provisional entries in
-    ``converted_file``; their offsets are filled in once that file is written."""
-    pieces: dict[str, list[PieceEntry]] = {}
+    the dtype and shape each parameter has in the graph). Other pieces (all of them without ``zero_copy``) are
+    converted into ``converted_file``; their entries get real offsets once that file is written (``resolve``)."""
+    params: dict[str, ParamEntry] = {}
     convert: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     shards: dict[str, Path] = {}
     for name, p in model.named_parameters():
@@ -93,45 +74,44 @@ def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file:
             if tuple(info.shape) != want_shape:
                 raise CheckpointError(f"{info.file}: tensor {piece.name!r} has shape {list(info.shape)}, expected "
                                       f"{list(want_shape)}")
-            if info.dtype == p.dtype:
-                link = f"{LINK_DIR}/{info.file.name}"
-                shards[link] = info.file
-                entry = TensorEntry(link, info.offset, info.length, DTYPES[p.dtype][1], want_shape)
+            if zero_copy and info.dtype == p.dtype:
+                rel = info.file.relative_to(ckpt.dir).as_posix()
+                shards[rel] = info.file
+                entry = TensorEntry(rel, info.offset, info.length, DTYPES[p.dtype][1], want_shape)
             else:
-                if p.dtype in (torch.float8_e4m3fn, torch.uint8):
+                if p.dtype in (torch.float8_e4m3fn, torch.uint8) and info.dtype != p.dtype:
                     raise CheckpointError(f"{info.file}: tensor {piece.name!r} is {info.dtype}; an MXFP8 export needs "
                                           "an MXFP8 checkpoint (or export with --weights bf16)")
                 convert.append((piece.name, p.dtype, want_shape))
                 entry = TensorEntry(converted_file, -1, 0, DTYPES[p.dtype][1], want_shape)
             out.append(PieceEntry(_plain_index(piece), entry))
-        pieces[name] = out
-    return WeightPlan(pieces, convert, shards)
+        params[name] = ParamEntry(DTYPES[p.dtype][1], tuple(p.shape), tuple(out))
+    return WeightPlan(params, convert, shards)
+
+
+def resolve(wp: WeightPlan, written: dict[str, TensorEntry]) -> dict[str, ParamEntry]:
+    """Replace provisional converted-piece entries by their ranges in the written weight file."""
+    names = iter(name for name, _, _ in wp.convert)
+    out = {}
+    for pname, e in wp.params.items():
+        pieces = tuple(PieceEntry(pc.index, written[next(names)]) if pc.entry.offset < 0 else pc for pc in e.pieces)
+        out[pname] = ParamEntry(e.dtype, e.shape, pieces)
+    return out
 
 
 def converted_value(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor in the graph's dtype (MXFP8 weights are dequantised with their scales)."""
     t = ckpt.get(name)
+    if t.dtype == dtype:
+        return t
     if t.dtype == torch.float8_e4m3fn:
         t = mx.dequantize(t, ckpt.get(name + "_scale_inv"))
     return t.to(dtype)
 
 
-def link_shards(shards: dict[str, Path], dest: Path) -> dict[str, dict]:
-    """Hard-link each referenced shard into ``dest``; returns {link name: shard identity} for the manifest."""
-    out = {}
-    for link, src in sorted(shards.items()):
-        target = dest / link
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, target)
-        except OSError as e:
-            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                raise ArtifactError(
-                    f"{src}: cannot hard-link into {dest} ({e.strerror}); zero-copy export needs the artifact on the "
-                    "same filesystem as the checkpoint — choose another --out, or pass --copy-weights") from None
-            raise ArtifactError(f"{src}: cannot link into the artifact ({e.strerror})") from None
-        out[link] = shard_identity(target)
-    return out
+def shard_files(shards: dict[str, Path]) -> dict[str, dict]:
+    """Manifest entries for the referenced shards: {name: {"bytes", "header_sha256"}}."""
+    return {name: shard_identity(path) for name, path in sorted(shards.items())}
 
 
 def assemble(graph: ir.Graph, name: str, parts: list[tuple[tuple, ir.Value]], shape: tuple[int, ...]
@@ -139,11 +119,10 @@ def assemble(graph: ir.Graph, name: str, parts: list[tuple[tuple, ir.Value]], sh
     """Build ``name`` (of ``shape``) from pieces with Concat / Unsqueeze; returns the value and the new nodes."""
     nodes: list[ir.Node] = []
     counter = iter(range(1 << 30))
-
-    def const_axes(axis: int) -> ir.Value:
-        v = ir.Value(name=f"{name}.axes{next(counter)}", const_value=ir.tensor([axis], dtype=ir.DataType.INT64))
-        graph.register_initializer(v)
-        return v
+    axes = graph.initializers.get(AXES0)
+    if axes is None:
+        axes = ir.Value(name=AXES0, const_value=ir.tensor([0], dtype=ir.DataType.INT64))
+        graph.register_initializer(axes)
 
     def build(items: list[tuple[tuple, ir.Value]], depth_shape: tuple[int, ...]) -> ir.Value:
         if len(items) == 1 and items[0][0] == ():
@@ -158,7 +137,7 @@ def assemble(graph: ir.Graph, name: str, parts: list[tuple[tuple, ir.Value]], sh
             subs = []
             for i in range(depth_shape[0]):
                 sub = build(groups[i], depth_shape[1:])
-                node = ir.node("Unsqueeze", [sub, const_axes(0)], num_outputs=1,
+                node = ir.node("Unsqueeze", [sub, axes], num_outputs=1,
                                outputs=[ir.Value(name=f"{name}.u{next(counter)}")])
                 nodes.append(node)
                 subs.append(node.outputs[0])
@@ -181,5 +160,14 @@ def assemble(graph: ir.Graph, name: str, parts: list[tuple[tuple, ir.Value]], sh
         nodes.append(node)
         return node.outputs[0]
 
-    value = build(parts, shape)
-    return value, nodes
+    def cast(v: ir.Value, to: ir.DataType) -> ir.Value:
+        node = ir.node("Cast", [v], attributes={"to": to}, num_outputs=1, outputs=[ir.Value(name=f"{name}.t{next(counter)}")])
+        nodes.append(node)
+        return node.outputs[0]
+
+    fp8 = parts[0][1].const_value is not None and parts[0][1].const_value.dtype == ir.DataType.FLOAT8E4M3FN
+    if fp8 and len(parts) > 1:
+        # Concat takes no float8 in any opset: assemble in float16, which holds every E4M3 value exactly.
+        parts = [(idx, cast(v, ir.DataType.FLOAT16)) for idx, v in parts]
+        return cast(build(parts, shape), ir.DataType.FLOAT8E4M3FN), nodes
+    return build(parts, shape), nodes
