@@ -12,6 +12,7 @@ EXAMPLES = """\
   m3export export --checkpoint ckpt/tiny --out art/tiny-mx --weights mxfp8 --page-size 8
   m3export export --checkpoint ckpt/tiny --out art/tiny --force      # replace an existing artifact
   m3export export --checkpoint /data/MiniMax-M3-MXFP8 --in-place --dtype bfloat16   # zero copy, full size
+  m3export export --preset tiny --out art/tiny-split --split-layers 2                 # + model.part{0,1}.onnx
 """
 
 
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, metavar="N",
                    help="tokens per KV-cache page (static in the graphs; recorded in the manifest)")
     p.add_argument("--force", action="store_true", help="replace --out if it already holds files")
+    p.add_argument("--split-layers", type=int, metavar="N",
+                   help="also write the model as parts of N layers each (model.part{j}.onnx) for builders that "
+                        "cannot take the whole graph; the manifest's 'parts' says how they chain")
     p.add_argument("--in-place", action="store_true",
                    help="zero copy: write the graphs and manifest into the --checkpoint directory itself, referencing "
                         "the shards' bytes (ONNX Runtime only reads external data inside the model's directory); "
@@ -46,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
-                          page_size=args.page_size, force=args.force, in_place=args.in_place)
+                          page_size=args.page_size, force=args.force, in_place=args.in_place,
+                          split_layers=args.split_layers)
     print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -116,12 +116,15 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 
 def export_artifact(source: str, out: str | Path | None, dtype: str = "float32", weights: str | None = None,
-                    page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False) -> Path:
+                    page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False,
+                    split_layers: int | None = None) -> Path:
     """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``.
 
     From a checkpoint nothing is loaded: tensors stream one at a time into the artifact's weight file. With
     ``in_place`` the artifact *is* the checkpoint directory: graphs and manifest are added next to the shards and
     reference their bytes directly (zero copy); only tensors whose dtype must change are written.
+    ``split_layers`` N also writes the model as parts of N layers each (``model.part{j}.onnx``), for builders
+    that cannot take the whole graph; the manifest's ``parts`` says how they chain.
     """
     if dtype not in DTYPE_NAMES:
         raise ArtifactError(f"--dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
@@ -129,15 +132,19 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = "float32",
         raise ArtifactError(f"--weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if not isinstance(page_size, int) or page_size < 1:
         raise ArtifactError(f"--page-size must be a positive integer, got {page_size!r}")
+    if split_layers is not None and (not isinstance(split_layers, int) or split_layers < 1):
+        raise ArtifactError(f"--split-layers must be a positive integer, got {split_layers!r}")
     register_schemas()
+    opts = dict(dtype=DTYPE_NAMES[dtype], weights=weights, page_size=page_size, progress=progress,
+                split_layers=split_layers)
     if in_place:
-        return _export_in_place(source, DTYPE_NAMES[dtype], weights, page_size, force, progress)
+        return _export_in_place(source, force, **opts)
     out = Path(out).absolute()
     _prepare_out(out, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would otherwise become the artifact's mode
-        _export_into(tmp, source, DTYPE_NAMES[dtype], weights, page_size, progress, in_place=False)
+        _export_into(tmp, source, in_place=False, **opts)
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,8 +152,7 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = "float32",
     return out
 
 
-def _export_in_place(source: str, dtype: torch.dtype, weights: str | None, page_size: int, force: bool,
-                     progress: bool) -> Path:
+def _export_in_place(source: str, force: bool, **opts) -> Path:
     """Write the artifact's files into the checkpoint directory; existing files are never modified.
 
     Files are produced in a hidden temporary folder and moved next to the shards only when all are complete;
@@ -155,13 +161,13 @@ def _export_in_place(source: str, dtype: torch.dtype, weights: str | None, page_
     root = Path(source).absolute()
     if not root.is_dir():
         raise ArtifactError(f"--in-place needs a checkpoint directory, got {source!r}")
-    if weights == "mxfp8" and not open_checkpoint(root)[4]:
+    if opts["weights"] == "mxfp8" and not open_checkpoint(root)[4]:
         raise ArtifactError(f"{root}: --in-place cannot quantise an unquantised checkpoint to MXFP8")
     tmp = Path(tempfile.mkdtemp(prefix=".m3export-partial-", dir=root))
     moved: list[Path] = []
     try:
         tmp.chmod(0o755)
-        _export_into(tmp, str(root), dtype, weights, page_size, progress, in_place=True)
+        _export_into(tmp, str(root), in_place=True, **opts)
         clash = sorted(p.name for p in tmp.iterdir() if (root / p.name).exists())
         if clash and not force:
             raise ArtifactError(f"{root}: already holds {clash} (an earlier export?); pass --force to replace them")
@@ -228,7 +234,7 @@ def _streams_from_checkpoint(source: str, weights: str | None) -> bool:
 
 
 def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, page_size: int,
-                 progress: bool, in_place: bool) -> None:
+                 progress: bool, in_place: bool, split_layers: int | None) -> None:
     with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
         steps.set_postfix_str("weights")
         if _streams_from_checkpoint(source, weights):
@@ -236,12 +242,19 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
                                                                           progress)
         else:
             cfg, mxfp8, n_mtp, tensors, shards = _weights_from_model(tmp, source, dtype, weights, progress)
-        steps.total = 4 + n_mtp
+        steps.total = 4 + n_mtp + (-(-cfg.num_hidden_layers // split_layers) if split_layers else 0)
         steps.update(2)
 
         meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
         buffers = {"rotary.inv_freq": meta.rotary._inv_freq()}  # the only buffer; tiny, computed, not stored
         plans = [("model", "model.onnx", lambda: trace_step(meta, page_size), step_signature(meta).aliases)]
+        parts = []
+        if split_layers:
+            for j, start in enumerate(range(0, cfg.num_hidden_layers, split_layers)):
+                layers = range(start, min(start + split_layers, cfg.num_hidden_layers))
+                parts.append({"graph": f"model.part{j}", "layers": [layers.start, layers.stop]})
+                plans.append((f"model.part{j}", f"model.part{j}.onnx", (lambda r=layers: trace_step(meta, page_size, r)),
+                              step_signature(meta, layers).aliases))
         plans += [(f"mtp{k}", f"mtp{k}.onnx", (lambda k=k: trace_mtp(meta, k, page_size)),
                    mtp_signature().aliases) for k in range(n_mtp)]
         graphs = {}
@@ -263,7 +276,7 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
             config=cfg, dtype=str(dtype).removeprefix("torch."), mxfp8=mxfp8, page_size=page_size,
             mtp_modules=n_mtp, source=_describe(source),
             opset={"domain": DOMAIN, "version": OPSET_VERSION, "onnx_opset": ONNX_OPSET, "ops": dict(OPS)},
-            graphs=graphs, tensors=tensors, files=files, tools=_tools(),
+            graphs=graphs, tensors=tensors, files=files, tools=_tools(), parts=parts,
         )
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
         steps.update()

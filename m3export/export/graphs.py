@@ -38,22 +38,36 @@ def _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping) -> 
 
 
 class StepGraph(nn.Module):
-    """model.onnx: the main model over one flattened paged batch; caches in and out, per layer."""
+    """model.onnx (all layers), or one part of a split export (``model.part{j}.onnx``: a group of layers).
 
-    def __init__(self, model: M3ForCausalLM):
+    The first part takes ``input_ids``, later parts the residual stream ``hidden_in``; the last part applies the
+    final norm and lm_head (``logits``, ``hidden``), earlier ones hand on ``hidden_out``. Caches in and out, per layer.
+    """
+
+    def __init__(self, model: M3ForCausalLM, layers: range | None = None):
         super().__init__()
         setattr(self, ROOT, model)
-        self.cache_arity = [len(s) for s in model.cache_shapes(1, 1)]
+        n = model.config.num_hidden_layers
+        self.layers = layers or range(n)
+        self.first, self.last = self.layers.start == 0, self.layers.stop == n
+        arity = [len(s) for s in model.cache_shapes(1, 1)]
+        self.cache_arity = [arity[i] for i in self.layers]
 
-    def forward(self, input_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping, logits_indices,
-                *pools):
+    def forward(self, x, positions, query_start_loc, seq_lens, block_tables, slot_mapping, *rest):
+        logits_indices, pools = (rest[0], rest[1:]) if self.last else (None, rest)
         caches, i = [], 0
         for n in self.cache_arity:
             caches.append(tuple(pools[i:i + n]))
             i += n
         batch = _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
-        out = getattr(self, ROOT).step(input_ids, batch, caches, logits_indices, inplace=False)
-        return (out.logits.float(), out.hidden, *(p for layer in out.caches for p in layer), *out.selections)
+        m = getattr(self, ROOT)
+        h = m.model.embed_tokens(x) if self.first else x
+        h, caches, selections = m.run_layers(h, batch, caches, self.layers, inplace=False)
+        pools_out = (p for layer in caches for p in layer)
+        if not self.last:
+            return (h, *pools_out, *selections)
+        logits, hidden = m.head(h, logits_indices)
+        return (logits.float(), hidden, *pools_out, *selections)
 
 
 class MTPGraph(nn.Module):
@@ -82,10 +96,14 @@ class GraphSignature:
     aliases: dict[str, str]  # cache output -> the cache input it updates in place
 
 
-def step_signature(model: M3ForCausalLM) -> GraphSignature:
+def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSignature:
     cfg = model.config
-    ins, outs, aliases, sel = ["input_ids", *BATCH_INPUTS], ["logits", "hidden"], {}, []
-    for i in range(cfg.num_hidden_layers):
+    layers = layers or range(cfg.num_hidden_layers)
+    first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
+    batch = BATCH_INPUTS if last else tuple(b for b in BATCH_INPUTS if b != "logits_indices")
+    ins = ["input_ids" if first else "hidden_in", *batch]
+    outs, aliases, sel = (["logits", "hidden"] if last else ["hidden_out"]), {}, []
+    for i in layers:
         names = ["k_cache", "v_cache"] + (["index_k_cache"] if cfg.is_sparse_layer(i) else [])
         for n in names:
             ins.append(f"{n}.{i}")
@@ -132,12 +150,23 @@ def _dynamic_batch(T, B, N, MP):
     return ({0: T}, {0: B + 1}, {0: B}, {0: B, 1: MP}, {0: T}, {0: N})
 
 
-def trace_step(model: M3ForCausalLM, page_size: int) -> ir.Model:
+def trace_step(model: M3ForCausalLM, page_size: int, layers: range | None = None) -> ir.Model:
+    """The whole model, or (``layers``) one part of a split export."""
+    layers = layers or range(model.config.num_hidden_layers)
+    graph = StepGraph(model, layers)
     ids, batch, pools = _example(model, page_size, "main")
+    arity = [len(s) for s in model.cache_shapes(1, 1)]
+    first_pool = sum(arity[:layers.start])
+    pools = pools[first_pool:first_pool + sum(graph.cache_arity)]
     T, B, N, P, MP = _dims()
-    shapes = ({0: T}, *_dynamic_batch(T, B, N, MP), tuple({0: P} for _ in pools))
-    sig = step_signature(model)
-    return _export(StepGraph(model), (ids.to("meta"), *batch, *pools), shapes, sig)
+    dyn = _dynamic_batch(T, B, N, MP)
+    x = ids.to("meta") if graph.first else torch.empty(
+        (ids.numel(), model.config.hidden_size), dtype=pools[0].dtype, device="meta")
+    if not graph.last:
+        batch, dyn = batch[:-1], dyn[:-1]  # logits_indices belongs to the part with the head
+    rest = dyn[5:] + tuple({0: P} for _ in pools)  # forward(x, 5 batch tensors, *rest)
+    shapes = ({0: T}, *dyn[:5], rest)
+    return _export(graph, (x, *batch, *pools), shapes, step_signature(model, layers))
 
 
 def trace_mtp(model: M3ForCausalLM, k: int, page_size: int) -> ir.Model:

@@ -8,7 +8,7 @@ parameter's bytes are, and the checksum of every file. It carries no timestamps,
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,8 @@ class Manifest:
     tensors: dict[str, ParamEntry]
     files: dict[str, dict[str, Any]]  # name -> {"sha256": ..., "bytes": ...}
     tools: dict[str, str]
+    # split export: the graphs that together equal "model", in order, with their layer ranges
+    parts: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -105,6 +107,7 @@ class Manifest:
             "tensors": {k: e.to_json() for k, e in self.tensors.items()},
             "files": self.files,
             "tools": self.tools,
+            "parts": self.parts,
         }
 
     @classmethod
@@ -148,4 +151,21 @@ class Manifest:
             config=config, dtype=field("dtype", str), mxfp8=field("mxfp8", bool), page_size=page_size,
             mtp_modules=field("mtp_modules", int), source=field("source", str), opset=field("opset", dict),
             graphs=graphs, tensors=tensors, files=field("files", dict), tools=field("tools", dict),
+            parts=_parts(raw.get("parts", []), graphs, config.num_hidden_layers, where),
         )
+
+
+def _parts(parts: Any, graphs: dict[str, GraphInfo], n_layers: int, where: str) -> list[dict[str, Any]]:
+    """Parts must name existing graphs and tile the layers in order (each part's hidden feeds the next)."""
+    if not isinstance(parts, list):
+        raise ArtifactError(f"{where}: field 'parts' must be a list")
+    end = 0
+    for p in parts:
+        if not isinstance(p, dict) or p.get("graph") not in graphs or not isinstance(p.get("layers"), list):
+            raise ArtifactError(f"{where}: malformed part {p!r}")
+        if p["layers"][0] != end:
+            raise ArtifactError(f"{where}: part {p['graph']} starts at layer {p['layers'][0]}, expected {end}")
+        end = p["layers"][1]
+    if parts and end != n_layers:
+        raise ArtifactError(f"{where}: parts cover layers [0, {end}) of {n_layers}")
+    return parts

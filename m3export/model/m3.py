@@ -68,17 +68,28 @@ class M3ForCausalLM(nn.Module):
     def step(self, input_ids: torch.Tensor, batch: Batch, caches: list, logits_indices: torch.Tensor | None = None,
              inplace: bool = True) -> StepOutput:
         """One forward over a flattened mixed batch; writes the new tokens' K/V/index keys into the pools."""
-        h = self.model.embed_tokens(input_ids)
+        h, new_caches, selections = self.run_layers(self.model.embed_tokens(input_ids), batch, caches,
+                                                    range(len(self.model.layers)), inplace)
+        logits, hidden = self.head(h, logits_indices)
+        return StepOutput(logits, hidden, new_caches, selections)
+
+    def run_layers(self, h: torch.Tensor, batch: Batch, caches: list, layers: range, inplace: bool = True):
+        """Decoder layers ``layers`` on the residual stream h [T, H] (``caches`` are those layers' pools, in order);
+        one group of layers is what a split export puts in one graph."""
         cos, sin = self.rotary(batch.positions, h.dtype)
         new_caches, selections = [], []
-        for layer, cache in zip(self.model.layers, caches):
-            h, cache, sel = layer(h, cos, sin, batch, cache, inplace)
+        for i, cache in zip(layers, caches):
+            h, cache, sel = self.model.layers[i](h, cos, sin, batch, cache, inplace)
             new_caches.append(cache)
             if sel is not None:
                 selections.append(sel)
+        return h, new_caches, selections
+
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor | None = None):
+        """Final norm + lm_head -> (logits at logits_indices (all tokens if None), final-normed hidden [T, H])."""
         hidden = self.model.norm(h)
         picked = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
-        return StepOutput(self.lm_head(picked), hidden, new_caches, selections)
+        return self.lm_head(picked), hidden
 
     def mtp_step(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache,
                  logits_indices: torch.Tensor | None = None, inplace: bool = True):

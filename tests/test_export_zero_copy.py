@@ -1,0 +1,131 @@
+"""Zero-copy export at real per-layer dimensions from a sparse checkpoint (the full-size path, scaled down)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import onnx
+import pytest
+import torch
+from safetensors import safe_open
+
+from m3export.checkpoint.layout import Layout
+from m3export.checkpoint.shards import Checkpoint
+from m3export.checkpoint.sparse import write_sparse_checkpoint
+from m3export.config import preset
+from m3export.errors import ArtifactError, CheckpointError
+from m3export.export.artifact import load_artifact
+from m3export.export.exporter import export_artifact
+from m3export.export.weights import read_tensor
+
+CFG = preset("mini").replace(num_local_experts=8, num_experts_per_tok=2)
+SAMPLES = (
+    "language_model.model.layers.2.block_sparse_moe.experts.3.w1.weight",
+    "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight_scale_inv",
+    "language_model.model.layers.1.self_attn.index_q_proj.weight",
+    "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts.7.w2.weight",
+    "language_model.model.norm.weight",
+)
+
+
+def _fill(ckpt_dir, names):
+    """Give a few tensors real random bytes (the rest stay holes), so reading both sides compares something."""
+    ck = Checkpoint(ckpt_dir)
+    g = torch.Generator().manual_seed(0)
+    for name in names:
+        info = ck.tensors[name]
+        data = torch.randint(1, 120, (info.length,), generator=g, dtype=torch.uint8).numpy().tobytes()
+        with open(info.file, "r+b") as f:
+            f.seek(info.offset)
+            f.write(data)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zc") / "ckpt"
+    write_sparse_checkpoint(root, CFG, "original", "mxfp8", shard_bytes=1 << 30)
+    _fill(root, SAMPLES)
+    export_artifact(str(root), None, dtype="bfloat16", in_place=True, progress=False)
+    return root
+
+
+def test_nothing_copied(exported):
+    files = json.loads((exported / "manifest.json").read_text())["files"]
+    shards = {n for n, f in files.items() if "header_sha256" in f}
+    assert shards == {p.name for p in exported.glob("model-*.safetensors")}
+    written = sum(f["bytes"] for n, f in files.items() if n not in shards)
+    assert not (exported / "weights.safetensors").exists()  # MXFP8 + bf16 + fp32 router: every dtype matches
+    assert written < 2_000_000  # graphs only
+    # sparse files: the checkpoint data regions are still holes, so the export wrote no tensor bytes
+    assert sum(os.stat(p).st_blocks * 512 for p in exported.iterdir()) < 200_000_000
+
+
+def test_references_point_at_exactly_their_tensor(exported):
+    art = load_artifact(exported)
+    ck = Checkpoint(exported)
+    by_range = {(i.file.name, i.offset): i for i in ck.tensors.values()}
+    layout = Layout("original", art.config)
+    for pname, entry in art.manifest.tensors.items():
+        pieces = layout.pieces(pname)
+        assert len(pieces) == len(entry.pieces), pname
+        for want, got in zip(pieces, entry.pieces):
+            info = by_range[(got.entry.file, got.entry.offset)]
+            assert info.name == want.name and info.length == got.entry.length
+            assert tuple(info.shape) == tuple(got.entry.shape) and got.torch_index() == want.index
+    # read a sample through the artifact and through safetensors: same (non-zero) values
+    for name in SAMPLES:
+        info = ck.tensors[name]
+        with safe_open(str(info.file), "pt") as f:
+            want = f.get_tensor(name)
+        entry = next(pc.entry for e in art.manifest.tensors.values() for pc in e.pieces
+                     if (pc.entry.file, pc.entry.offset) == (info.file.name, info.offset))
+        got = read_tensor(exported, name, entry)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert got.view(torch.uint8).any()
+
+
+def test_checker_passes_without_loading_external_data(exported):
+    for graph in ("model.onnx", "mtp0.onnx"):
+        path = exported / graph
+        onnx.checker.check_model(str(path), full_check=True)  # a path: external data is located, never loaded
+        m = onnx.load(str(path), load_external_data=False)
+        ext = [t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert ext and all({kv.key for kv in t.external_data} >= {"location", "offset", "length"} for t in ext)
+        fp8 = [t for t in ext if t.data_type == onnx.TensorProto.FLOAT8E4M3FN]
+        assert fp8  # MXFP8 stays MXFP8 in the graph
+        assert path.stat().st_size < 2_000_000
+
+
+def test_replaced_shard_is_detected(exported, tmp_path):
+    copy = tmp_path / "c"
+    shutil.copytree(exported, copy)
+    shard = sorted(copy.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes()[:4096])
+    data[12] ^= 1
+    with open(shard, "r+b") as f:
+        f.write(bytes(data))
+    with pytest.raises(ArtifactError, match="header differs from the one exported"):
+        load_artifact(copy)
+
+
+def test_truncated_or_inconsistent_shard_gives_clear_error(tmp_path):
+    cfg = CFG.replace(num_hidden_layers=2, layer_types=CFG.layer_types[:2], mlp_layer_types=CFG.mlp_layer_types[:2])
+    root = write_sparse_checkpoint(tmp_path / "t", cfg, "original", "mxfp8", shard_bytes=1 << 29)
+    shard = sorted(root.glob("model-*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size - 1)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor .* ends at byte \d+ but the file has"):
+        export_artifact(str(root), None, dtype="bfloat16", in_place=True, progress=False)
+    assert not (root / "manifest.json").exists() and not list(root.glob("*.onnx"))
+
+    root2 = write_sparse_checkpoint(tmp_path / "u", cfg, "original", "mxfp8", shard_bytes=1 << 29)
+    idx = root2 / "model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    name = "language_model.model.norm.weight"
+    other = next(f for f in sorted(set(data["weight_map"].values())) if f != data["weight_map"][name])
+    data["weight_map"][name] = other
+    idx.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="but that shard does not hold it"):
+        export_artifact(str(root2), None, dtype="bfloat16", in_place=True, progress=False)
+    assert not list(root2.glob("*.onnx"))
