@@ -30,7 +30,11 @@ from .zero_copy import assemble
 
 BATCH_INPUTS = ("positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 ROOT = "m3"  # attribute under which the wrappers hold the model; stripped from initializer names
-IR_VERSION = 10  # ORT 1.30 / 1.31 reject the IR 11+ that onnx 1.23 writes by default
+IR_VERSION = 10
+# onnxscript's default rewrites minus those whose pattern has several output nodes: their matcher tries node
+# combinations across the whole graph (quadratic: hours at 60 layers) and none of them applies to M3 anyway.
+_REWRITE_RULES = [r for r in onnxscript.rewriter._DEFAULT_REWRITE_RULES if r._target_pattern.has_single_output_node]
+PIECED = "pieced"  # location of a multi-piece parameter's stand-in while the graph is optimised (never written)  # ORT 1.30 / 1.31 reject the IR 11+ that onnx 1.23 writes by default
 
 
 def _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping) -> Batch:
@@ -205,7 +209,7 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     prefix = ROOT + "."
     graph = model.graph
     frozen: set[str] = set()
-    assembly: list[ir.Node] = []
+    pieced: list[str] = []
     for old, value in list(graph.initializers.items()):
         name = old[len(prefix):] if old.startswith(prefix) else old
         del graph.initializers[old]
@@ -213,30 +217,23 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
             value.const_value = ir.Tensor(buffers[name].numpy(), name=name)
         elif name not in weights:
             raise ValueError(f"initializer {old!r} is neither a parameter in the weight file nor a known buffer")
-        elif weights[name].single is not None:
-            value.const_value = _external(weights[name].single, name, base_dir)
-            frozen.add(name)
         else:
-            parts = []
-            for j, piece in enumerate(weights[name].pieces):
-                pv = ir.Value(name=f"{name}.piece{j}", const_value=_external(piece.entry, f"{name}.piece{j}", base_dir))
-                graph.register_initializer(pv)
-                frozen.add(pv.name)
-                parts.append((piece.index, pv))
-            assembled, nodes = assemble(graph, name, parts, weights[name].shape)
-            assembly += nodes
-            value.replace_all_uses_with(assembled)
-            continue
+            e = weights[name]
+            # A multi-piece parameter keeps a whole-tensor stand-in while the graph is optimised (cheap passes on
+            # a small graph); its Concat assembly, thousands of nodes at full size, is put in afterwards.
+            stand_in = e.single or TensorEntry(PIECED, 0, 0, e.dtype, e.shape)
+            value.const_value = _external(stand_in, name, base_dir)
+            frozen.add(name)
+            if e.single is None:
+                pieced.append(name)
         value.name = name
         graph.register_initializer(value)
-    if assembly:
-        graph.insert_before(graph.node(0), assembly)
 
     def should_fold(node: ir.Node) -> bool | None:
         return False if any(v is not None and v.name in frozen for v in node.inputs) else None
 
     onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
-    onnxscript.rewriter.rewrite(model)  # the slow pass (a few seconds per graph): run it once
+    onnxscript.rewriter.rewrite(model, pattern_rewrite_rules=_REWRITE_RULES)
     onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
     ir.passes.Sequential(
         common_passes.RemoveUnusedNodesPass(),
@@ -245,6 +242,7 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
         common_passes.ClearMetadataAndDocStringPass(),  # stack traces name local source paths
         common_passes.NameFixPass(),
     )(model)
+    _assemble_pieces(graph, {n: weights[n] for n in pieced}, base_dir)
     used = {n.op_type for n in graph.all_nodes() if n.domain == "m3"}
     for fn in functions_for(used):
         f = ir.serde.deserialize_function(fn)
@@ -252,6 +250,24 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     model.ir_version = IR_VERSION
     model.producer_name, model.producer_version = "m3export", _version()
     return ir.serde.serialize_model(model)
+
+
+def _assemble_pieces(graph: ir.Graph, pieced: dict[str, ParamEntry], base_dir: Path) -> None:
+    """Replace each multi-piece stand-in by its pieces (initializers pointing at the checkpoint) and the
+    Concat / Unsqueeze nodes that rebuild it, placed first in the graph."""
+    assembly: list[ir.Node] = []
+    for name, entry in pieced.items():
+        stand_in = graph.initializers.pop(name)
+        parts = []
+        for j, piece in enumerate(entry.pieces):
+            pv = ir.Value(name=f"{name}.piece{j}", const_value=_external(piece.entry, f"{name}.piece{j}", base_dir))
+            graph.register_initializer(pv)
+            parts.append((piece.index, pv))
+        assembled, nodes = assemble(graph, name, parts, entry.shape)
+        assembly += nodes
+        stand_in.replace_all_uses_with(assembled)
+    if assembly:
+        graph.insert_before(graph.node(0), assembly)
 
 
 def _external(e: TensorEntry, name: str, base_dir: Path) -> ir.ExternalTensor:
