@@ -5,63 +5,17 @@ The tiny preset (index blocks of 4 tokens, top-3 blocks) exercises block selecti
 runs in float64 so that comparisons of argmax decisions are not at the mercy of fp32 rounding.
 """
 
-import functools
 import logging
 
 import pytest
 import torch
 
-from m3export.config import preset
-from m3export.model import M3ForCausalLM
 from m3export.runtime import Engine, SamplingParams
 from m3export.runtime.backends.torch_backend import TorchBackend
 
+from .runtime_fixtures import model, prompts, reference, tiny_model  # noqa: F401  (fixtures)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's matrices are too small for OpenMP to pay off, and on a busy 2-core machine its barriers
-    stall for whole scheduler slices (measured: 0.3 s with 1 thread, 4-11 s with 2, same work)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model(num_mtp_modules=None, seed=0) -> M3ForCausalLM:
-    torch.manual_seed(seed)
-    model = M3ForCausalLM(preset("tiny"), num_mtp_modules=num_mtp_modules).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    return model.double()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    """Greedy continuation by full recomputation (``model(ids)`` on the whole sequence at every token)."""
-
-    @functools.cache
-    def run(prompt: tuple, n: int) -> list[int]:
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(n):
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-        return ids[len(prompt):]
-
-    return run
-
-
-def prompts(n, seed, lo=1, hi=40):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
-    return [torch.randint(0, 256, (length,), generator=g).tolist() for length in lengths]
 
 
 def engine(model, **kw) -> Engine:

@@ -10,56 +10,14 @@ import functools
 import pytest
 import torch
 
-from m3export.config import preset
-from m3export.model import Batch, M3ForCausalLM
+from m3export.model import Batch
 from m3export.runtime import Engine, SamplingParams
 from m3export.runtime.backends.torch_backend import TorchBackend
 from m3export.runtime.drafter import Drafter, MTPDrafter
 
+from .runtime_fixtures import model, prompts, reference, tiny_model  # noqa: F401  (fixtures)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's matrices are too small for OpenMP to pay off, and on a busy 2-core machine its barriers
-    stall for whole scheduler slices (measured: 0.3 s with 1 thread, 4-11 s with 2, same work)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model(num_mtp_modules=None, seed=0) -> M3ForCausalLM:
-    torch.manual_seed(seed)
-    model = M3ForCausalLM(preset("tiny"), num_mtp_modules=num_mtp_modules).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    return model.double()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    @functools.cache
-    def run(prompt: tuple, n: int) -> list[int]:
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(n):
-                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-        return ids[len(prompt):]
-
-    return run
-
-
-def prompts(n, seed, lo=1, hi=36):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
-    return [torch.randint(0, 256, (length,), generator=g).tolist() for length in lengths]
 
 
 def engine(model, k, **kw) -> Engine:
@@ -70,7 +28,7 @@ def engine(model, k, **kw) -> Engine:
 
 @pytest.mark.parametrize("k, page_size, budget", [(1, 4, 64), (2, 8, 64), (3, 4, 6)])
 def test_greedy_identical_with_and_without_mtp(model, reference, k, page_size, budget):
-    ps = prompts(5, seed=k)
+    ps = prompts(5, seed=k, hi=36)
     eng = engine(model, k, page_size=page_size, max_num_batched_tokens=budget)
     outs = eng.generate(ps, GREEDY)
     for p, o in zip(ps, outs):
@@ -185,7 +143,7 @@ class OracleDrafter(Drafter):
 
 @pytest.mark.parametrize("corrupt_every", [0, 2])
 def test_multi_accept_bonus_and_rollback(model, reference, corrupt_every):
-    ps = prompts(4, seed=5 + corrupt_every)
+    ps = prompts(4, seed=5 + corrupt_every, hi=36)
     eng = engine(model, 4, drafter=OracleDrafter(reference, corrupt_every))
     outs = eng.generate(ps, GREEDY)
     for p, o in zip(ps, outs):
@@ -203,7 +161,7 @@ def test_multi_accept_bonus_and_rollback(model, reference, corrupt_every):
 def test_sampling_with_speculation_is_seeded_and_batch_independent(model, reference, drafter):
     """Sampled drafts (MTP, with their distributions) and greedy ones (oracle, one-hot p_d) both go through
     rejection sampling; either way a seeded request's tokens do not depend on its batch."""
-    ps = prompts(4, seed=77)
+    ps = prompts(4, seed=77, hi=36)
     params = [SamplingParams(temperature=0.9, top_k=40, seed=9 + i, max_tokens=12, ignore_eos=True)
               for i in range(len(ps))]
 
