@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("synth", "export", "verify", "generate", "triton_repo", "build_engine", "demo")
+COMMANDS = ("synth", "export", "verify", "generate", "triton_repo", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,12 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod_name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"m3export.commands.{mod_name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"m3export.commands.{mod_name}":
-                raise
-            continue
+        mod = importlib.import_module(f"m3export.commands.{mod_name}")
         p = sub.add_parser(
             mod.NAME, help=mod.HELP, description=mod.HELP, epilog="examples:\n" + mod.EXAMPLES,
             formatter_class=argparse.RawDescriptionHelpFormatter,
