@@ -127,7 +127,7 @@ def test_weights_are_external_and_match_the_tensor_map(tiny_artifact):
                 assert init.data_location != onnx.TensorProto.EXTERNAL  # small constants stay inline
                 continue
             seen.add(init.name)
-            e = art.manifest.tensors[init.name]
+            e = art.manifest.tensors[init.name].single
             ext = {kv.key: kv.value for kv in init.external_data}
             assert init.data_location == onnx.TensorProto.EXTERNAL
             assert ext == {"location": e.file, "offset": str(e.offset), "length": str(e.length)}

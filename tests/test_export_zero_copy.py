@@ -129,3 +129,19 @@ def test_truncated_or_inconsistent_shard_gives_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="but that shard does not hold it"):
         export_artifact(str(root2), None, dtype="bfloat16", in_place=True, progress=False)
     assert not list(root2.glob("*.onnx"))
+
+
+def test_in_place_export_again_needs_force_and_keeps_the_checkpoint_loadable(tmp_path):
+    import m3export
+    from m3export.checkpoint.writer import write_checkpoint
+
+    root = write_checkpoint(tmp_path / "c", preset("tiny"), "original", "mxfp8", progress=False)  # one shard
+    before = {p.name: p.read_bytes() for p in root.iterdir()}
+    export_artifact(str(root), None, in_place=True, progress=False)  # fp32 graphs: norms etc. converted
+    assert (root / "weights.safetensors").exists()
+    with pytest.raises(ArtifactError, match="already holds .* pass --force"):
+        export_artifact(str(root), None, in_place=True, progress=False)
+    export_artifact(str(root), None, in_place=True, force=True, progress=False)
+    assert all((root / n).read_bytes() == b for n, b in before.items())  # the checkpoint's files untouched
+    assert m3export.load_model(root, progress=False).mxfp8  # our weight file is not mistaken for a shard
+    assert load_artifact(root).manifest.mxfp8

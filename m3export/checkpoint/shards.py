@@ -108,10 +108,20 @@ class Checkpoint:
             self.weight_map = self._read_index(index)
             return sorted({self.dir / f for f in self.weight_map.values()})
         self.weight_map = None
-        shards = sorted(self.dir.glob("*.safetensors"))
+        single = self.dir / "model.safetensors"
+        shards = [single] if single.exists() else sorted(set(self.dir.glob("*.safetensors")) - self._artifact_files())
         if not shards:
             raise CheckpointError(f"{self.dir}: no *.safetensors files and no {INDEX_FILE}")
         return shards
+
+    def _artifact_files(self) -> set[Path]:
+        """Files an in-place m3export artifact added to this directory (its own weight file is no shard)."""
+        manifest = self.dir / "manifest.json"
+        try:
+            files = json.loads(manifest.read_text()).get("files", {}) if manifest.exists() else {}
+        except (OSError, json.JSONDecodeError, AttributeError):
+            return set()
+        return {self.dir / name for name, meta in files.items() if isinstance(meta, dict) and "sha256" in meta}
 
     def _read_index(self, index: Path) -> dict[str, str]:
         try:

@@ -161,8 +161,6 @@ def _export_in_place(source: str, force: bool, **opts) -> Path:
     root = Path(source).absolute()
     if not root.is_dir():
         raise ArtifactError(f"--in-place needs a checkpoint directory, got {source!r}")
-    if opts["weights"] == "mxfp8" and not open_checkpoint(root)[4]:
-        raise ArtifactError(f"{root}: --in-place cannot quantise an unquantised checkpoint to MXFP8")
     tmp = Path(tempfile.mkdtemp(prefix=".m3export-partial-", dir=root))
     moved: list[Path] = []
     try:
@@ -175,19 +173,14 @@ def _export_in_place(source: str, force: bool, **opts) -> Path:
             p.replace(root / p.name)
             moved.append(root / p.name)
         tmp.rmdir()
-        for graph in load_artifact_graph_files(root):
-            _check_graph(root / graph)
+        for graph in json.loads((root / MANIFEST).read_text())["graphs"].values():
+            _check_graph(root / graph["file"])
     except BaseException:
         for p in moved:
             p.unlink(missing_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return root
-
-
-def load_artifact_graph_files(root: Path) -> list[str]:
-    manifest = json.loads((root / MANIFEST).read_text())
-    return [g["file"] for g in manifest["graphs"].values()]
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -201,51 +194,46 @@ def _replace(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _weights_from_model(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, progress: bool):
+def _weights_from_model(tmp: Path, model: M3ForCausalLM, progress: bool) -> dict[str, ParamEntry]:
     """Presets (and MXFP8 exports of unquantised checkpoints): the weights exist only in memory; write them."""
-    model = load_source(source, dtype, weights, progress)
     state = model.state_dict()
     written = write_safetensors(tmp / WEIGHTS_FILE, ((k, v.dtype, tuple(v.shape)) for k, v in state.items()),
                                 state.__getitem__, progress)
-    return model.config, model.mxfp8, len(model.mtp), {k: ParamEntry.whole(e) for k, e in written.items()}, {}
+    return {k: ParamEntry.whole(e) for k, e in written.items()}
 
 
-def _weights_from_checkpoint(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, zero_copy: bool,
-                             progress: bool):
+def _weights_from_checkpoint(tmp: Path, ckpt, layout, meta: M3ForCausalLM, zero_copy: bool, progress: bool):
     """Checkpoints: nothing is loaded. With ``zero_copy`` pieces already in the graph's dtype are referenced where
     they are; every other piece is converted (or copied) one checkpoint tensor at a time."""
-    ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(source)
-    mxfp8 = quantized and weights != "bf16"
-    meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
     wp = zero_copy_plan(ckpt, layout, meta, WEIGHTS_FILE, zero_copy)
     targets = {name: dt for name, dt, _ in wp.convert}
     written = write_safetensors(tmp / WEIGHTS_FILE, wp.convert, lambda n: converted_value(ckpt, n, targets[n]),
                                 progress) if wp.convert else {}
-    return cfg, mxfp8, n_mtp, resolve(wp, written), shard_files(wp.shards)
-
-
-def _streams_from_checkpoint(source: str, weights: str | None) -> bool:
-    """Every checkpoint export streams, except an MXFP8 export of an unquantised checkpoint (needs quantising)."""
-    if source in PRESETS and not Path(source).is_dir():
-        return False
-    if weights != "mxfp8":
-        return True
-    return open_checkpoint(source)[4]
+    return resolve(wp, written), shard_files(wp.shards)
 
 
 def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, page_size: int,
                  progress: bool, in_place: bool, split_layers: int | None) -> None:
     with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
         steps.set_postfix_str("weights")
-        if _streams_from_checkpoint(source, weights):
-            cfg, mxfp8, n_mtp, tensors, shards = _weights_from_checkpoint(tmp, source, dtype, weights, in_place,
-                                                                          progress)
+        opened = None if (source in PRESETS and not Path(source).is_dir()) else open_checkpoint(source)
+        if opened is not None and (weights != "mxfp8" or opened[4]):
+            # every checkpoint export streams, except an MXFP8 export of an unquantised checkpoint (quantising)
+            ckpt, cfg, layout, n_mtp, quantized = opened
+            mxfp8 = quantized and weights != "bf16"
+            meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
+            tensors, shards = _weights_from_checkpoint(tmp, ckpt, layout, meta, in_place, progress)
+        elif in_place:
+            raise ArtifactError(f"{source}: --in-place cannot quantise an unquantised checkpoint to MXFP8")
         else:
-            cfg, mxfp8, n_mtp, tensors, shards = _weights_from_model(tmp, source, dtype, weights, progress)
+            model = load_source(source, dtype, weights, progress)
+            cfg, mxfp8, n_mtp = model.config, model.mxfp8, len(model.mtp)
+            tensors, shards = _weights_from_model(tmp, model, progress), {}
+            del model  # the graphs are traced from a meta twin; the weights are on disk now
+            meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
         steps.total = 4 + n_mtp + (-(-cfg.num_hidden_layers // split_layers) if split_layers else 0)
         steps.update(2)
 
-        meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
         buffers = {"rotary.inv_freq": meta.rotary._inv_freq()}  # the only buffer; tiny, computed, not stored
         plans = [("model", "model.onnx", lambda: trace_step(meta, page_size), step_signature(meta).aliases)]
         parts = []

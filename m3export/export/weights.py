@@ -99,12 +99,6 @@ class ParamEntry:
         """The one range holding the whole parameter, or None when it is assembled from pieces."""
         return self.pieces[0].entry if len(self.pieces) == 1 and self.pieces[0].index == () else None
 
-    def __getattr__(self, attr: str):
-        # file / offset / length of a single-range parameter, so callers of plain entries keep working
-        if attr in ("file", "offset", "length") and self.single is not None:
-            return getattr(self.single, attr)
-        raise AttributeError(attr)
-
     @property
     def torch_dtype(self) -> torch.dtype:
         return BY_NAME[self.dtype]
