@@ -1,20 +1,9 @@
 """``m3export generate`` and ``Engine.from_checkpoint`` on the tiny preset (deterministic random weights)."""
 
 import pytest
-import torch
 
 from m3export.cli import main
 from m3export.runtime import Engine, SamplingParams
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's matrices are too small for OpenMP to pay off, and on a busy 2-core machine its barriers
-    stall for whole scheduler slices (measured: 0.3 s with 1 thread, 4-11 s with 2, same work)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_generate_streams_ids_and_reports_stats(capsys):

@@ -4,29 +4,12 @@ import pytest
 import torch
 
 from m3export.errors import BackendUnavailable
+from m3export.export.exporter import export_artifact
 from m3export.runtime import Engine, SamplingParams
-
-try:
-    from m3export.export.exporter import export_artifact
-except ImportError as e:  # the exporter is developed in parallel; these tests wait for it
-    export_artifact = None
-    REASON = f"m3export.export cannot produce an artifact yet ({e})"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model's matrices are too small for OpenMP to pay off, and on a busy 2-core machine its barriers
-    stall for whole scheduler slices (measured: 0.3 s with 1 thread, 4-11 s with 2, same work)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    if export_artifact is None:
-        pytest.skip(REASON)
     return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny", page_size=4, progress=False)
 
 
