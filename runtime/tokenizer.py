@@ -37,9 +37,7 @@ def find_tokenizer(source: str | Path, config: M3Config) -> TextTokenizer | None
         file = path / "tokenizer.json"
         return TextTokenizer.from_file(file) if file.exists() else None
     if str(source) == "tiny":
-        try:
-            from ..tokenizer import byte_level_tokenizer
-        except ImportError:
-            return None
+        from ..tokenizer import byte_level_tokenizer
+
         return TextTokenizer(byte_level_tokenizer(config))
     return None
