@@ -129,21 +129,16 @@ def test_unexpected_tensor(ckpts, tmp_path):
         m3export.load_model(d, progress=False)
 
 
-def test_shape_mismatch(ckpts, tmp_path):
+@pytest.mark.parametrize("bad, match", [
+    (torch.zeros(63, dtype=torch.bfloat16), r"{shard}: tensor '{name}' has shape \[63\], expected \[64\]"),
+    (torch.zeros(64, dtype=torch.int32), r"tensor '{name}' has dtype torch.int32, expected a floating"),
+], ids=["shape", "dtype"])
+def test_shape_or_dtype_mismatch(ckpts, tmp_path, bad, match):
     d = _copy(ckpts["original", "bf16"], tmp_path / "c")
     name = "language_model.model.norm.weight"
     shard = d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
-    _rewrite(shard, lambda t: t.update({name: torch.zeros(63, dtype=torch.bfloat16)}))
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{name}' has shape \[63\], expected \[64\]"):
-        m3export.load_model(d, progress=False)
-
-
-def test_dtype_mismatch(ckpts, tmp_path):
-    d = _copy(ckpts["original", "bf16"], tmp_path / "c")
-    name = "language_model.model.norm.weight"
-    shard = d / json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
-    _rewrite(shard, lambda t: t.update({name: torch.zeros(64, dtype=torch.int32)}))
-    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype torch.int32, expected a floating"):
+    _rewrite(shard, lambda t: t.update({name: bad}))
+    with pytest.raises(CheckpointError, match=match.format(shard=shard.name, name=name)):
         m3export.load_model(d, progress=False)
 
 

@@ -15,10 +15,11 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
                    ) -> Backend:
     """The backend ``name`` running the exported artifact directory ``artifact``."""
     if name == "torch":
-        from ...export.artifact import load_torch_model
+        from ...export.artifact import load_artifact, load_torch_model
         from .torch_backend import TorchBackend
 
-        return TorchBackend(load_torch_model(artifact, device, dtype))
+        # Start-up checks structure and sizes; hashing every weight byte is `m3export verify`'s job.
+        return TorchBackend(load_torch_model(load_artifact(artifact, verify_checksums=False), device, dtype))
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
 
