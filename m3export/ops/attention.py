@@ -40,8 +40,7 @@ def _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positi
     return out
 
 
-@torch.library.custom_op("m3::paged_attention", mutates_args=())
-def paged_attention(
+def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -55,13 +54,15 @@ def paged_attention(
     return _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, None, 1)
 
 
+paged_attention = torch.library.custom_op("m3::paged_attention", paged_attention_reference, mutates_args=())
+
+
 @paged_attention.register_fake
 def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale):
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
 
 
-@torch.library.custom_op("m3::sparse_paged_attention", mutates_args=())
-def sparse_paged_attention(
+def sparse_paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -76,6 +77,9 @@ def sparse_paged_attention(
     """As paged_attention, but token t / head h sees only blocks ``block_idx[t, h // (Hq/Hkv)]`` (-1 = none)."""
     return _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, block_idx,
                    block_size)
+
+
+sparse_paged_attention = torch.library.custom_op("m3::sparse_paged_attention", sparse_paged_attention_reference, mutates_args=())
 
 
 @sparse_paged_attention.register_fake

@@ -41,8 +41,7 @@ def _moe(x, router_weight, bias, expert, shared, top_k, routed_scaling_factor, a
     return out * routed_scaling_factor + swiglu_oai(x @ s13.t(), alpha, limit) @ s2.t()
 
 
-@torch.library.custom_op("m3::moe", mutates_args=())
-def moe(
+def moe_reference(
     x: torch.Tensor,
     router_weight: torch.Tensor,
     e_score_correction_bias: torch.Tensor,
@@ -62,14 +61,16 @@ def moe(
                 swiglu_limit)
 
 
+moe = torch.library.custom_op("m3::moe", moe_reference, mutates_args=())
+
+
 @moe.register_fake
 def _(x, router_weight, e_score_correction_bias, w13, w2, shared_w13, shared_w2, top_k, routed_scaling_factor,
       swiglu_alpha, swiglu_limit):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("m3::moe_mxfp8", mutates_args=())
-def moe_mxfp8(
+def moe_mxfp8_reference(
     x: torch.Tensor,
     router_weight: torch.Tensor,
     e_score_correction_bias: torch.Tensor,
@@ -96,16 +97,21 @@ def moe_mxfp8(
     )
 
 
+moe_mxfp8 = torch.library.custom_op("m3::moe_mxfp8", moe_mxfp8_reference, mutates_args=())
+
+
 @moe_mxfp8.register_fake
 def _(x, router_weight, e_score_correction_bias, w13, w13_scale, w2, w2_scale, shared_w13, shared_w13_scale,
       shared_w2, shared_w2_scale, top_k, routed_scaling_factor, swiglu_alpha, swiglu_limit):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("m3::mxfp8_linear", mutates_args=())
-def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def mxfp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ dequant(weight [N, K], scale [N, K/32]).T in x's dtype (weight-only, as Hopper runs it)."""
     return x @ mxfp8.dequantize(weight, weight_scale, x.dtype).t()
+
+
+mxfp8_linear = torch.library.custom_op("m3::mxfp8_linear", mxfp8_linear_reference, mutates_args=())
 
 
 @mxfp8_linear.register_fake

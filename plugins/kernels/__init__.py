@@ -1,0 +1,63 @@
+"""Triton kernels for the ``m3`` ops: the GPU implementations of the contract in ``docs/ops.md``.
+
+One module per op (kernel + launcher, nothing else). Each module defines
+
+* ``OP``: the torch op it implements, e.g. ``"m3::lightning_indexer"``;
+* ``forward(...)``: the launcher, with exactly the reference's signature (``m3export.ops.<module>.<op>_reference``).
+
+``KERNEL_MODULES`` lists them; :func:`kernels` imports the ones present and :func:`register` makes them the CUDA
+implementations of the torch ops (``torch.library.register_kernel(op, "cuda", forward)``), so the model, the torch
+backend and the TensorRT plugins run the same kernels while the references stay the definition of truth. The
+conformance suite (``m3export.ops.conformance``) runs every launcher here against the references, on the GPU and,
+at tiny sizes, on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+# Modules of this package that hold one op's kernel each (added as they land).
+KERNEL_MODULES: tuple[str, ...] = ()
+
+_registered = False
+
+
+class KernelsUnavailable(RuntimeError):
+    """Triton (the ``[gpu]`` extra) is not installed, so no kernel can be built or interpreted."""
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels() -> dict[str, Callable]:
+    """Op name -> launcher for every kernel module present. Raises KernelsUnavailable without Triton."""
+    if not triton_available():
+        raise KernelsUnavailable("the m3 Triton kernels need triton: pip install 'm3export[gpu]'")
+    out: dict[str, Callable] = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        if module.OP in out:
+            raise RuntimeError(f"two kernel modules implement {module.OP}")
+        out[module.OP] = module.forward
+    return out
+
+
+def register() -> list[str]:
+    """Register every kernel as the CUDA implementation of its op (idempotent). Returns the op names."""
+    global _registered
+    import torch
+
+    import m3export.ops  # noqa: F401  (defines the ops before kernels attach to them)
+
+    found = kernels()
+    if not _registered:
+        for op, fn in found.items():
+            torch.library.register_kernel(op, "cuda", fn)
+        _registered = True
+    return sorted(found)
