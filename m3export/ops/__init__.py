@@ -4,6 +4,7 @@
 """
 
 from . import attention, indexer, moe, mxfp8  # noqa: F401  (registration side effects)
+from . import autograd  # noqa: F401  (gradients of the differentiable ops: training)
 
 OPS = {
     "LightningIndexer": "m3::lightning_indexer",
