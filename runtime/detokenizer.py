@@ -13,8 +13,9 @@ from .tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: TextTokenizer | None, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: TextTokenizer | None, stop: tuple[str, ...], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
@@ -29,8 +30,8 @@ class IncrementalDetokenizer:
         if self._tokenizer is None:
             return False
         self._ids.append(token_id)
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         before = len(self._text)
@@ -45,6 +46,9 @@ class IncrementalDetokenizer:
             self._stopped = True
         return self._stopped
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
     @property
     def text(self) -> str:
         return self._text[:self._released]
@@ -54,8 +58,8 @@ class IncrementalDetokenizer:
         trailing piece that does not decode cleanly (the output ended inside a character) unless a stop string
         ended it, so a finished text equals decoding all its tokens at once."""
         if finished and not self._stopped and self._read_offset < len(self._ids):
-            done = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-            self._text += self._tokenizer.decode(self._ids[self._prefix_offset:])[len(done):]
+            done = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self._text += self._decode(self._ids[self._prefix_offset:])[len(done):]
             self._prefix_offset = self._read_offset = len(self._ids)
         end = len(self._text) if finished else max(self._released, len(self._text) - self._holdback)
         delta = self._text[self._released:end]

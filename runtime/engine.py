@@ -147,7 +147,8 @@ class Engine:
                              f"({self.config.vocab_size})")
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
-        req = Request(request_id, ids, params, gen, IncrementalDetokenizer(self.tokenizer, params.stop),
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        req = Request(request_id, ids, params, gen, detokenizer,
                       logprobs=[] if params.logprobs is not None else None)
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -300,7 +301,9 @@ class Engine:
             req.append_token(tok)
             if req.logprobs is not None:
                 req.logprobs.append(token_logprobs(rows[i], tok, p.logprobs))
-            stopped = req.detokenizer.append(tok)
+            # A stop token ends the request without becoming text (it may be a special token that
+            # skip_special_tokens=False would otherwise spell out).
+            stopped = tok not in stop_ids and req.detokenizer.append(tok)
             if stopped or tok in stop_ids:
                 reason = "stop"
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:

@@ -33,6 +33,8 @@ class SamplingParams:
     those filters off. ``seed`` gives the request its own random stream, so its samples do not depend on what
     else is in the batch. ``logprobs=n`` returns, per generated token, the sampled token's log-probability under
     the model (before temperature / top-k / top-p) plus the ``n`` most likely tokens'.
+    ``skip_special_tokens`` (default True, as in vLLM) drops the tokenizer's special tokens from the text; turn
+    it off to see markers that a downstream parser reads (a tokenizer that makes ``<mm:think>`` special).
     """
 
     temperature: float = 1.0
@@ -44,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -62,8 +65,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
         lp = self.logprobs
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
             raise ValueError(f"SamplingParams.logprobs must be None or an integer >= 0, got {lp!r}")

@@ -19,9 +19,13 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Special tokens (BOS/EOS/PAD) are dropped: they are control, not text."""
-        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Special tokens (BOS/EOS/PAD, role markers) are dropped by default: they are control, not text."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def special_tokens(self) -> frozenset[str]:
+        """The text of every special token (those ``decode`` drops by default)."""
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TextTokenizer:

@@ -9,8 +9,10 @@ class ByteTokenizer:
     def encode(self, text):
         return list(text.encode())
 
-    def decode(self, ids):
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids, skip_special_tokens=True):
+        """Ids >= 256 play the special tokens: dropped unless skip_special_tokens=False spells them <id>."""
+        return b"".join(bytes([i]) if i < 256 else (b"" if skip_special_tokens else f"<{i}>".encode())
+                        for i in ids).decode("utf-8", errors="replace")
 
 
 def _feed(det, data: bytes):
@@ -51,3 +53,13 @@ def test_finished_text_equals_decoding_everything():
 def test_without_tokenizer_text_is_empty():
     det = IncrementalDetokenizer(None, ())
     assert det.append(65) is False and det.release(True) == "" and det.text == ""
+
+
+def test_special_tokens_kept_on_request():
+    data = [ord("a"), 300, ord("b")]
+    kept = IncrementalDetokenizer(ByteTokenizer(), (), skip_special_tokens=False)
+    dropped = IncrementalDetokenizer(ByteTokenizer(), ())
+    for det in (kept, dropped):
+        for t in data:
+            det.append(t)
+    assert kept.release(True) == "a<300>b" and dropped.release(True) == "ab"
