@@ -17,11 +17,11 @@ class ListSink:
         self.done = threading.Event()
         self.cancel_after, self.broken = cancel_after, broken
 
-    def send(self, text, token_ids, final):
+    def send(self, chunk):
         if self.broken:
             raise RuntimeError("Unable to send response: the client is gone")
-        self.chunks.append((text, list(token_ids), final))
-        if final:
+        self.chunks.append((chunk.text, list(chunk.token_ids), chunk.final))
+        if chunk.final:
             self.done.set()
 
     def fail(self, message):

@@ -107,3 +107,53 @@ def test_prompt_text_for_token_prompts():
     assert prompt_text(GenerateRequest("as sent", {}, False, False), [9], Tok()) == "as sent"
     assert prompt_text(GenerateRequest([1, 2], {}, False, False), [1, 2], Tok()) == "ab"
     assert prompt_text(GenerateRequest([1, 2], {}, False, False), [1, 2], None) == ""
+
+
+def test_vllm_keys_accepted_at_their_neutral_values_only():
+    """What Triton's OpenAI frontend and vLLM clients send by default must pass; anything that would need a
+    feature this runtime lacks must be refused, naming the key."""
+    neutral = {"n": 1, "best_of": None, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+               "min_p": 0.0, "min_tokens": 0, "use_beam_search": False, "include_stop_str_in_output": False,
+               "skip_special_tokens": False, "logprobs": None, "max_tokens": 3}
+    req = parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps(neutral))})
+    assert req.sampling == {"skip_special_tokens": False, "logprobs": None, "max_tokens": 3}
+    assert sampling_params(req) == SamplingParams(max_tokens=3, skip_special_tokens=False)
+    for key, value in [("n", 2), ("presence_penalty", 0.5), ("use_beam_search", True), ("min_p", 0.1),
+                       ("n", True), ("best_of", 3)]:
+        with pytest.raises(RequestError, match=f"'{key}'=.*not supported by this model"):
+            parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps({key: value}))})
+    # Triton's generate endpoint hands non-input JSON fields over as request parameters, often as strings.
+    assert parse_request({"text_input": text("a")}, {"n": "1", "frequency_penalty": "0", "max_tokens": 2}).sampling \
+        == {"max_tokens": 2}
+    with pytest.raises(RequestError, match="'n'=2"):
+        parse_request({"text_input": text("a")}, {"n": "2"})
+
+
+def test_return_inputs_select_outputs_that_chunks_carry():
+    req = parse_request({"text_input": text("a"), "stream": flag(True), "return_finish_reason": flag(True),
+                         "return_num_output_tokens": flag(True), "return_cumulative_logprob": flag(True),
+                         "return_num_input_tokens": flag(False)})
+    assert req.returns == {"finish_reason", "num_output_tokens", "cumulative_logprob"}
+    assert req.sampling["logprobs"] == 0  # the cumulative logprob needs the sampled tokens' logprobs
+    out = RequestOutput("r", [1, 2, 3], [5, 6], "ab", [6], "b", True, "stop",
+                        logprobs=[{5: -0.5}, {6: -0.25, 7: -1.0}])
+    c = chunk_for(req, out, "")
+    assert (c.finish_reason, c.num_input_tokens, c.num_output_tokens) == ("stop", 3, 1)
+    assert c.logprobs == [{6: -0.25, 7: -1.0}] and c.cumulative_logprob == -0.75
+    whole = chunk_for(GenerateRequest("a", {}, stream=False, exclude_input=True), out, "")
+    assert whole.num_output_tokens == 2 and whole.logprobs == out.logprobs
+    running = chunk_for(req, RequestOutput("r", [1], [5], "a", [5], "a", False, None), "")
+    assert running.finish_reason is None and running.cumulative_logprob is None
+
+
+def test_optional_output_tensors_have_the_vllm_backend_types():
+    from m3export.serve.triton_model import _optional_outputs
+    from m3export.serve.protocol import Chunk, OPTIONAL_OUTPUTS
+
+    chunk = Chunk("b", [6], True, "length", 3, 1, [{6: -0.25}], -0.75)
+    arrays = _optional_outputs(chunk, frozenset(o.name for o in OPTIONAL_OUTPUTS))
+    numpy_of = {"TYPE_STRING": np.object_, "TYPE_FP32": np.float32, "TYPE_UINT32": np.uint32}
+    assert {o.name: numpy_of[o.dtype] for o in OPTIONAL_OUTPUTS} == {k: v.dtype.type for k, v in arrays.items()}
+    assert arrays["finish_reason"][0] == b"length" and arrays["num_output_tokens"].tolist() == [1]
+    assert json.loads(arrays["logprobs"][0]) == [{"6": {"logprob": -0.25}}]
+    assert arrays["cumulative_logprob"].tolist() == [-0.75]

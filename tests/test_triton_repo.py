@@ -55,7 +55,9 @@ def test_preset_repository_layout_and_config(tmp_path):
     assert cfg.model_transaction_policy.decoupled
     assert [(i.name, list(i.dims), i.optional) for i in cfg.input] == [(s.name, list(s.dims), s.optional)
                                                                       for s in INPUTS]
-    assert [o.name for o in cfg.output] == [s.name for s in OUTPUTS] == ["text_output", "output_ids"]
+    assert [o.name for o in cfg.output] == [s.name for s in OUTPUTS] == [
+        "text_output", "output_ids", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+        "num_output_tokens"]
     assert cfg.instance_group[0].count == 2
     assert parameters(cfg) == {"source_kind": "preset", "source": "tiny", "backend": "torch", "engine_args": "{}"}
     compile((model_dir / "1" / "model.py").read_text(), "model.py", "exec")

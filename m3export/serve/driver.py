@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from .protocol import GenerateRequest, RequestError, chunk_for, prompt_text, sampling_params
+from .protocol import Chunk, GenerateRequest, RequestError, chunk_for, prompt_text, sampling_params
 
 log = logging.getLogger("m3export.serve")
 
 
 class Sink(Protocol):
-    """Where one request's responses go (a Triton response sender in production, a list in tests)."""
+    """Where one request's responses go (a Triton response sender, an HTTP stream, a list in tests)."""
 
-    def send(self, text: str, token_ids: list[int], final: bool) -> None: ...
+    def send(self, chunk: Chunk) -> None: ...
 
     def fail(self, message: str) -> None: ...  # final error response
 
@@ -190,7 +190,7 @@ class EngineDriver:
         if chunk is None:
             return
         try:
-            a.sink.send(chunk.text, chunk.token_ids, chunk.final)
+            a.sink.send(chunk)
         except Exception:  # noqa: BLE001 - the client went away between the poll and the send
             log.info("dropping %s: its response could not be sent", req.client_id or out.request_id)
             if not out.finished:

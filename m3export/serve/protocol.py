@@ -4,6 +4,12 @@ Names and semantics follow Triton's vLLM backend, so existing clients (and Trito
 unchanged: ``text_input`` + optional ``stream`` / ``sampling_parameters`` / ``exclude_input_in_output`` in,
 ``text_output`` out. ``input_ids`` / ``output_ids`` serve clients that tokenize themselves. Streaming sends
 deltas; a non-streaming request gets one response, by default with the prompt in front (as vLLM does).
+
+The interface is a superset of the vLLM backend's, so clients written for it (Triton's own OpenAI frontend among
+them) drive this model unchanged: the optional ``return_finish_reason`` / ``return_num_input_tokens`` /
+``return_num_output_tokens`` / ``return_logprobs`` / ``return_cumulative_logprob`` inputs add the outputs of the
+same names, and vLLM sampling keys this runtime does not implement are accepted at their neutral value
+(``n=1``, zero penalties, ...) and rejected with a clear error otherwise.
 """
 
 from __future__ import annotations
@@ -32,17 +38,66 @@ INPUTS = (
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
     TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
     TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("return_finish_reason", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("return_cumulative_logprob", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("return_logprobs", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), optional=True),
+)
+# Optional outputs, each sent only when its return_<name> input is true (types as in the vLLM backend).
+OPTIONAL_OUTPUTS = (
+    TensorSpec("finish_reason", "TYPE_STRING", (-1,)),
+    TensorSpec("cumulative_logprob", "TYPE_FP32", (-1,)),
+    TensorSpec("logprobs", "TYPE_STRING", (-1,)),
+    TensorSpec("num_input_tokens", "TYPE_UINT32", (1,)),
+    TensorSpec("num_output_tokens", "TYPE_UINT32", (-1,)),
 )
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,)),
     TensorSpec("output_ids", "TYPE_INT64", (-1,)),
-)
+) + OPTIONAL_OUTPUTS
 
 FLOAT_KEYS = ("temperature", "top_p")
-INT_KEYS = ("top_k", "seed", "max_tokens")
-BOOL_KEYS = ("ignore_eos",)
+INT_KEYS = ("top_k", "seed", "max_tokens", "logprobs")
+BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
 LIST_KEYS = ("stop", "stop_token_ids")
 SAMPLING_KEYS = FLOAT_KEYS + INT_KEYS + BOOL_KEYS + LIST_KEYS
+NULLABLE_KEYS = ("seed", "logprobs")  # JSON null means "not set"
+
+# vLLM SamplingParams keys this runtime does not implement -> the values that mean "off" (accepted and ignored).
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "n": (1,), "best_of": (None, 1), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,),
+    "length_penalty": (1, 1.0), "early_stopping": (False,), "include_stop_str_in_output": (False,),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "detokenize": (True,), "bad_words": (None, []), "allowed_token_ids": (None,), "logit_bias": (None, {}),
+    "guided_decoding": (None,), "structured_outputs": (None,), "lora_name": (None, ""),
+}
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    for n in neutral:
+        if n is None or isinstance(n, bool):
+            if value is n:
+                return True
+        elif not isinstance(value, bool) and value == n:
+            return True
+    return False
+
+
+def check_neutral(key: str, value: Any, where: str) -> None:
+    """Accept a vLLM key this runtime does not implement only at its neutral value (request parameters may
+    spell it as a string: ``"1"``, ``"false"``)."""
+    neutral = NEUTRAL_VALUES[key]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value.lower() if value.lower() in ("true", "false", "null") else value)
+        except ValueError:
+            pass
+    if not _is_neutral(value, neutral):
+        shown = " or ".join(json.dumps(n) for n in neutral)
+        raise RequestError(f"{where}: '{key}'={value!r} is not supported by this model; only {shown} (the "
+                           "neutral value) is accepted")
 
 
 class RequestError(ValueError):
@@ -56,15 +111,24 @@ class GenerateRequest:
     stream: bool
     exclude_input: bool
     client_id: str = ""  # the client's request id, for log lines only
+    returns: frozenset[str] = frozenset()  # optional outputs asked for (names in OPTIONAL_OUTPUTS)
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """One response: text and token ids (deltas when streaming), and whether it is the last one."""
+    """One response: text and token ids (deltas when streaming), and whether it is the last one; with it what
+    the optional outputs need: the finish reason (None until final), the prompt's length, the number of tokens
+    in ``token_ids`` that were generated, their logprobs (one ``{token_id: logprob}`` per generated token, when
+    the request computes them) and the cumulative logprob of every token generated so far."""
 
     text: str
     token_ids: list[int]
     final: bool
+    finish_reason: str | None = None
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 def _single(name: str, array: np.ndarray):
@@ -89,6 +153,8 @@ def _text(name: str, array: np.ndarray) -> str:
 def _coerce(key: str, value: Any) -> Any:
     """vLLM clients send numbers as JSON numbers or as strings (request parameters are often strings)."""
     try:
+        if value is None and key in NULLABLE_KEYS:
+            return None
         if key in FLOAT_KEYS:
             if isinstance(value, bool):
                 raise ValueError
@@ -125,12 +191,16 @@ def _coerce(key: str, value: Any) -> Any:
 
 
 def sampling_kwargs(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    unknown = sorted(k for k in raw if k not in SAMPLING_KEYS)
+    unknown = sorted(k for k in raw if k not in SAMPLING_KEYS and k not in NEUTRAL_VALUES)
     if unknown:
         raise RequestError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: "
-                           f"{', '.join(SAMPLING_KEYS)}")
+                           f"{', '.join(SAMPLING_KEYS)} (and vLLM's {', '.join(NEUTRAL_VALUES)} at their neutral "
+                           "values)")
+    for k, v in raw.items():
+        if k in NEUTRAL_VALUES:
+            check_neutral(k, v, where)
     try:
-        return {k: _coerce(k, v) for k, v in raw.items()}
+        return {k: _coerce(k, v) for k, v in raw.items() if k in SAMPLING_KEYS}
     except RequestError as e:
         raise RequestError(f"{where}: {e}") from None
 
@@ -142,7 +212,8 @@ def _request_parameters(parameters: str | Mapping[str, Any] | None) -> dict[str,
     if not parameters:
         return {}
     raw = json.loads(parameters) if isinstance(parameters, str) else dict(parameters)
-    return sampling_kwargs({k: v for k, v in raw.items() if k in SAMPLING_KEYS}, "request parameters")
+    return sampling_kwargs({k: v for k, v in raw.items() if k in SAMPLING_KEYS or k in NEUTRAL_VALUES},
+                           "request parameters")
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | Mapping[str, Any] | None = None,
@@ -161,6 +232,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | Mapping[st
         prompt = [int(t) for t in ids.reshape(-1)]
 
     stream = bool(_single("stream", inputs["stream"])) if "stream" in inputs else False
+    returns = frozenset(o.name for o in OPTIONAL_OUTPUTS
+                        if f"return_{o.name}" in inputs and bool(_single(f"return_{o.name}",
+                                                                          inputs[f"return_{o.name}"])))
     if "exclude_input_in_output" in inputs:
         exclude = bool(_single("exclude_input_in_output", inputs["exclude_input_in_output"]))
         if stream and not exclude:
@@ -180,7 +254,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | Mapping[st
         if not isinstance(raw, dict):
             raise RequestError(f"sampling_parameters must be a JSON object, got {type(raw).__name__}")
         sampling.update(sampling_kwargs(raw, "sampling_parameters"))
-    return GenerateRequest(prompt, sampling, stream, exclude, client_id)
+    if returns & {"logprobs", "cumulative_logprob"} and sampling.get("logprobs") is None:
+        sampling["logprobs"] = 0  # the sampled tokens' own logprobs, nothing more
+    return GenerateRequest(prompt, sampling, stream, exclude, client_id, returns)
 
 
 def sampling_params(request: GenerateRequest):
@@ -205,12 +281,19 @@ def chunk_for(request: GenerateRequest, out, prompt: str) -> Chunk | None:
 
     ``prompt`` is the prompt's text (see ``prompt_text``), used only when the prompt is included.
     """
+    reason = out.finish_reason if out.finished else None
+    cumulative = None if out.logprobs is None else sum(next(iter(lp.values())) for lp in out.logprobs)
+    info = {"finish_reason": reason, "num_input_tokens": len(out.prompt_token_ids), "cumulative_logprob": cumulative}
     if request.stream:
         if not (out.new_token_ids or out.new_text or out.finished):
             return None
-        return Chunk(out.new_text, list(out.new_token_ids), out.finished)
+        new = len(out.new_token_ids)
+        logprobs = None if out.logprobs is None else out.logprobs[len(out.logprobs) - new:]
+        return Chunk(out.new_text, list(out.new_token_ids), out.finished, num_output_tokens=new,
+                     logprobs=logprobs, **info)
     if not out.finished:
         return None
+    info.update(num_output_tokens=len(out.token_ids), logprobs=out.logprobs)
     if request.exclude_input:
-        return Chunk(out.text, list(out.token_ids), True)
-    return Chunk(prompt + out.text, list(out.prompt_token_ids) + list(out.token_ids), True)
+        return Chunk(out.text, list(out.token_ids), True, **info)
+    return Chunk(prompt + out.text, list(out.prompt_token_ids) + list(out.token_ids), True, **info)

@@ -16,10 +16,23 @@ from pathlib import Path
 import numpy as np
 
 from .driver import EngineDriver
-from .protocol import RequestError, parse_request
+from .protocol import Chunk, RequestError, parse_request
 from .repo import load_engine
 
 log = logging.getLogger("m3export.serve")
+
+
+def _optional_outputs(chunk: Chunk, returns: frozenset[str]) -> dict[str, np.ndarray]:
+    """The optional outputs a request asked for (``return_<name>``), in the vLLM backend's types."""
+    values = {
+        "finish_reason": lambda: np.array([(chunk.finish_reason or "").encode()], dtype=np.object_),
+        "cumulative_logprob": lambda: np.array([chunk.cumulative_logprob or 0.0], dtype=np.float32),
+        "logprobs": lambda: np.array([json.dumps([{str(t): {"logprob": v} for t, v in lp.items()}
+                                                  for lp in chunk.logprobs or []]).encode()], dtype=np.object_),
+        "num_input_tokens": lambda: np.array([chunk.num_input_tokens], dtype=np.uint32),
+        "num_output_tokens": lambda: np.array([chunk.num_output_tokens], dtype=np.uint32),
+    }
+    return {name: values[name]() for name in sorted(returns)}
 
 
 class _ResponseSender:
@@ -27,14 +40,15 @@ class _ResponseSender:
 
     def __init__(self, pb, sender):
         self._pb, self._sender = pb, sender
+        self.returns: frozenset[str] = frozenset()  # set once the request is parsed
 
-    def send(self, text: str, token_ids: list[int], final: bool) -> None:
+    def send(self, chunk: Chunk) -> None:
         pb = self._pb
         outputs = [
-            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb.Tensor("output_ids", np.array(token_ids, dtype=np.int64)),
-        ]
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            pb.Tensor("text_output", np.array([chunk.text.encode("utf-8")], dtype=np.object_)),
+            pb.Tensor("output_ids", np.array(chunk.token_ids, dtype=np.int64)),
+        ] + [pb.Tensor(name, value) for name, value in _optional_outputs(chunk, self.returns).items()]
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if chunk.final else 0
         self._sender.send(pb.InferenceResponse(output_tensors=outputs), flags=flags)
 
     def fail(self, message: str) -> None:
@@ -126,7 +140,9 @@ class TritonPythonModel:
             sink = _ResponseSender(pb, request.get_response_sender())
             try:
                 inputs = {t.name(): t.as_numpy() for t in request.inputs()}
-                self._driver.submit(parse_request(inputs, request.parameters(), request.request_id()), sink)
+                parsed = parse_request(inputs, request.parameters(), request.request_id())
+                sink.returns = parsed.returns
+                self._driver.submit(parsed, sink)
             except RequestError as e:
                 sink.fail(str(e))
             except Exception as e:  # noqa: BLE001 - one malformed request must not fail the batch
