@@ -18,7 +18,7 @@ import importlib
 from typing import Callable
 
 # Modules of this package that hold one op's kernel each (added as they land).
-KERNEL_MODULES: tuple[str, ...] = ()
+KERNEL_MODULES: tuple[str, ...] = ("moe", "moe_mxfp8", "mxfp8_linear")
 
 _registered = False
 

@@ -1,0 +1,256 @@
+"""``m3::moe`` on the GPU: device routing, grouped gate-up GEMM with SwiGLU-OAI fused, grouped down GEMM with the
+routing weight fused, one combine with the shared expert. The MXFP8 op (``moe_mxfp8.py``) runs the same kernels.
+
+Semantics: ``m3export.ops.moe.moe_reference`` (``docs/ops.md`` §5-6). Launches, none of which waits for the device:
+
+1. routing (``moe_routing.route``) and the permutation (``moe_routing.group_by_expert``): assignments sorted by
+   expert into row blocks of ``BLOCK_M``, one expert per block, sized from shapes alone;
+2. ``_gate_up``: one program per (row block, ``BLOCK_N`` columns of I): the gate and the up tiles of the block's
+   expert against the gathered token rows, SwiGLU-OAI (gate clamp, up clamp, alpha, +1) in the epilogue, the
+   activation [rows, I] written once; the shared expert is the same kernel with the identity permutation;
+3. ``_down``: one program per (row block, ``BLOCK_N`` columns of H): activation @ w2^T, rounded to the activation
+   dtype as the reference rounds each expert's output, times the assignment's routing weight, stored in the
+   assignment's slot of ``y [T, top_k + 1, H]`` (the last slot is the shared expert's);
+4. ``_combine``: ``y_out = scaling * sum(routed slots) + shared slot`` in fp32, rounded once.
+
+Weights are read tile by tile in their stored dtype (bf16, or E4M3 + UE8M0 dequantised on chip, never as a whole).
+At decode a row block holds 16 rows (the smallest tensor-core tile) and the grid is spread over narrow N tiles, so
+each selected expert's bytes are streamed once by many programs; in prefill blocks of 64-128 rows feed wgmma.
+Differences from the reference are rounding only: the reference sums the routed experts in the activation dtype,
+in expert order; this sums them in fp32 (more accurate by a few roundings in bf16, the same to ~1e-6 in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton import cdiv
+from .moe_routing import ExpertBlocks, group_by_expert, route
+from .mxfp8_linear import cast, check_mxfp8, dot_acc, use_f32_dot, weight_tile
+
+OP = "m3::moe"
+
+
+@triton.jit
+def _gate_up(
+    x_ptr, w_ptr, s_ptr, act_ptr, rows_ptr, block_expert_ptr, num_rows,
+    sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ROUTED:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        a = tl.load(rows_ptr + p)
+        ok = a < num_rows
+        tok = a // TOP_K
+    else:
+        e = 0
+        ok = p < num_rows
+        tok = p
+    dt = x_ptr.dtype.element_ty
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    w_e = w_ptr + e.to(tl.int64) * sw_e
+    s_e = s_ptr + e.to(tl.int64) * ss_e
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        wmask = n_ok[:, None] & k_ok[None, :]
+        wg = weight_tile(w_e + n[:, None] * sw_n + k[None, :] * sw_k,
+                         s_e + n[:, None] * ss_n + (k[None, :] // 32) * ss_k, wmask, MXFP8, dt)
+        wu = weight_tile(w_e + (n[:, None] + I) * sw_n + k[None, :] * sw_k,
+                         s_e + (n[:, None] + I) * ss_n + (k[None, :] // 32) * ss_k, wmask, MXFP8, dt)
+        acc_g = dot_acc(x, tl.trans(wg), acc_g, F32, PREC)
+        acc_u = dot_acc(x, tl.trans(wu), acc_u, F32, PREC)
+    # SwiGLU-OAI on the GEMM output rounded to the activation dtype, as the reference computes it.
+    gate = tl.minimum(cast(acc_g, dt).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(cast(acc_u, dt).to(tl.float32), -limit), limit)
+    act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    tl.store(act_ptr + p[:, None].to(tl.int64) * sa_p + n[None, :], cast(act, dt), mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down(
+    act_ptr, w_ptr, s_ptr, y_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows,
+    sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ROUTED:
+        e = tl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+        a = tl.load(rows_ptr + p)
+        ok = a < num_rows
+        tok = a // TOP_K
+        slot = a % TOP_K
+    else:
+        e = 0
+        ok = p < num_rows
+        tok = p
+        slot = tl.full((BLOCK_M,), TOP_K, tl.int32)
+    dt = act_ptr.dtype.element_ty
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    w_e = w_ptr + e.to(tl.int64) * sw_e
+    s_e = s_ptr + e.to(tl.int64) * ss_e
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        x = tl.load(act_ptr + p[:, None].to(tl.int64) * sa_p + k[None, :], mask=ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = weight_tile(w_e + n[:, None] * sw_n + k[None, :] * sw_k,
+                        s_e + n[:, None] * ss_n + (k[None, :] // 32) * ss_k, n_ok[:, None] & k_ok[None, :], MXFP8, dt)
+        acc = dot_acc(x, tl.trans(w), acc, F32, PREC)
+    y = cast(acc, dt).to(tl.float32)
+    if ROUTED:
+        y = y * tl.load(route_w_ptr + a, mask=ok, other=0.0)[:, None]
+    tl.store(y_ptr + tok[:, None].to(tl.int64) * sy_t + slot[:, None] * sy_s + n[None, :], cast(y, dt),
+             mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine(y_ptr, out_ptr, T, sy_t, sy_s, so_t, scaling, H: tl.constexpr, TOP_K: tl.constexpr,
+             BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    row = y_ptr + t.to(tl.int64) * sy_t + h
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(row + k * sy_s, mask=h_ok, other=0.0).to(tl.float32)
+    shared = tl.load(row + TOP_K * sy_s, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * so_t + h, cast(acc * scaling + shared, out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def block_m_for(num_assignments: int, num_experts: int) -> int:
+    """Rows per block from the mean assignments per expert: 16 (the smallest tensor-core tile) at decode, up to
+    128 in prefill. Larger blocks amortise each weight tile's load and dequantisation over more rows; smaller
+    ones waste fewer padding rows (each expert in use pads up to BLOCK_M - 1)."""
+    mean = num_assignments / max(1, num_experts)
+    if mean <= 16:
+        return 16
+    if mean <= 64:
+        return 32
+    if mean <= 256:
+        return 64
+    return 128
+
+
+def gemm_config(block_m: int) -> dict:
+    """Tile sizes and launch parameters for both grouped GEMMs at a row tile (see block_m_for)."""
+    if block_m <= 16:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    if block_m <= 32:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=64 if block_m >= 128 else 128, BLOCK_K=64, num_warps=8 if block_m >= 128 else 4,
+                num_stages=3)
+
+
+def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,
+                    cfg, f32, prec):
+    """Routed experts (``blocks`` given) or the shared expert (identity rows, expert 0 of a stack of one)."""
+    routed = blocks is not None
+    grid_m = blocks.num_blocks if routed else cdiv(num_rows, bm)
+    rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)  # unused when not routed
+    _gate_up[(grid_m, cdiv(i, cfg["BLOCK_N"]))](
+        x, w.w, w.s, act, rows, block_expert, num_rows, x.stride(0), *w.strides(), act.stride(0), alpha, limit,
+        H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32, PREC=prec, **cfg,
+    )
+
+
+def _launch_down(act, w: "_Weights", y, blocks: ExpertBlocks | None, route_w, num_rows, h, i, top_k, bm, cfg, f32,
+                 prec):
+    routed = blocks is not None
+    grid_m = blocks.num_blocks if routed else cdiv(num_rows, bm)
+    rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)
+    _down[(grid_m, cdiv(h, cfg["BLOCK_N"]))](
+        act, w.w, w.s, y, rows, block_expert, route_w if routed else act, num_rows, act.stride(0), *w.strides(),
+        y.stride(0), y.stride(1), H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32,
+        PREC=prec, **cfg,
+    )
+
+
+class _Weights:
+    """One expert stack (or the shared expert as a stack of one): values, scales, strides, MXFP8 or not."""
+
+    def __init__(self, w: torch.Tensor, scale: torch.Tensor | None):
+        self.w = w if w.dim() == 3 else w.unsqueeze(0)
+        self.mxfp8 = scale is not None
+        # Without MXFP8 the scale pointer is never read; the values stand in for it.
+        self.s = (scale if scale.dim() == 3 else scale.unsqueeze(0)) if scale is not None else self.w
+
+    def strides(self):
+        return (*self.w.stride(), *self.s.stride())
+
+
+def forward(x: torch.Tensor, router_weight: torch.Tensor, e_score_correction_bias: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor, shared_w13: torch.Tensor, shared_w2: torch.Tensor, top_k: int,
+            routed_scaling_factor: float, swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
+    return run_moe(x, router_weight, e_score_correction_bias, w13, w2, shared_w13, shared_w2, top_k,
+                   routed_scaling_factor, swiglu_alpha, swiglu_limit)
+
+
+def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, routed_scaling_factor, swiglu_alpha,
+            swiglu_limit, scales=(None, None, None, None), config: dict | None = None) -> torch.Tensor:
+    """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
+    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config."""
+    if x.dim() != 2:
+        raise ValueError(f"moe: x must be [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    e, two_i, h_w = w13.shape
+    i = two_i // 2
+    i_s = shared_w13.shape[0] // 2
+    for name, got, want in (("router_weight", router_weight.shape, (e, h)), ("w13", w13.shape, (e, 2 * i, h)),
+                            ("w2", w2.shape, (e, h, i)), ("shared_w13", shared_w13.shape, (2 * i_s, h)),
+                            ("shared_w2", shared_w2.shape, (h, i_s))):
+        if tuple(got) != tuple(want):
+            raise ValueError(f"moe: {name} has shape {tuple(got)}, expected {want} (x is {tuple(x.shape)})")
+    for name, w, scale in zip(("w13", "w2", "shared_w13", "shared_w2"), (w13, w2, shared_w13, shared_w2), scales):
+        if scale is not None:
+            check_mxfp8(f"moe_mxfp8 {name}", w, scale)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    ids, route_w = route(x, router_weight, bias, top_k)
+    n = t * top_k
+    bm = (config or {}).get("BLOCK_M") or block_m_for(n, e)
+    blocks: ExpertBlocks = group_by_expert(ids, e, bm)
+    cfg = gemm_config(bm) | {k: v for k, v in (config or {}).items() if k != "BLOCK_M"}
+    shared_bm = 16 if t <= 16 else 64 if t <= 256 else 128
+    shared_cfg = gemm_config(shared_bm) | {k: v for k, v in (config or {}).items() if k != "BLOCK_M"}
+    f32, prec = use_f32_dot(x.dtype), "tf32"
+    dev, dt = x.device, x.dtype
+
+    routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
+    shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
+    act = torch.empty((blocks.rows.shape[0], i), dtype=dt, device=dev)
+    act_s = torch.empty((t, i_s), dtype=dt, device=dev)
+    y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
+    alpha, limit = float(swiglu_alpha), float(swiglu_limit)
+
+    _launch_gate_up(x, routed13, act, blocks, n, alpha, limit, h, i, top_k, bm, cfg, f32, prec)
+    _launch_gate_up(x, shared13, act_s, None, t, alpha, limit, h, i_s, top_k, shared_bm, shared_cfg, f32, prec)
+    _launch_down(act, routed2, y, blocks, route_w, n, h, i, top_k, bm, cfg, f32, prec)
+    _launch_down(act_s, shared2, y, None, None, t, h, i_s, top_k, shared_bm, shared_cfg, f32, prec)
+    block_h = 1024
+    _combine[(t, cdiv(h, block_h))](y, out, t, y.stride(0), y.stride(1), out.stride(0), float(routed_scaling_factor),
+                                    H=h, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    return out

@@ -1,0 +1,123 @@
+"""M3 routing on the device, and the token -> expert permutation the grouped MoE GEMMs read.
+
+Not a kernel module (it is not in ``KERNEL_MODULES``): ``moe.py`` and ``moe_mxfp8.py`` share it. Nothing here waits
+for the device (no ``.tolist()``, ``.item()``, ``nonzero`` or data-dependent shapes): every size follows from
+``T``, ``top_k``, ``E`` and the row tile, so one decode batch shape is one set of launch shapes (CUDA-graph safe).
+
+Routing (``docs/ops.md`` §5): fp32 logits (``float(x) @ float(router)^T``, the reference's own expression, so the
+selection sees the same logits), then one Triton program per block of tokens: sigmoid, + correction bias for the
+selection only, ``top_k`` rounds of "largest value, lowest expert id among equals" (exactly the reference's stable
+descending sort), and the unbiased scores of the chosen experts renormalised to sum 1. The routed scaling factor
+is applied where the expert outputs are combined (``moe.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton import cdiv, next_power_of_2 as next_pow2
+
+
+@triton.jit
+def _route(
+    logits_ptr, bias_ptr, ids_ptr, w_ptr, T, E, s_t,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    t_ok = t < T
+    e_ok = e < E
+    logits = tl.load(logits_ptr + t[:, None].to(tl.int64) * s_t + e[None, :], mask=t_ok[:, None] & e_ok[None, :],
+                     other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    bias = tl.load(bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
+    pick = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))
+    # Two passes over the same deterministic selection: the first sums the chosen scores, the second stores the
+    # renormalised weights (a register list of top_k columns is not expressible, and this costs E compares).
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    sel = pick
+    for _ in tl.static_range(TOP_K):
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], e[None, :], BLOCK_E), axis=1)
+        hit = e[None, :] == idx[:, None]
+        total += tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        sel = tl.where(hit, float("-inf"), sel)
+    sel = pick
+    for k in tl.static_range(TOP_K):
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], e[None, :], BLOCK_E), axis=1)
+        hit = e[None, :] == idx[:, None]
+        chosen = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        tl.store(ids_ptr + t * TOP_K + k, idx, mask=t_ok)
+        tl.store(w_ptr + t * TOP_K + k, chosen / total, mask=t_ok)
+        sel = tl.where(hit, float("-inf"), sel)
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_k: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (expert ids [T, top_k] int32 in selection order, weights [T, top_k] fp32 summing to 1 per token)."""
+    t, e = x.shape[0], router_weight.shape[0]
+    if not 1 <= top_k <= e:
+        raise ValueError(f"moe: top_k={top_k} must be in [1, num_experts={e}]")
+    if bias.shape != (e,):
+        raise ValueError(f"moe: e_score_correction_bias has shape {tuple(bias.shape)}, expected ({e},)")
+    logits = x.float() @ router_weight.float().t()
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
+    if t:
+        block_e = next_pow2(e)
+        block_t = max(1, min(16, 4096 // block_e))
+        _route[(cdiv(t, block_t),)](logits, bias, ids, weights, t, e, logits.stride(0),
+                                    TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    return ids, weights
+
+
+@dataclass
+class ExpertBlocks:
+    """Assignments (token, slot) grouped by expert into row blocks of ``block_m``, each block one expert's.
+
+    ``rows[p]`` is the flat assignment ``token * top_k + slot`` at padded position ``p``, or ``num_assignments``
+    for padding; ``block_expert[b]`` is the expert of rows ``[b * block_m, (b + 1) * block_m)``, or -1 for
+    blocks past the last one in use (their programs return at once). Within an expert, assignments keep token
+    order.
+    """
+
+    rows: torch.Tensor  # [num_blocks * block_m] int32
+    block_expert: torch.Tensor  # [num_blocks] int32
+    block_m: int
+    num_assignments: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def max_blocks(num_assignments: int, num_experts: int, block_m: int) -> int:
+    """Blocks that any routing of ``num_assignments`` over ``num_experts`` can need: every expert in use pads at most
+    ``block_m - 1`` rows, at most min(E, n) experts are in use, and no expert has more blocks than rows."""
+    used = min(num_experts, num_assignments)
+    return max(1, min(num_assignments, cdiv(num_assignments + used * (block_m - 1), block_m)))
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Stable sort of the assignments by expert, each expert's run padded to a multiple of ``block_m``."""
+    flat = ids.reshape(-1).long()
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    order = torch.sort(flat, stable=True).indices
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    padded_end = torch.cumsum(padded, 0)
+    expert = flat[order]
+    dest = (padded_end - padded)[expert] + torch.arange(n, device=device) - start[expert]
+    nb = max_blocks(n, num_experts, block_m)
+    rows = torch.full((nb * block_m,), n, dtype=torch.int64, device=device).scatter_(0, dest, order)
+    first_row = torch.arange(nb, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, first_row, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return ExpertBlocks(rows.to(torch.int32), block_expert.to(torch.int32), block_m, n)

@@ -1,0 +1,136 @@
+"""``m3::mxfp8_linear`` on the GPU: W8A16 GEMM / GEMV with MXFP8 weights dequantised tile by tile on chip.
+
+Semantics: ``m3export.ops.moe.mxfp8_linear_reference`` (``docs/ops.md`` §7-8). sm_90 has no MXFP8 tensor-core
+instruction, so each program loads a ``[BLOCK_N, BLOCK_K]`` tile of E4M3 bytes plus its UE8M0 scales, turns it into
+activation-dtype values (exact: an E4M3 value times a power of two fits bf16 and fp32) and feeds the tensor cores
+with activations that are never quantised. The whole weight is never dequantised in memory: weights stay at one
+byte per element, which is what a decode step has to stream.
+
+``weight_tile``, ``dot_acc`` and ``cast`` are shared with the MoE kernels (``moe.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton import cdiv
+
+OP = "m3::mxfp8_linear"
+
+# 2**-127: the one UE8M0 scale that is an fp32 subnormal, so it cannot be built by shifting the byte into the
+# exponent field like the others (255 << 23 is +inf, which docs/ops.md §8 specifies for the byte 255).
+_SCALE_ZERO_BYTE = 5.877471754111438e-39
+
+# Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even); ``cast`` rounds explicitly there
+# so that CPU tests see the same roundings as the device. Fixed when the module is imported, as jit functions are.
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """``x.to(DTYPE)`` with round-to-nearest-even also under the interpreter."""
+    if _INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True).to(DTYPE)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def weight_tile(w_ptrs, s_ptrs, mask, MXFP8: tl.constexpr, DTYPE: tl.constexpr):
+    """A weight tile in the activation dtype. ``s_ptrs`` points at each element's scale byte (column k // 32)."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    if MXFP8:
+        s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+        scale = tl.where(s == 0, _SCALE_ZERO_BYTE, (s << 23).to(tl.float32, bitcast=True))
+        return cast(w.to(tl.float32) * scale, DTYPE)
+    return cast(w, DTYPE)
+
+
+@triton.jit
+def dot_acc(a, b, acc, F32: tl.constexpr, PREC: tl.constexpr):
+    """acc += a @ b. ``F32`` multiplies in fp32: for fp32 activations, and under the interpreter, whose 16-bit
+    dot is wrong in Triton 3.6 (a product of two bf16 values is exact in fp32, so nothing changes but speed)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _mxfp8_linear(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N,
+    sx_m, sw_n, sw_k, ss_n, ss_k, sy_m,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    # K is a compile-time constant (a model dimension): loop bounds from runtime scalars do not run under the
+    # Triton 3.6 interpreter with numpy 2, and a fixed trip count lets the compiler pipeline the loads anyway.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = weight_tile(w_ptr + n[:, None].to(tl.int64) * sw_n + k[None, :] * sw_k,
+                        s_ptr + n[:, None].to(tl.int64) * ss_n + (k[None, :] // 32) * ss_k,
+                        n_ok[:, None] & k_ok[None, :], True, x_ptr.dtype.element_ty)
+        acc = dot_acc(x, tl.trans(w), acc, F32, PREC)
+    tl.store(y_ptr + m[:, None].to(tl.int64) * sy_m + n[None, :], cast(acc, y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def check_mxfp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """One clear error for a malformed MXFP8 pair (the kernels would read garbage instead)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: MXFP8 values must be float8_e4m3fn, got {weight.dtype}")
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"{name}: MXFP8 scales must be uint8 (UE8M0), got {scale.dtype}")
+    *lead, n, k = weight.shape
+    if k % 32 or tuple(scale.shape) != (*lead, n, k // 32):
+        raise ValueError(f"{name}: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} / 32")
+
+
+def use_f32_dot(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
+
+
+def tile_config(m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the row count: GEMV tiles at decode (16 rows, the
+    smallest tensor-core tile; many narrow N tiles so the weight stream is spread over every SM), wgmma-sized
+    tiles once there are rows to fill them."""
+    if m <= 16:
+        return 16, 64, 128, 4, 4
+    if m <= 64:
+        return 64, 64, 128, 4, 4
+    return 128, 128, 64, 8, 3
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    check_mxfp8("mxfp8_linear weight", weight, weight_scale)
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"mxfp8_linear: x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    bm, bn, bk, warps, stages = tile_config(m)
+    _mxfp8_linear[(cdiv(n, bn), cdiv(m, bm))](
+        x2, weight, weight_scale, y, m, n,
+        x2.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
+        K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32=use_f32_dot(x.dtype), PREC="tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    return y.reshape(*lead, n)

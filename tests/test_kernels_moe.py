@@ -1,0 +1,240 @@
+"""The MoE / MXFP8 Triton kernels (``plugins/kernels``) against the references in ``m3export.ops.moe``.
+
+On CPU they run under the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) at tiny sizes;
+the ``gpu`` tests run the compiled kernels at the ``mini`` preset's dims. Tolerances:
+
+* fp32 activations: the kernels and the references do the same fp32 products and differ only in summation order
+  (K up to 192 terms; the MoE adds top_k + 1 expert outputs): 1e-5 relative to the output's largest magnitude.
+* bf16 activations: both round to bf16 at the same points except that the kernels sum the routed experts in fp32
+  (the reference sums in bf16, in expert order); so each is compared to the same reference evaluated in float64
+  on the same bf16 inputs, and the kernel must be no less accurate than the bf16 reference (with 1 bf16 ulp at
+  the output's magnitude of slack for the roundings the two share but place differently).
+* Routing: the chosen experts must be identical (ties included: lowest expert id first); weights to 1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton import: jit functions pick the mode when defined
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the kernels need triton (the [gpu] extra)")
+
+from m3export.ops import moe as ref  # noqa: E402
+from m3export.ops import mxfp8  # noqa: E402
+from m3export.plugins.kernels import moe as moe_kernel  # noqa: E402
+from m3export.plugins.kernels import moe_mxfp8 as moe_mxfp8_kernel  # noqa: E402
+from m3export.plugins.kernels import moe_routing  # noqa: E402
+from m3export.plugins.kernels import mxfp8_linear as linear_kernel  # noqa: E402
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0 in this process: CPU tensors cannot run")
+ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, want64: torch.Tensor | None = None) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+        return
+    scale = want64.abs().max().item()
+    ulp = 2.0 ** (torch.tensor(scale).log2().floor().item() - 7)  # bf16 ulp at the output's magnitude
+    err_kernel = (got.double() - want64).abs().max().item()
+    err_ref = (want.double() - want64).abs().max().item()
+    assert err_kernel <= err_ref + ulp, f"kernel error {err_kernel} vs bf16 reference {err_ref} (ulp {ulp})"
+
+
+class MoECase:
+    """Random M3 MoE weights at tiny sizes; ``gain`` scales the experts so that the SwiGLU clamps engage."""
+
+    def __init__(self, t, h, i, i_shared, e, top_k, gain=0.2, seed=0, tie_rows=()):
+        g = torch.Generator().manual_seed(seed)
+        self.top_k = top_k
+        self.x = torch.randn(t, h, generator=g)
+        self.router = torch.randn(e, h, generator=g) * 0.3
+        for a, b in tie_rows:  # identical router rows and biases: identical scores, a tie on every token
+            self.router[b] = self.router[a]
+        self.bias = torch.randn(e, generator=g) * 0.05
+        for a, b in tie_rows:
+            self.bias[b] = self.bias[a]
+        self.w13 = torch.randn(e, 2 * i, h, generator=g) * gain
+        self.w2 = torch.randn(e, h, i, generator=g) * gain
+        self.s13 = torch.randn(2 * i_shared, h, generator=g) * gain
+        self.s2 = torch.randn(h, i_shared, generator=g) * gain
+
+    def attrs(self):
+        return (self.top_k, SCALING, ALPHA, LIMIT)
+
+    def bf16_args(self, dt):
+        return (self.x.to(dt), self.router, self.bias, self.w13.to(dt), self.w2.to(dt), self.s13.to(dt),
+                self.s2.to(dt))
+
+    def mxfp8_args(self, dt):
+        q = [a for w in (self.w13, self.w2, self.s13, self.s2) for a in mxfp8.quantize(w)]
+        return (self.x.to(dt), self.router, self.bias, *q)
+
+
+def _as64(args):
+    return [a.double() if a.is_floating_point() and a.dtype != torch.float8_e4m3fn else a for a in args]
+
+
+def _check_moe(case: MoECase, dt: torch.dtype, fmt: str) -> None:
+    if fmt == "bf16":
+        args, kernel, reference = case.bf16_args(dt), moe_kernel.forward, ref.moe_reference
+    else:
+        args, kernel, reference = case.mxfp8_args(dt), moe_mxfp8_kernel.forward, ref.moe_mxfp8_reference
+    got = kernel(*args, *case.attrs())
+    want = reference(*args, *case.attrs())
+    want64 = reference(*_as64(args), *case.attrs()) if dt != torch.float32 else None
+    _close(got, want, want64)
+
+
+# ---------------------------------------------------------------------------------------------------- routing
+@cpu_only
+@pytest.mark.parametrize("t,e,top_k", [(1, 8, 2), (7, 6, 4), (20, 128, 4), (3, 5, 5)])
+def test_routing_matches_reference(t, e, top_k):
+    case = MoECase(t, 32, 32, 32, e, top_k, seed=t + e)
+    ids, w = moe_routing.route(case.x, case.router, case.bias, top_k)
+    want_ids, want_w = ref.route(case.x, case.router, case.bias, top_k)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)  # fp32 sigmoid / sum of top_k: a few ulps
+    torch.testing.assert_close(w.sum(-1), torch.ones(t), rtol=0, atol=1e-6)
+
+
+@cpu_only
+def test_routing_ties_go_to_the_lower_expert_id():
+    # Experts 1, 4 and 6 score identically for every token; with the bias picking them, top-3 must be 1, 4, 6 in
+    # that order, and top-2 must drop 6 (the highest id among the equals).
+    e, h = 8, 32
+    x = torch.randn(5, h)
+    router = torch.randn(e, h) * 0.1
+    router[4] = router[1]
+    router[6] = router[1]
+    bias = torch.zeros(e)
+    bias[[1, 4, 6]] = 10.0  # selection only: the weights stay the unbiased scores
+    for top_k, expected in ((3, [1, 4, 6]), (2, [1, 4])):
+        ids, w = moe_routing.route(x, router, bias, top_k)
+        assert ids.tolist() == [expected] * 5
+        want_ids, want_w = ref.route(x, router, bias, top_k)
+        assert torch.equal(ids.long(), want_ids)
+        torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
+
+
+def test_grouping_pads_each_expert_and_keeps_token_order():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]])  # expert 3 x4, 0 x2, 1 x1, 2 x1; experts 4, 5 unused
+    blocks = moe_routing.group_by_expert(ids, num_experts=6, block_m=2)
+    n = ids.numel()
+    # Blocks in expert order: e0 [a1, a4], e1 [a3, pad], e2 [a7, pad], e3 [a0, a2], e3 [a5, a6], then unused
+    # blocks (the bound from shapes is larger than this routing needs).
+    assert blocks.rows.tolist()[:10] == [1, 4, 3, n, 7, n, 0, 2, 5, 6]
+    assert blocks.block_expert.tolist()[:5] == [0, 1, 2, 3, 3]
+    assert all(b == -1 for b in blocks.block_expert.tolist()[5:])
+    assert blocks.num_blocks == moe_routing.max_blocks(n, 6, 2)
+
+
+@pytest.mark.parametrize("n,e,bm", [(1, 128, 16), (4, 128, 16), (256, 128, 16), (16384, 128, 64), (3, 2, 128)])
+def test_block_bound_covers_the_worst_routing(n, e, bm):
+    # Worst case for padding: as many experts in use as possible, each with one row more than a multiple of bm.
+    counts = torch.zeros(e, dtype=torch.int64)
+    used = min(e, n)
+    counts[:used] = 1
+    rest = n - used
+    j = 0
+    while rest > 0:  # top up experts by bm at a time (each still ends one row into a block)
+        add = min(bm, rest)
+        counts[j % used] += add
+        rest -= add
+        j += 1
+    needed = int(((counts + bm - 1) // bm).sum())
+    assert needed <= moe_routing.max_blocks(n, e, bm)
+
+
+# ---------------------------------------------------------------------------------------------------- MoE
+@cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_matches_reference(fmt, dt):
+    # 9 tokens x top-3 over 7 experts at odd sizes (H = 96 is not a multiple of the K tile; I = 32, shared 64).
+    _check_moe(MoECase(9, 96, 32, 64, 7, 3, seed=1), dt, fmt)
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_moe_one_token_most_experts_empty(fmt):
+    # One token reaches 2 of 16 experts: 14 experts have no rows, the permutation has a single used block.
+    _check_moe(MoECase(1, 64, 32, 32, 16, 2, seed=2), torch.float32, fmt)
+
+
+@cpu_only
+def test_moe_clamps_are_active():
+    case = MoECase(6, 64, 32, 32, 5, 2, gain=2.0, seed=3)
+    gate_up = case.x @ case.w13[0].t()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert (gate > LIMIT).any() and (up > LIMIT).any() and (up < -LIMIT).any()  # all three clamps bind
+    for fmt in ("bf16", "mxfp8"):
+        _check_moe(case, torch.float32, fmt)
+
+
+@cpu_only
+def test_moe_ties_in_router_scores():
+    # Experts 2 and 5 are identical for the router and tie for the second place on every token (expert 1 is
+    # first): the lower id must win, otherwise expert 5's weights enter the output.
+    case = MoECase(8, 64, 32, 32, 6, 2, seed=4, tie_rows=((2, 5),))
+    case.bias[1] += 10.0
+    case.bias[2] += 5.0
+    case.bias[5] += 5.0
+    _check_moe(case, torch.float32, "bf16")
+
+
+@cpu_only
+def test_moe_large_block_path():
+    # Enough assignments per expert for 32-row blocks (block_m_for) with padding in several experts.
+    case = MoECase(40, 64, 32, 32, 3, 2, seed=5)
+    assert moe_kernel.block_m_for(40 * 2, 3) == 32
+    _check_moe(case, torch.float32, "mxfp8")
+
+
+def test_moe_rejects_mismatched_weights():
+    case = MoECase(2, 64, 32, 32, 4, 2)
+    with pytest.raises(ValueError, match="w2 has shape"):
+        moe_kernel.forward(case.x, case.router, case.bias, case.w13, case.w2[:, :, :16], case.s13, case.s2,
+                           *case.attrs())
+    q = case.mxfp8_args(torch.float32)
+    with pytest.raises(TypeError, match="moe_mxfp8 w13: MXFP8 scales must be uint8"):
+        moe_mxfp8_kernel.forward(*q[:4], q[4].to(torch.int32), *q[5:], *case.attrs())
+
+
+# ---------------------------------------------------------------------------------------------------- linear
+@cpu_only
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
+def test_mxfp8_linear_matches_reference(dt, lead, n, k):
+    w, s = mxfp8.quantize(torch.randn(n, k))
+    s[0, 0] = 0  # the subnormal scale 2^-127 (one UE8M0 byte that cannot be built by an exponent shift)
+    x = torch.randn(*lead, k).to(dt)
+    got = linear_kernel.forward(x, w, s)
+    want = ref.mxfp8_linear_reference(x, w, s)
+    _close(got, want, ref.mxfp8_linear_reference(x.double(), w, s) if dt != torch.float32 else None)
+
+
+def test_mxfp8_linear_rejects_bad_scales():
+    w, s = mxfp8.quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="scale shape"):
+        linear_kernel.forward(torch.randn(2, 64), w, s[:, :1])
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("t", [1, 8, 64, 700])
+def test_gpu_moe_mxfp8_mini_dims(t):
+    # mini preset dims (H 6144, I 3072) with 16 experts; bf16 activations as the model runs.
+    case = MoECase(t, 6144, 3072, 3072, 16, 4, gain=0.02, seed=6)
+    args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+    got = moe_mxfp8_kernel.forward(*args, *case.attrs())
+    want = ref.moe_mxfp8_reference(*args, *case.attrs())
+    want64 = ref.moe_mxfp8_reference(*_as64(args), *case.attrs())
+    _close(got, want, want64)
