@@ -9,8 +9,10 @@ own seeded stream, so batching across requests changes nothing. One server (two 
 import json
 import queue
 import re
+import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -337,3 +339,73 @@ def test_missing_tritonserver_says_how_to_install(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     with pytest.raises(BackendUnavailable, match="pip install --no-deps nvidia-pytriton==0.7.0"):
         find_tritonserver()
+
+
+# ---------------------------------------------------------------------------------------------- safety
+def test_a_10_mb_request_body_does_not_take_the_server_down(server, engine, tmp_path):
+    """tritonserver 2.51 overflows its thread stack on HTTP bodies of ~3-5 MB (an alloca of the body's buffer
+    segments; a segfault that drops every client); we start it with a 64 MiB stack limit. curl is the client
+    because it delivers the body in the many segments that trigger the crash (one large sendall does not)."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed (the crash needs a client that sends the body in many segments)")
+    body = tmp_path / "body.json"
+    body.write_bytes(b'{"text_input":"hi","max_tokens":2' + b" " * (10 << 20) + b"}")
+    done = subprocess.run([curl, "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "Expect:", "-X", "POST",
+                           f"{server.http_url}/v2/models/{MODEL}/generate", "--data-binary", f"@{body}"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout == "200", (done.returncode, done.stdout, server.log_tail())
+    sampling = {"temperature": 0.0, "max_tokens": 3}
+    got = grpc_one(server, text="after", sampling=sampling, exclude=True)
+    want = expect(engine, "after", **sampling)
+    assert got.error is None and got.ids == want.token_ids
+
+
+def test_readiness_from_a_server_that_is_not_ours_is_not_trusted(server, tmp_path):
+    """A second server on the first one's ports fails to bind (gRPC: address already in use), the way a restart
+    fails beside an orphan; the first one's 200 on /v2/health/ready must not make the second look started."""
+    with pytest.raises(ServerError, match="exited during startup"):
+        with TritonServer(server.repository, http_port=server.http_port, grpc_port=server.grpc_port,
+                          metrics_port=server.metrics_port, startup_timeout=120):
+            pass
+    assert urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10).status == 200
+
+
+def test_killing_the_wrapper_kills_tritonserver(tmp_path):
+    """SIGKILL on `python -m m3export.serve.server` leaves no orphan holding the ports: the children die with it."""
+    skip_without_tritonserver()
+    write_repository("tiny", tmp_path / "repo", name=MODEL)
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "m3export.serve.server", str(tmp_path / "repo"), "--http-port", str(ports[0]),
+         "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = wrapper.stdout.readline()  # printed once the server and its model are ready
+        assert first.startswith("serving"), first + wrapper.stdout.read()
+        wrapper.kill()
+        wrapper.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/health/live", timeout=2)
+            except (urllib.error.URLError, OSError):
+                break
+            time.sleep(0.25)
+        else:
+            pytest.fail("tritonserver still answers after its wrapper was killed")
+    finally:
+        wrapper.kill()
+
+
+def test_serving_never_installs_the_stub_environment(tmp_path, monkeypatch):
+    """The stub's numpy<2 environment is prepared at install time; serving with none prepared is one clear error
+    (it would otherwise pip-install over the network at the first start)."""
+    monkeypatch.setenv("M3EXPORT_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(BackendUnavailable, match="python -m m3export.serve.stubenv"):
+        stub_env()
+    assert not (tmp_path / "empty-cache").exists()

@@ -66,6 +66,27 @@ def find_tritonserver() -> TritonInstall:
     return found
 
 
+# Thread stacks of tritonserver 2.51 are sized from RLIMIT_STACK; its HTTP request parser recurses per JSON
+# element and overflows the usual 8 MiB on request bodies of a few MB (a known upstream crash, fixed in later
+# releases): one large request would take the whole server down. 64 MiB serves a 10 MB body.
+SERVER_STACK_BYTES = 64 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+def _prepare_child() -> None:
+    """Runs in the forked child before exec: a stack large enough for big request bodies, and death with its
+    parent (SIGKILL when the process that started it dies, even by SIGKILL), so no server outlives its owner."""
+    import ctypes
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    want = SERVER_STACK_BYTES if hard == resource.RLIM_INFINITY else min(SERVER_STACK_BYTES, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -96,6 +117,7 @@ class TritonServer:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else None
         self._proc: subprocess.Popen | None = None
+        self._log_start = 0
         self._exit_code: int | None = None
         self._shm_prefix = f"m3export_{uuid.uuid4().hex[:10]}_"
 
@@ -210,8 +232,10 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
         ]
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, cwd=self.workdir, start_new_session=True)
+                                          env=env, cwd=self.workdir, start_new_session=True,
+                                          preexec_fn=_prepare_child)
 
     def _wait_ready(self) -> bool:
         """True once /v2/health/ready answers 200; False if the process died; ServerError on timeout."""
@@ -222,13 +246,28 @@ class TritonServer:
                 return False
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._serving_http():
                         return True
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout:.0f} s serving "
                           f"{self.repository}; last log lines:\n{self.log_tail()}")
+
+    def _serving_http(self) -> bool:
+        """Whether *our* process logged that it bound all three ports: a readiness answer alone may come from a
+        server left on them by someone else (an orphan of a killed wrapper, say), while ours is failing on
+        "address already in use"."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        started = (f"Started GRPCInferenceService at {self.host}:{self.grpc_port}",
+                   f"Started HTTPService at {self.host}:{self.http_port}",
+                   f"Started Metrics Service at {self.host}:{self.metrics_port}")
+        return all(line in text for line in started) and self._proc.poll() is None
 
     def _kill(self) -> None:
         """SIGTERM lets Triton unload models (our engines stop their threads); SIGKILL if it takes too long."""

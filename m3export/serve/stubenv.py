@@ -70,13 +70,35 @@ def libpython_dir() -> Path:
     return libdir
 
 
-def stub_env(root: Path | None = None) -> Path:
-    """The venv for the stub (created on first use, then reused); put ``<it>/bin`` first on ``PATH``."""
+PREPARE_COMMAND = "python -m m3export.serve.stubenv"
+
+
+def _target(root: Path | None) -> tuple[Path, bool, list[str]]:
     numpy1 = _needs_numpy1()
     dirs = base_site_dirs()
     key = "\n".join([os.path.realpath(sys.executable), sys.version, NUMPY_SPEC if numpy1 else "", *dirs])
     ver = f"py{sys.version_info[0]}.{sys.version_info[1]}"
     target = (root or cache_root()) / "triton-stub-env" / f"{ver}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return target, numpy1, dirs
+
+
+def stub_env(root: Path | None = None) -> Path:
+    """The prepared venv for the stub; put ``<it>/bin`` first on ``PATH``.
+
+    Serving never installs anything (it may run offline): the venv is made at install time by
+    ``scripts/setup.sh`` or ``python -m m3export.serve.stubenv``, and a missing one is a clear error.
+    """
+    target, _, _ = _target(root)
+    if (target / "pyvenv.cfg").is_file():
+        return target
+    raise BackendUnavailable(
+        f"Triton's Python stub needs its environment ({target}), which is prepared once at install time "
+        f"(it installs {NUMPY_SPEC} beside this environment): run `{PREPARE_COMMAND}`")
+
+
+def prepare_stub_env(root: Path | None = None) -> Path:
+    """Create the stub's venv (once; reused while this interpreter and its site directories stay the same)."""
+    target, numpy1, dirs = _target(root)
     if (target / "pyvenv.cfg").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,3 +130,21 @@ def _install_numpy1(site_packages: Path) -> None:
         raise BackendUnavailable(
             f"Triton's Python stub (built against numpy 1.x) needs {NUMPY_SPEC} beside this environment's numpy 2, "
             f"and installing it failed:\n  {' '.join(cmd)}\n{tail}")
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=PREPARE_COMMAND,
+        description="Prepare the Python environment that tritonserver's Python-backend stub runs in (numpy<2 in "
+                    "front of this environment's packages). Run once after installing; serving itself never "
+                    "installs anything.",
+        epilog=f"example: {PREPARE_COMMAND}   (cache: M3EXPORT_CACHE or ~/.cache/m3export)")
+    parser.parse_args()
+    print(f"stub environment ready: {prepare_stub_env()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
