@@ -5,7 +5,8 @@ Every structural tag carries the namespace marker ``]<]minimax[>[`` in front of 
     ]<]minimax[>[<tool_call>
     ]<]minimax[>[<invoke name="get_weather">
     ]<]minimax[>[<city>Paris]<]minimax[>[</city>
-    ]<]minimax[>[<days>]<]minimax[>[<item>1]<]minimax[>[</item>]<]minimax[>[<item>2]<]minimax[>[</item>]<]minimax[>[</days>
+    ]<]minimax[>[<days>]<]minimax[>[<item>1]<]minimax[>[</item>]<]minimax[>[<item>2]<]minimax[>[</item>
+    ]<]minimax[>[</days>
     ]<]minimax[>[</invoke>
     ]<]minimax[>[</tool_call>
 
