@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,6 +24,11 @@ def _str_tuple(name: str, value: str | Iterable[str]) -> tuple[str, ...]:
         if not isinstance(v, str) or not v:
             raise ValueError(f"SamplingParams.{name} must hold non-empty strings, got {v!r}")
     return out
+
+
+# The smallest temperature sampled as such. Tiny positive temperatures overflow logits / temperature (1e-320 made
+# every token the last id); vLLM clamps at this same value with a warning, so a request behaves alike on both.
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -63,14 +69,19 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**64):
+            raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
         lp = self.logprobs
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
             raise ValueError(f"SamplingParams.logprobs must be None or an integer >= 0, got {lp!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            warnings.warn(f"SamplingParams.temperature {t!r} is below {MIN_TEMPERATURE}; using {MIN_TEMPERATURE} as vLLM "
+                          "does (use 0 for greedy)", stacklevel=3)
+            t = MIN_TEMPERATURE
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "stop", _str_tuple("stop", self.stop))

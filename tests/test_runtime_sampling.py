@@ -13,11 +13,22 @@ from m3export.runtime.sampling import draw, filtered_probs, sample, token_logpro
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
     ("top_k", 2.5), ("max_tokens", 0), ("seed", "7"), ("stop", [""]), ("stop_token_ids", [-1]),
-    ("stop_token_ids", "12"), ("ignore_eos", 1), ("logprobs", -2),
+    ("stop_token_ids", "12"), ("ignore_eos", 1), ("logprobs", -2), ("seed", 2**64), ("seed", -1),
 ])
 def test_params_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_subnormal_temperature_is_clamped_not_overflowed():
+    """1e-320 made logits / T overflow to inf and every sampled token the last id; it is clamped like vLLM."""
+    with pytest.warns(UserWarning, match="temperature"):
+        params = SamplingParams(temperature=1e-320)
+    logits = torch.tensor([0.0, 5.0, 1.0, -3.0])
+    probs = filtered_probs(logits, params)
+    assert torch.isfinite(probs).all() and int(probs.argmax()) == 1
+    gen = torch.Generator().manual_seed(0)
+    assert {sample(logits, params, gen) for _ in range(20)} == {1}
 
 
 def test_params_normalise():
