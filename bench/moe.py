@@ -1,0 +1,251 @@
+"""MoE layer on the GPU: the Triton kernels (``plugins/kernels/moe*.py``) against the reference op and the roofline.
+
+One MoE layer at the ``mini`` preset's dims (H 6144, I 3072, shared 3072, top-4) with ``--experts`` routed experts
+(the release has 128), random weights, bf16 activations, bf16 and MXFP8 weights. Reports, in one run:
+
+* decode at batch 1 / 8 / 64: time per layer (CUDA-graph replay of the kernels, so launch gaps are not counted;
+  eager time too), the bytes that must be read (every expert the batch routes to, the shared expert, the router,
+  activations), and that over the time as a fraction of the device-to-device copy bandwidth measured in the same
+  run (bytes read + bytes written over time);
+* prefill at 4k / 16k tokens: effective TFLOP/s (2 x the multiply-adds of the routed and shared experts and the
+  router, over the time);
+* the reference op (eager, as the model runs it today) at the decode batches;
+* correctness of every measured shape: ||kernel - oracle|| / ||oracle|| and the same for the bf16 reference,
+  the oracle being the reference evaluated in fp32 on the same inputs.
+
+  python bench/moe.py                                    # on the H200: table + bench/results/moe_h200.json
+  python bench/moe.py --experts 16 --prefill 4096 --formats mxfp8 --sweep 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+H, I, I_SHARED, TOP_K = 6144, 3072, 3072, 4
+ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
+# Decode tile variants tried (BLOCK_N, BLOCK_K, num_warps, num_stages) when --sweep is on; the best is reported.
+DECODE_SWEEP = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4)]
+PREFILL_SWEEP = [(64, None), (128, None), (64, dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+                 (128, dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+                 (128, dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4))]
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write), median of 20."""
+    import triton.testing
+
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=400, return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def graph_time_ms(fn, reps: int = 50) -> float:
+    """Median time of one call replayed from a CUDA graph (captured after a warm-up that compiles everything)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def eager_time_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+class Layer:
+    """Random weights of one MoE layer, bf16 and MXFP8 (quantised expert by expert to bound peak memory)."""
+
+    def __init__(self, experts: int, formats: list[str], seed: int = 0):
+        from m3export.ops import mxfp8
+
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        dev = "cuda"
+        self.e = experts
+        # Scales keep SwiGLU inputs O(1): x ~ N(0, 1), w ~ N(0, 1/H), so gate/up ~ N(0, 1) (clamps rarely bind).
+        self.router = torch.randn(experts, H, device=dev, generator=g) / H**0.5
+        self.bias = torch.randn(experts, device=dev, generator=g) * 0.01
+        self.bf16, self.mx = None, None
+        w13 = torch.empty(experts, 2 * I, H, dtype=torch.bfloat16, device=dev)
+        w2 = torch.empty(experts, H, I, dtype=torch.bfloat16, device=dev)
+        for e in range(experts):
+            w13[e] = torch.randn(2 * I, H, device=dev, generator=g) / H**0.5
+            w2[e] = torch.randn(H, I, device=dev, generator=g) / I**0.5
+        s13 = (torch.randn(2 * I_SHARED, H, device=dev, generator=g) / H**0.5).bfloat16()
+        s2 = (torch.randn(H, I_SHARED, device=dev, generator=g) / I_SHARED**0.5).bfloat16()
+        if "mxfp8" in formats:
+            q13 = torch.empty(w13.shape, dtype=torch.float8_e4m3fn, device=dev)
+            q13s = torch.empty((*w13.shape[:2], H // 32), dtype=torch.uint8, device=dev)
+            q2 = torch.empty(w2.shape, dtype=torch.float8_e4m3fn, device=dev)
+            q2s = torch.empty((*w2.shape[:2], I // 32), dtype=torch.uint8, device=dev)
+            for e in range(experts):
+                q13[e], q13s[e] = mxfp8.quantize(w13[e])
+                q2[e], q2s[e] = mxfp8.quantize(w2[e])
+            self.mx = (q13, q13s, q2, q2s, *mxfp8.quantize(s13), *mxfp8.quantize(s2))
+        if "bf16" in formats:
+            self.bf16 = (w13, w2, s13, s2)
+        else:
+            del w13, w2
+
+    def args(self, fmt: str, x: torch.Tensor):
+        head = (x, self.router, self.bias)
+        return (*head, *(self.bf16 if fmt == "bf16" else self.mx))
+
+    def expert_bytes(self, fmt: str) -> tuple[int, int]:
+        """(bytes of one routed expert, bytes of the shared expert), scales included."""
+        w = self.bf16 if fmt == "bf16" else self.mx
+        if fmt == "bf16":
+            per = (w[0][0].numel() + w[1][0].numel()) * 2
+            shared = (w[2].numel() + w[3].numel()) * 2
+        else:
+            per = w[0][0].numel() + w[1][0].numel() + w[2][0].numel() + w[3][0].numel()
+            shared = sum(t.numel() for t in w[4:])
+        return per, shared
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prefill", default="4096,16384")
+    ap.add_argument("--formats", default="mxfp8,bf16")
+    ap.add_argument("--sweep", type=int, default=1, help="try the tile variants in DECODE_SWEEP / PREFILL_SWEEP (MXFP8 weights)")
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe_h200.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/moe.py needs a CUDA device", file=sys.stderr)
+        return 2
+
+    from m3export.ops import moe as ref
+    from m3export.plugins.kernels import moe as kmoe
+    from m3export.plugins.kernels import moe_routing
+
+    formats = args.formats.split(",")
+    batches = [int(b) for b in args.batches.split(",") if b]
+    prefills = [int(t) for t in args.prefill.split(",") if t]
+    t0 = time.time()
+    bw = copy_bandwidth()
+    layer = Layer(args.experts, formats)
+    attrs = (TOP_K, SCALING, ALPHA, LIMIT)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "experts": args.experts,
+           "dims": {"hidden": H, "intermediate": I, "shared_intermediate": I_SHARED, "top_k": TOP_K},
+           "copy_bandwidth_TBps": bw / 1e12, "decode": [], "prefill": []}
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights ready in {time.time() - t0:.0f} s", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def run(fmt, x, config=None):
+        a = layer.args(fmt, x)
+        scales = (None,) * 4 if fmt == "bf16" else (a[4], a[6], a[8], a[10])
+        w = a[3:] if fmt == "bf16" else (a[3], a[5], a[7], a[9])
+        return kmoe.run_moe(a[0], a[1], a[2], *w, *attrs, scales=scales, config=config)
+
+    def reference(fmt, x):
+        fn = ref.moe_reference if fmt == "bf16" else ref.moe_mxfp8_reference
+        return fn(*layer.args(fmt, x), *attrs)
+
+    def oracle(fmt, x):
+        """The reference in fp32 on the same inputs (weights dequantised per used expert inside the op)."""
+        a = list(layer.args(fmt, x.float()))
+        if fmt == "bf16":
+            a[3:] = [w.float() for w in a[3:]]
+        return (ref.moe_reference if fmt == "bf16" else ref.moe_mxfp8_reference)(*a, *attrs)
+
+    for fmt in formats:
+        per, shared = layer.expert_bytes(fmt)
+        for b in batches:
+            x = torch.randn(b, H, device="cuda", generator=g).bfloat16()
+            ids, _ = moe_routing.route(x, layer.router, layer.bias, TOP_K)
+            touched = int(torch.unique(ids).numel())
+            need = touched * per + shared + layer.router.numel() * 4 + 2 * x.numel() * 2
+            variants = [None] + ([dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+                                  for n, k, w, s in DECODE_SWEEP] if args.sweep and fmt == "mxfp8" else [])
+            best = None
+            for cfg in variants:
+                try:
+                    ms = graph_time_ms(lambda: run(fmt, x, cfg))
+                except Exception as exc:  # a tile variant that does not compile (shared memory) is skipped
+                    print(f"  variant {cfg} failed: {type(exc).__name__}: {exc}"[:200], flush=True)
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            default_ms = graph_time_ms(lambda: run(fmt, x))
+            eager_ms = eager_time_ms(lambda: run(fmt, x))
+            ref_ms = eager_time_ms(lambda: reference(fmt, x))
+            want = oracle(fmt, x)
+            row = dict(format=fmt, batch=b, experts_touched=touched, bytes_needed=need,
+                       graph_ms=default_ms, eager_ms=eager_ms, reference_ms=ref_ms,
+                       best_graph_ms=best[0], best_config=best[1],
+                       frac_copy_bw=need / (default_ms * 1e-3) / bw, best_frac_copy_bw=need / (best[0] * 1e-3) / bw,
+                       rel_err_kernel=rel_err(run(fmt, x), want), rel_err_reference=rel_err(reference(fmt, x), want))
+            res["decode"].append(row)
+            print(json.dumps(row), flush=True)
+        for t in prefills:
+            x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+            flops = 2 * t * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
+            variants = [(None, None)] + (PREFILL_SWEEP if args.sweep and fmt == "mxfp8" else [])
+            times = []
+            for bm, cfg in variants:
+                config = None if bm is None else {"BLOCK_M": bm, **(cfg or {})}
+                try:
+                    ms = eager_time_ms(lambda: run(fmt, x, config))
+                except Exception as exc:
+                    print(f"  variant {config} failed: {type(exc).__name__}: {exc}"[:200], flush=True)
+                    continue
+                times.append((ms, config))
+            default_ms = times[0][0]
+            best = min(times, key=lambda r: r[0])
+            row = dict(format=fmt, tokens=t, flops=flops, ms=default_ms, tflops=flops / (default_ms * 1e-3) / 1e12,
+                       best_ms=best[0], best_tflops=flops / (best[0] * 1e-3) / 1e12, best_config=best[1])
+            if t <= 4096:  # the fp32 oracle loops over experts eagerly: affordable at 4k
+                row["rel_err_kernel"] = rel_err(run(fmt, x), oracle(fmt, x))
+            res["prefill"].append(row)
+            print(json.dumps(row), flush=True)
+
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    print(f"\nMoE layer, {args.experts} experts, H {H}, I {I}, top-{TOP_K}; copy {bw / 1e12:.2f} TB/s")
+    print(f"{'fmt':6} {'batch':>5} {'experts':>7} {'MB':>7} {'graph us':>9} {'best us':>8} {'%copy':>6} "
+          f"{'eager us':>9} {'ref us':>8} {'err':>8} {'ref err':>8}")
+    for r in res["decode"]:
+        print(f"{r['format']:6} {r['batch']:>5} {r['experts_touched']:>7} {r['bytes_needed'] / 1e6:>7.0f} "
+              f"{r['graph_ms'] * 1e3:>9.1f} {r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% "
+              f"{r['eager_ms'] * 1e3:>9.1f} {r['reference_ms'] * 1e3:>8.0f} {r['rel_err_kernel']:>8.1e} "
+              f"{r['rel_err_reference']:>8.1e}")
+    print(f"{'fmt':6} {'tokens':>6} {'ms':>8} {'TFLOP/s':>8} {'best':>8} {'err':>8}")
+    for r in res["prefill"]:
+        print(f"{r['format']:6} {r['tokens']:>6} {r['ms']:>8.2f} {r['tflops']:>8.0f} {r['best_tflops']:>8.0f} "
+              f"{r.get('rel_err_kernel', float('nan')):>8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

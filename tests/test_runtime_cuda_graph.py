@@ -1,0 +1,98 @@
+"""CUDA-graph decode (``runtime/backends/cuda_graph.py``): bucket choice, and the padded decode shapes a graph
+replays, run eagerly on the CPU against the unpadded step and the cache-free greedy reference. Capture and replay
+themselves need CUDA (``gpu`` test)."""
+
+import pytest
+import torch
+
+from m3export.model.batch import Batch
+from m3export.runtime import Engine, SamplingParams
+from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, decode_bucket
+from tests.runtime_fixtures import model, prompts, reference, tiny_model  # noqa: F401  (fixtures)
+
+PAGE = 4
+
+
+def test_decode_bucket():
+    buckets = (1, 2, 4, 8)
+    assert decode_bucket(1, 1, 1, buckets) == 1
+    assert decode_bucket(3, 3, 3, buckets) == 4
+    assert decode_bucket(8, 8, 8, buckets) == 8
+    assert decode_bucket(9, 9, 9, buckets) is None  # past the largest bucket: eager
+    assert decode_bucket(5, 2, 2, buckets) is None  # prefill or mixed: more tokens than sequences
+    assert decode_bucket(4, 2, 4, buckets) is None  # MTP verify: eager (not captured yet)
+    assert decode_bucket(2, 2, 1, buckets) is None  # a token whose logits are not needed: not a decode step
+
+
+def _batch(tables, starts, counts):
+    """A flattened batch of len(tables) sequences, each with counts[i] new tokens from position starts[i]."""
+    pos, slots, qsl, lens = [], [], [0], []
+    for pages, s, n in zip(tables, starts, counts):
+        for p in range(s, s + n):
+            pos.append(p)
+            slots.append(pages[p // PAGE] * PAGE + p % PAGE)
+        qsl.append(qsl[-1] + n)
+        lens.append(s + n)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return Batch(torch.tensor(pos), torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), bt,
+                 torch.tensor(slots))
+
+
+def test_padded_decode_equals_unpadded_and_leaves_real_pages_alone(model):
+    be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(4,))
+    be.allocate(num_pages=6, page_size=PAGE)
+    tables = [[0, 1], [2]]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (8,), generator=g)
+    be.forward(ids, _batch(tables, [0, 0], [5, 3]), torch.tensor([4, 7]))  # prefill: eager, unpadded
+    saved = [[c.clone() for c in layer] for layer in be._caches]
+    step_ids = torch.tensor([11, 12])
+    step = _batch(tables, [5, 3], [1, 1])
+    logits, hidden = be.forward(step_ids, step, torch.tensor([0, 1]))  # bucket 4: two padding rows
+    padded_caches = [[c.clone() for c in layer] for layer in be._caches]
+    for layer, keep in zip(be._caches, saved):
+        for c, k in zip(layer, keep):
+            c.copy_(k)
+    be.pad_eagerly = False
+    want_logits, want_hidden = be.forward(step_ids, step, torch.tensor([0, 1]))
+    assert logits.shape == want_logits.shape and hidden.shape == want_hidden.shape
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-10)  # float64 model: same sums, any blocking
+    torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-10)
+    written = step.slot_mapping
+    for layer_p, layer_u in zip(padded_caches, be._caches):
+        for p, u in zip(layer_p, layer_u):
+            # Pages 0-5 are the engine's (page 6 is the scratch page): only this step's two slots changed, to the
+            # same values up to float64 rounding (a batch of 4 rows may block its products differently).
+            p, u = p[:6].flatten(0, 1), u[:6].flatten(0, 1)
+            others = torch.ones(p.shape[0], dtype=torch.bool)
+            others[written] = False
+            assert torch.equal(p[others], u[others])
+            torch.testing.assert_close(p[written], u[written], rtol=0, atol=1e-12)
+
+
+def test_engine_on_padded_decode_matches_reference(model, reference):
+    be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(2, 4))
+    eng = Engine(be, page_size=PAGE, num_pages=64, max_num_seqs=3)
+    ps = prompts(3, seed=3)
+    outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference(tuple(p), 6) for p in ps]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graphs_replay_the_same_tokens():
+    from m3export.plugins.kernels import kernels, register
+
+    missing = {"m3::paged_attention", "m3::sparse_paged_attention", "m3::lightning_indexer", "m3::moe"} - set(kernels())
+    if missing:
+        pytest.skip(f"no Triton kernel yet for {sorted(missing)}: the reference ops cannot be captured")
+    register()
+    m = tiny_model().float().cuda()
+    ps = prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eager = Engine(GraphedTorchBackend(m, use_graphs=False), page_size=PAGE, num_pages=64).generate(ps, params)
+    be = GraphedTorchBackend(m, use_graphs=True)
+    graphed = Engine(be, page_size=PAGE, num_pages=64).generate(ps, params)
+    assert be.use_graphs and be.replays > 0, "decode steps did not run from graphs"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
