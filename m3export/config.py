@@ -63,6 +63,116 @@ class QuantConfig:
         }
 
 
+VISION_ACTIVATIONS = ("gelu", "quick_gelu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (``vision_config``) and the VL wrapper's own fields (placeholder ids, projector width).
+
+    The release stores the tower as a CLIP-style ``vision_config`` and the token ids and projector width at the
+    top level of ``config.json``; they are kept together here because only the vision path reads them.
+    """
+
+    hidden_size: int = 1280
+    intermediate_size: int = 5120
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_channels: int = 3
+    image_size: int = 2016
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    image_token_index: int = 200025
+    video_token_index: int = 200026
+    projector_hidden_size: int = 6144
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch in ``pixel_values``: channels x temporal patch x patch x patch."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches folded into one text token."""
+        return self.spatial_merge_size**2
+
+    def validate(self, text_hidden_size: int, vocab_size: int) -> "VisionConfig":
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                     "patch_size", "temporal_patch_size", "spatial_merge_size", "projector_hidden_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"vision_config.{name} must be a positive integer, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"vision_config.hidden_size ({self.hidden_size}) must be a multiple of "
+                              f"num_attention_heads ({self.num_attention_heads})")
+        if self.head_dim < 6:
+            raise ConfigError(f"vision head_dim ({self.head_dim}) is too small for 3D rotary (needs >= 6)")
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ConfigError(f"vision_config.hidden_act {self.hidden_act!r} is not supported "
+                              f"(expected one of {list(VISION_ACTIVATIONS)})")
+        for name in ("image_token_index", "video_token_index"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not 0 <= v < vocab_size:
+                raise ConfigError(f"{name} ({v!r}) must be a token id below vocab_size ({vocab_size})")
+        if self.image_token_index == self.video_token_index:
+            raise ConfigError("image_token_index and video_token_index must differ")
+        del text_hidden_size  # any text width works: the projector maps into it
+        return self
+
+    @classmethod
+    def from_dict(cls, top: dict[str, Any], vision: dict[str, Any], source: str) -> "VisionConfig":
+        """``vision`` is ``vision_config`` (CLIP-style or ``transformers``' spelling); ``top`` the wrapper."""
+        if not isinstance(vision, dict):
+            raise ConfigError(f"{source}: vision_config must be an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: vision[k] for k in names & set(vision) if k not in ("image_token_index", "video_token_index",
+                                                                       "projector_hidden_size")}
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"{source}: vision_config rope_type {rope.get('rope_type')!r} is not supported "
+                              "(the vision tower uses axial 3D rotary)")
+        if "rope_theta" not in vision and "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        heads, hidden = vision.get("num_attention_heads", cls.num_attention_heads), vision.get("hidden_size",
+                                                                                               cls.hidden_size)
+        if vision.get("head_dim") not in (None, hidden // heads):
+            raise ConfigError(f"{source}: vision_config.head_dim ({vision['head_dim']}) must equal hidden_size / "
+                              f"num_attention_heads ({hidden // heads})")
+        for name in ("image_token_index", "video_token_index", "projector_hidden_size"):
+            alias = {"image_token_index": "image_token_id", "video_token_index": "video_token_id"}.get(name)
+            if name in top:
+                kw[name] = top[name]
+            elif alias in top:
+                kw[name] = top[alias]
+        for f in dataclasses.fields(cls):
+            v = kw.get(f.name, getattr(cls, f.name))
+            if f.type in ("int", int) and not (isinstance(v, int) and not isinstance(v, bool)):
+                raise ConfigError(f"{source}: vision_config.{f.name} must be an integer, got {v!r}")
+            if f.type in ("float", float) and not isinstance(v, (int, float)):
+                raise ConfigError(f"{source}: vision_config.{f.name} must be a number, got {v!r}")
+        return cls(**kw)
+
+    def tower_dict(self) -> dict[str, Any]:
+        """``vision_config`` as ``transformers`` spells it (the token ids and projector width live outside)."""
+        d = dataclasses.asdict(self)
+        for k in ("image_token_index", "video_token_index", "projector_hidden_size", "rope_theta"):
+            d.pop(k)
+        d["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
+        return d
+
+    def wrapper_dict(self) -> dict[str, Any]:
+        return {"image_token_index": self.image_token_index, "video_token_index": self.video_token_index,
+                "projector_hidden_size": self.projector_hidden_size}
+
+
 @dataclass
 class M3Config:
     """Text backbone + MTP configuration (field names follow the ``transformers`` flat spelling)."""
@@ -105,6 +215,7 @@ class M3Config:
     eos_token_id: list[int] = field(default_factory=lambda: [200020])
     pad_token_id: int | None = None
     quantization: QuantConfig | None = None
+    vision: VisionConfig | None = None  # the vision tower + projector; None for a text-only checkpoint
 
     # ------------------------------------------------------------------ derived
     @property
@@ -197,6 +308,8 @@ class M3Config:
             or self.shared_intermediate_size % 32 or (self.num_attention_heads * self.head_dim) % 32
         ):
             raise ConfigError("MXFP8 needs every linear input width (K) to be a multiple of 32")
+        if self.vision is not None:
+            self.vision.validate(self.hidden_size, self.vocab_size)
         return self
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -211,7 +324,7 @@ class M3Config:
             raise ConfigError(f"{source}: text_config must be an object")
         text = dict(text)
         kw: dict[str, Any] = {}
-        names = {f.name for f in dataclasses.fields(cls)} - {"quantization"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"quantization", "vision"}
         for name in names:
             if name in text:
                 kw[name] = text[name]
@@ -288,8 +401,10 @@ class M3Config:
         kw["tie_word_embeddings"] = bool(tie)
         q = top.get("quantization_config") or text.get("quantization_config")
         quant = QuantConfig.from_dict(q, f"{source}: quantization_config") if q else None
+        vision_raw = top.get("vision_config")
+        vision = VisionConfig.from_dict(top, vision_raw, source) if vision_raw is not None else None
         try:
-            cfg = cls(**kw, quantization=quant)
+            cfg = cls(**kw, quantization=quant, vision=vision)
         except TypeError as e:  # pragma: no cover - dataclass signature errors
             raise ConfigError(f"{source}: {e}") from e
         for f in dataclasses.fields(cls):
@@ -320,6 +435,7 @@ class M3Config:
         """The flat ``transformers`` spelling of the text config (what we write into artifacts)."""
         d = dataclasses.asdict(self)
         d.pop("quantization")
+        d.pop("vision")
         d["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": self.rope_theta,
@@ -328,7 +444,12 @@ class M3Config:
         return d
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A ``config.json`` for ``transformers``' ``MiniMaxM3VLForCausalLM`` (text only)."""
+        """A ``config.json`` for ``transformers``: ``MiniMaxM3VLForCausalLM`` (text only) or, with a vision tower,
+        ``MiniMaxM3SparseForConditionalGeneration`` (the text config nested under ``text_config``)."""
+        if self.vision is not None:
+            return {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+                    "tie_word_embeddings": False, "text_config": self.replace(vision=None).to_hf_dict(),
+                    "vision_config": self.vision.tower_dict(), **self.vision.wrapper_dict()}
         d = self.to_text_dict()
         for k in ("index_init_blocks", "index_score_type", "scoring_func", "use_routing_bias", "hidden_act",
                   "swiglu_beta", "n_shared_experts", "num_mtp_modules", "rope_theta"):
@@ -371,6 +492,9 @@ class M3Config:
         }
         if self.quantization is not None:
             out["quantization_config"] = self.quantization.to_dict()
+        if self.vision is not None:
+            out["vision_config"] = {**self.vision.tower_dict(), "model_type": "clip_vision_model"}
+            out.update(self.vision.wrapper_dict())
         return out
 
     def replace(self, **changes: Any) -> "M3Config":

@@ -17,3 +17,7 @@ class ArtifactError(M3Error):
 
 class BackendUnavailable(M3Error):
     """A requested backend (TensorRT, CUDA, ...) is not installed or not usable on this machine."""
+
+
+class MediaError(M3Error, ValueError):
+    """An image or video is unreadable, empty, too large, or does not match its placeholders in the prompt."""

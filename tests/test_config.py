@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from m3export.config import ConfigError, M3Config, preset
+from m3export.config import ConfigError, M3Config, VisionConfig, preset
 
 RELEASE_TEXT = {
     "model_type": "minimax_m3", "hidden_size": 6144, "num_hidden_layers": 60, "num_attention_heads": 64,
@@ -37,7 +37,8 @@ def test_release_config_equals_full_preset(tmp_path):
     cfg = M3Config.from_pretrained(tmp_path)
     full = preset("full")
     assert cfg.quantization is not None and cfg.quantization.weight_block_size == (1, 32)
-    assert cfg.replace(quantization=None) == full
+    assert cfg.replace(quantization=None, vision=None) == full  # the presets are text-only
+    assert cfg.vision == VisionConfig()  # the release's vision_config (hidden 1280) and the wrapper's defaults
     assert cfg.layer_types[:4] == ["full_attention"] * 3 + ["minimax_m3_sparse"]
     assert cfg.num_mtp_modules == 7 and cfg.swiglu_beta == 1.0
 

@@ -44,6 +44,7 @@ class Layout:
         self.kind, self.cfg = kind, cfg
         self.model_prefix = "language_model.model." if kind == "original" else hf_prefix
         self.lm_head = "language_model.lm_head.weight" if kind == "original" else "lm_head.weight"
+        self.vision_prefix = hf_prefix[: -len("language_model.")] if hf_prefix.endswith("language_model.") else hf_prefix
 
     # ------------------------------------------------------------------ public
     def pieces(self, name: str) -> list[Piece]:
@@ -62,7 +63,23 @@ class Layout:
         m = re.fullmatch(r"model\.(embed_tokens\.weight|norm\.weight)", name)
         if m:
             return [Piece(self.model_prefix + m[1])]
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return [Piece(self._vision(name))]
         raise KeyError(f"no checkpoint name for parameter {name!r}")
+
+    def _vision(self, name: str) -> str:
+        """Vision tower / projector names: ``transformers`` nests them under ``model.``; the release keeps CLIP's
+        ``vision_tower.vision_model.{embeddings.patch_embedding,pre_layrnorm,encoder.layers}`` and stores the
+        projector's merge MLP as ``patch_merge_mlp``."""
+        if self.kind == "hf":
+            return self.vision_prefix + name
+        for ours, theirs in (("vision_tower.embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
+                             ("vision_tower.pre_layrnorm.", "vision_tower.vision_model.pre_layrnorm."),
+                             ("vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
+                             ("multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_")):
+            if name.startswith(ours):
+                return theirs + name[len(ours):]
+        return name
 
     # ------------------------------------------------------------------ per layer
     def _layer(self, p: str, rest: str) -> list[Piece]:

@@ -13,11 +13,15 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers torch.ops.m3.*)
 from ..config import M3Config
+from ..errors import MediaError
 from .batch import Batch
 from .layer import DecoderLayer
+from .media import VisionEncoder, encode_items, place_tokens
 from .mtp import MTPModule
 from .norm import RMSNorm
+from .projector import MultiModalProjector
 from .rope import Rotary
+from .vision import VisionTower
 
 LayerCache = tuple  # (k_pool, v_pool) or (k_pool, v_pool, index_k_pool)
 
@@ -50,6 +54,10 @@ class M3ForCausalLM(nn.Module):
         n_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules
         self.mtp = nn.ModuleList(MTPModule(cfg, mxfp8) for _ in range(n_mtp))
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        # Vision tower + projector (floating point even in an MXFP8 model: the release does not quantise the tower).
+        self.vision_tower = VisionTower(cfg.vision) if cfg.vision is not None else None
+        self.multi_modal_projector = (MultiModalProjector(cfg.vision, cfg.hidden_size)
+                                      if cfg.vision is not None else None)
 
     # ------------------------------------------------------------------ caches
     def cache_shapes(self, num_pages: int, page_size: int, layers: str = "main") -> list[tuple[tuple[int, ...], ...]]:
@@ -66,10 +74,12 @@ class M3ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ runtime path
     def step(self, input_ids: torch.Tensor, batch: Batch, caches: list, logits_indices: torch.Tensor | None = None,
-             inplace: bool = True) -> StepOutput:
-        """One forward over a flattened mixed batch; writes the new tokens' K/V/index keys into the pools."""
-        h, new_caches, selections = self.run_layers(self.model.embed_tokens(input_ids), batch, caches,
-                                                    range(len(self.model.layers)), inplace)
+             inplace: bool = True, inputs_embeds: torch.Tensor | None = None) -> StepOutput:
+        """One forward over a flattened mixed batch; writes the new tokens' K/V/index keys into the pools.
+
+        ``inputs_embeds`` [T, H], when given, replaces the token embeddings (media tokens already placed)."""
+        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h, new_caches, selections = self.run_layers(h, batch, caches, range(len(self.model.layers)), inplace)
         logits, hidden = self.head(h, logits_indices)
         return StepOutput(logits, hidden, new_caches, selections)
 
@@ -104,14 +114,49 @@ class M3ForCausalLM(nn.Module):
         picked = normed if logits_indices is None else normed.index_select(0, logits_indices)
         return self.lm_head(picked), out, cache, sel
 
+    # ------------------------------------------------------------------ media
+    def vision_encoder(self) -> VisionEncoder:
+        """Tower + projector as one module (one item per call): what the runtime and the exporter run."""
+        if self.vision_tower is None:
+            raise MediaError("this model has no vision tower (its config has no vision_config): images and video "
+                             "cannot be encoded")
+        return VisionEncoder(self.vision_tower, self.multi_modal_projector)
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thw, what: str = "image") -> list[torch.Tensor]:
+        """pixel_values [patches, patch_dim] + grid_thw [items, 3] -> one [tokens, H] block per item."""
+        return encode_items(self.vision_encoder(), self.config.vision, pixel_values, grid_thw, what)
+
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+              video_grid_thw=None) -> torch.Tensor:
+        """input_ids [T] -> embeddings [T, H], image and video tokens placed at their placeholders."""
+        e = self.model.embed_tokens(input_ids)
+        for what, pixels, grid in (("image", pixel_values, image_grid_thw), ("video", pixel_values_videos,
+                                                                              video_grid_thw)):
+            if pixels is None:
+                continue
+            tokens = torch.cat(self.encode_media(pixels, grid, what), dim=0)
+            v = self.config.vision
+            e = place_tokens(e, input_ids, v.image_token_index if what == "image" else v.video_token_index,
+                             tokens, what)
+        return e
+
     # ------------------------------------------------------------------ cache-free reference
-    def forward(self, input_ids: torch.Tensor, return_selections: bool = False):
-        """input_ids [B, T] (positions 0..T-1, no padding) -> logits [B, T, vocab]."""
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.Tensor | None = None, return_selections: bool = False):
+        """input_ids [B, T] (positions 0..T-1, no padding) -> logits [B, T, vocab].
+
+        Media keyword names are ``transformers``': image / video patches for all rows of the batch, in the
+        order their placeholders appear in ``input_ids`` flattened row by row."""
         bsz, length = input_ids.shape
         page = 16
         batch = Batch.contiguous(bsz, length, page, input_ids.device)
         caches = self.allocate_caches(bsz * -(-length // page), page, self.lm_head.weight.dtype, input_ids.device)
-        out = self.step(input_ids.reshape(-1), batch, caches)
+        embeds = None
+        if pixel_values is not None or pixel_values_videos is not None:
+            embeds = self.embed(input_ids.reshape(-1), pixel_values, image_grid_thw, pixel_values_videos,
+                                video_grid_thw)
+        out = self.step(input_ids.reshape(-1), batch, caches, inputs_embeds=embeds)
         logits = out.logits.view(bsz, length, -1)
         if return_selections:
             return logits, [s.view(bsz, length, *s.shape[1:]) for s in out.selections]
