@@ -1,14 +1,14 @@
 """``m3::paged_attention`` and ``m3::sparse_paged_attention``: causal GQA over paged K/V pools.
 
 Both share one reference: the sparse op only narrows each query's visible keys to the blocks the lightning
-indexer chose for its KV group. Softmax in fp32; the output keeps the query dtype.
+indexer chose for its KV group. Softmax in fp32 (float64 for float64 inputs); the output keeps the query dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .paged import gather_sequence, sequences
+from .paged import accumulation_dtype, gather_sequence, sequences
 
 
 def _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, block_idx,
@@ -17,14 +17,15 @@ def _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positi
     hkv = k_cache.shape[2]
     group = hq // hkv
     out = torch.zeros((t, hq, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+    acc = accumulation_dtype(q, k_cache, v_cache)
     for b, s, e, n in sequences(query_start_loc, seq_lens):
         if e == s:
             continue
-        k = gather_sequence(k_cache, block_tables[b], n).float()  # [n, Hkv, D]
-        v = gather_sequence(v_cache, block_tables[b], n).float()
+        k = gather_sequence(k_cache, block_tables[b], n).to(acc)  # [n, Hkv, D]
+        v = gather_sequence(v_cache, block_tables[b], n).to(acc)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,nhd->thn", q[s:e].float(), k) * scale
+        scores = torch.einsum("thd,nhd->thn", q[s:e].to(acc), k) * scale
         key_pos = torch.arange(n, device=q.device)
         allowed = key_pos.view(1, 1, n) <= positions[s:e].view(-1, 1, 1)
         if block_idx is not None:

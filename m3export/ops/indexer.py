@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged import gather_sequence, sequences
+from .paged import accumulation_dtype, gather_sequence, sequences
 
 
 def select_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, topk: int,
@@ -48,12 +48,13 @@ def lightning_indexer_reference(
     """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32."""
     t, h, _ = index_q.shape
     out = torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
+    acc = accumulation_dtype(index_q, index_k_cache)
     for b, s, e, n in sequences(query_start_loc, seq_lens):
         if e == s:
             continue
-        keys = gather_sequence(index_k_cache, block_tables[b], n).float()  # [n, D]
+        keys = gather_sequence(index_k_cache, block_tables[b], n).to(acc)  # [n, D]
         pos = positions[s:e]
-        scores = torch.einsum("thd,nd->thn", index_q[s:e].float(), keys)
+        scores = torch.einsum("thd,nd->thn", index_q[s:e].to(acc), keys)
         future = torch.arange(n, device=keys.device).view(1, 1, n) > pos.view(-1, 1, 1)
         scores = scores.masked_fill(future, float("-inf"))
         nb = -(-n // block_size)

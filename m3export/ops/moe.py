@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import mxfp8
+from .paged import accumulation_dtype
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -20,9 +21,11 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_k: int):
-    """fp32 sigmoid scores; the correction bias only picks experts; weights renormalised over the chosen."""
-    scores = torch.sigmoid(x.float() @ router_weight.float().t())
-    order = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True)
+    """fp32 sigmoid scores (float64 for float64 inputs); the correction bias only picks experts; weights
+    renormalised over the chosen."""
+    acc = accumulation_dtype(x, router_weight, bias)
+    scores = torch.sigmoid(x.to(acc) @ router_weight.to(acc).t())
+    order = torch.sort(scores + bias.to(acc), dim=-1, descending=True, stable=True)
     idx = order.indices[:, :top_k]
     w = scores.gather(1, idx)
     return idx, w / w.sum(dim=-1, keepdim=True)

@@ -9,6 +9,16 @@ from __future__ import annotations
 import torch
 
 
+def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype scores, softmax and weighted sums are computed in: fp32 for every contract dtype (fp32, fp16,
+    bf16), float64 when an input is float64, which is how the conformance suite evaluates a reference as its
+    float64 oracle (``m3export.ops.conformance``)."""
+    out = torch.float32
+    for t in tensors:
+        out = torch.promote_types(out, t.dtype)
+    return out
+
+
 def gather_sequence(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """pool [num_pages, page, *rest], block_table [max_pages] -> [length, *rest]."""
     page = pool.shape[1]
