@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("synth", "export", "verify", "generate", "triton_repo", "demo")
+COMMANDS = ("synth", "export", "verify", "generate", "serve", "triton_repo", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,6 +64,7 @@ class EngineDriver:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
         self._ids = itertools.count()
+        self._name = name
         self._cancel_poll_s = cancel_poll_s
         self._idle_wait_s = idle_wait_s
         self._last_poll = 0.0
@@ -99,6 +100,11 @@ class EngineDriver:
             _quietly(a.sink.fail, "the model was unloaded before this request finished")
 
     @property
+    def alive(self) -> bool:
+        """The engine thread is running (False after close, or if it died)."""
+        return self._thread.is_alive()
+
+    @property
     def running(self) -> int:
         return len(self._active)
 
@@ -129,7 +135,7 @@ class EngineDriver:
             self._add(*item)
 
     def _add(self, request: GenerateRequest, sink: Sink) -> None:
-        rid = f"triton-{next(self._ids)}"
+        rid = f"{self._name}-{next(self._ids)}"
         try:
             self.engine.add_request(rid, request.prompt, sampling_params(request))
         except (RequestError, ValueError) as e:

@@ -99,7 +99,7 @@ def _check_stub_numpy(pb) -> None:
             "run it with a Python that has numpy<2, as `python -m m3export.serve.server` prepares")
 
 
-def _warm_up(engine) -> None:
+def warm_up(engine) -> None:
     """One prefill and one decode step before Triton reports the model ready: the first forward of a fresh
     engine pays one-time costs (seconds on CPU) that would otherwise land on the first client."""
     from ..runtime import SamplingParams
@@ -127,7 +127,7 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         engine = load_engine(_parameters(config), version_dir)
         t1 = time.perf_counter()
-        _warm_up(engine)
+        warm_up(engine)
         pb.Logger.log_info(f"{instance}: engine loaded in {t1 - t0:.1f} s, warmed up in "
                            f"{time.perf_counter() - t1:.1f} s (max_model_len {engine.max_model_len})")
         self._driver = EngineDriver(engine, _TritonMetrics(pb, name, version, instance), name=instance)

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1, driven by the official ``openai`` client.
+
+The engine is the real tiny engine; prompts that name a script get a reply the test wrote (``ScriptedEngine``),
+so reasoning and tool-call markup come out of the server exactly as a model would emit them. Plain prompts are
+compared with the engine's own generation (a fresh engine, same parameters).
+"""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from m3export.runtime import Engine, SamplingParams
+from m3export.serve.chat_template import ChatTemplate
+from m3export.serve.tool_parser import INVOKE_END, INVOKE_START, TOOL_CALL_END, TOOL_CALL_START
+from tests.serve_fixtures import TEST_TEMPLATE, ScriptedEngine
+
+openai = pytest.importorskip("openai", reason="the openai client comes with the dev extra")
+httpx = pytest.importorskip("httpx", reason="httpx comes with the openai client")
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn comes with the serve extra")
+
+MODEL = "m3-test"
+MAX_MODEL_LEN = 1024
+SPECIALS = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+NS = "]<]minimax[>["
+
+
+def el(name, body):
+    return f"{NS}<{name}>{body}{NS}</{name}>"
+
+
+TOOL_BLOCK = (f"{TOOL_CALL_START}\n{INVOKE_START} name=\"get_weather\">\n{el('city', 'Zürich')}\n{el('days', '3')}\n"
+              f"{INVOKE_END}\n{INVOKE_START} name=\"get_time\">\n{el('zone', 'CET')}\n{INVOKE_END}\n{TOOL_CALL_END}")
+SCRIPTS = {
+    "reason": "<mm:think>Paris is in France.</mm:think>\n\nThe capital is Paris.",
+    "tool": "<mm:think>Need the weather.</mm:think>\nChecking. " + TOOL_BLOCK,
+    "preopened": "Quick thought.</mm:think>\nAnswer: 42 ✓",
+    "truncated": f"Calling {TOOL_CALL_START}{INVOKE_START} name=\"get_weather\">{el('city', 'Oslo')}{NS}<days>",
+    "long": "z" * 400,
+    **{f"c{i}": f"client {i} says " + "abcdefghij"[:i % 10] * (1 + i % 4) for i in range(16)},
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+class Live:
+    """A running server: its URL, engine and what the engine saw."""
+
+    def __init__(self, url, engine, server):
+        self.url, self.engine, self.server = url, engine, server
+        self.aborted: list[str] = []
+        self.max_running = 0
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def wait_idle(self, timeout=60.0):
+        """Until the engine holds no request (a deadline only so that a bug fails instead of hanging)."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished() or self.server.driver.running:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def live():
+    from m3export.serve.openai_server import OpenAIServer
+
+    engine = ScriptedEngine.from_checkpoint("tiny", scripts=SCRIPTS, max_model_len=MAX_MODEL_LEN)
+    server = OpenAIServer(engine, MODEL, chat_template=ChatTemplate(TEST_TEMPLATE, "test", SPECIALS),
+                          cancel_poll_s=0.0, disconnect_poll_s=0.1)
+    state = Live(None, engine, server)
+    step, abort = engine.step, engine.abort
+
+    def recording_step():
+        state.max_running = max(state.max_running, len(engine.scheduler.running))
+        return step()
+
+    def recording_abort(rid):
+        state.aborted.append(rid)
+        return abort(rid)
+
+    engine.step, engine.abort = recording_step, recording_abort
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    state.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not http.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield state
+    http.should_exit = True
+    thread.join(30)
+    assert server.driver is None  # the lifespan closed the driver
+
+
+def chat(text):
+    return [{"role": "user", "content": f"SCRIPT[{text}]"}]
+
+
+def n_tokens(engine, text):
+    return len(engine.tokenizer.encode(text))
+
+
+def test_models_health_and_completion_equal_the_engine(live):
+    c = live.client()
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    assert httpx.get(live.url + "/health").status_code == 200
+    r = c.completions.create(model=MODEL, prompt="Hello there", max_tokens=9, temperature=0)
+    ref = Engine.from_checkpoint("tiny").generate(["Hello there"], SamplingParams(temperature=0, max_tokens=9))[0]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 9)
+    echoed = c.completions.create(model=MODEL, prompt="Hello there", max_tokens=9, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Hello there" + ref.text
+
+
+def test_streamed_completion_with_usage_equals_the_plain_one(live):
+    c = live.client()
+    kw = {"model": MODEL, "prompt": "SCRIPT[reason]", "max_tokens": 200, "temperature": 0}
+    whole = c.completions.create(**kw)
+    chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text == SCRIPTS["reason"]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_tokens(live.engine,
+                                                                                        SCRIPTS["reason"]) + 1
+    assert all(ch.usage is None for ch in chunks[:-1])  # usage comes once, at the end
+
+
+def test_chat_splits_reasoning(live):
+    r = live.client().chat.completions.create(model=MODEL, messages=chat("reason"))
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == ("Paris is in France.", "The capital is Paris.")
+    assert r.choices[0].finish_reason == "stop" and not m.tool_calls
+    prompt = ChatTemplate(TEST_TEMPLATE, "t", SPECIALS).render(chat("reason"))
+    assert r.usage.prompt_tokens == n_tokens(live.engine, prompt)
+    assert r.usage.completion_tokens == n_tokens(live.engine, SCRIPTS["reason"]) + 1  # + EOS
+
+
+def test_chat_reasoning_pre_opened_by_the_template(live):
+    c = live.client()
+    r = c.chat.completions.create(model=MODEL, messages=chat("preopened"),
+                                  extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}})
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == ("Quick thought.", "Answer: 42 ✓")
+    stream = c.chat.completions.create(model=MODEL, messages=chat("preopened"), stream=True,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    deltas = [ch.choices[0].delta for ch in stream]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Quick thought."
+    assert "".join(d.content or "" for d in deltas) == "Answer: 42 ✓"
+
+
+def parallel(*calls):
+    """Run the calls at once (the server batches them, so slow decodes overlap) and return their results."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def collect_stream(chunks):
+    """Streamed chat chunks -> (content, reasoning, calls as {index: (id, name, [argument pieces])}, reasons)."""
+    content = reasoning = ""
+    calls, reasons = {}, []
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        reasons.append(ch.choices[0].finish_reason)
+        for t in d.tool_calls or []:
+            entry = calls.setdefault(t.index, [None, None, []])
+            if t.id:
+                assert entry[0] is None, "a call's id and name come once"
+                entry[0], entry[1] = t.id, t.function.name
+            entry[2].append(t.function.arguments or "")
+    return content, reasoning, calls, reasons
+
+
+def test_chat_tool_calls_plain_and_streamed(live):
+    c = live.client()
+    kw = {"model": MODEL, "messages": chat("tool"), "tools": [WEATHER, CLOCK]}
+    plain, chunks = parallel(lambda: c.chat.completions.create(**kw),
+                             lambda: list(c.chat.completions.create(**kw, stream=True,
+                                                                    stream_options={"include_usage": True})))
+    expected = [("get_weather", {"city": "Zürich", "days": 3}), ("get_time", {"zone": "CET"})]
+    choice = plain.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking. " and choice.message.reasoning_content == "Need the weather."
+    calls = choice.message.tool_calls
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == expected
+    assert {t.type for t in calls} == {"function"} and len({t.id for t in calls}) == 2
+    assert all(t.id.startswith("call_") for t in calls)
+
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content, reasoning, streamed, reasons = collect_stream(chunks)
+    assert (content, reasoning) == ("Checking. ", "Need the weather.")
+    assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+    assert [(name, json.loads("".join(args))) for _, name, args in streamed.values()] == expected
+    assert len(streamed[0][2]) >= 3, "arguments grow over several deltas"
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == n_tokens(
+        live.engine, SCRIPTS["tool"]) + 1
+
+
+def test_tool_choice_none_named_and_truncated_markup(live):
+    c = live.client()
+    none, truncated, named = parallel(
+        lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER],
+                                          tool_choice="none"),
+        lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER]),
+        lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER, CLOCK],
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert none.choices[0].finish_reason == "stop" and not none.choices[0].message.tool_calls
+    assert none.choices[0].message.content == SCRIPTS["truncated"]  # not parsed: returned as text
+    for r in (truncated, named):
+        m = r.choices[0].message  # the call announced before the cut keeps what it had; the rest is content
+        assert m.content == "Calling " + f"{NS}<days>" and r.choices[0].finish_reason == "tool_calls"
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+            ("get_weather", {"city": "Oslo"})]
+
+
+def test_sixteen_concurrent_streams(live):
+    async def one(client, i):
+        stream = await client.chat.completions.create(model=MODEL, messages=chat(f"c{i}"), stream=True)
+        text, reason = "", None
+        async for ch in stream:
+            text += ch.choices[0].delta.content or ""
+            reason = ch.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    live.max_running = 0
+    results = asyncio.run(main())
+    assert results == [(SCRIPTS[f"c{i}"], "stop") for i in range(16)]
+    assert live.max_running > 1, "requests were batched together"
+    live.wait_idle()
+    assert live.engine.blocks.num_free == live.engine.blocks.num_pages
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(live, stream):
+    live.aborted.clear()
+    body = {"model": MODEL, "prompt": "SCRIPT[long]", "max_tokens": 400, "stream": stream}
+    with httpx.Client(timeout=30) as http:
+        if stream:
+            with http.stream("POST", live.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # give up long before 400 tokens are done
+                http.post(live.url + "/v1/completions", json=body, timeout=1.0)
+    live.wait_idle()
+    assert len(live.aborted) == 1, "the request was aborted, not run to the end"
+    assert live.engine.blocks.num_free == live.engine.blocks.num_pages
+    r = live.client().completions.create(model=MODEL, prompt="SCRIPT[c3]", max_tokens=50)
+    assert r.choices[0].text == SCRIPTS["c3"]  # and the server keeps serving
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ('{"model": "nope", "prompt": "a"}', 404, "does not exist"),
+    ('{"model": "m3-test", "prompt": "a", ', 400, "not valid JSON"),
+    ('{"model": "m3-test", "prompt": "a", "max_tokens": -1}', 400, "max_tokens"),
+    ('{"model": "m3-test", "prompt": "a", "n": 2}', 400, "'n'=2 is not supported"),
+    ('{"model": "m3-test", "prompt": "' + "a" * MAX_MODEL_LEN + '"}', 400, "maximum context length is 1024"),
+    ('{"model": "m3-test", "prompt": ""}', 400, "empty"),
+    ('{"model": "m3-test", "prompt": "a", "temperature": "hot"}', 400, "temperature"),
+    ('{"model": "m3-test"}', 400, "prompt"),
+    ('{"model": "m3-test", "messages": []}', 400, "messages"),
+    ('{"model": "m3-test", "messages": [{"content": "x"}]}', 400, "role"),
+    ('{"model": "m3-test", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "text parts"),
+    ('{"model": "m3-test", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', 400,
+     "needs tools"),
+])
+def test_bad_requests_get_openai_errors(live, body, status, match):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for stream in (False, True):
+        text = body if not stream or body.endswith(", ") else body[:-1] + ', "stream": true}'
+        r = httpx.post(live.url + path, content=text, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["code"] == status and err["type"] and match in err["message"], err
+    ok = live.client().completions.create(model=MODEL, prompt="SCRIPT[c1]", max_tokens=50)
+    assert ok.choices[0].text == SCRIPTS["c1"]
+
+
+def test_bad_requests_through_the_client(live):
+    c = live.client()
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="other", prompt="a")
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        c.completions.create(model=MODEL, prompt="a", presence_penalty=0.5)
+    neutral = c.completions.create(model=MODEL, prompt="SCRIPT[c2]", max_tokens=50, n=1, presence_penalty=0,
+                                   frequency_penalty=0)
+    assert neutral.choices[0].text == SCRIPTS["c2"]
+
+
+def test_metrics(live):
+    live.client().completions.create(model=MODEL, prompt="SCRIPT[c5]", max_tokens=50)
+    text = httpx.get(live.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    label = f'model_name="{MODEL}"'
+    for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total"):
+        assert values[f"m3export:{name}{{{label}}}"] > 0, name
+    assert values[f'm3export:request_success_total{{finished_reason="stop",{label}}}'] >= 1
+    for name in ("num_requests_running", "num_requests_waiting", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total"):
+        assert f"m3export:{name}{{{label}}}" in values, name
+
+
+def test_serve_command_starts_prints_its_url_and_serves(tmp_path):
+    """The CLI as a user runs it: progress, the URL, then answers; Ctrl-C stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "m3export.cli", "serve", "tiny", "--port", "0",
+                             "--max-model-len", "128", "--served-model-name", "tiny-m3", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving" in line:
+                break
+        assert [ln[:5] for ln in lines] == ["[1/3]", "[2/3]", "[3/3]"], lines
+        url = lines[-1].split(" at ")[1].split()[0]
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny-m3"]
+        r = c.completions.create(model="tiny-m3", prompt="Hi", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
