@@ -18,7 +18,9 @@ import importlib
 from typing import Callable
 
 # Modules of this package that hold one op's kernel each (added as they land).
-KERNEL_MODULES: tuple[str, ...] = ("moe", "moe_mxfp8", "mxfp8_linear")
+KERNEL_MODULES: tuple[str, ...] = (
+    "lightning_indexer", "paged_attention", "sparse_paged_attention", "moe", "moe_mxfp8", "mxfp8_linear",
+)
 
 _registered = False
 

@@ -1,0 +1,95 @@
+"""The flattened paged batch as the attention kernels see it: query tiles and launch sizes, all from shapes.
+
+Not a kernel module (it is not in ``KERNEL_MODULES``): the three attention launchers share it. Everything here
+runs as device tensor ops or plain shape arithmetic, so a launch never waits for the device (no ``.tolist()``,
+``.item()`` or data-dependent shapes) and one decode batch shape always gives one launch shape (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _interpreter
+
+_interpreter.apply()  # only changes how the CPU interpreter reads loop bounds; see _interpreter.py
+
+# Programs per multiprocessor that a launch aims for when it splits work along the context.
+_WAVES = 2
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (a property read, no sync); the interpreter (CPU tensors) gets 4."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def splits_for(device: torch.device, programs: int, most: int) -> int:
+    """How many pieces to cut each program's context into so that the launch fills the device (1..most)."""
+    return max(1, min(most, cdiv(_WAVES * num_sms(device), max(1, programs))))
+
+
+def query_tiles(query_start_loc: torch.Tensor, num_tokens: int, tile: int):
+    """Cut every sequence's new tokens into tiles of at most ``tile`` consecutive tokens of that one sequence.
+
+    Returns (seq, start, end, slots): int32 tensors of length ``slots`` giving each tile's sequence and token range
+    ``[start, end)``; ``slots`` is an upper bound from shapes alone (sum over sequences of ceil(q_len / tile)
+    <= (T + B * (tile - 1)) / tile), and unused slots have ``start == end`` so their programs exit at once.
+    """
+    b = query_start_loc.shape[0] - 1
+    device = query_start_loc.device
+    if tile == 1:  # every token is its own tile: only its sequence is needed
+        tok = torch.arange(num_tokens, device=device, dtype=query_start_loc.dtype)
+        seq = torch.searchsorted(query_start_loc[1:].contiguous(), tok, right=True)
+        return seq.to(torch.int32), tok.to(torch.int32), (tok + 1).to(torch.int32), num_tokens
+    slots = cdiv(num_tokens + b * (tile - 1), tile)
+    qsl = query_start_loc.long()
+    ntiles = (qsl[1:] - qsl[:-1] + tile - 1) // tile
+    cum = torch.cumsum(ntiles, 0)
+    i = torch.arange(slots, device=device)
+    seq = torch.searchsorted(cum, i, right=True).clamp(max=b - 1)
+    valid = i < cum[-1]
+    start = qsl[seq] + (i - (cum[seq] - ntiles[seq])) * tile
+    end = torch.minimum(start + tile, qsl[seq + 1])
+    start = torch.where(valid, start, 0)
+    end = torch.where(valid, end, 0)
+    return seq.to(torch.int32), start.to(torch.int32), end.to(torch.int32), slots
+
+
+def tokens_per_tile(num_tokens: int, num_seqs: int, rows_per_token: int, most_rows: int = 64) -> int:
+    """Tokens of one sequence packed into a program: enough rows for a tensor-core tile (>= 16) at decode, more
+    when the batch carries prefill (mean new tokens per sequence from the shapes T and B)."""
+    lo = max(1, 16 // rows_per_token)
+    hi = max(lo, most_rows // rows_per_token)
+    mean = max(1, num_tokens // max(1, num_seqs))
+    return max(lo, min(hi, next_pow2(mean)))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 operands are multiplied in full fp32 ("ieee"), as the references do; 16-bit ones are exact anyway."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """CPU tensors can only be run by Triton's interpreter."""
+    return t.device.type != "cuda"
+
+
+@triton.jit
+def mma(a, b, PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """a @ b accumulated in fp32. The interpreter holds bf16 as raw uint16 and would multiply the bit patterns,
+    so there both operands go through fp32 first (exact: a bf16 / fp16 value is an fp32 value)."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)

@@ -1,0 +1,70 @@
+"""Split-K attention: the online-softmax step both attention kernels share, and the merge of per-split partials.
+
+Not a kernel module (it is not in ``KERNEL_MODULES``). A split writes its unnormalised fp32 accumulator with its
+running max ``m`` (base 2, already multiplied by ``scale * log2(e)``) and sum ``l``; the merge rescales every
+split to the common max and divides once, in fp32, then rounds to the output dtype. A split that saw no key
+(``m = -inf``, ``l = 0``) weighs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._batch import mma
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One key tile: s [M, N] fp32 scores in base 2 (-inf where not allowed), v [N, Dv] -> (m_i, l_i, acc).
+
+    Rows that have seen nothing keep m = -inf; the exponent's reference point is then 0 so that no -inf - -inf
+    (NaN) appears."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - ref[:, None])
+    alpha = tl.exp2(m_i - ref)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, INTERPRETED)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+           SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)  # (token, query head) flattened: partials are [T * Hq, SPLITS, (DV)]
+    hq = tl.num_programs(1)
+    hd = tl.program_id(1)
+    r = row * hq + hd
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_DV)
+    m = tl.load(m_ptr + r * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    l_s = tl.load(l_ptr + r * SPLITS + s, mask=s < SPLITS, other=0.0)
+    mx = tl.max(m, axis=0)
+    ref = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(m - ref)
+    acc = tl.load(acc_ptr + (r * SPLITS + s)[:, None].to(tl.int64) * DV + d[None, :],
+                  mask=(s[:, None] < SPLITS) & (d[None, :] < DV), other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + row.to(tl.int64) * so_t + hd * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < DV)
+
+
+class Partials:
+    """Per-split scratch for [T, Hq] query rows: accumulators [T*Hq, splits, Dv] and m, l [T*Hq, splits]."""
+
+    def __init__(self, t: int, hq: int, dv: int, splits: int, device: torch.device):
+        self.splits, self.dv = splits, dv
+        self.acc = torch.empty((t * hq, splits, dv), dtype=torch.float32, device=device)
+        self.m = torch.empty((t * hq, splits), dtype=torch.float32, device=device)
+        self.l = torch.empty((t * hq, splits), dtype=torch.float32, device=device)
+
+    def merge_into(self, out: torch.Tensor) -> torch.Tensor:
+        t, hq, dv = out.shape
+        if t:
+            _merge[(t, hq)](self.acc, self.m, self.l, out, out.stride(0), out.stride(1), DV=dv,
+                            BLOCK_DV=triton.next_power_of_2(dv), SPLITS=self.splits,
+                            SPLITS_PAD=triton.next_power_of_2(max(self.splits, 2)), num_warps=4)
+        return out

@@ -1,0 +1,148 @@
+"""``m3::lightning_indexer`` on the GPU: a paged index-key scan that keeps only per-block maxima, then block top-k.
+
+Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md`` §2). Two launches:
+
+1. ``_index_scan``: one program per (query tile, context split). A query tile is up to ``TOKENS`` consecutive new
+   tokens of one sequence times the index heads, packed as the rows of one dot against ``BLOCK_N`` index keys at
+   a time (read straight from the paged pool through the block table). Each tile of scores is reduced on chip to
+   the max of every ``block_size`` keys (causally masked per row), and only those block maxima reach memory
+   (1/block_size of the token scores). The context is cut into a fixed number of splits chosen from shapes, so
+   one decode batch shape is one launch shape whatever the lengths (CUDA-graph safe).
+2. ``_block_topk``: one program per (token, head) over at most ``ceil(max_pages * page_size / block_size)``
+   blocks: forced blocks (local / init) as +inf, blocks after the token's own as -inf, then ``topk`` rounds of
+   "largest value, lowest id among equals": exactly the reference's stable descending order; -inf -> -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._batch import cdiv, dot_precision, interpreted, mma, next_pow2, query_tiles, splits_for, tokens_per_tile
+
+OP = "m3::lightning_indexer"
+
+# Key tile of the scan; raised to block_size when blocks are longer (a tile never splits a block).
+_BLOCK_N = 64
+# Most splits of one tile's context (the launch has slots x splits programs).
+_MAX_SPLITS = 256
+
+
+@triton.jit
+def _index_scan(
+    q_ptr, k_ptr, bt_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
+    sq_t, sq_h, sk_p, sk_r, sbt_b, so_t, so_h,
+    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+
+    ROWS: tl.constexpr = TOKENS * H_PAD
+    rows = tl.arange(0, ROWS)
+    tok = start + rows // H_PAD
+    head = rows % H_PAD
+    row_ok = (tok < end) & (head < H)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+    last = tl.max(pos, axis=0)  # keys 0..last are all this tile reads (-1: an unused slot)
+
+    n_tiles = (last + BLOCK_N) // BLOCK_N
+    per = (n_tiles + SPLITS - 1) // SPLITS
+    lo = split * per
+    hi = tl.minimum(lo + per, n_tiles)
+
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    own = pos // BS
+    NB_TILE: tl.constexpr = BLOCK_N // BS
+    out_row = out_ptr + tok.to(tl.int64) * so_t + head * so_h
+    for it in range(lo, hi):
+        j = it * BLOCK_N + tl.arange(0, BLOCK_N)
+        kmask = j <= last
+        page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_b + j // PAGE, mask=kmask, other=0).to(tl.int64)
+        k = tl.load(k_ptr + page[:, None] * sk_p + (j % PAGE)[:, None] * sk_r + d[None, :],
+                    mask=kmask[:, None] & (d[None, :] < D), other=0.0)
+        s = mma(q, tl.trans(k), PREC, INTERPRETED)
+        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+        bmax = tl.max(tl.reshape(s, (ROWS, NB_TILE, BS)), axis=2)
+        c = it * NB_TILE + tl.arange(0, NB_TILE)
+        tl.store(out_row[:, None] + c[None, :], bmax, mask=row_ok[:, None] & (c[None, :] <= own[:, None]))
+
+
+@triton.jit
+def _block_topk(
+    scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
+    NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
+    INIT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    own = (tl.load(pos_ptr + t) // BS).to(tl.int32)
+    c = tl.arange(0, NB_PAD)
+    visible = (c <= own) & (c < NB)
+    v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c, mask=visible, other=float("-inf"))
+    forced = visible & ((c > own - LOCAL) | (c < INIT))
+    v = tl.where(forced, float("inf"), v)
+    base = out_ptr + t.to(tl.int64) * so_t + h * so_h
+    for i in tl.static_range(TOPK):
+        top = tl.max(v, axis=0)
+        pick = tl.min(tl.where(v == top, c, NB_PAD), axis=0)
+        tl.store(base + i, tl.where(top == float("-inf"), -1, pick))
+        v = tl.where(c == pick, float("-inf"), v)
+
+
+def forward(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    topk_blocks: int,
+    local_blocks: int,
+    init_blocks: int,
+) -> torch.Tensor:
+    """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32."""
+    t, h, d = index_q.shape
+    if index_k_cache.dim() != 3 or index_k_cache.shape[2] != d:
+        raise ValueError(f"lightning_indexer: index_k_cache {tuple(index_k_cache.shape)} must be [pages, page, {d}]")
+    if index_k_cache.dtype != index_q.dtype:
+        raise ValueError(f"lightning_indexer: index_q is {index_q.dtype} but index_k_cache is {index_k_cache.dtype}")
+    if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
+        raise ValueError(f"lightning_indexer kernel: block_size {block_size} must be a power of two <= 256")
+    out = torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
+    b = seq_lens.shape[0]
+    if t == 0 or b == 0 or topk_blocks == 0:
+        return out
+    page = index_k_cache.shape[1]
+    q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
+    kc = index_k_cache if index_k_cache.stride(2) == 1 else index_k_cache.contiguous()
+    bt = block_tables.contiguous()
+    pos = positions.contiguous()
+
+    nb = cdiv(block_tables.shape[1] * page, block_size)  # most blocks any sequence of this batch can have
+    scores = torch.empty((t, h, nb), dtype=torch.float32, device=index_q.device)
+    h_pad = next_pow2(h)
+    tokens = tokens_per_tile(t, b, h_pad)
+    seq, start, end, slots = query_tiles(query_start_loc, t, tokens)
+    splits = splits_for(index_q.device, slots, _MAX_SPLITS)
+    block_n = max(_BLOCK_N, block_size)
+    _index_scan[(slots, splits)](
+        q, kc, bt, pos, seq, start, end, scores,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), bt.stride(0), scores.stride(0), scores.stride(1),
+        H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
+        BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=4,
+        num_stages=3,
+    )
+    _block_topk[(t, h)](
+        scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        NB=nb, NB_PAD=next_pow2(max(nb, 2)), BS=block_size, TOPK=topk_blocks, LOCAL=local_blocks,
+        INIT=init_blocks, num_warps=4,
+    )
+    return out

@@ -1,0 +1,143 @@
+"""``m3::paged_attention`` on the GPU: causal GQA over the paged K/V pools (the dense layers).
+
+Semantics: ``m3export.ops.attention.paged_attention_reference`` (``docs/ops.md`` §3). One program per
+(query tile, KV head, context split): a query tile is up to ``TOKENS`` consecutive new tokens of one sequence, and
+its rows are those tokens times the ``Hq / Hkv`` query heads of the KV head, so one key/value tile read from the
+paged pool serves every query head that uses it (decode: the 16 heads of a group fill the tile; prefill: several
+tokens do). Scores and the online softmax are fp32 (base 2); P is rounded to the value dtype for the tensor-core
+product (fp32 stays fp32). The context splits, a number chosen from shapes, are merged by ``_splitk``.
+
+Why not a library kernel: neither FlashAttention nor FlashInfer is on the H200 image (nothing can be fetched
+there, and both would have to be carried as CUDA-13 builds matching its torch), torch's SDPA has no paged-KV
+form, and one Triton source keeps the dense and sparse layers on the same tiling and the same numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._batch import cdiv, dot_precision, interpreted, mma, next_pow2, query_tiles, splits_for, tokens_per_tile
+from ._splitk import LOG2E, Partials, online_softmax_step
+
+OP = "m3::paged_attention"
+
+_BLOCK_N = 64
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _paged_attention(
+    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+    out_ptr, acc_ptr, m_ptr, l_ptr,
+    sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sbt_b, so_t, so_h, qk_scale,
+    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+
+    ROWS: tl.constexpr = TOKENS * G_PAD
+    rows = tl.arange(0, ROWS)
+    tok = start + rows // G_PAD
+    hh = rows % G_PAD
+    hq = g * G + hh
+    row_ok = (tok < end) & (hh < G)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+    last = tl.max(pos, axis=0)
+
+    n_tiles = (last + BLOCK_N) // BLOCK_N
+    per = (n_tiles + SPLITS - 1) // SPLITS
+    lo = split * per
+    hi = tl.minimum(lo + per, n_tiles)
+
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + hq[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    for it in range(lo, hi):
+        j = it * BLOCK_N + tl.arange(0, BLOCK_N)
+        kmask = j <= last
+        page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_b + j // PAGE, mask=kmask, other=0).to(tl.int64)
+        row = j % PAGE
+        k = tl.load(k_ptr + page[:, None] * sk_p + row[:, None] * sk_r + g * sk_h + d[None, :],
+                    mask=kmask[:, None] & (d[None, :] < D), other=0.0)
+        v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
+                    mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
+        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
+
+    if SPLITS == 1:
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
+        tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    else:
+        r = (tok.to(tl.int64) * HQ + hq) * SPLITS + split
+        tl.store(m_ptr + r, m_i, mask=row_ok)
+        tl.store(l_ptr + r, l_i, mask=row_ok)
+        tl.store(acc_ptr + r[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+def forward(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v_cache [pages, page, Hkv, D] -> [T, Hq, Dv]; key j visible to token t iff j <= pos[t]."""
+    t, hq, d = q.shape
+    _check(q, k_cache, v_cache, "paged_attention")
+    hkv, dv, page = k_cache.shape[2], v_cache.shape[3], k_cache.shape[1]
+    out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
+    b = seq_lens.shape[0]
+    if t == 0 or b == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    kc = k_cache if k_cache.stride(3) == 1 else k_cache.contiguous()
+    vc = v_cache if v_cache.stride(3) == 1 else v_cache.contiguous()
+    bt = block_tables.contiguous()
+    pos = positions.contiguous()
+    group = hq // hkv
+    g_pad = next_pow2(group)
+    tokens = tokens_per_tile(t, b, g_pad)
+    seq, start, end, slots = query_tiles(query_start_loc, t, tokens)
+    most = min(_MAX_SPLITS, cdiv(bt.shape[1] * page, _BLOCK_N))
+    splits = splits_for(q.device, slots * hkv, most)
+    parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
+    scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
+    _paged_attention[(slots, hkv, splits)](
+        q, kc, vc, bt, pos, seq, start, end, out, *scratch,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
+        vc.stride(2), bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        HQ=hq, G=group, G_PAD=g_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
+        PAGE=page, TOKENS=tokens, BLOCK_N=_BLOCK_N, SPLITS=splits, PREC=dot_precision(q.dtype),
+        INTERPRETED=interpreted(q), num_warps=4, num_stages=2,
+    )
+    return parts.merge_into(out) if parts else out
+
+
+def _check(q, k_cache, v_cache, name):
+    t, hq, d = q.shape
+    if k_cache.dim() != 4 or k_cache.shape[3] != d:
+        raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} must be [pages, page, Hkv, {d}]")
+    if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"{name}: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} "
+                         "in [pages, page, Hkv]")
+    if hq % k_cache.shape[2]:
+        raise ValueError(f"{name}: {hq} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"{name}: q, k_cache, v_cache dtypes differ ({q.dtype}, {k_cache.dtype}, {v_cache.dtype})")
