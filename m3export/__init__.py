@@ -13,7 +13,20 @@ def load_model(path_or_preset, device="cpu", dtype=None, **kwargs):
     return _load(path_or_preset, device=device, dtype=dtype, **kwargs)
 
 
+def __getattr__(name):
+    """``LLM`` and ``SamplingParams`` (vLLM's offline API) load the runtime, and so torch, only when used."""
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from .runtime.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'm3export' has no attribute {name!r}")
+
+
 __all__ = [
-    "ArtifactError", "BackendUnavailable", "CheckpointError", "M3Config", "M3Error", "load_model", "preset",
-    "__version__",
+    "ArtifactError", "BackendUnavailable", "CheckpointError", "LLM", "M3Config", "M3Error", "SamplingParams",
+    "load_model", "preset", "__version__",
 ]
