@@ -14,7 +14,10 @@ at tiny sizes, on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import warnings
 from typing import Callable
 
 # Modules of this package that hold one op's kernel each (added as they land).
@@ -51,7 +54,10 @@ def kernels() -> dict[str, Callable]:
 
 
 def register() -> list[str]:
-    """Register every kernel as the CUDA implementation of its op (idempotent). Returns the op names."""
+    """Register every kernel as the CUDA implementation of its op (idempotent). Returns the op names.
+
+    Inside :func:`references` the registered implementations call the ops' references instead, so one process
+    can run the same model both ways (the GPU checks compare them)."""
     global _registered
     import torch
 
@@ -60,6 +66,59 @@ def register() -> list[str]:
     found = kernels()
     if not _registered:
         for op, fn in found.items():
-            torch.library.register_kernel(op, "cuda", fn)
+            torch.library.register_kernel(op, "cuda", _switchable(fn, _reference_of(op)))
         _registered = True
     return sorted(found)
+
+
+def use_on(device) -> bool:
+    """Called where a model is put on ``device`` (``m3export.load_model``, the torch backend): on CUDA the kernels
+    become the ops' implementation. Without Triton the references keep running, with one warning. Returns
+    whether kernels serve ``device``."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return False
+    if not triton_available():
+        global _warned
+        if not _warned:
+            warnings.warn("triton is not installed: the m3 ops run their PyTorch references on CUDA (slow); "
+                          "pip install 'm3export[gpu]'", stacklevel=2)
+            _warned = True
+        return False
+    register()
+    return True
+
+
+@contextlib.contextmanager
+def references():
+    """Within this block the CUDA ops run their references even where kernels are registered."""
+    global _use_references
+    before, _use_references = _use_references, True
+    try:
+        yield
+    finally:
+        _use_references = before
+
+
+_use_references = False
+_warned = False
+
+
+def _reference_of(op: str) -> Callable:
+    """``m3::foo`` -> ``m3export.ops.<module>.foo_reference`` (the definition of truth)."""
+    from m3export import ops
+
+    name = op.split("::", 1)[1] + "_reference"
+    for module in (ops.indexer, ops.attention, ops.moe, ops.mxfp8):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise RuntimeError(f"{op}: no reference function {name} in m3export.ops")
+
+
+def _switchable(kernel: Callable, reference: Callable) -> Callable:
+    @functools.wraps(kernel)
+    def impl(*args, **kwargs):
+        return (reference if _use_references else kernel)(*args, **kwargs)
+
+    return impl
