@@ -81,12 +81,17 @@ def _as64(args):
     return [a.double() if a.is_floating_point() and a.dtype != torch.float8_e4m3fn else a for a in args]
 
 
-def _check_moe(case: MoECase, dt: torch.dtype, fmt: str) -> None:
+def _check_moe(case: MoECase, dt: torch.dtype, fmt: str, config: dict | None = None) -> None:
     if fmt == "bf16":
         args, kernel, reference = case.bf16_args(dt), moe_kernel.forward, ref.moe_reference
     else:
         args, kernel, reference = case.mxfp8_args(dt), moe_mxfp8_kernel.forward, ref.moe_mxfp8_reference
-    got = kernel(*args, *case.attrs())
+    if config:  # the same launcher with tiles / MXFP8 mode overridden
+        scales = (None,) * 4 if fmt == "bf16" else args[4::2]
+        weights = args[3:] if fmt == "bf16" else args[3::2]
+        got = moe_kernel.run_moe(*args[:3], *weights, *case.attrs(), scales=scales, config=config)
+    else:
+        got = kernel(*args, *case.attrs())
     want = reference(*args, *case.attrs())
     want64 = reference(*_as64(args), *case.attrs()) if dt != torch.float32 else None
     _close(got, want, want64)
@@ -162,6 +167,13 @@ def test_moe_matches_reference(fmt, dt):
 
 
 @cpu_only
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_mxfp8_broadcast_scale_mode(dt):
+    # MX_MODE 1 (one scale per 32 columns, broadcast over a reshaped tile) with a K tile of 64 (two scale groups).
+    _check_moe(MoECase(9, 96, 32, 64, 7, 3, seed=7), dt, "mxfp8", config={"MX_MODE": 1, "BLOCK_K": 64})
+
+
+@cpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_moe_one_token_most_experts_empty(fmt):
     # One token reaches 2 of 16 experts: 14 experts have no rows, the permutation has a single used block.
@@ -209,13 +221,14 @@ def test_moe_rejects_mismatched_weights():
 
 # ---------------------------------------------------------------------------------------------------- linear
 @cpu_only
+@pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
-def test_mxfp8_linear_matches_reference(dt, lead, n, k):
+def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     w, s = mxfp8.quantize(torch.randn(n, k))
     s[0, 0] = 0  # the subnormal scale 2^-127 (one UE8M0 byte that cannot be built by an exponent shift)
     x = torch.randn(*lead, k).to(dt)
-    got = linear_kernel.forward(x, w, s)
+    got = linear_kernel.run_linear(x, w, s, config={"MX_MODE": mode, "BLOCK_K": 64})
     want = ref.mxfp8_linear_reference(x, w, s)
     _close(got, want, ref.mxfp8_linear_reference(x.double(), w, s) if dt != torch.float32 else None)
 

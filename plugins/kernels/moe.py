@@ -28,7 +28,7 @@ import triton.language as tl
 
 from triton import cdiv
 from .moe_routing import ExpertBlocks, group_by_expert, route
-from .mxfp8_linear import cast, check_mxfp8, dot_acc, use_f32_dot, weight_tile
+from .mxfp8_linear import cast, check_mx_mode, check_mxfp8, use_f32_dot, weight_dot
 
 OP = "m3::moe"
 
@@ -39,6 +39,7 @@ def _gate_up(
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    MX_MODE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -51,28 +52,23 @@ def _gate_up(
         ok = a < num_rows
         tok = a // TOP_K
     else:
-        e = 0
+        e = pid_m * 0  # the shared expert: a stack of one
         ok = p < num_rows
         tok = p
     dt = x_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    w_e = w_ptr + e.to(tl.int64) * sw_e
-    s_e = s_ptr + e.to(tl.int64) * ss_e
+    w_g = w_ptr + e.to(tl.int64) * sw_e + n.to(tl.int64) * sw_n  # gate rows; the up rows are I further
+    s_g = s_ptr + e.to(tl.int64) * ss_e + n.to(tl.int64) * ss_n
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & k_ok[None, :],
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & (k[None, :] < H),
                     other=0.0)
-        wmask = n_ok[:, None] & k_ok[None, :]
-        wg = weight_tile(w_e + n[:, None] * sw_n + k[None, :] * sw_k,
-                         s_e + n[:, None] * ss_n + (k[None, :] // 32) * ss_k, wmask, MXFP8, dt)
-        wu = weight_tile(w_e + (n[:, None] + I) * sw_n + k[None, :] * sw_k,
-                         s_e + (n[:, None] + I) * ss_n + (k[None, :] // 32) * ss_k, wmask, MXFP8, dt)
-        acc_g = dot_acc(x, tl.trans(wg), acc_g, F32, PREC)
-        acc_u = dot_acc(x, tl.trans(wu), acc_u, F32, PREC)
+        acc_g = weight_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
+        acc_u = weight_dot(x, acc_u, w_g + I * sw_n, s_g + I * ss_n, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8,
+                           MX_MODE, F32, PREC)
     # SwiGLU-OAI on the GEMM output rounded to the activation dtype, as the reference computes it.
     gate = tl.minimum(cast(acc_g, dt).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(cast(acc_u, dt).to(tl.float32), -limit), limit)
@@ -86,6 +82,7 @@ def _down(
     sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    MX_MODE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,24 +96,21 @@ def _down(
         tok = a // TOP_K
         slot = a % TOP_K
     else:
-        e = 0
+        e = pid_m * 0  # the shared expert: a stack of one
         ok = p < num_rows
         tok = p
         slot = tl.full((BLOCK_M,), TOP_K, tl.int32)
     dt = act_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
-    w_e = w_ptr + e.to(tl.int64) * sw_e
-    s_e = s_ptr + e.to(tl.int64) * ss_e
+    w_rows = w_ptr + e.to(tl.int64) * sw_e + n.to(tl.int64) * sw_n
+    s_rows = s_ptr + e.to(tl.int64) * ss_e + n.to(tl.int64) * ss_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < I
-        x = tl.load(act_ptr + p[:, None].to(tl.int64) * sa_p + k[None, :], mask=ok[:, None] & k_ok[None, :],
+        x = tl.load(act_ptr + p[:, None].to(tl.int64) * sa_p + k[None, :], mask=ok[:, None] & (k[None, :] < I),
                     other=0.0)
-        w = weight_tile(w_e + n[:, None] * sw_n + k[None, :] * sw_k,
-                        s_e + n[:, None] * ss_n + (k[None, :] // 32) * ss_k, n_ok[:, None] & k_ok[None, :], MXFP8, dt)
-        acc = dot_acc(x, tl.trans(w), acc, F32, PREC)
+        acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
     y = cast(acc, dt).to(tl.float32)
     if ROUTED:
         y = y * tl.load(route_w_ptr + a, mask=ok, other=0.0)[:, None]
@@ -153,13 +147,15 @@ def block_m_for(num_assignments: int, num_experts: int) -> int:
 
 
 def gemm_config(block_m: int) -> dict:
-    """Tile sizes and launch parameters for both grouped GEMMs at a row tile (see block_m_for)."""
+    """Tile sizes and launch parameters for both grouped GEMMs at a row tile (see block_m_for). Chosen so that no
+    variant spills registers on sm_90 (``scripts/compile_moe_kernels_sm90.py`` prints the resources): at decode
+    narrow N tiles (more programs streaming weights, fewer registers each); in prefill 64-wide N tiles, as the
+    gate-up kernel holds two accumulators."""
     if block_m <= 16:
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    if block_m <= 32:
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-    return dict(BLOCK_N=64 if block_m >= 128 else 128, BLOCK_K=64, num_warps=8 if block_m >= 128 else 4,
-                num_stages=3)
+        return dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=0)
+    if block_m <= 64:
+        return dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=0)
+    return dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=0)
 
 
 def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,
@@ -237,6 +233,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     shared_bm = 16 if t <= 16 else 64 if t <= 256 else 128
     shared_cfg = gemm_config(shared_bm) | {k: v for k, v in (config or {}).items() if k != "BLOCK_M"}
     f32, prec = use_f32_dot(x.dtype), "tf32"
+    check_mx_mode(cfg["MX_MODE"], x.dtype)
     dev, dt = x.device, x.dtype
 
     routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])

@@ -6,7 +6,7 @@ activation-dtype values (exact: an E4M3 value times a power of two fits bf16 and
 with activations that are never quantised. The whole weight is never dequantised in memory: weights stay at one
 byte per element, which is what a decode step has to stream.
 
-``weight_tile``, ``dot_acc`` and ``cast`` are shared with the MoE kernels (``moe.py``).
+``weight_dot``, ``dot_acc`` and ``cast`` are shared with the MoE kernels (``moe.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ OP = "m3::mxfp8_linear"
 
 # 2**-127: the one UE8M0 scale that is an fp32 subnormal, so it cannot be built by shifting the byte into the
 # exponent field like the others (255 << 23 is +inf, which docs/ops.md §8 specifies for the byte 255).
-_SCALE_ZERO_BYTE = 5.877471754111438e-39
+_SCALE_ZERO_BYTE = tl.constexpr(5.877471754111438e-39)
 
 # Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even); ``cast`` rounds explicitly there
 # so that CPU tests see the same roundings as the device. Fixed when the module is imported, as jit functions are.
@@ -40,14 +40,40 @@ def cast(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def weight_tile(w_ptrs, s_ptrs, mask, MXFP8: tl.constexpr, DTYPE: tl.constexpr):
-    """A weight tile in the activation dtype. ``s_ptrs`` points at each element's scale byte (column k // 32)."""
-    w = tl.load(w_ptrs, mask=mask, other=0.0)
-    if MXFP8:
-        s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
-        scale = tl.where(s == 0, _SCALE_ZERO_BYTE, (s << 23).to(tl.float32, bitcast=True))
-        return cast(w.to(tl.float32) * scale, DTYPE)
-    return cast(w, DTYPE)
+def _scale_value(s):
+    """UE8M0 bytes -> fp32 powers of two, built in the exponent field (exact, no exp2 approximation)."""
+    s = s.to(tl.int32)
+    return tl.where(s == 0, _SCALE_ZERO_BYTE, (s << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
+               MXFP8: tl.constexpr, MX_MODE: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr):
+    """acc += x [BM, BLOCK_K] @ W[rows, k0 : k0 + BLOCK_K]^T, W in its stored dtype (``w_rows``: row pointers).
+
+    MXFP8 tiles become activation-dtype values on chip, three ways (``MX_MODE``, all exact):
+    0: each element's scale byte gathered (column k // 32) and multiplied in;
+    1: one scale per 32 columns loaded as a [BN, BLOCK_K / 32] tile and broadcast over a reshaped tile;
+    2: ``tl.dot_scaled`` (bf16 activations only; Triton lowers it to the same upcast on sm_90; not available
+       under the interpreter).
+    """
+    k = k0 + tl.arange(0, BLOCK_K)
+    mask = n_ok[:, None] & (k[None, :] < K)
+    w = tl.load(w_rows[:, None] + k[None, :] * sw_k, mask=mask, other=0.0)
+    if not MXFP8:
+        return dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
+    if MX_MODE == 0:
+        s = tl.load(s_rows[:, None] + (k[None, :] // 32) * ss_k, mask=mask, other=127)
+        wf = w.to(tl.float32) * _scale_value(s)
+    else:
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=n_ok[:, None] & (g[None, :] < K // 32), other=127)
+        if MX_MODE == 2:
+            return tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
+        BN: tl.constexpr = w.shape[0]
+        w3 = tl.reshape(w.to(tl.float32), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
+        wf = tl.reshape(w3, (BN, BLOCK_K))
+    return dot_acc(x, tl.trans(cast(wf, x.dtype)), acc, F32, PREC)
 
 
 @triton.jit
@@ -63,7 +89,8 @@ def dot_acc(a, b, acc, F32: tl.constexpr, PREC: tl.constexpr):
 def _mxfp8_linear(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N,
     sx_m, sw_n, sw_k, ss_n, ss_k, sy_m,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+    PREC: tl.constexpr, MX_MODE: tl.constexpr,
 ):
     # K is a compile-time constant (a model dimension): loop bounds from runtime scalars do not run under the
     # Triton 3.6 interpreter with numpy 2, and a fixed trip count lets the compiler pipeline the loads anyway.
@@ -74,15 +101,13 @@ def _mxfp8_linear(
     m_ok = m < M
     n_ok = n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + n.to(tl.int64) * sw_n
+    s_rows = s_ptr + n.to(tl.int64) * ss_n
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * sx_m + k[None, :], mask=m_ok[:, None] & (k[None, :] < K),
                     other=0.0)
-        w = weight_tile(w_ptr + n[:, None].to(tl.int64) * sw_n + k[None, :] * sw_k,
-                        s_ptr + n[:, None].to(tl.int64) * ss_n + (k[None, :] // 32) * ss_k,
-                        n_ok[:, None] & k_ok[None, :], True, x_ptr.dtype.element_ty)
-        acc = dot_acc(x, tl.trans(w), acc, F32, PREC)
+        acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K, BLOCK_K, True, MX_MODE, F32, PREC)
     tl.store(y_ptr + m[:, None].to(tl.int64) * sy_m + n[None, :], cast(acc, y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -96,6 +121,11 @@ def check_mxfp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
     *lead, n, k = weight.shape
     if k % 32 or tuple(scale.shape) != (*lead, n, k // 32):
         raise ValueError(f"{name}: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} / 32")
+
+
+def check_mx_mode(mode: int, dtype: torch.dtype) -> None:
+    if mode == 2 and (dtype != torch.bfloat16 or triton.knobs.runtime.interpret):
+        raise ValueError("MX_MODE 2 (tl.dot_scaled) needs bf16 activations and compiled kernels")
 
 
 def use_f32_dot(dtype: torch.dtype) -> bool:
@@ -114,6 +144,13 @@ def tile_config(m: int) -> tuple[int, int, int, int, int]:
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    return run_linear(x, weight, weight_scale)
+
+
+def run_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: dict | None = None
+               ) -> torch.Tensor:
+    """The launcher; ``config`` overrides the tiles (benchmarks): BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages, MX_MODE."""
     check_mxfp8("mxfp8_linear weight", weight, weight_scale)
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -127,10 +164,11 @@ def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -
     if m == 0:
         return y.reshape(*lead, n)
     bm, bn, bk, warps, stages = tile_config(m)
-    _mxfp8_linear[(cdiv(n, bn), cdiv(m, bm))](
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, MX_MODE=0) | (config or {})
+    check_mx_mode(cfg["MX_MODE"], x.dtype)
+    _mxfp8_linear[(cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]))](
         x2, weight, weight_scale, y, m, n,
         x2.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
-        K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32=use_f32_dot(x.dtype), PREC="tf32",
-        num_warps=warps, num_stages=stages,
+        K=k, F32=use_f32_dot(x.dtype), PREC="tf32", **cfg,
     )
     return y.reshape(*lead, n)

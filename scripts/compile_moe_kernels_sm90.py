@@ -1,0 +1,116 @@
+"""Compile the MoE / MXFP8 Triton kernels for sm_90 (H100 / H200) on a machine without a GPU, and report resources.
+
+The interpreter (CPU tests) checks what the kernels compute but not that they compile for the device, and GPU time
+is scarce: this builds every tile variant the launchers and ``bench/moe.py`` use, at the ``mini`` / release dims,
+with Triton's own ptxas, and prints registers, spills, shared memory and whether the dots became wgmma (Hopper's
+warpgroup MMA) or mma.sync. A compile error names the kernel and variant.
+
+  python scripts/compile_moe_kernels_sm90.py            # all variants (about a minute per dozen)
+  python scripts/compile_moe_kernels_sm90.py --quick    # the launchers' default tiles only
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from m3export.plugins.kernels import moe as moe_kernels
+from m3export.plugins.kernels import mxfp8_linear
+
+TARGET = GPUTarget("cuda", 90, 32)
+H, I, TOP_K = 6144, 3072, 4
+
+
+def _cuobjdump() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def resources(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", f.name], capture_output=True, text=True)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out.stdout)
+    return {"regs": int(m[1]), "stack": int(m[2]), "static_smem": int(m[3])} if m else {"raw": out.stdout[-200:]}
+
+
+def build(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> dict:
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    k = triton.compile(ASTSource(fn, sig, constexprs), target=TARGET,
+                       options=dict(num_warps=warps, num_stages=stages))
+    ptx = k.asm["ptx"]
+    return {**resources(k.asm["cubin"]), "smem": k.metadata.shared, "wgmma": "wgmma" in ptx,
+            "mma": "mma.sync" in ptx}
+
+
+def moe_signature(mx: bool, kind: str) -> dict:
+    w = "*fp8e4nv" if mx else "*bf16"
+    common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
+    if kind == "gate_up":
+        return {"x_ptr": "*bf16", **common, "act_ptr": "*bf16", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
+                "num_rows": "i32", "sx_t": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32",
+                "ss_n": "i32", "ss_k": "i32", "sa_p": "i32", "alpha": "fp32", "limit": "fp32"}
+    return {"act_ptr": "*bf16", **common, "y_ptr": "*bf16", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
+            "route_w_ptr": "*fp32", "num_rows": "i32", "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32",
+            "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}
+
+
+def variants(quick: bool):
+    """(label, kernel, signature, constexprs, warps, stages) for every MoE / linear tile the code may launch."""
+    out = []
+    tiles = [(bm, moe_kernels.gemm_config(bm)) for bm in (16, 32, 64, 128)]
+    if not quick:
+        for n, k, w, s in [(32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]:
+            tiles.append((16, dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, MX_MODE=0)))
+        for mode in (1, 2):
+            tiles.append((16, {**moe_kernels.gemm_config(16), "MX_MODE": mode}))
+            tiles.append((128, {**moe_kernels.gemm_config(128), "MX_MODE": mode}))
+    for bm, cfg in tiles:
+        for mx in (True, False):
+            if not mx and cfg["MX_MODE"]:
+                continue
+            for kind, fn in (("gate_up", moe_kernels._gate_up), ("down", moe_kernels._down)):
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
+                              BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"])
+                label = f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} BK{cfg['BLOCK_K']:<3} " \
+                        f"w{cfg['num_warps']} s{cfg['num_stages']} mode{cfg['MX_MODE']}"
+                out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
+    for m in (1, 64, 512):
+        bm, bn, bk, w, s = mxfp8_linear.tile_config(m)
+        sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+               "sx_m": "i32", "sw_n": "i32", "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32"}
+        consts = dict(K=H, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32=False, PREC="tf32", MX_MODE=0)
+        out.append((f"linear  mxfp8 BM{bm:<3} BN{bn:<3} BK{bk:<3} w{w} s{s} mode0", mxfp8_linear._mxfp8_linear, sig,
+                    consts, w, s))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    failed = 0
+    print(f"{'kernel / variant':58} {'regs':>4} {'stack':>5} {'smem':>6} dot")
+    for label, fn, sig, consts, warps, stages in variants(args.quick):
+        try:
+            r = build(fn, sig, consts, warps, stages)
+        except Exception as exc:  # report every variant, then fail
+            cause = exc.__cause__ or exc
+            print(f"{label:58} FAILED {type(cause).__name__}: {str(cause)[-300:]}")
+            failed += 1
+            continue
+        dot = "wgmma" if r["wgmma"] else "mma" if r["mma"] else "fma"
+        print(f"{label:58} {r.get('regs', '?'):>4} {r.get('stack', '?'):>5} {r['smem']:>6} {dot}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
