@@ -1,0 +1,266 @@
+"""Attention-side Triton kernels on the GPU at ``mini`` dimensions: correctness against the references, then speed.
+
+    python bench/attention.py [--out bench/results/attention.json] [--quick]
+
+Dimensions are M3's per layer (``mini`` = ``full`` per layer): 64 query / 4 KV heads of 128, 4 index heads of
+128, index blocks of 128 tokens, top-16, one local block; pages of 128 tokens (= the index block), bf16.
+
+For every kernel and shape it prints and records: median time (``triton.testing.do_bench``), the bytes it must
+move (each input read once, each output written once) and the FLOPs it must do, the fraction of the copy
+bandwidth and of the bf16 tensor-core rate measured in the same run (a 2 GiB device copy; an 8192^3 bf16
+matmul), and the speed-up over the reference (``m3export.ops``) where the reference fits in memory and time.
+Small inputs are read from several page sets in turn so that repeated calls do not run from L2.
+
+Correctness, on the same inputs: block selections must equal the reference's exactly; attention outputs must lie
+within 4 * 2^-9 * max|V| of the reference (bf16 rounding of the softmax weights and of the output; see
+tests/test_kernels_attention.py). Long prefills are checked on their last tokens against a reference called
+for those tokens alone (it gathers only their context), since the full reference is quadratic in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
+BS, TOPK, LOCAL, INIT, PAGE = 128, 16, 1, 0, 128
+SCALE = D**-0.5
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/attention.json")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/attention.py needs a CUDA device")
+
+    import triton
+    from triton.testing import do_bench
+
+    from m3export.ops.attention import paged_attention_reference, sparse_paged_attention_reference
+    from m3export.ops.indexer import lightning_indexer_reference
+    from m3export.plugins.kernels import lightning_indexer as LI
+    from m3export.plugins.kernels import paged_attention as PA
+    from m3export.plugins.kernels import sparse_paged_attention as SPA
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%d"), "dims": dict(hq=HQ, hkv=HKV, d=D, index_heads=HI, index_dim=DI,
+                                                           block=BS, topk=TOPK, local=LOCAL, page=PAGE),
+           "checks": [], "rows": []}
+
+    def bench(fn):
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+
+    # ---- ceilings, measured now
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    copy_bw = 2 * a.numel() / bench(lambda: b.copy_(a))
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    mm_rate = 2 * 8192**3 / bench(lambda: x @ y)
+    del x, y
+    res["copy_bytes_per_s"], res["bf16_flops_per_s"] = copy_bw, mm_rate
+    print(f"copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    # ---- one pool for every shape: 64 sequences of 128k tokens
+    max_tokens = (8 if args.quick else 64) * 131072
+    pages = max_tokens // PAGE + 64
+    kc = torch.randn(pages, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn(pages, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
+    ikc = torch.randn(pages, PAGE, DI, device=dev, dtype=torch.bfloat16)
+    perm = torch.randperm(pages, device=dev).to(torch.int32)
+
+    def batch(bsz, ctx, new, offset=0):
+        """bsz sequences of ctx tokens (the last ``new`` new), pages from the shuffled pool from ``offset``."""
+        per = -(-ctx // PAGE)
+        need = bsz * per
+        start = offset % max(1, pages - need)
+        bt = perm[start:start + need].view(bsz, per).contiguous()
+        qsl = torch.arange(0, bsz + 1, device=dev, dtype=torch.int32) * new
+        sl = torch.full((bsz,), ctx, device=dev, dtype=torch.int32)
+        pos = (torch.arange(ctx - new, ctx, device=dev).repeat(bsz)).long()
+        return bt, qsl, sl, pos
+
+    def rotating(bsz, ctx, new, bytes_read):
+        """Several page sets when one would sit in L2 (60 MB) so repeated calls read HBM."""
+        n = 1 if bytes_read > 256e6 else 8
+        step = pages // n
+        return [batch(bsz, ctx, new, i * step) for i in range(n)]
+
+    def cycle(fn, sets):
+        state = {"i": 0}
+
+        def run():
+            s = sets[state["i"] % len(sets)]
+            state["i"] += 1
+            return fn(*s)
+        return run
+
+    def row(kernel, mode, bsz, ctx, t_k, t_ref, nbytes, flops, extra=None):
+        r = dict(kernel=kernel, mode=mode, batch=bsz, context=ctx, seconds=t_k, bytes=nbytes, flops=flops,
+                 frac_copy_bw=nbytes / t_k / copy_bw, frac_bf16_peak=flops / t_k / mm_rate,
+                 reference_seconds=t_ref, speedup_vs_reference=(t_ref / t_k) if t_ref else None)
+        if extra:
+            r.update(extra)
+        res["rows"].append(r)
+        ref_s = f"{t_ref * 1e3:9.2f}" if t_ref else "      n/a"
+        sp = f"{t_ref / t_k:8.1f}x" if t_ref else "      n/a"
+        print(f"{kernel:10s} {mode:8s} B={bsz:<3d} ctx={ctx:<7d} {t_k * 1e6:9.1f} us  "
+              f"{nbytes / t_k / 1e12:5.2f} TB/s ({100 * r['frac_copy_bw']:5.1f}%)  "
+              f"{flops / t_k / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ref {ref_s} ms {sp}",
+              flush=True)
+
+    def check(name, ok, detail):
+        res["checks"].append(dict(name=name, ok=bool(ok), detail=detail))
+        print(f"CHECK {name}: {'ok' if ok else 'FAILED'} {detail}", flush=True)
+
+    out = Path(os.environ["OUT"]) / Path(args.out).name if os.environ.get("OUT") else Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every shape, so that a run cut short still leaves its numbers
+        res["all_checks_ok"] = all(c["ok"] for c in res["checks"])
+        out.write_text(json.dumps(res, indent=1))
+
+    def guarded(name, fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001  (recorded as a failed check; the other shapes still run)
+            check(name, False, f"{type(e).__name__}: {e}"[:500])
+            torch.cuda.synchronize()
+        save()
+
+    def time_ref(fn):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    vmax = max(vc.amax().item(), -vc.amin().item())  # the attention bound is 4 * 2^-9 * max|V|
+    decode_shapes = [(b, c) for b in (1, 8, 64) for c in (4096, 32768, 131072)]
+    if args.quick:
+        decode_shapes = [(1, 4096), (8, 32768), (1, 131072)]
+
+    def decode(bsz, ctx):
+        iq = torch.randn(bsz, HI, DI, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(bsz, HQ, D, device=dev, dtype=torch.bfloat16)
+        idx_bytes = bsz * ctx * DI * 2
+        sets = rotating(bsz, ctx, 1, idx_bytes)
+        ref_ok = bsz * ctx <= 8 * 32768 or (bsz == 1)
+        # indexer
+        sel = LI.forward(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT)
+        t_ref = None
+        if ref_ok:
+            ref = lightning_indexer_reference(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT)
+            check(f"indexer decode B={bsz} ctx={ctx}", torch.equal(sel, ref),
+                  f"{int((sel != ref).sum())} of {sel.numel()} ids differ")
+            t_ref = time_ref(lambda: lightning_indexer_reference(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT))
+        t = bench(cycle(lambda *s: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets))
+        row("indexer", "decode", bsz, ctx, t, t_ref, idx_bytes + bsz * HI * TOPK * 4, 2 * bsz * HI * ctx * DI)
+        # top-k alone on a prepared block-score buffer
+        nb = -(-ctx // BS)
+        scores = torch.randn(bsz, HI, nb, device=dev)
+        ids = torch.empty(bsz, HI, TOPK, device=dev, dtype=torch.int32)
+        pos = sets[0][3]
+        topk_launch = lambda: LI._block_topk[(bsz, HI)](  # noqa: E731
+            scores, pos, ids, scores.stride(0), scores.stride(1), ids.stride(0), ids.stride(1), NB=nb,
+            NB_PAD=triton.next_power_of_2(nb), BS=BS, TOPK=TOPK, LOCAL=LOCAL, INIT=INIT, num_warps=4)
+        row("topk", "decode", bsz, ctx, bench(topk_launch), None, scores.numel() * 4 + ids.numel() * 4, 0)
+        # sparse attention on the indexer's selection
+        kv_bytes = bsz * HKV * min(TOPK * BS, ctx) * 2 * D * 2
+        t_ref = None
+        o = SPA.forward(q, kc, vc, *sets[0], sel, BS, SCALE)
+        if ref_ok:
+            ref = sparse_paged_attention_reference(q, kc, vc, *sets[0], sel, BS, SCALE)
+            err = (o.float() - ref.float()).abs().max().item()
+            check(f"sparse decode B={bsz} ctx={ctx}", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
+            t_ref = time_ref(lambda: sparse_paged_attention_reference(q, kc, vc, *sets[0], sel, BS, SCALE))
+        sels = [LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT) for s in sets]
+        t = bench(cycle(lambda *s: SPA.forward(q, kc, vc, *s[:4], s[4], BS, SCALE),
+                        [(*s, x) for s, x in zip(sets, sels)]))
+        row("sparse", "decode", bsz, ctx, t, t_ref, kv_bytes + 2 * q.numel() * 2,
+            4 * bsz * HQ * min(TOPK * BS, ctx) * D)
+        # dense paged attention
+        dense_bytes = bsz * ctx * HKV * 2 * D * 2
+        dsets = rotating(bsz, ctx, 1, dense_bytes)
+        t_ref = None
+        o = PA.forward(q, kc, vc, *dsets[0], SCALE)
+        if ref_ok and bsz * ctx <= 8 * 32768:
+            ref = paged_attention_reference(q, kc, vc, *dsets[0], SCALE)
+            err = (o.float() - ref.float()).abs().max().item()
+            check(f"dense decode B={bsz} ctx={ctx}", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
+            t_ref = time_ref(lambda: paged_attention_reference(q, kc, vc, *dsets[0], SCALE))
+        t = bench(cycle(lambda *s: PA.forward(q, kc, vc, *s, SCALE), dsets))
+        row("dense", "decode", bsz, ctx, t, t_ref, dense_bytes + 2 * q.numel() * 2, 4 * bsz * HQ * ctx * D)
+
+    for bsz, ctx in decode_shapes:
+        guarded(f"decode B={bsz} ctx={ctx}", lambda: decode(bsz, ctx))
+
+    prefill = [4096, 16384] if args.quick else [4096, 16384, 65536]
+
+    def prefill_one(n):
+        s = batch(1, n, n)
+        iq = torch.randn(n, HI, DI, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(n, HQ, D, device=dev, dtype=torch.bfloat16)
+        tail = 64  # last tokens checked against a reference that gathers only their context
+        bt, _, sl, pos = s
+        tail_args = (bt, torch.tensor([0, tail], device=dev, dtype=torch.int32), sl, pos[-tail:])
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        sel = LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT)
+        peak = torch.cuda.max_memory_allocated() - base
+        ref = lightning_indexer_reference(iq[-tail:], ikc, *tail_args, BS, TOPK, LOCAL, INIT)
+        check(f"indexer prefill {n} (last {tail} tokens)", torch.equal(sel[-tail:], ref),
+              f"{int((sel[-tail:] != ref).sum())} ids differ")
+        t_ref = time_ref(lambda: lightning_indexer_reference(iq, ikc, *s, BS, TOPK, LOCAL, INIT)) if n <= 4096 \
+            else None
+        t = bench(lambda: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT))
+        row("indexer", "prefill", 1, n, t, t_ref, n * DI * 2 * 2, 2 * HI * DI * n * (n + 1) // 2,
+            dict(peak_scratch_bytes=peak))
+        o = SPA.forward(q, kc, vc, *s, sel, BS, SCALE)
+        ref = sparse_paged_attention_reference(q[-tail:], kc, vc, *tail_args, sel[-tail:], BS, SCALE)
+        err = (o[-tail:].float() - ref.float()).abs().max().item()
+        check(f"sparse prefill {n} (last {tail} tokens)", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
+        t_ref = time_ref(lambda: sparse_paged_attention_reference(q, kc, vc, *s, sel, BS, SCALE)) if n <= 4096 \
+            else None
+        keys = sum(min(TOPK * BS, p + 1) for p in range(0, n, 64)) * 64  # visible selected keys per token
+        t = bench(lambda: SPA.forward(q, kc, vc, *s, sel, BS, SCALE))
+        row("sparse", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * 2, 4 * HQ * D * keys)
+        o = PA.forward(q, kc, vc, *s, SCALE)
+        ref = paged_attention_reference(q[-tail:], kc, vc, *tail_args, SCALE)
+        err = (o[-tail:].float() - ref.float()).abs().max().item()
+        check(f"dense prefill {n} (last {tail} tokens)", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
+        t_ref = time_ref(lambda: paged_attention_reference(q, kc, vc, *s, SCALE)) if n <= 4096 else None
+        t = bench(lambda: PA.forward(q, kc, vc, *s, SCALE))
+        row("dense", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * 2,
+            4 * HQ * D * n * (n + 1) // 2)
+
+    for n in prefill:
+        guarded(f"prefill {n}", lambda: prefill_one(n))
+
+    # batch 1: indexer + sparse attention of one decode step at 128k over the same at 4k
+    one = {(r["kernel"], r["context"]): r["seconds"] for r in res["rows"] if r["mode"] == "decode" and r["batch"] == 1}
+    if ("indexer", 131072) in one and ("indexer", 4096) in one:
+        res["batch1_indexer_plus_sparse_128k_over_4k"] = (one["indexer", 131072] + one["sparse", 131072]) / (
+            one["indexer", 4096] + one["sparse", 4096])
+        print(f"batch 1, indexer + sparse: 128k / 4k = {res['batch1_indexer_plus_sparse_128k_over_4k']:.2f}")
+    save()
+    print(f"wrote {out}; checks {'all ok' if res['all_checks_ok'] else 'FAILED'}")
+    return 0 if res["all_checks_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

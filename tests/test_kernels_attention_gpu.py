@@ -1,0 +1,87 @@
+"""The attention kernels compiled on a CUDA device at M3's real per-layer dimensions (``mini``), and the ``mini``
+model with every kernel against its reference path. Skipped without a GPU (CI); run on the H200 with
+``python3 -m pytest -q -m gpu tests/test_kernels_attention_gpu.py`` in a process of its own (the CPU test file
+switches Triton to its interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+HQ, HKV, D, BS, TOPK, LOCAL, INIT = 64, 4, 128, 128, 16, 1, 0
+
+
+def _batch(ctx, new, page, gen):
+    need = [-(-n // page) for n in ctx]
+    perm = torch.randperm(sum(need) + 8, generator=gen)
+    bt = torch.zeros(len(ctx), max(need), dtype=torch.int32)
+    i = 0
+    for b, k in enumerate(need):
+        bt[b, :k] = perm[i:i + k]
+        i += k
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    pos = torch.cat([torch.arange(n - q, n) for n, q in zip(ctx, new)])
+    return sum(need) + 8, [x.cuda() for x in (bt, qsl, torch.tensor(ctx, dtype=torch.int32), pos)]
+
+
+# mixed: a prefill chunk with context, decodes at several lengths, a 4-token verify, a sequence with no new token
+MIXED = ([2600, 5000, 129, 1, 3000, 700], [300, 1, 1, 1, 4, 0])
+
+
+@pytest.mark.parametrize("page", [128, 64])
+def test_mini_dims_against_references_without_host_sync(page):
+    from m3export.ops.attention import paged_attention_reference, sparse_paged_attention_reference
+    from m3export.ops.indexer import lightning_indexer_reference
+    from m3export.plugins.kernels import lightning_indexer, paged_attention, sparse_paged_attention
+
+    gen = torch.Generator().manual_seed(page)
+    pages, args = _batch(*MIXED, page, gen)
+    t = args[3].numel()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    iq, q = torch.randn(t, HKV, D, **bf), torch.randn(t, HQ, D, **bf)
+    ikc = torch.randn(pages, page, D, **bf)
+    kc, vc = torch.randn(pages, page, HKV, D, **bf), torch.randn(pages, page, HKV, D, **bf)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync inside a launcher raises
+    try:
+        sel = lightning_indexer.forward(iq, ikc, *args, BS, TOPK, LOCAL, INIT)
+        sparse = sparse_paged_attention.forward(q, kc, vc, *args, sel, BS, D**-0.5)
+        dense = paged_attention.forward(q, kc, vc, *args, D**-0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(sel, lightning_indexer_reference(iq, ikc, *args, BS, TOPK, LOCAL, INIT))
+    # bf16: softmax weights rounded for the tensor-core product and the output rounded once on each side
+    bound = 4 * 2.0**-9 * vc.abs().max().item()
+    for got, ref in ((sparse, sparse_paged_attention_reference(q, kc, vc, *args, sel, BS, D**-0.5)),
+                     (dense, paged_attention_reference(q, kc, vc, *args, D**-0.5))):
+        assert torch.isfinite(got).all()
+        assert (got.float() - ref.float()).abs().max().item() <= bound
+
+
+def test_mini_model_greedy_tokens_equal_with_kernels_and_references():
+    """The whole ``mini`` model (bf16, random weights) through the engine: 64 greedy tokens for a prompt long
+    enough that the indexer selects (2300 tokens > 16 blocks of 128), kernels vs the reference path."""
+    import m3export
+    from m3export.plugins.kernels import references, use_on
+    from m3export.runtime import Engine, SamplingParams
+    from m3export.runtime.backends.torch_backend import TorchBackend
+
+    assert use_on("cuda")
+    model = m3export.load_model("mini", device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (2300,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = []
+    for use_refs in (False, True):
+        eng = Engine(TorchBackend(model), None, page_size=128, num_pages=64, max_model_len=4096,
+                     max_num_batched_tokens=1024)
+        if use_refs:
+            with references():
+                outs.append(eng.generate([prompt], params)[0].token_ids)
+        else:
+            outs.append(eng.generate([prompt], params)[0].token_ids)
+    same = sum(a == b for a, b in zip(*outs))
+    assert outs[0] == outs[1], f"{same} of 64 greedy tokens agree"
