@@ -60,7 +60,19 @@ def main() -> int:
            "checks": [], "rows": []}
 
     def bench(fn):
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3  # seconds
+        """Median seconds; calls over 50 ms (long prefills) are timed twice with events instead of do_bench."""
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(2):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        if min(times) > 0.05:
+            return min(times)
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
     # ---- ceilings, measured now
     a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
