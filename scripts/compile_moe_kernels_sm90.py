@@ -80,8 +80,8 @@ def variants(quick: bool):
             for kind, fn in (("gate_up", moe_kernels._gate_up), ("down", moe_kernels._down)):
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
                               BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"])
-                label = f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} BK{cfg['BLOCK_K']:<3} " \
-                        f"w{cfg['num_warps']} s{cfg['num_stages']} mode{cfg['MX_MODE']}"
+                label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
+                         f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{cfg['MX_MODE']}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     for m in (1, 64, 512):
         bm, bn, bk, w, s = mxfp8_linear.tile_config(m)
