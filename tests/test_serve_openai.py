@@ -109,6 +109,9 @@ def chat(text):
     return [{"role": "user", "content": f"SCRIPT[{text}]"}]
 
 
+chat_messages = chat
+
+
 def n_tokens(engine, text):
     return len(engine.tokenizer.encode(text))
 
@@ -123,6 +126,32 @@ def test_models_health_and_completion_equal_the_engine(live):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 9)
     echoed = c.completions.create(model=MODEL, prompt="Hello there", max_tokens=9, temperature=0, echo=True)
     assert echoed.choices[0].text == "Hello there" + ref.text
+
+
+def test_logprobs_equal_the_engine(live):
+    c = live.client()
+    r = c.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0, logprobs=3)
+    ref = Engine.from_checkpoint("tiny").generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4,
+                                                                                  logprobs=3))[0]
+    lp = r.choices[0].logprobs
+    text = [live.engine.tokenizer.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert lp.tokens == [s if s and "\ufffd" not in s else f"token_id:{t}" for s, t in zip(text, ref.token_ids)]
+    # Same weights and arithmetic; 1e-5 allows for a different float summation order inside a batch.
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-5)
+    assert [len(top) for top in lp.top_logprobs] == [3] * 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(4)]
+    assert r.choices[0].text == ref.text
+    streamed = list(c.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0,
+                                         logprobs=3, stream=True))
+    assert [t for ch in streamed for t in ch.choices[0].logprobs.tokens] == lp.tokens
+    chat = c.chat.completions.create(model=MODEL, messages=chat_messages("c4"), logprobs=True, top_logprobs=2,
+                                     max_tokens=50)
+    content = chat.choices[0].logprobs.content
+    assert "".join(e.token for e in content[:-1]) == SCRIPTS["c4"] and len(content) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+               and e.logprob <= e.top_logprobs[0].logprob for e in content)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be in"):
+        c.completions.create(model=MODEL, prompt="x", logprobs=21)
 
 
 def test_streamed_completion_with_usage_equals_the_plain_one(live):

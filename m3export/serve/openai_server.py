@@ -46,6 +46,8 @@ from .tool_parser import NAMESPACE, ToolCallParser
 
 log = logging.getLogger("m3export.serve.openai")
 
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for per position (OpenAI's and vLLM's limit)
+
 
 class ApiError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None):
@@ -109,6 +111,7 @@ class _ChatState:
     reasoning: ReasoningParser | None
     tools: ToolCallParser | None
     include_reasoning: bool
+    top_logprobs: int | None  # None: no logprobs in the response
     call_ids: dict[int, str] = field(default_factory=dict)
     num_calls: int = 0
 
@@ -344,15 +347,17 @@ class OpenAIServer:
         self._check_model(body.model)
         if body.suffix:
             raise ApiError("suffix is not supported by this model", 400, "suffix")
-        if body.logprobs is not None:
-            raise ApiError("logprobs are not supported by this server", 400, "logprobs")
+        top_n = body.logprobs
+        if top_n is not None and not 0 <= top_n <= MAX_LOGPROBS:
+            raise ApiError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {top_n}", 400, "logprobs")
+        extra = {} if top_n is None else {"logprobs": top_n}
         raw = body.prompt
         batch = raw if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else [raw]
         prompts = []
         for p in batch:
             ids = self._tokenize(p)
             text = p if isinstance(p, str) else None
-            prompts.append(_Prompt(ids, text, self._sampling(body, ids, body.max_tokens)))
+            prompts.append(_Prompt(ids, text, self._sampling(body, ids, body.max_tokens, extra)))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def echo(i: int) -> str:
@@ -363,9 +368,14 @@ class OpenAIServer:
                 if self.engine.tokenizer is not None else ""
 
         usage = [_Usage() for _ in prompts]
+        offsets = [len(echo(i)) for i in range(len(prompts))]  # text_offset of the next token, per choice
 
-        def choice(i, text, reason):
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        def choice(i, text, reason, ids=(), logprobs=None):
+            lp = None
+            if top_n is not None:
+                lp = self._completion_logprobs(list(ids), logprobs or [], top_n, offsets[i])
+                offsets[i] += sum(len(t) for t in lp["tokens"])
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -376,11 +386,12 @@ class OpenAIServer:
                     usage[i].prompt_tokens = c.num_input_tokens
                     usage[i].completion_tokens += c.num_output_tokens
                     text = (echo(i) if i not in started else "") + c.text
-                    if not text and not c.final:  # tokens that do not decode to text yet
+                    if not text and not c.final and top_n is None:  # tokens that do not decode to text yet
                         continue
                     started.add(i)
                     event = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": [choice(i, text, c.finish_reason if c.final else None)]}
+                             "choices": [choice(i, text, c.finish_reason if c.final else None, c.token_ids,
+                                                c.logprobs)]}
                     if include_usage:
                         event["usage"] = None
                     yield event
@@ -391,8 +402,11 @@ class OpenAIServer:
             return self._sse(await self._first_or_error(events()))
 
         texts, reasons = [""] * len(prompts), [None] * len(prompts)
+        ids, logprobs = [[] for _ in prompts], [[] for _ in prompts]
         async for i, c in self._merged(prompts, request, stream=False):
             texts[i] += c.text
+            ids[i] += c.token_ids
+            logprobs[i] += c.logprobs or []
             usage[i].prompt_tokens = c.num_input_tokens
             usage[i].completion_tokens += c.num_output_tokens
             if c.final:
@@ -400,7 +414,8 @@ class OpenAIServer:
         if any(r is None for r in reasons):  # the client left: nobody reads this
             return None
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice(i, echo(i) + texts[i], reasons[i]) for i in range(len(prompts))],
+                "choices": [choice(i, echo(i) + texts[i], reasons[i], ids[i], logprobs[i])
+                            for i in range(len(prompts))],
                 "usage": _sum_usage(usage)}
 
     # ------------------------------------------------------------------ /v1/chat/completions
@@ -409,8 +424,9 @@ class OpenAIServer:
             raise ApiError("this model has no chat template (chat_template.jinja, or chat_template in "
                            "tokenizer_config.json); start the server with --chat-template FILE, or use "
                            "/v1/completions", 400)
-        if body.logprobs or body.top_logprobs:
-            raise ApiError("logprobs are not supported by this server", 400, "logprobs")
+        if body.top_logprobs is not None and not (body.logprobs and 0 <= body.top_logprobs <= MAX_LOGPROBS):
+            raise ApiError(f"top_logprobs must be in [0, {MAX_LOGPROBS}] and needs logprobs: true", 400,
+                           "top_logprobs")
         if body.response_format not in (None, {"type": "text"}):
             raise ApiError("response_format other than text is not supported by this server (no guided decoding)",
                            400, "response_format")
@@ -432,14 +448,15 @@ class OpenAIServer:
         except ChatTemplateError as e:
             raise ApiError(str(e), 400, "messages") from None
         ids = self._tokenize(text)
-        extra = {}
+        extra = {"logprobs": body.top_logprobs or 0} if body.logprobs else {}
         if self.markers_are_special and (self.reasoning_parser or parse_tools) \
                 and "skip_special_tokens" not in body.model_fields_set:
             extra["skip_special_tokens"] = False
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prompt = _Prompt(ids, text, self._sampling(body, ids, max_tokens, extra))
         state = _ChatState(ReasoningParser(starts_in_reasoning(text)) if self.reasoning_parser else None,
-                           ToolCallParser(tools) if parse_tools else None, body.include_reasoning)
+                           ToolCallParser(tools) if parse_tools else None, body.include_reasoning,
+                           body.top_logprobs or 0 if body.logprobs else None)
         return prompt, state
 
     def _parse(self, state: _ChatState, text: str, final: bool) -> dict:
@@ -479,6 +496,35 @@ class OpenAIServer:
             delta["content"] = content
         return delta
 
+    def _token_text(self, token_id: int) -> str:
+        """A token as text for logprobs; a token that is no text on its own (part of a UTF-8 character, or no
+        tokenizer) is spelled ``token_id:N``, as vLLM's ``--return-tokens-as-token-ids`` does."""
+        tok = self.engine.tokenizer
+        text = tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
+        return text if text and "\ufffd" not in text else f"token_id:{token_id}"
+
+    def _completion_logprobs(self, ids: list[int], logprobs: list[dict[int, float]], top_n: int,
+                             offset: int) -> dict:
+        """The legacy completions shape: parallel lists of tokens, their logprobs, the top tokens, offsets."""
+        tokens = [self._token_text(t) for t in ids]
+        starts = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(ids, logprobs)],
+                "top_logprobs": [{self._token_text(k): v for k, v in _top(lp, top_n)} for lp in logprobs],
+                "text_offset": starts}
+
+    def _chat_logprobs(self, state: _ChatState, ids: list[int], logprobs: list[dict[int, float]] | None):
+        """The chat shape: one entry per generated token with its top alternatives (raw tokens, before the
+        reasoning and tool-call parsers, as vLLM reports them)."""
+        if state.top_logprobs is None:
+            return None
+
+        def entry(token_id: int, value: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in _top(lp, state.top_logprobs)]}
+                            for t, lp in zip(ids, logprobs or [])]}
+
     @staticmethod
     def _finish_reason(state: _ChatState, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and state.num_calls else reason
@@ -492,9 +538,9 @@ class OpenAIServer:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def event(delta: dict, reason: str | None) -> dict:
+            def event(delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
                 e = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
                 if include_usage:
                     e["usage"] = None
                 return e
@@ -508,8 +554,9 @@ class OpenAIServer:
                             started = True
                         usage.completion_tokens += c.num_output_tokens
                         delta = self._parse(state, c.text, c.final)
-                        if delta:
-                            yield event(delta, None)
+                        lp = self._chat_logprobs(state, c.token_ids, c.logprobs)
+                        if delta or (lp and lp["content"]):
+                            yield event(delta, None, lp)
                         if c.final:
                             yield event({}, self._finish_reason(state, c.finish_reason))
                 if include_usage:
@@ -518,10 +565,12 @@ class OpenAIServer:
 
             return self._sse(await self._first_or_error(events()))
 
-        text, reason = "", None
+        text, reason, ids, logprobs = "", None, [], []
         async with aclosing(self._run(prompt, request, stream=False)) as chunks:
             async for c in chunks:
                 text += c.text
+                ids += c.token_ids
+                logprobs += c.logprobs or []
                 usage.completion_tokens += c.num_output_tokens
                 if c.final:
                     reason = c.finish_reason
@@ -535,7 +584,8 @@ class OpenAIServer:
                    "tool_calls": [{"id": c["id"], "type": "function", "function": c["function"]}
                                   for c in _merge_calls(delta.get("tool_calls", []))]}
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": self._chat_logprobs(state, ids, logprobs),
                              "finish_reason": self._finish_reason(state, reason)}],
                 "usage": usage.as_dict()}
 
@@ -550,6 +600,11 @@ def _merge_calls(deltas: list[dict]) -> list[dict]:
             c["function"]["name"] = d["function"]["name"]
         c["function"]["arguments"] += d["function"]["arguments"]
     return [calls[i] for i in sorted(calls)]
+
+
+def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely of a position's {token: logprob} (which also holds the sampled token)."""
+    return sorted(logprobs.items(), key=lambda kv: -kv[1])[:n]
 
 
 def _sum_usage(usage: list[_Usage]) -> dict:
