@@ -441,6 +441,9 @@ class M3Config:
             "rope_theta": self.rope_theta,
             "partial_rotary_factor": self.rotary_dim / self.head_dim,
         }
+        if self.vision is not None:  # artifacts keep the tower too; from_dict reads it back from the flat dict
+            d["vision_config"] = self.vision.tower_dict()
+            d.update(self.vision.wrapper_dict())
         return d
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -461,7 +464,7 @@ class M3Config:
     def to_original_dict(self) -> dict[str, Any]:
         """The release's own spelling: VL wrapper, ``sparse_attention_config``, ``moe_layer_freq``."""
         text = {
-            k: v for k, v in self.to_text_dict().items()
+            k: v for k, v in self.replace(vision=None).to_text_dict().items()
             if not k.startswith("index_") and k not in ("layer_types", "mlp_layer_types", "rope_parameters")
         }
         text["model_type"] = "minimax_m3"

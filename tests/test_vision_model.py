@@ -196,3 +196,13 @@ def test_placeholder_ids_must_be_tokens():
     raw["image_token_index"] = 320
     with pytest.raises(ConfigError, match=r"image_token_index \(320\) must be a token id below vocab_size \(320\)"):
         M3Config.from_dict(raw)
+
+
+def test_every_config_spelling_keeps_the_vision_tower():
+    """Original (release), transformers (VL wrapper) and the artifact manifest's flat spelling all round-trip."""
+    from m3export.config import M3Config
+
+    cfg = preset("tiny").replace(num_mtp_modules=0, vision=VISION)
+    for spelling in (cfg.to_original_dict(), cfg.to_hf_dict(), cfg.to_text_dict()):
+        assert M3Config.from_dict(spelling) == cfg
+    assert "vision_config" not in cfg.to_original_dict()["text_config"]

@@ -92,8 +92,9 @@ class VisionAttention(nn.Module):
         q = apply_vision_rope(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_vision_rope(self.k_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.heads, self.head_dim)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return self.out_proj(o.transpose(0, 1).reshape(n, -1))
+        # [1, heads, N, D]: one item, every patch sees every patch (the exporter's attention wants 4-D).
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        return self.out_proj(o[0].transpose(0, 1).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
