@@ -69,6 +69,15 @@ def build_server(args: argparse.Namespace):
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            from ..errors import M3Error
+
+            raise M3Error(f"m3export serve needs the serve extra ({module} is not installed): "
+                          "pip install 'm3export[serve]'") from None
+
     src = resolve_source(args.model, args.backend)
     engine_args = {"num_speculative_tokens": args.speculative, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens, "device": args.device}
