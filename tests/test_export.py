@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections import Counter
 
 import numpy as np
@@ -285,25 +284,22 @@ def test_session_runs_a_step_that_wants_no_logits(tiny_artifact):
     assert sess.pools["k_cache.0"][3, :2].any() and not sess.pools["k_cache.0"][3, 2:].any()
 
 
-def test_in_place_step_cost_does_not_grow_with_the_pool(tiny_artifact):
-    """A decode step on a 64x larger pool costs about the same: ORT writes into the bound pool, no copies."""
+def test_in_place_step_writes_only_its_rows_into_the_bound_pools(tiny_artifact):
+    """Why a step's cost does not grow with the pool, checked structurally (no clock): on a 4096-page pool every
+    cache output is the very buffer bound as its input (PagedSession also checks this after each run) and only
+    the step's own rows change, so ONNX Runtime neither copies nor rewrites the pool."""
     art = load_artifact(tiny_artifact)
     feeds = {"input_ids": np.array([5, 7]), "positions": np.array([3, 0]),
              "query_start_loc": np.array([0, 1, 2], np.int32), "seq_lens": np.array([4, 1], np.int32),
              "block_tables": np.array([[2], [1]], np.int32), "slot_mapping": np.array([35, 16]),
              "logits_indices": np.array([0, 1])}
-
-    def step_time(pages: int) -> float:
-        sess = PagedSession.from_artifact(art)
-        sess.allocate(pages)
-        sess.run(feeds)
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            sess.run(feeds)
-            times.append(time.perf_counter() - start)
-        assert sess.pools["k_cache.0"][2, 3].any() and not sess.pools["k_cache.0"][3:].any()
-        return sorted(times)[3]
-
-    small, large = step_time(64), step_time(64 * 64)  # 11 pools, ~0.16 GB at the large size
-    assert large < 3 * small + 0.01, f"step {small * 1e3:.2f} ms -> {large * 1e3:.2f} ms with a 64x pool"
+    sess = PagedSession.from_artifact(art)
+    sess.allocate(64 * 64)
+    addresses = {name: pool.__array_interface__["data"][0] for name, pool in sess.pools.items()}
+    sess.run(feeds)
+    assert {name: pool.__array_interface__["data"][0] for name, pool in sess.pools.items()} == addresses
+    for name, pool in sess.pools.items():
+        written = np.zeros(pool.shape[:2], dtype=bool)
+        written[2, 3] = written[1, 0] = True  # slots 35 and 16 with pages of 16
+        assert pool[written].any(), name
+        assert not pool[~written].any(), f"{name}: rows outside the step's slots changed"
