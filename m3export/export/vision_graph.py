@@ -1,0 +1,92 @@
+"""``vision.onnx``: the vision tower + projector for one media item, with a dynamic number of patches.
+
+Inputs ``pixel_values`` [patches, C*T*P*P] (float32, what preprocessing writes) and ``position_ids`` [patches, 3]
+(int64, from ``vision_position_ids``: the runtime computes them from the item's grid); output ``media_embeds``
+[patches / merge_unit, hidden] in float32 (numpy has no bfloat16; the runtime casts when it places them at the
+item's placeholder tokens). One
+run per item (an image, or one temporal chunk of a video): attention spans exactly the item, so no segment mask.
+
+Traced on the ``meta`` device like the step graphs; the parameters become external-data references into the
+artifact's weight file (``finalize``).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from ..errors import ArtifactError
+from ..model import M3ForCausalLM
+from ..model.vision import vision_position_ids
+from .graphs import ROOT, GraphSignature, finalize
+from .schemas import ONNX_OPSET
+
+VISION_FILE = "vision.onnx"
+VISION_SIGNATURE = GraphSignature(("pixel_values", "position_ids"), ("media_embeds",), {})
+
+
+class VisionGraph(nn.Module):
+    def __init__(self, model: M3ForCausalLM):
+        super().__init__()
+        setattr(self, ROOT, model)
+
+    def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        m = getattr(self, ROOT)
+        return m.multi_modal_projector(m.vision_tower(pixel_values, position_ids)).float()
+
+
+def _example(model: M3ForCausalLM) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1 x 4 x 6 grid (24 patches, 6 tokens): no dimension is 0, 1 or equal to another."""
+    v = model.config.vision
+    m = v.spatial_merge_size
+    pos = vision_position_ids(1, 2 * m, 3 * m, m)
+    return torch.empty((pos.shape[0], v.patch_dim), device="meta"), pos.to("meta")
+
+
+def trace_vision(model: M3ForCausalLM) -> ir.Model:
+    """``model`` (typically on ``meta``) -> the un-finalised ONNX IR of ``vision.onnx``."""
+    if model.config.vision is None:
+        raise ArtifactError("the model has no vision tower: there is no vision graph to export")
+    unit = model.config.vision.merge_unit
+    tokens = torch.export.Dim("tokens", min=1)
+    patches = unit * tokens  # the projector folds every ``unit`` consecutive patches into one token
+    registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registry_log.level
+    registry_log.setLevel(logging.ERROR)  # "torchvision is not installed" for ops the tower never uses
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation chatter; failures still raise
+            program = torch.onnx.export(
+                VisionGraph(model), _example(model), dynamo=True,
+                dynamic_shapes=({0: patches}, {0: patches}), input_names=list(VISION_SIGNATURE.inputs),
+                output_names=list(VISION_SIGNATURE.outputs), opset_version=ONNX_OPSET, optimize=False,
+                verbose=False, report=False,
+            )
+    finally:
+        registry_log.setLevel(level)
+    return program.model
+
+
+def export_vision_graph(model: M3ForCausalLM, weights: dict, out_dir: Path) -> onnx.ModelProto:
+    """Trace and finalise ``vision.onnx`` against the artifact's tensor map ``weights`` (written by the caller)."""
+    return finalize(trace_vision(model), weights, {}, out_dir)
+
+
+def run_vision_onnx(session, pixel_values: torch.Tensor, grid_thw, merge_size: int) -> list[torch.Tensor]:
+    """Encode each grid row with an ONNX Runtime session of ``vision.onnx`` -> one token block per item."""
+    out, start = [], 0
+    for t, h, w in torch.as_tensor(grid_thw).reshape(-1, 3).tolist():
+        n = t * h * w
+        feeds = {"pixel_values": pixel_values[start:start + n].float().numpy(),
+                 "position_ids": vision_position_ids(t, h, w, merge_size).numpy().astype(np.int64)}
+        (embeds,) = session.run(None, feeds)
+        out.append(torch.from_numpy(embeds))
+        start += n
+    return out
