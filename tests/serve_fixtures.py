@@ -60,6 +60,8 @@ _DIRECTIVE = re.compile(r"SCRIPT\[(\w+)\]")
 class ScriptedEngine(Engine):
     """Forces the reply of prompts that name a script; other prompts sample as usual."""
 
+    assert hasattr(Engine, "_next_tokens"), "Engine._next_tokens (the hook this test engine overrides) is gone"
+
     def __init__(self, *args, scripts: dict[str, str], **kwargs):
         super().__init__(*args, **kwargs)
         self.scripts = scripts

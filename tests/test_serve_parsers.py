@@ -216,3 +216,24 @@ def test_prompt_that_pre_opens_reasoning():
     assert starts_in_reasoning("]~b]ai\n<mm:think>\n")
     assert not starts_in_reasoning("]~b]ai\n<mm:think>\n</mm:think>\n\n")
     assert not starts_in_reasoning("]~b]ai\n")
+
+
+FRAGMENTS = [NS, "<tool_call>", "</tool_call>", '<invoke name="get_weather">', '<invoke name=f>', "</invoke>",
+             "<city>", "</city>", "<days>", "</days>", "<item>", "</item>", "<", ">", "/", "Oslo", "42", " ", "\n",
+             "é", "<mm:think>", "</mm:think>", TOOL_CALL_START, TOOL_CALL_END, INVOKE_END, "]<]mini"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_markup_never_raises_and_ignores_chunking(seed):
+    """Seeded random soups of markup fragments: the parsers never raise, every call's arguments are one JSON
+    object, and a random chunking gives what the whole text gives."""
+    import random
+
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40)))
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+    chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    whole = run_tools([text])
+    assert run_tools(chunks)[:2] == whole[:2]
+    assert all(isinstance(args, dict) for _, args in whole[1])
+    assert run_reasoning(chunks) == run_reasoning([text])

@@ -460,7 +460,16 @@ class OpenAIServer:
         return prompt, state
 
     def _parse(self, state: _ChatState, text: str, final: bool) -> dict:
-        """One chunk of generated text -> a delta: content, reasoning_content and/or tool_calls."""
+        """One chunk of generated text -> a delta: content, reasoning_content and/or tool_calls. A parser bug
+        must not end the response: the text then goes out as plain content, unparsed from there on."""
+        try:
+            return self._parse_unguarded(state, text, final)
+        except Exception:  # noqa: BLE001
+            log.exception("output parser failed; passing the rest of this response through as text")
+            state.reasoning = state.tools = None
+            return {"content": text} if text else {}
+
+    def _parse_unguarded(self, state: _ChatState, text: str, final: bool) -> dict:
         delta: dict[str, Any] = {}
         content, reasoning = text, ""
         if state.reasoning is not None:

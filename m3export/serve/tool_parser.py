@@ -174,26 +174,29 @@ class ToolCallParser:
     def feed(self, text: str) -> ToolParseDelta:
         out = ToolParseDelta()
         self._buffer += text
-        try:
-            while self._step(out):
-                pass
-        except _Malformed as e:
-            self._recover(out, str(e))
-            while self._step(out):
-                pass
+        self._drain(out)
         return out
 
     def finish(self) -> ToolParseDelta:
-        """End of output: held-back text is content; an unfinished block is reported as truncated."""
+        """End of output: held-back text is content; an unfinished block is reported as truncated (and what
+        follows its failure point is read as text again, which may open and cut off another block)."""
         out = ToolParseDelta()
-        if self._state == "text":
-            out.content += self._buffer
-            self._buffer = ""
-        else:
+        while self._state != "text":
             self._recover(out, f"the output ended inside a tool call block ({self._state})")
-            out.content += self._buffer
-            self._buffer = ""
+            self._drain(out)
+        out.content += self._buffer
+        self._buffer = ""
         return out
+
+    def _drain(self, out: ToolParseDelta) -> None:
+        """Consume what the buffer allows; malformed markup becomes content and parsing goes on after it."""
+        while True:
+            try:
+                while self._step(out):
+                    pass
+                return
+            except _Malformed as e:
+                self._recover(out, str(e))
 
     # ------------------------------------------------------------------ states
     def _step(self, out: ToolParseDelta) -> bool:
