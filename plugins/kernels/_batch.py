@@ -39,6 +39,26 @@ def splits_for(device: torch.device, programs: int, most: int) -> int:
     return max(1, min(most, cdiv(_WAVES * num_sms(device), max(1, programs))))
 
 
+@triton.jit
+def sequence_of(qsl_ptr, t, num_seqs, LOG2_SEQS: tl.constexpr):
+    """The sequence token ``t`` belongs to: the largest b < num_seqs with query_start_loc[b] <= t (a binary
+    search in the kernel, so per-token launches need no host-side map; sequences without new tokens share their
+    start with the next one and are skipped by taking the largest)."""
+    lo = t * 0
+    hi = lo + num_seqs - 1
+    for _ in tl.static_range(LOG2_SEQS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(qsl_ptr + mid) <= t
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+def log2_ceil(n: int) -> int:
+    """Binary-search steps over n candidates (at least 1)."""
+    return max(1, (max(1, n) - 1).bit_length())
+
+
 def query_tiles(query_start_loc: torch.Tensor, num_tokens: int, tile: int):
     """Cut every sequence's new tokens into tiles of at most ``tile`` consecutive tokens of that one sequence.
 
@@ -48,10 +68,6 @@ def query_tiles(query_start_loc: torch.Tensor, num_tokens: int, tile: int):
     """
     b = query_start_loc.shape[0] - 1
     device = query_start_loc.device
-    if tile == 1:  # every token is its own tile: only its sequence is needed
-        tok = torch.arange(num_tokens, device=device, dtype=query_start_loc.dtype)
-        seq = torch.searchsorted(query_start_loc[1:].contiguous(), tok, right=True)
-        return seq.to(torch.int32), tok.to(torch.int32), (tok + 1).to(torch.int32), num_tokens
     slots = cdiv(num_tokens + b * (tile - 1), tile)
     qsl = query_start_loc.long()
     ntiles = (qsl[1:] - qsl[:-1] + tile - 1) // tile
@@ -67,12 +83,14 @@ def query_tiles(query_start_loc: torch.Tensor, num_tokens: int, tile: int):
 
 
 def tokens_per_tile(num_tokens: int, num_seqs: int, rows_per_token: int, most_rows: int = 64) -> int:
-    """Tokens of one sequence packed into a program: enough rows for a tensor-core tile (>= 16) at decode, more
-    when the batch carries prefill (mean new tokens per sequence from the shapes T and B)."""
+    """Tokens of one sequence packed into a program, from the shapes T and B alone. 1 (one program per token,
+    sequence found in the kernel, no tile map) while the batch is decode-like (fewer than 2 new tokens per
+    sequence on average); otherwise enough tokens for a tensor-core tile of 16 to ``most_rows`` rows."""
+    if num_tokens < 2 * num_seqs:
+        return 1
     lo = max(1, 16 // rows_per_token)
     hi = max(lo, most_rows // rows_per_token)
-    mean = max(1, num_tokens // max(1, num_seqs))
-    return max(lo, min(hi, next_pow2(mean)))
+    return max(lo, min(hi, next_pow2(num_tokens // num_seqs)))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import cdiv, dot_precision, interpreted, mma, next_pow2, query_tiles, splits_for, tokens_per_tile
+from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of,
+                     splits_for, tokens_per_tile)
 
 OP = "m3::lightning_indexer"
 
@@ -31,18 +32,23 @@ _MAX_SPLITS = 256
 
 @triton.jit
 def _index_scan(
-    q_ptr, k_ptr, bt_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
-    sq_t, sq_h, sk_p, sk_r, sbt_b, so_t, so_h,
+    q_ptr, k_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
+    num_seqs, sq_t, sq_h, sk_p, sk_r, sbt_b, so_t, so_h,
     H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    BS: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+    if TOKENS == 1:  # one program per token (decode-like batches): its sequence by binary search
+        seq = sequence_of(qsl_ptr, tile, num_seqs, LOG2_SEQS)
+        start = tile
+        end = tile + 1
+    else:
+        seq = tl.load(tile_seq_ptr + tile)
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
 
-    ROWS: tl.constexpr = TOKENS * H_PAD
     rows = tl.arange(0, ROWS)
     tok = start + rows // H_PAD
     head = rows % H_PAD
@@ -116,10 +122,10 @@ def forward(
         raise ValueError(f"lightning_indexer: index_q is {index_q.dtype} but index_k_cache is {index_k_cache.dtype}")
     if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"lightning_indexer kernel: block_size {block_size} must be a power of two <= 256")
-    out = torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
     b = seq_lens.shape[0]
     if t == 0 or b == 0 or topk_blocks == 0:
-        return out
+        return torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
+    out = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=index_q.device)  # top-k writes every id
     page = index_k_cache.shape[1]
     q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
     kc = index_k_cache if index_k_cache.stride(2) == 1 else index_k_cache.contiguous()
@@ -129,15 +135,20 @@ def forward(
     nb = cdiv(block_tables.shape[1] * page, block_size)  # most blocks any sequence of this batch can have
     scores = torch.empty((t, h, nb), dtype=torch.float32, device=index_q.device)
     h_pad = next_pow2(h)
+    qsl = query_start_loc.contiguous()
     tokens = tokens_per_tile(t, b, h_pad)
-    seq, start, end, slots = query_tiles(query_start_loc, t, tokens)
+    if tokens == 1:
+        seq = start = end = qsl  # unused: the kernel finds each token's sequence itself
+        slots = t
+    else:
+        seq, start, end, slots = query_tiles(qsl, t, tokens)
     splits = splits_for(index_q.device, slots, _MAX_SPLITS)
     block_n = max(_BLOCK_N, block_size)
     _index_scan[(slots, splits)](
-        q, kc, bt, pos, seq, start, end, scores,
+        q, kc, bt, pos, qsl, seq, start, end, scores, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), bt.stride(0), scores.stride(0), scores.stride(1),
         H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
-        BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=4,
+        ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=4,
         num_stages=3,
     )
     _block_topk[(t, h)](

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import cdiv, dot_precision, interpreted, mma, next_pow2, query_tiles, splits_for, tokens_per_tile
+from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of,
+                     splits_for, tokens_per_tile)
 from ._splitk import LOG2E, Partials, online_softmax_step
 
 OP = "m3::paged_attention"
@@ -29,21 +30,26 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-    out_ptr, acc_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+    out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
     sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sbt_b, so_t, so_h, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(tile_seq_ptr + tile)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
+    if TOKENS == 1:  # one program per token (decode-like batches): its sequence by binary search
+        seq = sequence_of(qsl_ptr, tile, num_seqs, LOG2_SEQS)
+        start = tile
+        end = tile + 1
+    else:
+        seq = tl.load(tile_seq_ptr + tile)
+        start = tl.load(tile_start_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
 
-    ROWS: tl.constexpr = TOKENS * G_PAD
     rows = tl.arange(0, ROWS)
     tok = start + rows // G_PAD
     hh = rows % G_PAD
@@ -113,18 +119,23 @@ def forward(
     pos = positions.contiguous()
     group = hq // hkv
     g_pad = next_pow2(group)
+    qsl = query_start_loc.contiguous()
     tokens = tokens_per_tile(t, b, g_pad)
-    seq, start, end, slots = query_tiles(query_start_loc, t, tokens)
+    if tokens == 1:
+        seq = start = end = qsl  # unused: the kernel finds each token's sequence itself
+        slots = t
+    else:
+        seq, start, end, slots = query_tiles(qsl, t, tokens)
     most = min(_MAX_SPLITS, cdiv(bt.shape[1] * page, _BLOCK_N))
     splits = splits_for(q.device, slots * hkv, most)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     _paged_attention[(slots, hkv, splits)](
-        q, kc, vc, bt, pos, seq, start, end, out, *scratch,
+        q, kc, vc, bt, pos, qsl, seq, start, end, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         HQ=hq, G=group, G_PAD=g_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
-        PAGE=page, TOKENS=tokens, BLOCK_N=_BLOCK_N, SPLITS=splits, PREC=dot_precision(q.dtype),
+        PAGE=page, TOKENS=tokens, ROWS=max(16, tokens * g_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=_BLOCK_N, SPLITS=splits, PREC=dot_precision(q.dtype),
         INTERPRETED=interpreted(q), num_warps=4, num_stages=2,
     )
     return parts.merge_into(out) if parts else out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import dot_precision, interpreted, mma, next_pow2, splits_for
+from ._batch import dot_precision, interpreted, log2_ceil, mma, next_pow2, sequence_of, splits_for
 from ._splitk import LOG2E, Partials, online_softmax_step
 from .paged_attention import _check
 
@@ -27,17 +27,17 @@ _BLOCK_N = 64
 
 @triton.jit
 def _sparse_paged_attention(
-    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, seq_ptr, sel_ptr,
-    out_ptr, acc_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, sel_ptr,
+    out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
     sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sbt_b, ss_t, ss_g, so_t, so_h, qk_scale,
     HQ: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
-    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    K_PAD: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(seq_ptr + t)
+    seq = sequence_of(qsl_ptr, t, num_seqs, LOG2_SEQS)
     pos = tl.load(pos_ptr + t).to(tl.int32)
     own = pos // BS
 
@@ -119,19 +119,19 @@ def forward(
     bt = block_tables.contiguous()
     pos = positions.contiguous()
     sel = block_idx.to(torch.int32).contiguous()
-    seq = torch.searchsorted(query_start_loc[1:].contiguous(), torch.arange(t, device=q.device,
-                             dtype=query_start_loc.dtype), right=True).to(torch.int32)
+    qsl = query_start_loc.contiguous()
     group = hq // hkv
     splits = splits_for(q.device, t * hkv, topk)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     block_n = min(_BLOCK_N, max(16, next_pow2(block_size)))
     _sparse_paged_attention[(t, hkv, splits)](
-        q, kc, vc, bt, pos, seq, sel, out, *scratch,
+        q, kc, vc, bt, pos, qsl, sel, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), bt.stride(0), sel.stride(0), sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
         HQ=hq, G=group, ROWS=max(16, next_pow2(group)), D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv,
         BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk, K_PAD=next_pow2(max(topk, 2)),
+        LOG2_SEQS=log2_ceil(b),
         BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q), num_warps=4,
         num_stages=2,
     )
