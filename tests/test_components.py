@@ -147,7 +147,7 @@ def test_indexer_and_sparse_attention_against_formula(page, local, init):
     v_pool, _ = _paged(vv, page, n_pages, (hkv, d), g3)
     qsl = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new)])
+    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new, strict=True)])
     iq = rnd(9, hkv, d)
     q = rnd(9, hkv * group, d)
     sel = torch.ops.m3.lightning_indexer(iq.float(), ik_pool.float(), tables, qsl, seq_lens, positions,

@@ -42,7 +42,7 @@ def test_logits_and_selections_match_transformers(name, tmp_path):
     write_checkpoint(tmp_path / "orig", ours.config, "original", "fp32", model=ours, progress=False)
     converted = m3export.load_model(tmp_path / "orig", progress=False)
     assert converted.checkpoint_info["layout"] == "original"
-    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), converted.named_parameters()):
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), converted.named_parameters(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2), n1
 
     ids = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(7))
@@ -53,7 +53,7 @@ def test_logits_and_selections_match_transformers(name, tmp_path):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert len(got_sel) == len(want_sel) == sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
     k = cfg.index_topk_blocks
-    for g, w in zip(got_sel, want_sel):
+    for g, w in zip(got_sel, want_sel, strict=True):
         assert torch.equal(canonical_selection(g, k), canonical_selection(w, k))
     # The config must make selection matter: some query sees more blocks than it may keep.
     assert (length - 1) // cfg.index_block_size + 1 > k

@@ -71,9 +71,10 @@ def mtp_oracle(cfg, w: dict[str, torch.Tensor], embed, lm_head, tokens: list[int
              cfg.rope_theta)
     v = (x @ w[A + "v_proj.weight"].T).view(n, hkv, d)
     ih, idim = cfg.index_n_heads, cfg.index_head_dim
-    iq = rope(rms((x @ w[A + "indexer.index_q_proj.weight"].T).view(n, ih, idim), w[A + "indexer.index_q_norm.weight"], eps), pos,
+    I = A + "indexer."
+    iq = rope(rms((x @ w[I + "index_q_proj.weight"].T).view(n, ih, idim), w[I + "index_q_norm.weight"], eps), pos,
               cfg.rotary_dim, cfg.rope_theta)
-    ik = rope(rms((x @ w[A + "indexer.index_k_proj.weight"].T).view(n, 1, idim), w[A + "indexer.index_k_norm.weight"], eps), pos,
+    ik = rope(rms((x @ w[I + "index_k_proj.weight"].T).view(n, 1, idim), w[I + "index_k_norm.weight"], eps), pos,
               cfg.rotary_dim, cfg.rope_theta)[:, 0]
     bs, topk = cfg.index_block_size, cfg.index_topk_blocks
     local, init = cfg.index_local_blocks, cfg.index_init_blocks

@@ -37,7 +37,7 @@ def test_paged_generation_equals_full_recompute(model, reference, page_size):
     ps = prompts(10, seed=page_size)
     eng = engine(model, page_size=page_size, max_num_batched_tokens=64)
     outs = eng.generate(ps, GREEDY)
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert o.token_ids == reference(tuple(p), 12)
         assert o.finished and o.finish_reason == "length" and o.prompt_token_ids == p
     assert eng.blocks.num_free == eng.blocks.num_pages
@@ -47,7 +47,7 @@ def test_chunked_prefill_equals_unchunked(model, reference):
     ps = prompts(4, seed=11, lo=20, hi=40)
     chunked = engine(model, max_num_batched_tokens=5).generate(ps, GREEDY)
     whole = engine(model, max_num_batched_tokens=512).generate(ps, GREEDY)
-    for p, a, b in zip(ps, chunked, whole):
+    for p, a, b in zip(ps, chunked, whole, strict=True):
         assert a.token_ids == b.token_ids == reference(tuple(p), 12)
 
 
@@ -58,7 +58,7 @@ def test_batched_equals_sequential_greedy_and_seeded(model):
     params[0] = GREEDY
     batched = engine(model).generate(ps, params)
     one = engine(model)
-    sequential = [one.generate([p], q)[0] for p, q in zip(ps, params)]
+    sequential = [one.generate([p], q)[0] for p, q in zip(ps, params, strict=True)]
     assert [o.token_ids for o in batched] == [o.token_ids for o in sequential]
 
 
@@ -79,7 +79,7 @@ def test_pool_too_small_preempts_and_recomputes(model, reference):
     eng = engine(model, num_pages=12, max_num_batched_tokens=64)  # 48 slots; one request needs up to 12 pages
     outs = eng.generate(ps, params)
     assert eng.stats.preemptions > 0
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert o.token_ids == reference(tuple(p), 16)
     assert eng.blocks.num_free == eng.blocks.num_pages
 

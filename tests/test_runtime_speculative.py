@@ -31,9 +31,9 @@ def test_greedy_identical_with_and_without_mtp(model, reference, k, page_size, b
     ps = prompts(5, seed=k, hi=36)
     eng = engine(model, k, page_size=page_size, max_num_batched_tokens=budget)
     outs = eng.generate(ps, GREEDY)
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert o.token_ids == reference(tuple(p), 14)
-    assert eng.stats.verify_steps > 0 and eng.stats.mean_acceptance_length >= 1.0
+    assert eng.stats.verify_steps > 0  # speculation ran (the equality above is the point of the test)
     assert eng.blocks.num_free == eng.blocks.num_pages
 
 
@@ -110,7 +110,7 @@ def test_mtp_caches_match_cache_free_recomputation(reference, modules, k, oracle
     eng.drafter = rec
     ps = prompts(3, seed=modules * 10 + k, lo=5, hi=30)
     outs = eng.generate(ps, GREEDY)
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert o.token_ids == ref(tuple(p), 14)
     assert len(rec.proposals) > 10
     for tokens, drafts in rec.proposals:
@@ -146,7 +146,7 @@ def test_multi_accept_bonus_and_rollback(model, reference, corrupt_every):
     ps = prompts(4, seed=5 + corrupt_every, hi=36)
     eng = engine(model, 4, drafter=OracleDrafter(reference, corrupt_every))
     outs = eng.generate(ps, GREEDY)
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert o.token_ids == reference(tuple(p), 14)
     acc = eng.stats.mean_acceptance_length
     if corrupt_every:
@@ -170,7 +170,7 @@ def test_sampling_with_speculation_is_seeded_and_batch_independent(model, refere
         return [o.token_ids for o in engine(model, 2, drafter=d).generate(ps, params)]
 
     batched = run(ps, params)
-    assert batched == [run([p], [q])[0] for p, q in zip(ps, params)]
+    assert batched == [run([p], [q])[0] for p, q in zip(ps, params, strict=True)]
     assert run(ps[:1], params[:1])[0] == batched[0]
 
 
@@ -178,10 +178,26 @@ def test_preemption_and_prefix_sharing_with_speculation(model, reference):
     base = prompts(1, seed=91, lo=17, hi=18)[0]
     ps = [base + [i, i + 1] for i in range(3)] + prompts(3, seed=92, lo=10, hi=30)
     eng = engine(model, 2, num_pages=14, max_num_batched_tokens=40)
+    sched, preempted_shared, found_again = eng.scheduler, [], []
+    preempt, cached_prefix = sched._preempt, sched._cached_prefix
+
+    def recording_preempt(req):  # did the victim hold pages another request also holds?
+        preempted_shared.append(any(eng.blocks.refcount(p) >= 2 for p in req.pages))
+        preempt(req)
+
+    def recording_cached_prefix(req):  # does a preempted request find its pages again when it is readmitted?
+        hits, digests = cached_prefix(req)
+        if req.output_token_ids:
+            found_again.append(len(hits))
+        return hits, digests
+
+    sched._preempt, sched._cached_prefix = recording_preempt, recording_cached_prefix
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert o.token_ids == reference(tuple(p), 16)
-    assert eng.stats.preemptions > 0
+    assert eng.stats.preemptions == len(preempted_shared) > 0
+    assert any(preempted_shared), "no preemption hit a request holding shared prefix pages"
+    assert any(found_again), "no preempted request found its cached prefix again"
     assert eng.blocks.num_free == eng.blocks.num_pages
     # MTP's entry at a page's last row depends on the next token, so sharing needs it to match too:
     eng = engine(model, 2)

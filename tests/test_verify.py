@@ -16,7 +16,10 @@ from tests.export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifac
 
 def _check(report, pools: int):
     assert report.passed, "\n".join(report.lines())
-    assert report.outputs and all(s.max_rel <= 1e-4 for s in report.outputs.values())
+    # fp32 ORT against fp32 PyTorch: measured worst 8e-7 (tiny) and ~1e-6 (MXFP8); 1e-5 leaves a 10x margin and
+    # still fails a systematic precision loss of 1e-5..1e-4 in one component, which verify's own 1e-4 would pass.
+    assert report.outputs and all(s.max_rel <= 1e-5 for s in report.outputs.values()), \
+        {k: s.max_rel for k, s in report.outputs.items()}
     assert {"model:logits", "model:hidden", "mtp0:logits", "mtp0:hidden_out", "model:k_cache.0",
             "model:index_k_cache.1", "mtp0:index_k_cache"} <= set(report.outputs)
     assert set(report.selections) == {"model:selection.1", "model:selection.2", "model:selection.3",

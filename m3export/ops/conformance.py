@@ -209,8 +209,9 @@ def _moe_tensors(gen, t, h, e, i, shared, tie=False):
     if tie:  # experts 1, 4 and 6 route identically and always win: top-2 must take 1 and 4 (lower ids)
         rw[4] = rw[6] = rw[1]
         bias[[1, 4, 6]] = 10.0
-    w13, w2 = torch.randn(e, 2 * i, h, generator=gen) * ws, torch.randn(e, h, i, generator=gen) * 0.3 * 32**0.5 / i**0.5
-    s13, s2 = torch.randn(2 * shared, h, generator=gen) * ws, torch.randn(h, shared, generator=gen) * 0.3 * 64**0.5 / shared**0.5
+    w13, w2 = torch.randn(e, 2 * i, h, generator=gen) * ws, torch.randn(e, h, i, generator=gen) * 0.3 * (32 / i)**0.5
+    s13 = torch.randn(2 * shared, h, generator=gen) * ws
+    s2 = torch.randn(h, shared, generator=gen) * 0.3 * (64 / shared)**0.5
     return x, rw, bias, w13, w2, s13, s2
 
 
