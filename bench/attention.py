@@ -5,10 +5,12 @@
 Dimensions are M3's per layer (``mini`` = ``full`` per layer): 64 query / 4 KV heads of 128, 4 index heads of
 128, index blocks of 128 tokens, top-16, one local block; pages of 128 tokens (= the index block), bf16.
 
-For every kernel and shape it prints and records: median time (``triton.testing.do_bench``), the bytes it must
-move (each input read once, each output written once) and the FLOPs it must do, the fraction of the copy
-bandwidth and of the bf16 tensor-core rate measured in the same run (a 2 GiB device copy; an 8192^3 bf16
-matmul), and the speed-up over the reference (``m3export.ops``) where the reference fits in memory and time.
+For every kernel and shape it prints and records: the median time of an eager call (``triton.testing.do_bench``;
+Python launch cost included) and, for decode, of the same calls replayed from a CUDA graph (the kernels' own
+time, as a serving loop with graphs sees it), the bytes it must move (each input read once, each output written
+once) and the FLOPs it must do, the fraction of the copy bandwidth and of the bf16 tensor-core rate measured in
+the same run (a 2 GiB device copy; an 8192^3 bf16 matmul), and the speed-up of the eager call over the
+reference (``m3export.ops``, eager) where the reference fits in memory and time.
 Small inputs are read from several page sets in turn so that repeated calls do not run from L2.
 
 Correctness, on the same inputs: block selections must equal the reference's exactly; attention outputs must lie
@@ -74,6 +76,49 @@ def main() -> int:
             return min(times)
         return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
+    def graph_seconds(fn, sets, reps=10):
+        """Kernel time without Python launch cost: ``reps`` calls (cycling the page sets) captured in one CUDA
+        graph, replayed and timed with events, per call. The launchers never sync, so they capture as is."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for s in sets:
+                fn(*s)  # compile / warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fn(*sets[i % len(sets)])
+        return bench(g.replay) / reps
+
+    def near_ties(sel, ref, iq, ikc, bt, qsl, pos, rel=1e-5):
+        """Rows where the kernel's ids differ from the reference's, and whether each is an fp32 near-tie: at the
+        first differing place, the two blocks' float64 scores differ by < ``rel`` of the score (docs/ops.md: a
+        different fp32 summation order may flip such blocks; exact ties are resolved the same way)."""
+        from m3export.ops.paged import gather_sequence
+
+        rows = (sel != ref).any(-1).nonzero().tolist()
+        ties = 0
+        for t, h in rows[:32]:
+            b = int(torch.searchsorted(qsl[1:], torch.tensor(t, device=dev, dtype=qsl.dtype), right=True))
+            p = int(pos[t])
+            keys = gather_sequence(ikc, bt[b], p + 1).double()
+            sc = keys @ iq[t, h].double()
+            nb = p // BS + 1
+            m = torch.full((nb * BS,), float("-inf"), dtype=torch.float64, device=dev)
+            m[:p + 1] = sc
+            m = m.view(nb, BS).amax(-1)
+            i = int((sel[t, h] != ref[t, h]).nonzero()[0])
+            a, r = int(sel[t, h, i]), int(ref[t, h, i])
+            if a >= 0 and r >= 0 and abs(m[a] - m[r]) <= rel * abs(m[r]):
+                ties += 1
+        return len(rows), ties
+
+    def check_selection(name, sel, ref, iq, ikc, bt, qsl, pos):
+        n, ties = near_ties(sel, ref, iq, ikc, bt, qsl, pos) if not torch.equal(sel, ref) else (0, 0)
+        check(name, n == ties and n <= 32, f"{n} of {sel.shape[0] * sel.shape[1]} (token, head) rows differ, "
+              f"{ties} of them fp32 near-ties (relative score gap < 1e-5)")
+
     # ---- ceilings, measured now
     a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
@@ -120,16 +165,20 @@ def main() -> int:
             return fn(*s)
         return run
 
-    def row(kernel, mode, bsz, ctx, t_k, t_ref, nbytes, flops, extra=None):
-        r = dict(kernel=kernel, mode=mode, batch=bsz, context=ctx, seconds=t_k, bytes=nbytes, flops=flops,
-                 frac_copy_bw=nbytes / t_k / copy_bw, frac_bf16_peak=flops / t_k / mm_rate,
-                 reference_seconds=t_ref, speedup_vs_reference=(t_ref / t_k) if t_ref else None)
+    def row(kernel, mode, bsz, ctx, t_eager, t_ref, nbytes, flops, extra=None, graph=None):
+        """``seconds``: one eager call (Python launch cost included); ``graph_seconds``: the same replayed from a
+        CUDA graph (kernel time). Fractions of the ceilings use the graph time where there is one."""
+        t_k = graph or t_eager
+        r = dict(kernel=kernel, mode=mode, batch=bsz, context=ctx, seconds=t_eager, graph_seconds=graph,
+                 bytes=nbytes, flops=flops, frac_copy_bw=nbytes / t_k / copy_bw, frac_bf16_peak=flops / t_k / mm_rate,
+                 reference_seconds=t_ref, speedup_vs_reference=(t_ref / t_eager) if t_ref else None)
         if extra:
             r.update(extra)
         res["rows"].append(r)
         ref_s = f"{t_ref * 1e3:9.2f}" if t_ref else "      n/a"
-        sp = f"{t_ref / t_k:8.1f}x" if t_ref else "      n/a"
-        print(f"{kernel:10s} {mode:8s} B={bsz:<3d} ctx={ctx:<7d} {t_k * 1e6:9.1f} us  "
+        sp = f"{t_ref / t_eager:8.1f}x" if t_ref else "      n/a"
+        gr = f"{graph * 1e6:8.1f}" if graph else "     n/a"
+        print(f"{kernel:10s} {mode:8s} B={bsz:<3d} ctx={ctx:<7d} {t_eager * 1e6:9.1f} us graph {gr} us  "
               f"{nbytes / t_k / 1e12:5.2f} TB/s ({100 * r['frac_copy_bw']:5.1f}%)  "
               f"{flops / t_k / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ref {ref_s} ms {sp}",
               flush=True)
@@ -177,11 +226,13 @@ def main() -> int:
         t_ref = None
         if ref_ok:
             ref = lightning_indexer_reference(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT)
-            check(f"indexer decode B={bsz} ctx={ctx}", torch.equal(sel, ref),
-                  f"{int((sel != ref).sum())} of {sel.numel()} ids differ")
+            bt, qsl, _, pos = sets[0]
+            check_selection(f"indexer decode B={bsz} ctx={ctx}", sel, ref, iq, ikc, bt, qsl, pos)
             t_ref = time_ref(lambda: lightning_indexer_reference(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT))
         t = bench(cycle(lambda *s: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets))
-        row("indexer", "decode", bsz, ctx, t, t_ref, idx_bytes + bsz * HI * TOPK * 4, 2 * bsz * HI * ctx * DI)
+        tg = graph_seconds(lambda *s: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets)
+        row("indexer", "decode", bsz, ctx, t, t_ref, idx_bytes + bsz * HI * TOPK * 4, 2 * bsz * HI * ctx * DI,
+            graph=tg)
         # top-k alone on a prepared block-score buffer
         nb = -(-ctx // BS)
         scores = torch.randn(bsz, HI, nb, device=dev)
@@ -190,7 +241,8 @@ def main() -> int:
         topk_launch = lambda: LI._block_topk[(bsz, HI)](  # noqa: E731
             scores, pos, ids, scores.stride(0), scores.stride(1), ids.stride(0), ids.stride(1), NB=nb,
             NB_PAD=triton.next_power_of_2(nb), BS=BS, TOPK=TOPK, LOCAL=LOCAL, INIT=INIT, num_warps=4)
-        row("topk", "decode", bsz, ctx, bench(topk_launch), None, scores.numel() * 4 + ids.numel() * 4, 0)
+        row("topk", "decode", bsz, ctx, bench(topk_launch), None, scores.numel() * 4 + ids.numel() * 4, 0,
+            graph=graph_seconds(lambda: topk_launch(), [()]))
         # sparse attention on the indexer's selection
         kv_bytes = bsz * HKV * min(TOPK * BS, ctx) * 2 * D * 2
         t_ref = None
@@ -201,10 +253,11 @@ def main() -> int:
             check(f"sparse decode B={bsz} ctx={ctx}", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
             t_ref = time_ref(lambda: sparse_paged_attention_reference(q, kc, vc, *sets[0], sel, BS, SCALE))
         sels = [LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT) for s in sets]
-        t = bench(cycle(lambda *s: SPA.forward(q, kc, vc, *s[:4], s[4], BS, SCALE),
-                        [(*s, x) for s, x in zip(sets, sels)]))
+        ssets = [(*s, x) for s, x in zip(sets, sels)]
+        t = bench(cycle(lambda *s: SPA.forward(q, kc, vc, *s[:4], s[4], BS, SCALE), ssets))
+        tg = graph_seconds(lambda *s: SPA.forward(q, kc, vc, *s[:4], s[4], BS, SCALE), ssets)
         row("sparse", "decode", bsz, ctx, t, t_ref, kv_bytes + 2 * q.numel() * 2,
-            4 * bsz * HQ * min(TOPK * BS, ctx) * D)
+            4 * bsz * HQ * min(TOPK * BS, ctx) * D, graph=tg)
         # dense paged attention
         dense_bytes = bsz * ctx * HKV * 2 * D * 2
         dsets = rotating(bsz, ctx, 1, dense_bytes)
@@ -216,7 +269,9 @@ def main() -> int:
             check(f"dense decode B={bsz} ctx={ctx}", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
             t_ref = time_ref(lambda: paged_attention_reference(q, kc, vc, *dsets[0], SCALE))
         t = bench(cycle(lambda *s: PA.forward(q, kc, vc, *s, SCALE), dsets))
-        row("dense", "decode", bsz, ctx, t, t_ref, dense_bytes + 2 * q.numel() * 2, 4 * bsz * HQ * ctx * D)
+        tg = graph_seconds(lambda *s: PA.forward(q, kc, vc, *s, SCALE), dsets)
+        row("dense", "decode", bsz, ctx, t, t_ref, dense_bytes + 2 * q.numel() * 2, 4 * bsz * HQ * ctx * D,
+            graph=tg)
 
     for bsz, ctx in decode_shapes:
         guarded(f"decode B={bsz} ctx={ctx}", lambda: decode(bsz, ctx))
@@ -235,8 +290,8 @@ def main() -> int:
         sel = LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT)
         peak = torch.cuda.max_memory_allocated() - base
         ref = lightning_indexer_reference(iq[-tail:], ikc, *tail_args, BS, TOPK, LOCAL, INIT)
-        check(f"indexer prefill {n} (last {tail} tokens)", torch.equal(sel[-tail:], ref),
-              f"{int((sel[-tail:] != ref).sum())} ids differ")
+        check_selection(f"indexer prefill {n} (last {tail} tokens)", sel[-tail:], ref, iq[-tail:], ikc,
+                        *tail_args[:2], tail_args[3])
         t_ref = time_ref(lambda: lightning_indexer_reference(iq, ikc, *s, BS, TOPK, LOCAL, INIT)) if n <= 4096 \
             else None
         t = bench(lambda: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT))
@@ -264,7 +319,8 @@ def main() -> int:
         guarded(f"prefill {n}", lambda: prefill_one(n))
 
     # batch 1: indexer + sparse attention of one decode step at 128k over the same at 4k
-    one = {(r["kernel"], r["context"]): r["seconds"] for r in res["rows"] if r["mode"] == "decode" and r["batch"] == 1}
+    one = {(r["kernel"], r["context"]): r["graph_seconds"] or r["seconds"]
+           for r in res["rows"] if r["mode"] == "decode" and r["batch"] == 1}
     if ("indexer", 131072) in one and ("indexer", 4096) in one:
         res["batch1_indexer_plus_sparse_128k_over_4k"] = (one["indexer", 131072] + one["sparse", 131072]) / (
             one["indexer", 4096] + one["sparse", 4096])
