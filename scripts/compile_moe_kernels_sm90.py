@@ -66,29 +66,32 @@ def moe_signature(mx: bool, kind: str) -> dict:
 def variants(quick: bool):
     """(label, kernel, signature, constexprs, warps, stages) for every MoE / linear tile the code may launch."""
     out = []
-    tiles = [(bm, moe_kernels.gemm_config(bm)) for bm in (16, 32, 64, 128)]
+    tiles = [(bm, moe_kernels.gemm_config(bm), True) for bm in (16, 64, 128)]
     if not quick:
         for n, k, w, s in [(32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]:
-            tiles.append((16, dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, MX_MODE=0)))
-        for mode in (1, 2):
-            tiles.append((16, {**moe_kernels.gemm_config(16), "MX_MODE": mode}))
-            tiles.append((128, {**moe_kernels.gemm_config(128), "MX_MODE": mode}))
-    for bm, cfg in tiles:
+            tiles.append((16, dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, MX_MODE=1), False))
+        for mode in (0, 2):
+            tiles.append((16, {**moe_kernels.gemm_config(16), "MX_MODE": mode}, False))
+        for mode in (0, 1):
+            tiles.append((128, {**moe_kernels.gemm_config(128), "MX_MODE": mode}, False))
+    for bm, cfg, default in tiles:
         for mx in (True, False):
-            if not mx and cfg["MX_MODE"]:
+            if not mx and not default:  # MX_MODE variants only matter for MXFP8 weights
                 continue
             for kind, fn in (("gate_up", moe_kernels._gate_up), ("down", moe_kernels._down)):
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
-                              BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"])
+                              BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"] if mx else 0)
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
-                         f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{cfg['MX_MODE']}")
+                         f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     for m in (1, 64, 512):
-        bm, bn, bk, w, s = mxfp8_linear.tile_config(m)
+        c = mxfp8_linear.tile_config(m)
+        bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                "sx_m": "i32", "sw_n": "i32", "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32"}
-        consts = dict(K=H, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32=False, PREC="tf32", MX_MODE=0)
-        out.append((f"linear  mxfp8 BM{bm:<3} BN{bn:<3} BK{bk:<3} w{w} s{s} mode0", mxfp8_linear._mxfp8_linear, sig,
+        consts = dict(K=H, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, F32=False, PREC="tf32", MX_MODE=c["MX_MODE"])
+        out.append((f"linear  mxfp8 BM{bm:<3} BN{bn:<3} BK{bk:<3} w{w} s{s} mode{c['MX_MODE']}",
+                    mxfp8_linear._mxfp8_linear, sig,
                     consts, w, s))
     return out
 

@@ -168,9 +168,9 @@ def test_moe_matches_reference(fmt, dt):
 
 @cpu_only
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_moe_mxfp8_broadcast_scale_mode(dt):
-    # MX_MODE 1 (one scale per 32 columns, broadcast over a reshaped tile) with a K tile of 64 (two scale groups).
-    _check_moe(MoECase(9, 96, 32, 64, 7, 3, seed=7), dt, "mxfp8", config={"MX_MODE": 1, "BLOCK_K": 64})
+def test_moe_mxfp8_scale_gather_mode(dt):
+    # MX_MODE 0 (each element's scale byte gathered; the defaults use mode 1, the broadcast) with a K tile of 64.
+    _check_moe(MoECase(9, 96, 32, 64, 7, 3, seed=7), dt, "mxfp8", config={"MX_MODE": 0, "BLOCK_K": 64})
 
 
 @cpu_only
@@ -203,9 +203,9 @@ def test_moe_ties_in_router_scores():
 
 @cpu_only
 def test_moe_large_block_path():
-    # Enough assignments per expert for 32-row blocks (block_m_for) with padding in several experts.
+    # Enough assignments per expert for 64-row blocks (block_m_for) with padding in several experts.
     case = MoECase(40, 64, 32, 32, 3, 2, seed=5)
-    assert moe_kernel.block_m_for(40 * 2, 3) == 32
+    assert moe_kernel.block_m_for(40 * 2, 3) == 64
     _check_moe(case, torch.float32, "mxfp8")
 
 

@@ -60,20 +60,22 @@ def weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BL
     k = k0 + tl.arange(0, BLOCK_K)
     mask = n_ok[:, None] & (k[None, :] < K)
     w = tl.load(w_rows[:, None] + k[None, :] * sw_k, mask=mask, other=0.0)
+    # One return at the end: Triton compiles the code after a return inside a constexpr branch too.
     if not MXFP8:
-        return dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
-    if MX_MODE == 0:
+        acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
+    elif MX_MODE == 0:
         s = tl.load(s_rows[:, None] + (k[None, :] // 32) * ss_k, mask=mask, other=127)
-        wf = w.to(tl.float32) * _scale_value(s)
+        acc = dot_acc(x, tl.trans(cast(w.to(tl.float32) * _scale_value(s), x.dtype)), acc, F32, PREC)
     else:
         g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=n_ok[:, None] & (g[None, :] < K // 32), other=127)
         if MX_MODE == 2:
-            return tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
-        BN: tl.constexpr = w.shape[0]
-        w3 = tl.reshape(w.to(tl.float32), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
-        wf = tl.reshape(w3, (BN, BLOCK_K))
-    return dot_acc(x, tl.trans(cast(wf, x.dtype)), acc, F32, PREC)
+            acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
+        else:
+            BN: tl.constexpr = w.shape[0]
+            w3 = tl.reshape(w.to(tl.float32), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
+            acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BLOCK_K)), x.dtype)), acc, F32, PREC)
+    return acc
 
 
 @triton.jit
@@ -123,8 +125,13 @@ def check_mxfp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
         raise ValueError(f"{name}: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} / 32")
 
 
+def mx_mode2_available(dtype: torch.dtype) -> bool:
+    """``tl.dot_scaled`` takes bf16 activations and has no interpreter implementation."""
+    return dtype == torch.bfloat16 and not triton.knobs.runtime.interpret
+
+
 def check_mx_mode(mode: int, dtype: torch.dtype) -> None:
-    if mode == 2 and (dtype != torch.bfloat16 or triton.knobs.runtime.interpret):
+    if mode == 2 and not mx_mode2_available(dtype):
         raise ValueError("MX_MODE 2 (tl.dot_scaled) needs bf16 activations and compiled kernels")
 
 
@@ -132,15 +139,17 @@ def use_f32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or bool(triton.knobs.runtime.interpret)
 
 
-def tile_config(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the row count: GEMV tiles at decode (16 rows, the
-    smallest tensor-core tile; many narrow N tiles so the weight stream is spread over every SM), wgmma-sized
-    tiles once there are rows to fill them."""
+def tile_config(m: int, mx_mode2: bool = True) -> dict:
+    """Tiles and MXFP8 path from the row count: GEMV tiles at decode (16 rows, the smallest tensor-core tile; many
+    narrow N tiles so the weight stream is spread over every SM; per-32 scale broadcast), wgmma-sized tiles with
+    ``tl.dot_scaled`` once there are rows to fill them: the choices the grouped MoE GEMMs measured best on the
+    H200 (``moe.gemm_config``; this kernel is the same loop with one expert)."""
     if m <= 16:
-        return 16, 64, 128, 4, 4
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1)
+    mode = 2 if mx_mode2 else 1
     if m <= 64:
-        return 64, 64, 128, 4, 4
-    return 128, 128, 64, 8, 3
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=mode)
+    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=mode)
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -163,8 +172,7 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    bm, bn, bk, warps, stages = tile_config(m)
-    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, MX_MODE=0) | (config or {})
+    cfg = tile_config(m, mx_mode2_available(x.dtype)) | (config or {})
     check_mx_mode(cfg["MX_MODE"], x.dtype)
     _mxfp8_linear[(cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]))](
         x2, weight, weight_scale, y, m, n,
