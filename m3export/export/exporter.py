@@ -27,6 +27,7 @@ from ..ops import mxfp8 as mx
 from .graphs import finalize, mtp_signature, step_signature, trace_mtp, trace_step
 from .manifest import MANIFEST, Manifest, sha256_file, signature_of
 from .schemas import ONNX_OPSET, register_schemas
+from .vision_graph import VISION_FILE, VISION_SIGNATURE, trace_vision
 from .weights import ParamEntry, write_safetensors
 from .zero_copy import converted_value, resolve, shard_files
 from .zero_copy import plan as zero_copy_plan
@@ -245,6 +246,9 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
                               step_signature(meta, layers).aliases))
         plans += [(f"mtp{k}", f"mtp{k}.onnx", (lambda k=k: trace_mtp(meta, k, page_size)),
                    mtp_signature().aliases) for k in range(n_mtp)]
+        if cfg.vision is not None:  # the vision tower + projector, one media item per run
+            plans.append(("vision", VISION_FILE, lambda: trace_vision(meta), VISION_SIGNATURE.aliases))
+            steps.total += 1
         graphs = {}
         for key, file, trace, aliases in plans:
             steps.set_postfix_str(f"exporting {file}")

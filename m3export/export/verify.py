@@ -257,4 +257,8 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
                 done[b] += step[b]
                 greedy[b] = int(nxt[end])
             report.steps += 1
+    if "vision" in art.graphs:
+        from .vision_graph import compare_vision
+
+        report.outputs["vision:media_embeds"] = compare_vision(art, model, Stat(), providers)
     return report

@@ -90,3 +90,22 @@ def run_vision_onnx(session, pixel_values: torch.Tensor, grid_thw, merge_size: i
         out.append(torch.from_numpy(embeds))
         start += n
     return out
+
+
+def compare_vision(artifact, model: M3ForCausalLM, stat, providers=("CPUExecutionProvider",), seed: int = 0):
+    """``m3export verify``'s vision check: ``vision.onnx`` in ONNX Runtime against the PyTorch tower + projector on
+    two images of different sizes and a two-frame video chunk; errors accumulate into ``stat`` (verify's Stat)."""
+    import onnxruntime as ort
+
+    v = model.config.vision
+    m = v.spatial_merge_size
+    grids = torch.tensor([[1, 2 * m, 3 * m], [1, m, m], [2, 2 * m, m]])
+    pixels = torch.randn(int(grids.prod(-1).sum()), v.patch_dim, generator=torch.Generator().manual_seed(seed))
+    session = ort.InferenceSession(str(artifact.path("vision")), providers=list(providers))
+    got = run_vision_onnx(session, pixels, grids, m)
+    with torch.no_grad():
+        want = model.encode_media(pixels, grids)
+    for g, w in zip(got, want, strict=True):
+        stat.update(g, w.float())
+    return stat
+
