@@ -305,8 +305,18 @@ def test_client_disconnect_mid_stream_aborts_only_that_request(server, engine):
 
 
 def test_metrics(server):
-    assert metric(server, "nv_inference_request_success", model=MODEL) > 0
-    assert metric(server, "m3_generated_tokens_total", model=MODEL) > 0
+    """Counters grow by this test's own request, whatever ran before it (or nothing: the test runs alone too)."""
+    def current(name):
+        try:
+            return metric(server, name, model=MODEL)
+        except AssertionError:  # not exported until the first request
+            return 0.0
+
+    before = {n: current(n) for n in ("nv_inference_request_success", "m3_generated_tokens_total")}
+    got = grpc_one(server, ids=[5, 6, 7], sampling={"temperature": 0, "max_tokens": 5, "ignore_eos": True})
+    assert got.error is None and len(got.ids) == 3 + 5
+    assert metric(server, "nv_inference_request_success", model=MODEL) >= before["nv_inference_request_success"] + 1
+    assert metric(server, "m3_generated_tokens_total", model=MODEL) >= before["m3_generated_tokens_total"] + 5
 
 
 def test_a_model_that_cannot_load_fails_startup_with_its_log(tmp_path):
