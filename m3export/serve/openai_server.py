@@ -177,6 +177,11 @@ class OpenAIServer:
         async def _http(request: Request, e: HTTPException):
             return JSONResponse(error_body(str(e.detail), e.status_code), status_code=e.status_code)
 
+        @app.exception_handler(Exception)
+        async def _bug(request: Request, e: Exception):  # a server fault still answers in OpenAI's shape
+            log.error("request %s %s failed", request.method, request.url.path, exc_info=e)
+            return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
+
         @app.get("/health")
         async def health():
             alive = self.driver is not None and self.driver.alive
