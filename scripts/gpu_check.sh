@@ -42,3 +42,8 @@ ok = res["tiny_logits_max_rel_err_cuda_vs_cpu"] < 1e-4 and res["tiny_selections_
     res["engine_cuda_equals_cpu"] and res["engine_cuda_spec2_equals_no_spec"]
 raise SystemExit(0 if ok else 1)
 PY
+# Attention kernels (plugins/kernels) at M3's per-layer dimensions against the references, with any host sync
+# inside a launch an error (seconds). The whole-model greedy comparison (-k greedy, minutes: random mini weights
+# are drawn on the CPU) and `python3 bench/attention.py` are separate calls.
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_attention_gpu.py -k mini_dims 2>&1 \
+    | tee "$OUT/kernels_attention.txt"
