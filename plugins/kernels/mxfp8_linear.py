@@ -40,6 +40,16 @@ def cast(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_value(w):
+    """E4M3 -> fp32. The device converts 0x7F / 0xFF to NaN; Triton 3.6's interpreter decodes them as +-480, so
+    under the interpreter the NaN codes are restored explicitly (CPU tests then see what the GPU computes)."""
+    v = w.to(tl.float32)
+    if _INTERPRETED:
+        v = tl.where((w.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
+
+@triton.jit
 def _scale_value(s):
     """UE8M0 bytes -> fp32 powers of two, built in the exponent field (exact, no exp2 approximation)."""
     s = s.to(tl.int32)
@@ -65,7 +75,7 @@ def weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BL
         acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
     elif MX_MODE == 0:
         s = tl.load(s_rows[:, None] + (k[None, :] // 32) * ss_k, mask=mask, other=127)
-        acc = dot_acc(x, tl.trans(cast(w.to(tl.float32) * _scale_value(s), x.dtype)), acc, F32, PREC)
+        acc = dot_acc(x, tl.trans(cast(_e4m3_value(w) * _scale_value(s), x.dtype)), acc, F32, PREC)
     else:
         g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=n_ok[:, None] & (g[None, :] < K // 32), other=127)
@@ -73,7 +83,7 @@ def weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BL
             acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
         else:
             BN: tl.constexpr = w.shape[0]
-            w3 = tl.reshape(w.to(tl.float32), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
+            w3 = tl.reshape(_e4m3_value(w), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
             acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BLOCK_K)), x.dtype)), acc, F32, PREC)
     return acc
 
