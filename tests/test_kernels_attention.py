@@ -92,14 +92,14 @@ CASES = {
 # Every case runs in fp32 with one context split per program (no merge); these also in bf16 with the context /
 # selection split over many programs and merged (the interpreter is slow, so not every case twice).
 SPLIT_CASES = ("decode-one-token-seqs", "verify-multi-token", "mixed-with-empty-seq", "many-blocks-top16")
-MODES = [(n, torch.float32, 1) for n in sorted(CASES)] + [(n, torch.bfloat16, 64) for n in SPLIT_CASES]
+MODES = [(n, torch.float32, 1) for n in sorted(CASES)] + [(n, torch.bfloat16, 16) for n in SPLIT_CASES]
 MODE_IDS = [f"{n}-{'fp32-one-split' if sms == 1 else 'bf16-split-k'}" for n, _, sms in MODES]
 
 
 @pytest.fixture(params=MODES, ids=MODE_IDS)
 def case(request, monkeypatch):
     """(paged batch, indexer attributes, dtype). The device is made to look like it has 1 multiprocessor (one
-    split per program) or 64 (every program's context or selection split, so the merge kernel runs)."""
+    split per program) or 16 (every program's context or selection split, so the merge kernel runs)."""
     name, dtype, sms = request.param
     monkeypatch.setattr(_batch, "num_sms", lambda device: sms)
     ctx, new, page, bs, topk, local, init = CASES[name]
