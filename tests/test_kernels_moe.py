@@ -1,7 +1,8 @@
 """The MoE / MXFP8 Triton kernels (``plugins/kernels``) against the references in ``m3export.ops.moe``.
 
-On CPU they run under the Triton interpreter (``TRITON_INTERPRET=1``, set before Triton is imported) at tiny sizes;
-the ``gpu`` tests run the compiled kernels at the ``mini`` preset's dims. Tolerances:
+On a machine without CUDA they run under the Triton interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``
+before any kernel is imported) at tiny sizes; the ``gpu`` tests run the compiled kernels at the ``mini`` preset's
+dims. Tolerances:
 
 * fp32 activations: the kernels and the references do the same fp32 products and differ only in summation order
   (K up to 192 terms; the MoE adds top_k + 1 expert outputs): 1e-5 relative to the output's largest magnitude.
@@ -13,10 +14,6 @@ the ``gpu`` tests run the compiled kernels at the ``mini`` preset's dims. Tolera
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton import: jit functions pick the mode when defined
 
 import pytest
 import torch
