@@ -13,6 +13,7 @@ HELP = ("Serve an artifact, checkpoint or preset through an OpenAI-compatible HT
         "/v1/completions, /v1/chat/completions with streaming, reasoning_content and tool_calls; /health; "
         "Prometheus /metrics).")
 EXAMPLES = """\
+  m3export serve --speculative 2                                # the embedded trained checkpoint (small, CPU)
   m3export serve art/m3 --backend onnxruntime                   # http://127.0.0.1:8000/v1
   m3export serve ckpt/m3 --port 9000 --served-model-name m3 --speculative 2
   m3export serve tiny --chat-template chat_template.jinja       # random-weight preset; it ships no template
@@ -26,8 +27,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="ARTIFACT_OR_CHECKPOINT",
-                   help="exported artifact directory, or (torch backend) a checkpoint directory or preset name")
+    p.add_argument("model", metavar="ARTIFACT_OR_CHECKPOINT", nargs="?",
+                   help="exported artifact directory, or (torch backend) a checkpoint directory or preset name; "
+                        "default: the embedded trained checkpoint (m3export.embedded)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s; 0 picks a free one)")
@@ -78,6 +80,10 @@ def build_server(args: argparse.Namespace):
             raise M3Error(f"m3export serve needs the serve extra ({module} is not installed): "
                           "pip install 'm3export[serve]'") from None
 
+    if args.model is None:
+        from ..embedded import default_model
+
+        args.model = str(default_model())
     src = resolve_source(args.model, args.backend)
     engine_args = {"num_speculative_tokens": args.speculative, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens, "device": args.device}
@@ -122,5 +128,7 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"[3/3] serving '{server.model_name}' at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
           flush=True)
-    uvicorn.Server(uvicorn.Config(server.app, log_level=args.log_level)).run(sockets=[sock])
+    # Ctrl-C lets responses in flight finish for a few seconds, then cancels them (their requests are aborted).
+    config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
