@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from m3export.model.batch import Segment, build_batch
+
 from .backends.base import Backend
-from .batch_builder import Segment, build_batch
 from .request import Request
 from .sampling import draw, filtered_probs
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import M3Config
+from m3export.config import M3Config
+from m3export.sources import PRESET, source_kind
 
 
 class TextTokenizer:
@@ -36,12 +37,12 @@ class TextTokenizer:
 
 def find_tokenizer(source: str | Path, config: M3Config) -> TextTokenizer | None:
     """``source``: a directory that may hold ``tokenizer.json``, or a preset name."""
-    path = Path(source)
-    if path.is_dir():
-        file = path / "tokenizer.json"
+    kind = source_kind(source)
+    if kind != PRESET:
+        file = Path(source) / "tokenizer.json"
         return TextTokenizer.from_file(file) if file.exists() else None
     if str(source) == "tiny":
-        from ..tokenizer import byte_level_tokenizer
+        from m3export.tokenizer import byte_level_tokenizer
 
         return TextTokenizer(byte_level_tokenizer(config))
     return None

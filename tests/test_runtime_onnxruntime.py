@@ -23,7 +23,7 @@ def test_backend_outputs_match_torch(artifact):
     ort = Engine.from_artifact(artifact, backend="onnxruntime", num_pages=64)
     ref = Engine.from_artifact(artifact, backend="torch", num_pages=64)
     ids = torch.tensor(prompts(1, 0)[0])
-    from m3export.runtime.batch_builder import Segment, build_batch
+    from m3export.model.batch import Segment, build_batch
 
     ids_t, batch = build_batch([Segment(list(range(8)), 0, ids.tolist())], 4)
     every = torch.arange(len(ids))

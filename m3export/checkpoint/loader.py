@@ -14,16 +14,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import PRESETS, M3Config, preset
+from ..config import M3Config, preset
+from ..dtypes import BY_NAME, MODEL_DTYPES
 from ..errors import CheckpointError
 from ..model import M3ForCausalLM
 from ..ops import mxfp8 as mx
+from ..sources import is_preset
 from .layout import IGNORED, Layout, detect, mtp_modules_present
 from .random_init import random_parameter
 from .shards import Checkpoint
 
 log = logging.getLogger("m3export.load")
-FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_TYPES = tuple(BY_NAME[name].torch for name in MODEL_DTYPES)
 FP32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
@@ -72,7 +74,7 @@ def load_model(path_or_preset: str | os.PathLike, device="cpu", dtype: torch.dty
     (``mxfp8=True`` quantises them). Checkpoints without MTP tensors load with no MTP modules, and say so.
     """
     dtype = dtype or torch.float32
-    if str(path_or_preset) in PRESETS and not Path(path_or_preset).is_dir():
+    if is_preset(path_or_preset):
         return random_model(preset(str(path_or_preset)), device, dtype, seed, mxfp8)
     ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(path_or_preset)
     model = build_empty(cfg, dtype, device, mxfp8=quantized and not dequantize, num_mtp_modules=n_mtp)
@@ -100,7 +102,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint, M3Config, Layo
         log.warning("%s: config declares %d MTP modules but the checkpoint ships %d; %s", ckpt.dir,
                     cfg.num_mtp_modules, len(present),
                     "speculative decoding is unavailable" if not present else "loading those")
-    quantized = any(t.dtype == torch.float8_e4m3fn for t in ckpt.tensors.values())
+    quantized = any(t.torch_dtype == torch.float8_e4m3fn for t in ckpt.tensors.values())
     return ckpt, cfg, layout, len(present), quantized
 
 
@@ -121,12 +123,12 @@ def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bo
         raise CheckpointError(f"{ckpt.dir}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
                               f"{missing[:5]} ({layout.kind} layout)")
     dequant_scales = {n + "_scale_inv" for n in plan if params[plan[n][0]].dtype != torch.uint8
-                      and ckpt.tensors[n].dtype == torch.float8_e4m3fn}
+                      and ckpt.tensors[n].torch_dtype == torch.float8_e4m3fn}
     unexpected = sorted(n for n in names - set(plan) - dequant_scales if not IGNORED.match(n))
     if unexpected:
         raise CheckpointError(f"{ckpt.dir}: {len(unexpected)} unexpected tensor(s) for this config, e.g. "
                               f"{unexpected[:5]} ({layout.kind} layout)")
-    order = sorted(plan, key=lambda n: (ckpt.tensors[n].file.name, ckpt.tensors[n].offset))
+    order = sorted(plan, key=lambda n: (Path(ckpt.tensors[n].file).name, ckpt.tensors[n].offset))
     for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         pname, index = plan[name]
         info = ckpt.tensors[name]
@@ -139,7 +141,7 @@ def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bo
 
 
 def _convert(ckpt: Checkpoint, name: str, want: torch.dtype, where: str) -> torch.Tensor:
-    have = ckpt.tensors[name].dtype
+    have = ckpt.tensors[name].torch_dtype
     if want in (torch.float8_e4m3fn, torch.uint8):
         if have != want:
             raise CheckpointError(f"{where} has dtype {have}, expected {want} (MXFP8 weight or scale)")

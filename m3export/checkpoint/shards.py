@@ -1,88 +1,24 @@
-"""Sharded safetensors checkpoints: validated headers, the index file, and tensor-by-tensor reads.
+"""Sharded safetensors checkpoints: the index file, where every tensor is, and tensor-by-tensor reads.
 
-Headers are parsed and checked against the file size before any tensor is touched, so a truncated or corrupt
-shard is reported with its file and tensor name instead of failing deep inside a read. Nothing here unpickles.
+Each shard's header is parsed and checked by ``m3export.safetensors_io.read_header`` before any tensor is
+touched, so a truncated or corrupt shard is reported with its file and tensor name instead of failing deep
+inside a read. Nothing here unpickles.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
+from ..safetensors_io import TensorEntry, read_header
+from ..sources import MANIFEST
 
 INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER = 512 * 1024 * 1024
-
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2),
-    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1), "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1), "I16": (torch.int16, 2), "I32": (torch.int32, 4), "I64": (torch.int64, 8),
-    "BOOL": (torch.bool, 1),
-}
-TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the data in the file
-    length: int
-
-
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], int]:
-    """Parse and check one shard's header -> ({name: TensorInfo}, header length)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt or truncated safetensors header (claims {n} bytes, "
-                                      f"file has {size})")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    data_size = size - 8 - n
-    out: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt, shape, (start, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
-        if dt not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dt!r}")
-        torch_dt, item = DTYPES[dt]
-        numel = 1
-        for s in shape:
-            numel *= s
-        if not (0 <= start <= end) or end - start != numel * item:
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[start, end]} do not match "
-                                  f"shape {list(shape)} x {item} bytes")
-        if end > data_size:
-            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {8 + n + end} but the file has {size} "
-                                  "bytes (truncated shard?)")
-        out[name] = TensorInfo(path, name, torch_dt, shape, 8 + n + start, end - start)
-    return out, n
 
 
 class Checkpoint:
@@ -92,15 +28,15 @@ class Checkpoint:
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: checkpoint directory does not exist")
-        self.tensors: dict[str, TensorInfo] = {}
+        self.tensors: dict[str, TensorEntry] = {}  # file: the shard's path
         for shard in self._shards():
-            infos, _ = read_header(shard)
-            for name, info in infos.items():
+            for name, info in read_header(shard).items():
                 if name in self.tensors:
-                    raise CheckpointError(f"{shard}: tensor {name!r} also appears in {self.tensors[name].file.name}")
+                    raise CheckpointError(f"{shard}: tensor {name!r} also appears in "
+                                          f"{Path(self.tensors[name].file).name}")
                 self.tensors[name] = info
         self._check_index()
-        self._open: dict[Path, object] = {}
+        self._open: dict[str, object] = {}
 
     def _shards(self) -> list[Path]:
         index = self.dir / INDEX_FILE
@@ -116,7 +52,7 @@ class Checkpoint:
 
     def _artifact_files(self) -> set[Path]:
         """Files an in-place m3export artifact added to this directory (its own weight file is no shard)."""
-        manifest = self.dir / "manifest.json"
+        manifest = self.dir / MANIFEST
         try:
             files = json.loads(manifest.read_text()).get("files", {}) if manifest.exists() else {}
         except (OSError, json.JSONDecodeError, AttributeError):
@@ -147,7 +83,7 @@ class Checkpoint:
             return
         for name, file in self.weight_map.items():
             info = self.tensors.get(name)
-            if info is None or info.file.name != Path(file).name:
+            if info is None or Path(info.file).name != Path(file).name:
                 raise CheckpointError(f"{self.dir / INDEX_FILE}: lists tensor {name!r} in {file}, but that shard "
                                       "does not hold it")
         unlisted = sorted(set(self.tensors) - set(self.weight_map))
@@ -161,7 +97,7 @@ class Checkpoint:
         handle = self._open.get(info.file)
         if handle is None:
             try:
-                handle = safe_open(str(info.file), framework="pt")
+                handle = safe_open(info.file, framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own types
                 raise CheckpointError(f"{info.file}: cannot open as safetensors ({e})") from None
             self._open[info.file] = handle

@@ -1,8 +1,10 @@
 """Write an M3 checkpoint (either layout; BF16, FP32 or MXFP8) from a model or from seeded random weights.
 
-Used by ``m3export synth`` and the tests, and to convert between layouts. Tensors are produced one parameter
-at a time and flushed shard by shard; everything goes to a temporary sibling directory that is renamed into
-place at the end, so an interrupted write never leaves a half-written checkpoint behind.
+Used by ``m3export synth`` and the tests, and to convert between layouts; ``sparse.py`` writes full-size
+checkpoints through the same code without values. What a checkpoint holds (names, dtypes, shapes, order) is
+decided once, by ``planned_tensors``; shards are then streamed tensor by tensor (``write_safetensors``). Everything
+goes to a temporary sibling directory that is renamed into place at the end, so an interrupted write never leaves
+a half-written checkpoint behind.
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from ..config import M3Config, QuantConfig
 from ..errors import CheckpointError
 from ..model import M3ForCausalLM
 from ..ops import mxfp8 as mx
+from ..safetensors_io import nbytes, write_safetensors
 from ..tokenizer import byte_level_tokenizer, tokenizer_config
 from .layout import Layout
 from .loader import keeps_fp32
@@ -55,6 +56,33 @@ def _source_values(model: M3ForCausalLM | None, cfg: M3Config, seed: int, n_mtp:
             yield name, p.detach().cpu().float()
 
 
+def planned_tensors(cfg: M3Config, layout: Layout, fmt: str, n_mtp: int):
+    """Yield (checkpoint name, dtype, shape) of every tensor a checkpoint holds, in file order."""
+    quantized = quantized_names(cfg, n_mtp) if fmt == "mxfp8" else set()
+    with torch.device("meta"):
+        model = M3ForCausalLM(cfg, num_mtp_modules=n_mtp)
+    for name, p in model.named_parameters():
+        how = piece_format(name, fmt, name in quantized)
+        for piece in layout.pieces(name):
+            shape = tuple(p[piece.index].shape)
+            if how == "mxfp8":
+                yield piece.name, torch.float8_e4m3fn, shape
+                yield piece.name + "_scale_inv", torch.uint8, (*shape[:-1], shape[-1] // 32)
+            else:
+                yield piece.name, how, shape
+
+
+def checkpoint_config(cfg: M3Config, layout: str) -> dict:
+    """config.json for a layout: the release's nested form (original) or transformers' flat one (hf), each with
+    its ``quantization_config`` when the weights are MXFP8."""
+    if layout == "original":
+        return cfg.to_original_dict()
+    d = cfg.to_hf_dict()
+    if cfg.quantization is not None:
+        d["quantization_config"] = cfg.quantization.to_dict()
+    return d
+
+
 def write_checkpoint(out_dir: str | os.PathLike, cfg: M3Config, layout: str = "original", fmt: str = "bf16",
                      model: M3ForCausalLM | None = None, seed: int = 0, shard_bytes: int = 64 << 20,
                      hf_prefix: str = "model.language_model.", with_tokenizer: bool = True,
@@ -69,28 +97,58 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: M3Config, layout: str = "o
         cfg = cfg.replace(quantization=QuantConfig())
     lay = Layout(layout, cfg, hf_prefix)
     quantized = quantized_names(cfg, n_mtp) if fmt == "mxfp8" else set()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        shard: dict[str, torch.Tensor] = {}
-        written: list[list[str]] = []  # tensor names per flushed shard
-        size = 0
-        sources = _source_values(model, cfg, seed, n_mtp)
-        for name, values in tqdm(sources, desc="writing checkpoint", unit="param", disable=not progress, leave=False):
-            for tname, tensor in _tensors(name, values, lay, fmt, name in quantized):
-                nbytes = tensor.numel() * tensor.element_size()
-                if shard and size + nbytes > shard_bytes:
-                    written.append(_flush(tmp, shard, len(written)))
-                    shard, size = {}, 0
-                shard[tname] = tensor.contiguous()
-                size += nbytes
-        written.append(_flush(tmp, shard, len(written)))
-        _name_shards(tmp, written)
-        config = cfg.to_original_dict() if layout == "original" else _hf_config(cfg)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    produced = (t for name, values in _source_values(model, cfg, seed, n_mtp)
+                for t in _tensors(name, values, lay, fmt, name in quantized))
+
+    def value(name: str) -> torch.Tensor:  # tensors come in planned order, one at a time
+        got, tensor = next(produced)
+        if got != name:
+            raise AssertionError(f"checkpoint writer produced {got!r} where {name!r} was planned")
+        return tensor
+
+    def extra(tmp: Path) -> None:
         if with_tokenizer:
             byte_level_tokenizer(cfg).save(str(tmp / "tokenizer.json"))
             (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2) + "\n")
+
+    return write_shards(out, cfg, lay, planned_tensors(cfg, lay, fmt, n_mtp), shard_bytes, value, single_file=True,
+                        extra=extra, progress=progress)
+
+
+def write_shards(out: Path, cfg: M3Config, layout: Layout, specs, shard_bytes: int, value=None,
+                 single_file: bool = True, extra=None, progress: bool = True) -> Path:
+    """Write ``specs`` (name, dtype, shape) as shards of at most ``shard_bytes`` (a larger tensor gets its own),
+    the index, ``config.json`` and whatever ``extra(tmp)`` adds, atomically into ``out``.
+
+    ``value(name)`` supplies each tensor as it is written; ``value=None`` leaves the data regions as holes (sparse
+    files). One shard is named ``model.safetensors`` without an index when ``single_file``.
+    """
+    groups: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, dtype, shape in specs:
+        n = nbytes(dtype, shape)
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, dtype, shape))
+        size += n
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        names = (["model.safetensors"] if single_file and len(groups) == 1 else
+                 [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
+        weight_map, total = {}, 0
+        for fname, group in zip(names, groups):
+            entries = write_safetensors(tmp / fname, group, value, progress)
+            total += sum(e.length for e in entries.values())
+            weight_map.update(dict.fromkeys(entries, fname))
+        if len(names) > 1 or not single_file:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = checkpoint_config(cfg, layout.kind)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if extra is not None:
+            extra(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -98,13 +156,6 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: M3Config, layout: str = "o
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _hf_config(cfg: M3Config) -> dict:
-    d = cfg.to_hf_dict()
-    if cfg.quantization is not None:
-        d["quantization_config"] = cfg.quantization.to_dict()
-    return d
 
 
 def piece_format(name: str, fmt: str, quantize: bool):
@@ -138,25 +189,3 @@ def _tensors(name: str, values, lay: Layout, fmt: str, quantize: bool):
             yield piece.name + "_scale_inv", s
         else:
             yield piece.name, v.to(how)
-
-
-def _flush(tmp: Path, shard: dict[str, torch.Tensor], i: int) -> list[str]:
-    """Write one full shard now (memory stays at one shard), under a provisional name."""
-    save_file(shard, str(tmp / f"shard-{i}.tmp"), metadata={"format": "pt"})
-    return list(shard)
-
-
-def _name_shards(tmp: Path, written: list[list[str]]) -> None:
-    """Give shards their final ``model-i-of-n`` names (n is known only now) and write the index."""
-    n = len(written)
-    if n == 1:
-        (tmp / "shard-0.tmp").rename(tmp / "model.safetensors")
-        return
-    weight_map = {}
-    for i, names in enumerate(written):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        (tmp / f"shard-{i}.tmp").rename(tmp / fname)
-        weight_map.update(dict.fromkeys(names, fname))
-    total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

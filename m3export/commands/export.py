@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..dtypes import MODEL_DTYPES
+
 NAME = "export"
 HELP = ("Export M3 to an artifact: ONNX graphs (m3 custom nodes + ONNX function bodies, paged caches), "
         "weights as external data, manifest.json, tokenizer.")
@@ -21,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
     src.add_argument("--preset", choices=["tiny", "mini"], help="random-weight preset instead of a checkpoint")
     p.add_argument("--out", metavar="DIR", help="artifact directory to create (not with --in-place)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES,
                    help="activation / weight dtype of the graphs (ONNX Runtime's CPU EP runs float32 and float16)")
     p.add_argument("--weights", choices=["mxfp8", "bf16"], default=None,
                    help="mxfp8: E4M3 + UE8M0 weights (MXFP8Linear / MoEMXFP8 nodes); bf16: unquantised weights "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from ..dtypes import MODEL_DTYPES
+from ..sources import ARTIFACT, BACKENDS, source_kind
 
 NAME = "generate"
 HELP = ("Generate from an exported artifact (torch / onnxruntime / tensorrt backend), or from a checkpoint "
@@ -15,8 +17,6 @@ EXAMPLES = """\
   m3export generate tiny --prompt-ids 1,2,3 --temperature 0        # preset, random weights, token ids out
 """
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", metavar="ARTIFACT",
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer: tokenizer.json or the tiny preset)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
+    p.add_argument("--backend", default="torch", choices=BACKENDS,
                    help="runtime backend for an artifact (checkpoints and presets run on torch)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="draft K tokens per step with the MTP module(s) (0: no speculation)")
@@ -35,21 +35,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request random seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
-    p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: the source's)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--num-pages", type=int, help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + generated) to allow")
 
 
 def _engine(args: argparse.Namespace):
-    import torch
-
+    from ..dtypes import BY_NAME
     from ..errors import M3Error
     from ..runtime import Engine
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative}
-    if (Path(args.artifact) / "manifest.json").is_file():
+    if source_kind(args.artifact) == ARTIFACT:
         return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype, **sizing)
     if args.backend != "torch":
         raise M3Error(f"{args.artifact} is not an exported artifact (no manifest.json): checkpoints and presets run "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..sources import BACKENDS
+
 NAME = "triton-repo"
 HELP = ("Write a Triton model repository (Python backend, decoupled/streaming, vLLM-style inputs) that runs "
         "an artifact, a checkpoint or a preset with the m3export runtime.")
@@ -19,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", metavar="ARTIFACT",
                    help="exported artifact directory, or (torch backend) a checkpoint directory or preset name")
     p.add_argument("--out", required=True, metavar="REPO", help="model repository directory (created if missing)")
-    p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
+    p.add_argument("--backend", default="torch", choices=BACKENDS,
                    help="runtime backend the engine uses (default: %(default)s)")
     p.add_argument("--instances", type=int, default=1, metavar="N",
                    help="model instances, each with its own engine (default: %(default)s)")

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.loader import build_empty
+from ..dtypes import BY_NAME, MODEL_DTYPES
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
+from ..safetensors_io import header_sha256, read_tensor
 from .manifest import MANIFEST, GraphInfo, Manifest, sha256_file
-from .weights import BY_NAME, read_tensor
-from .zero_copy import shard_identity
 
 QUANTIZED = {torch.float8_e4m3fn, torch.uint8}  # copied bit for bit, never converted
 
@@ -75,7 +75,7 @@ def load_artifact(path: str | Path, verify_checksums: bool = True) -> Artifact:
         if f.stat().st_size != meta["bytes"]:
             raise ArtifactError(f"{f}: {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated or replaced)")
         if "header_sha256" in meta:  # a linked checkpoint shard: identified cheaply, never hashed whole
-            if shard_identity(f)["header_sha256"] != meta["header_sha256"]:
+            if header_sha256(f, ArtifactError) != meta["header_sha256"]:
                 raise ArtifactError(f"{f}: safetensors header differs from the one exported (shard replaced)")
         elif verify_checksums and sha256_file(f) != meta["sha256"]:
             raise ArtifactError(f"{f}: sha256 does not match {MANIFEST} (file corrupted or modified)")
@@ -94,9 +94,9 @@ def load_torch_model(path: str | Path | Artifact, device="cpu", dtype: torch.dty
     """
     art = path if isinstance(path, Artifact) else load_artifact(path)
     m = art.manifest
-    if m.dtype not in BY_NAME:
+    if m.dtype not in MODEL_DTYPES:
         raise ArtifactError(f"{art.root / MANIFEST}: dtype {m.dtype!r} is not a model dtype")
-    model = build_empty(m.config, dtype or BY_NAME[m.dtype], device, mxfp8=m.mxfp8, num_mtp_modules=m.mtp_modules)
+    model = build_empty(m.config, dtype or BY_NAME[m.dtype].torch, device, mxfp8=m.mxfp8, num_mtp_modules=m.mtp_modules)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(m.tensors))
     extra = sorted(set(m.tensors) - set(params))

@@ -19,23 +19,25 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checkpoint.loader import build_empty, open_checkpoint
-from ..config import PRESETS, M3Config
+from ..config import M3Config
+from ..dtypes import BY_NAME, MODEL_DTYPES, of_torch
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
 from ..ops import DOMAIN, OPS, OPSET_VERSION
 from ..ops import mxfp8 as mx
+from ..safetensors_io import write_safetensors
+from ..sources import is_preset
 from .graphs import finalize, mtp_signature, step_signature, trace_mtp, trace_step
 from .manifest import MANIFEST, Manifest, sha256_file, signature_of
 from .schemas import ONNX_OPSET, register_schemas
 from .vision_graph import VISION_FILE, VISION_SIGNATURE, trace_vision
-from .weights import ParamEntry, write_safetensors
+from .weights import ParamEntry
 from .zero_copy import converted_value, resolve, shard_files
 from .zero_copy import plan as zero_copy_plan
 
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FORMATS = ("mxfp8", "bf16")
 
 
@@ -43,8 +45,7 @@ def load_source(source: str, dtype: torch.dtype, weights: str | None, progress: 
     """Preset or checkpoint -> model with the requested weight format (``None`` keeps the source's own)."""
     from .. import load_model
 
-    is_preset = source in PRESETS and not Path(source).is_dir()
-    if is_preset:
+    if is_preset(source):
         return load_model(source, dtype=dtype, mxfp8=weights == "mxfp8", progress=progress)
     model = load_model(source, dtype=dtype, dequantize=weights == "bf16", progress=progress)
     if weights == "mxfp8" and not model.mxfp8:
@@ -85,7 +86,7 @@ def _tools() -> dict[str, str]:
 def _tokenizer_files(source: str, cfg: M3Config, tmp: Path) -> None:
     """Copy the checkpoint's tokenizer files; a preset gets the byte-level tokenizer its config implies."""
     src = Path(source)
-    if src.is_dir():
+    if not is_preset(source):
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
@@ -127,8 +128,8 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = "float32",
     ``split_layers`` N also writes the model as parts of N layers each (``model.part{j}.onnx``), for builders
     that cannot take the whole graph; the manifest's ``parts`` says how they chain.
     """
-    if dtype not in DTYPE_NAMES:
-        raise ArtifactError(f"--dtype must be one of {list(DTYPE_NAMES)}, got {dtype!r}")
+    if dtype not in MODEL_DTYPES:
+        raise ArtifactError(f"--dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
     if weights not in (None, *WEIGHT_FORMATS):
         raise ArtifactError(f"--weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if not isinstance(page_size, int) or page_size < 1:
@@ -136,7 +137,7 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = "float32",
     if split_layers is not None and (not isinstance(split_layers, int) or split_layers < 1):
         raise ArtifactError(f"--split-layers must be a positive integer, got {split_layers!r}")
     register_schemas()
-    opts = dict(dtype=DTYPE_NAMES[dtype], weights=weights, page_size=page_size, progress=progress,
+    opts = dict(dtype=BY_NAME[dtype].torch, weights=weights, page_size=page_size, progress=progress,
                 split_layers=split_layers)
     if in_place:
         return _export_in_place(source, force, **opts)
@@ -217,7 +218,7 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
                  progress: bool, in_place: bool, split_layers: int | None) -> None:
     with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
         steps.set_postfix_str("weights")
-        opened = None if (source in PRESETS and not Path(source).is_dir()) else open_checkpoint(source)
+        opened = None if is_preset(source) else open_checkpoint(source)
         if opened is not None and (weights != "mxfp8" or opened[4]):
             # every checkpoint export streams, except an MXFP8 export of an unquantised checkpoint (quantising)
             ckpt, cfg, layout, n_mtp, quantized = opened
@@ -265,7 +266,7 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
         files.update(shards)
         manifest = Manifest(
-            config=cfg, dtype=str(dtype).removeprefix("torch."), mxfp8=mxfp8, page_size=page_size,
+            config=cfg, dtype=of_torch(dtype).name, mxfp8=mxfp8, page_size=page_size,
             mtp_modules=n_mtp, source=_describe(source),
             opset={"domain": DOMAIN, "version": OPSET_VERSION, "onnx_opset": ONNX_OPSET, "ops": dict(OPS)},
             graphs=graphs, tensors=tensors, files=files, tools=_tools(), parts=parts,
@@ -275,7 +276,7 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
 
 
 def _describe(source: str) -> str:
-    if source in PRESETS and not Path(source).is_dir():
+    if is_preset(source):
         return f"preset:{source}"
     return f"checkpoint:{Path(source).resolve()}"
 

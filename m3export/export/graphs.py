@@ -21,24 +21,24 @@ import onnxscript.rewriter
 import torch
 from torch import nn
 
+from ..dtypes import BY_NAME
 from ..model import Batch, M3ForCausalLM
+from ..model.batch import Segment, build_batch
+from ..safetensors_io import TensorEntry
 from .functions import functions_for
 from .schemas import ONNX_OPSET
 from .translation import translation_table
-from .weights import DTYPES, ParamEntry, TensorEntry
+from .weights import ParamEntry
 from .zero_copy import assemble
 
-BATCH_INPUTS = ("positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
+BATCH_INPUTS = (*Batch.input_names(), "logits_indices")  # what every step graph takes besides tokens and pools
+POOLS = ("k_cache", "v_cache", "index_k_cache")  # per layer; dense layers have no index keys
 ROOT = "m3"  # attribute under which the wrappers hold the model; stripped from initializer names
 IR_VERSION = 10
 # onnxscript's default rewrites minus those whose pattern has several output nodes: their matcher tries node
 # combinations across the whole graph (quadratic: hours at 60 layers) and none of them applies to M3 anyway.
 _REWRITE_RULES = [r for r in onnxscript.rewriter._DEFAULT_REWRITE_RULES if r._target_pattern.has_single_output_node]
 PIECED = "pieced"  # location of a multi-piece parameter's stand-in while the graph is optimised (never written)  # ORT 1.30 / 1.31 reject the IR 11+ that onnx 1.23 writes by default
-
-
-def _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping) -> Batch:
-    return Batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
 
 
 class StepGraph(nn.Module):
@@ -57,13 +57,14 @@ class StepGraph(nn.Module):
         arity = [len(s) for s in model.cache_shapes(1, 1)]
         self.cache_arity = [arity[i] for i in self.layers]
 
-    def forward(self, x, positions, query_start_loc, seq_lens, block_tables, slot_mapping, *rest):
+    def forward(self, *inputs):
+        """Inputs in ``step_signature`` order: x, the batch, logits_indices (last part only), the pools."""
+        x, (batch, rest) = inputs[0], Batch.from_inputs(inputs[1:])
         logits_indices, pools = (rest[0], rest[1:]) if self.last else (None, rest)
         caches, i = [], 0
         for n in self.cache_arity:
             caches.append(tuple(pools[i:i + n]))
             i += n
-        batch = _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
         m = getattr(self, ROOT)
         h = m.model.embed_tokens(x) if self.first else x
         h, caches, selections = m.run_layers(h, batch, caches, self.layers, inplace=False)
@@ -82,9 +83,10 @@ class MTPGraph(nn.Module):
         setattr(self, ROOT, model)
         self.k = k
 
-    def forward(self, input_ids, hidden, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
-                logits_indices, k_cache, v_cache, index_k_cache):
-        batch = _batch(positions, query_start_loc, seq_lens, block_tables, slot_mapping)
+    def forward(self, *inputs):
+        """Inputs in ``mtp_signature`` order: input_ids, hidden, the batch, logits_indices, the three pools."""
+        input_ids, hidden = inputs[:2]
+        batch, (logits_indices, k_cache, v_cache, index_k_cache) = Batch.from_inputs(inputs[2:])
         logits, out, cache, sel = getattr(self, ROOT).mtp_step(
             self.k, input_ids, hidden, batch, (k_cache, v_cache, index_k_cache), logits_indices, inplace=False
         )
@@ -108,8 +110,7 @@ def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSi
     ins = ["input_ids" if first else "hidden_in", *batch]
     outs, aliases, sel = (["logits", "hidden"] if last else ["hidden_out"]), {}, []
     for i in layers:
-        names = ["k_cache", "v_cache"] + (["index_k_cache"] if cfg.is_sparse_layer(i) else [])
-        for n in names:
+        for n in POOLS if cfg.is_sparse_layer(i) else POOLS[:2]:
             ins.append(f"{n}.{i}")
             outs.append(f"{n}_out.{i}")
             aliases[f"{n}_out.{i}"] = f"{n}.{i}"
@@ -119,69 +120,67 @@ def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSi
 
 
 def mtp_signature() -> GraphSignature:
-    pools = ("k_cache", "v_cache", "index_k_cache")
     return GraphSignature(
-        ("input_ids", "hidden", *BATCH_INPUTS, *pools),
-        ("logits", "hidden_out", *(f"{p}_out" for p in pools), "selection"),
-        {f"{p}_out": p for p in pools},
+        ("input_ids", "hidden", *BATCH_INPUTS, *POOLS),
+        ("logits", "hidden_out", *(f"{p}_out" for p in POOLS), "selection"),
+        {f"{p}_out": p for p in POOLS},
     )
 
 
 def _example(model: M3ForCausalLM, page_size: int, layers: str):
     """Meta-device inputs of a mixed batch (a 4-token prefill chunk after 2 cached tokens, plus a 3-token
     verify), sized so that no dynamic dimension is 0 or 1 or equal to another (T 7, B 2, N 5, max_pages >= 11,
-    pages >= 32) for any page size: the tracer must not specialise or unify them."""
+    pages >= 32) for any page size: the tracer must not specialise or unify them.
+    -> (input_ids, Batch, logits_indices, pools)."""
     lens, new = [6, 9], [4, 3]
     pages_per = [-(-n // page_size) for n in lens]
-    tables = torch.zeros((2, max(pages_per) + 10), dtype=torch.int32)
-    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, new)])
+    segments = [Segment(list(range(first, first + p)), n - q, [0] * q)
+                for first, p, n, q in zip((0, pages_per[0]), pages_per, lens, new)]
+    ids, batch = build_batch(segments, page_size, min_table_width=max(pages_per) + 10)
     num_pages = sum(pages_per) + 30
-    slots = torch.arange(positions.numel(), dtype=torch.int64)
-    batch = (positions, torch.tensor([0, 4, 7], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), tables,
-             slots, torch.tensor([3, 5, 6, 1, 2], dtype=torch.int64))
     dtype = model.model.embed_tokens.weight.dtype
     pools = [p for layer in model.allocate_caches(num_pages, page_size, dtype, "meta", layers) for p in layer]
-    ids = torch.zeros(positions.numel(), dtype=torch.int64)
-    return ids, tuple(t.to("meta") for t in batch), pools
+    logits_indices = torch.tensor([3, 5, 6, 1, 2], dtype=torch.int64)
+    return ids.to("meta"), batch.to("meta"), logits_indices.to("meta"), pools
 
 
-def _dims():
+# Symbolic dimensions of every graph input by name (pools are named "<pool>" or "<pool>.<layer>").
+INPUT_DIMS = {"input_ids": ("T",), "hidden_in": ("T",), "hidden": ("T",), "logits_indices": ("N",),
+              **Batch.input_dims(), **dict.fromkeys(POOLS, ("pages",))}
+
+
+def dynamic_shapes(names: tuple[str, ...]) -> tuple:
+    """``torch.export`` dynamic shapes for a graph whose ``forward`` takes ``names`` in order, declared by name."""
     d = torch.export.Dim
-    return d("T", min=1), d("B", min=1), d("N", min=1), d("pages", min=1), d("max_pages", min=1)
-
-
-def _dynamic_batch(T, B, N, MP):
-    return ({0: T}, {0: B + 1}, {0: B}, {0: B, 1: MP}, {0: T}, {0: N})
+    T, B, N, P, MP = d("T", min=1), d("B", min=1), d("N", min=1), d("pages", min=1), d("max_pages", min=1)
+    symbols = {"T": T, "B": B, "B+1": B + 1, "N": N, "pages": P, "max_pages": MP}
+    return tuple({axis: symbols[s] for axis, s in enumerate(INPUT_DIMS[name.split(".")[0]])} for name in names)
 
 
 def trace_step(model: M3ForCausalLM, page_size: int, layers: range | None = None) -> ir.Model:
     """The whole model, or (``layers``) one part of a split export."""
     layers = layers or range(model.config.num_hidden_layers)
     graph = StepGraph(model, layers)
-    ids, batch, pools = _example(model, page_size, "main")
+    ids, batch, logits_indices, pools = _example(model, page_size, "main")
     arity = [len(s) for s in model.cache_shapes(1, 1)]
     first_pool = sum(arity[:layers.start])
     pools = pools[first_pool:first_pool + sum(graph.cache_arity)]
-    T, B, N, P, MP = _dims()
-    dyn = _dynamic_batch(T, B, N, MP)
-    x = ids.to("meta") if graph.first else torch.empty(
-        (ids.numel(), model.config.hidden_size), dtype=pools[0].dtype, device="meta")
-    if not graph.last:
-        batch, dyn = batch[:-1], dyn[:-1]  # logits_indices belongs to the part with the head
-    rest = dyn[5:] + tuple({0: P} for _ in pools)  # forward(x, 5 batch tensors, *rest)
-    shapes = ({0: T}, *dyn[:5], rest)
-    return _export(graph, (x, *batch, *pools), shapes, step_signature(model, layers))
+    x = ids if graph.first else torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype,
+                                            device="meta")
+    head = (logits_indices,) if graph.last else ()  # logits_indices belongs to the part with the head
+    return _export(graph, (x, *batch.inputs(), *head, *pools), step_signature(model, layers))
 
 
 def trace_mtp(model: M3ForCausalLM, k: int, page_size: int) -> ir.Model:
-    ids, batch, pools = _example(model, page_size, "mtp")
-    T, B, N, P, MP = _dims()
+    ids, batch, logits_indices, pools = _example(model, page_size, "mtp")
     hidden = torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype, device="meta")
-    shapes = ({0: T}, {0: T}, *_dynamic_batch(T, B, N, MP), *({0: P} for _ in range(3)))
-    return _export(MTPGraph(model, k), (ids.to("meta"), hidden, *batch, *pools[:3]), shapes, mtp_signature())
+    args = (ids, hidden, *batch.inputs(), logits_indices, *pools[:3])
+    return _export(MTPGraph(model, k), args, mtp_signature())
 
 
-def _export(module: nn.Module, args, dynamic_shapes, sig: GraphSignature) -> ir.Model:
+def _export(module: nn.Module, args, sig: GraphSignature) -> ir.Model:
+    if len(args) != len(sig.inputs):
+        raise AssertionError(f"{type(module).__name__}: {len(args)} example inputs for {len(sig.inputs)} names")
     registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registry_log.level
     registry_log.setLevel(logging.ERROR)  # "torchvision is not installed" for ops M3 never uses
@@ -189,7 +188,7 @@ def _export(module: nn.Module, args, dynamic_shapes, sig: GraphSignature) -> ir.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation chatter; failures still raise
             program = torch.onnx.export(
-                module, args, dynamo=True, dynamic_shapes=dynamic_shapes,
+                module, args, dynamo=True, dynamic_shapes=(dynamic_shapes(sig.inputs),),  # forward(*inputs)
                 custom_translation_table=translation_table(), input_names=list(sig.inputs),
                 output_names=list(sig.outputs), opset_version=ONNX_OPSET, optimize=False, verbose=False, report=False,
             )
@@ -271,7 +270,7 @@ def _assemble_pieces(graph: ir.Graph, pieced: dict[str, ParamEntry], base_dir: P
 
 
 def _external(e: TensorEntry, name: str, base_dir: Path) -> ir.ExternalTensor:
-    dtype = ir.DataType(DTYPES[e.torch_dtype][2])
+    dtype = ir.DataType(BY_NAME[e.dtype].onnx)
     return ir.ExternalTensor(e.file, e.offset, e.length, dtype, shape=ir.Shape(e.shape), name=name, base_dir=base_dir)
 
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import onnx
+from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, M3Config
+from ..dtypes import BY_ONNX
 from ..errors import ArtifactError
+from ..sources import MANIFEST
 from .weights import ParamEntry
+
+if TYPE_CHECKING:
+    import onnx
 
 FORMAT = "m3export.artifact"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 
 
 def sha256_file(path: Path) -> str:
@@ -34,7 +36,7 @@ def sha256_file(path: Path) -> str:
 @dataclass(frozen=True)
 class TensorSig:
     name: str
-    dtype: str  # numpy-style name: float32, int64, ...
+    dtype: str  # an m3export.dtypes name: float32, bfloat16, int64, ...
     shape: tuple[int | str, ...]  # ints are static, strings name dynamic dimensions
 
     def to_json(self) -> dict:
@@ -66,11 +68,10 @@ def signature_of(proto: onnx.ModelProto, file: str, aliases: dict[str, str]) -> 
 
     def sig(v: onnx.ValueInfoProto) -> TensorSig:
         t = v.type.tensor_type
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        if t.elem_type not in BY_ONNX:
+            raise ArtifactError(f"{file}: {v.name} has ONNX element type {t.elem_type}, which m3export.dtypes lacks")
         dims = tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
-        name = "bfloat16" if t.elem_type == onnx.TensorProto.BFLOAT16 else \
-            "float8_e4m3fn" if t.elem_type == onnx.TensorProto.FLOAT8E4M3FN else str(dtype)
-        return TensorSig(v.name, name, dims)
+        return TensorSig(v.name, BY_ONNX[t.elem_type].name, dims)
 
     return GraphInfo(file, tuple(sig(v) for v in proto.graph.input), tuple(sig(v) for v in proto.graph.output),
                      dict(aliases))

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..model import Batch, M3ForCausalLM
+from ..dtypes import BY_NAME
+from ..model import M3ForCausalLM
+from ..model.batch import Segment, build_batch
 from .artifact import Artifact, load_artifact, load_torch_model
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
@@ -129,7 +131,6 @@ class _Pages:
     """A shuffled page assignment, so block tables are never the identity."""
 
     def __init__(self, lengths: list[int], page_size: int, seed: int = 0):
-        self.page = page_size
         need = [-(-n // page_size) for n in lengths]
         self.num_pages = sum(need) + 2
         perm = torch.randperm(self.num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -138,43 +139,15 @@ class _Pages:
             self.tables.append(perm[i:i + n])
             i += n
 
-    def batch(self, starts: list[int], counts: list[int]) -> Batch:
-        seqs = [b for b, c in enumerate(counts) if c]
-        positions, slots, qsl, lens = [], [], [0], []
-        for b in seqs:
-            for p in range(starts[b], starts[b] + counts[b]):
-                positions.append(p)
-                slots.append(self.tables[b][p // self.page] * self.page + p % self.page)
-            qsl.append(qsl[-1] + counts[b])
-            lens.append(starts[b] + counts[b])
-        width = max(-(-n // self.page) for n in lens)
-        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
-        for row, (b, n) in enumerate(zip(seqs, lens)):
-            used = -(-n // self.page)
-            tables[row, :used] = torch.tensor(self.tables[b][:used], dtype=torch.int32)
-        return Batch(torch.tensor(positions), torch.tensor(qsl, dtype=torch.int32),
-                     torch.tensor(lens, dtype=torch.int32), tables, torch.tensor(slots))
-
-
-def _feeds(ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor) -> dict[str, np.ndarray]:
-    return {"input_ids": ids.numpy(), "positions": batch.positions.numpy(),
-            "query_start_loc": batch.query_start_loc.numpy(), "seq_lens": batch.seq_lens.numpy(),
-            "block_tables": batch.block_tables.numpy(), "slot_mapping": batch.slot_mapping.numpy(),
-            "logits_indices": logits_indices.numpy()}
-
 
 class _Comparison:
     """Accumulates one report from (ONNX Runtime numpy output, PyTorch tensor) pairs."""
 
     def __init__(self, report: Report, dtype: str):
-        self.report, self.bf16 = report, dtype == "bfloat16"
-
-    def _torch(self, value: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(value))
-        return t.view(torch.bfloat16) if self.bf16 and value.dtype == np.uint16 else t
+        self.report, self.dtype = report, BY_NAME[dtype]
 
     def close(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
-        self.report.outputs.setdefault(name, Stat()).update(self._torch(got).float(), ref.float())
+        self.report.outputs.setdefault(name, Stat()).update(self.dtype.to_torch(got).float(), ref.float())
 
     def selection(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
         self.report.selections.setdefault(name, Agreement()).update(torch.from_numpy(got), ref)
@@ -186,7 +159,7 @@ class _Comparison:
 def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, tolerance: float | None = None,
                     providers: tuple[str, ...] = ("CPUExecutionProvider",), progress: bool = True) -> Report:
     """Run the scenario on both sides and compare; the report says what matched and what did not."""
-    from m3export.plugins.onnxruntime.session import PagedSession
+    from m3export.plugins.onnxruntime.session import PagedSession  # packaged from plugins/
 
     art = path if isinstance(path, Artifact) else load_artifact(path)
     cfg, page = art.config, art.page_size
@@ -219,14 +192,14 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
                                                                                      generator=gen))
                     tokens[b].append(fill)
                     greedy[b] = None
-            batch = pages.batch(done, step)
-            ids = torch.tensor([t for b, n in enumerate(step) for t in tokens[b][done[b]:done[b] + n]])
+            ids, batch = build_batch([Segment(pages.tables[b], done[b], tokens[b][done[b]:done[b] + n])
+                                      for b, n in enumerate(step) if n], page)
             every = torch.arange(ids.numel())
             report.tokens += ids.numel()
             report.exercised += int((batch.positions // cfg.index_block_size + 1 > cfg.index_topk_blocks).sum())
 
             ref = model.step(ids, batch, caches, every)
-            got = main.run(_feeds(ids, batch, every))
+            got = main.run(batch.feeds(input_ids=ids, logits_indices=every))
             cmp.close("model:logits", got["logits"], ref.logits)
             cmp.close("model:hidden", got["hidden"], ref.hidden)
             for i, sel in zip(sparse, ref.selections):
@@ -242,10 +215,10 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
             for b, end in zip(active, ends):
                 after = done[b] + step[b]
                 shifted[end] = tokens[b][after] if after < len(tokens[b]) else nxt[end]
-            hidden = ref.hidden.view(torch.uint16) if dtype == torch.bfloat16 else ref.hidden
             for k, (sess, cache) in enumerate(zip(mtps, mtp_caches)):
                 logits, hidden_out, cache, sel = model.mtp_step(k, shifted, ref.hidden, batch, cache, every)
-                out = sess.run({**_feeds(shifted, batch, every), "hidden": hidden.numpy()})
+                out = sess.run({**batch.feeds(input_ids=shifted, logits_indices=every),
+                                "hidden": cmp.dtype.to_numpy(ref.hidden)})
                 cmp.close(f"mtp{k}:logits", out["logits"], logits)
                 cmp.close(f"mtp{k}:hidden_out", out["hidden_out"], hidden_out)
                 cmp.selection(f"mtp{k}:selection", out["selection"], sel)

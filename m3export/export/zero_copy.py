@@ -17,8 +17,6 @@ Referenced shards are identified by size and a hash of their safetensors header,
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,20 +25,19 @@ import torch
 
 from ..checkpoint.layout import Layout, Piece
 from ..checkpoint.shards import Checkpoint
+from ..dtypes import of_torch
 from ..errors import ArtifactError, CheckpointError
 from ..model import M3ForCausalLM
 from ..ops import mxfp8 as mx
-from .weights import DTYPES, ParamEntry, PieceEntry, TensorEntry
+from ..safetensors_io import TensorEntry, header_sha256
+from .weights import ParamEntry, PieceEntry
 
 AXES0 = "m3export.axes0"  # the one [0] constant every Unsqueeze of an assembly shares
 
 
 def shard_identity(path: Path) -> dict:
     """Size plus sha256 of the safetensors header: cheap, and changes whenever tensors, dtypes or shapes do."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = f.read(n)
-    return {"bytes": path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
+    return {"bytes": path.stat().st_size, "header_sha256": header_sha256(path)}
 
 
 def _plain_index(piece: Piece) -> tuple:
@@ -74,18 +71,19 @@ def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file:
             if tuple(info.shape) != want_shape:
                 raise CheckpointError(f"{info.file}: tensor {piece.name!r} has shape {list(info.shape)}, expected "
                                       f"{list(want_shape)}")
-            if zero_copy and info.dtype == p.dtype:
-                rel = info.file.relative_to(ckpt.dir).as_posix()
-                shards[rel] = info.file
-                entry = TensorEntry(rel, info.offset, info.length, DTYPES[p.dtype][1], want_shape)
+            if zero_copy and info.torch_dtype == p.dtype:
+                shard = Path(info.file)
+                rel = shard.relative_to(ckpt.dir).as_posix()
+                shards[rel] = shard
+                entry = TensorEntry(rel, info.offset, info.length, info.dtype, want_shape)
             else:
-                if p.dtype in (torch.float8_e4m3fn, torch.uint8) and info.dtype != p.dtype:
-                    raise CheckpointError(f"{info.file}: tensor {piece.name!r} is {info.dtype}; an MXFP8 export needs "
+                if p.dtype in (torch.float8_e4m3fn, torch.uint8) and info.torch_dtype != p.dtype:
+                    raise CheckpointError(f"{info.file}: tensor {piece.name!r} is {info.torch_dtype}; an MXFP8 export needs "
                                           "an MXFP8 checkpoint (or export with --weights bf16)")
                 convert.append((piece.name, p.dtype, want_shape))
-                entry = TensorEntry(converted_file, -1, 0, DTYPES[p.dtype][1], want_shape)
+                entry = TensorEntry(converted_file, -1, 0, of_torch(p.dtype).name, want_shape)
             out.append(PieceEntry(_plain_index(piece), entry))
-        params[name] = ParamEntry(DTYPES[p.dtype][1], tuple(p.shape), tuple(out))
+        params[name] = ParamEntry(of_torch(p.dtype).name, tuple(p.shape), tuple(out))
     return WeightPlan(params, convert, shards)
 
 

@@ -25,12 +25,11 @@ from typing import Any
 
 from .. import __version__
 from ..config import PRESETS
+from ..dtypes import BY_NAME, MODEL_DTYPES
 from ..errors import M3Error
+from ..sources import ARTIFACT, BACKENDS, CHECKPOINT, MANIFEST, PRESET, source_kind
 from .protocol import INPUTS, OUTPUTS, TensorSpec
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
-MANIFEST = "manifest.json"  # m3export.export.manifest.MANIFEST, without importing onnx to write a repository
-DTYPES = ("float32", "bfloat16", "float16")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -48,24 +47,21 @@ def resolve_source(source: str, backend: str) -> Source:
     """What ``source`` is. Checkpoints and presets have no exported graphs, so only the torch backend runs them."""
     if backend not in BACKENDS:
         raise RepositoryError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    path = Path(source)
-    if path.exists():
-        if not path.is_dir():
-            raise RepositoryError(f"{path}: expected an artifact or checkpoint directory, got a file")
-        path = path.resolve()
-        if (path / MANIFEST).is_file():
-            from ..export.artifact import load_artifact
+    path, kind = Path(source), source_kind(source)
+    if kind == ARTIFACT:
+        from ..export.artifact import load_artifact
 
-            load_artifact(path, verify_checksums=False)  # structure now, not hours of hashing
-            return Source("artifact", str(path))
-        if (path / "config.json").is_file():
-            kind = "checkpoint"
-        else:
-            raise RepositoryError(f"{path}: neither an exported artifact ({MANIFEST}) nor a checkpoint (config.json)")
-    elif source in PRESETS:
-        kind, path = "preset", Path(source)
-    else:
-        raise RepositoryError(f"{source}: no such directory, and not a preset ({', '.join(PRESETS)})")
+        load_artifact(path, verify_checksums=False)  # structure now, not hours of hashing
+        return Source(ARTIFACT, str(path.resolve()))
+    if kind == CHECKPOINT:
+        if path.exists() and not path.is_dir():
+            raise RepositoryError(f"{path}: expected an artifact or checkpoint directory, got a file")
+        if not path.exists():
+            raise RepositoryError(f"{source}: no such directory, and not a preset ({', '.join(PRESETS)})")
+        if not (path / "config.json").is_file():
+            raise RepositoryError(f"{path.resolve()}: neither an exported artifact ({MANIFEST}) nor a checkpoint "
+                                  "(config.json)")
+        path = path.resolve()
     if backend != "torch":
         raise RepositoryError(f"{source}: a {kind} runs on the torch backend only; export it first "
                               f"(m3export export) to serve it with {backend}")
@@ -99,8 +95,8 @@ def parse_engine_args(items: list[str]) -> dict[str, Any]:
             value = json.loads(text)
         except json.JSONDecodeError:
             value = text
-        if key == "dtype" and value not in DTYPES:
-            raise RepositoryError(f"engine argument dtype={value!r}: expected one of {', '.join(DTYPES)}")
+        if key == "dtype" and value not in MODEL_DTYPES:
+            raise RepositoryError(f"engine argument dtype={value!r}: expected one of {', '.join(MODEL_DTYPES)}")
         out[key] = value
     return out
 
@@ -206,16 +202,14 @@ def load_engine(parameters: dict[str, str], version_dir: Path):
     kind, location, backend = parameters["source_kind"], parameters["source"], parameters["backend"]
     kwargs = json.loads(parameters.get("engine_args") or "{}")
     if "dtype" in kwargs:
-        import torch
-
-        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-    if kind == "preset":
+        kwargs["dtype"] = BY_NAME[kwargs["dtype"]].torch
+    if kind == PRESET:
         return Engine.from_checkpoint(location, **kwargs)
     path = Path(location) if Path(location).is_absolute() else version_dir / location
     if not path.is_dir():
         raise RepositoryError(f"{path}: the {kind} this model serves is missing (moved or deleted?)")
-    if kind == "checkpoint":
+    if kind == CHECKPOINT:
         return Engine.from_checkpoint(path, **kwargs)
-    if kind == "artifact":
+    if kind == ARTIFACT:
         return Engine.from_artifact(path, backend=backend, **kwargs)
     raise RepositoryError(f"config.pbtxt: unknown source_kind {kind!r} (expected preset, checkpoint or artifact)")

@@ -4,26 +4,24 @@ Each cache output of an artifact graph is a ScatterND over the matching cache in
 as both (``io_binding``) makes ONNX Runtime write the new tokens' rows straight into the pool, so a step costs
 what its tokens cost, never a copy of the pool. ``run`` checks that ORT really kept the buffer (it is an
 implementation property, not a promise of the ONNX standard) and fails loudly if it did not.
+
+This module sits below ``m3export.export`` (whose ``verify`` uses it): it reads an artifact only through the
+duck-typed ``artifact.path(graph)`` / ``artifact.graphs[graph]`` and never imports the export package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
+from m3export.dtypes import BY_NAME
 from m3export.errors import BackendUnavailable
-from m3export.export.artifact import Artifact
-from m3export.export.manifest import GraphInfo
 
-ONNX_TYPES = {
-    "float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16,
-    "int32": onnx.TensorProto.INT32, "int64": onnx.TensorProto.INT64,
-}
-# numpy has no bfloat16: pools of that type are created from same-sized uint16 buffers
-STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "int32": np.int32, "int64": np.int64}
+if TYPE_CHECKING:
+    from m3export.export.manifest import GraphInfo
 
 
 def _ort():
@@ -57,7 +55,8 @@ class PagedSession:
         self.pools: dict[str, np.ndarray] = {}  # live: ORT writes new rows into these arrays
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact, graph: str = "model", **kwargs) -> "PagedSession":
+    def from_artifact(cls, artifact, graph: str = "model", **kwargs) -> PagedSession:
+        """Graph ``graph`` of an ``m3export.export.artifact.Artifact``."""
         return cls(artifact.path(graph), artifact.graphs[graph], **kwargs)
 
     def allocate(self, num_pages: int) -> None:
@@ -68,7 +67,7 @@ class PagedSession:
             shape = [num_pages if d == "pages" else d for d in sig.shape]
             if not all(isinstance(d, int) for d in shape):
                 raise ValueError(f"{name}: cannot size pool dims {sig.shape} (only 'pages' is free)")
-            self.pools[name] = np.zeros(shape, dtype=STORAGE[sig.dtype])
+            self.pools[name] = np.zeros(shape, dtype=BY_NAME[sig.dtype].storage)  # bfloat16 as uint16 bits
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One step: ``feeds`` holds every non-pool input; returns every non-pool output.
@@ -90,14 +89,14 @@ class PagedSession:
         bound = {}  # OrtValues borrow the numpy buffers: keep both alive until the run is over
         for name, arr in arrays.items():
             sig = self._inputs[name]
-            if arr.dtype != STORAGE[sig.dtype] or arr.ndim != len(sig.shape):
+            if arr.dtype != BY_NAME[sig.dtype].storage or arr.ndim != len(sig.shape):
                 raise ValueError(f"{self.graph.file}: input {name} must be {sig.dtype} of rank {len(sig.shape)}, "
                                  f"got {arr.dtype} {list(arr.shape)}")
             for d, n in zip(sig.shape, arr.shape):
                 if isinstance(d, str) and dims.setdefault(d, n) != n or isinstance(d, int) and d != n:
                     raise ValueError(f"{self.graph.file}: input {name} dim {d!r} is {n}, but the graph needs "
                                      f"{dims.get(d, d)}")
-            bound[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, ONNX_TYPES[sig.dtype])
+            bound[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr, BY_NAME[sig.dtype].onnx)
             binding.bind_ortvalue_input(name, bound[name])
         results = {}
         for sig in self.graph.outputs:
@@ -105,9 +104,9 @@ class PagedSession:
                 value = bound[self.graph.aliases[sig.name]]
             else:
                 results[sig.name] = np.empty([dims[d] if isinstance(d, str) else d for d in sig.shape],
-                                             dtype=STORAGE[sig.dtype])
+                                             dtype=BY_NAME[sig.dtype].storage)
                 value = bound[sig.name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                    results[sig.name], ONNX_TYPES[sig.dtype])
+                    results[sig.name], BY_NAME[sig.dtype].onnx)
             binding.bind_ortvalue_output(sig.name, value)
         try:
             self.session.run_with_iobinding(binding)

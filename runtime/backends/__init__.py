@@ -6,16 +6,16 @@ from pathlib import Path
 
 import torch
 
-from .base import Backend
+from m3export.sources import BACKENDS
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+from .base import Backend
 
 
 def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None
                    ) -> Backend:
     """The backend ``name`` running the exported artifact directory ``artifact``."""
     if name == "torch":
-        from ...export.artifact import load_artifact, load_torch_model
+        from m3export.export.artifact import load_artifact, load_torch_model
         from .torch_backend import TorchBackend
 
         # Start-up checks structure and sizes; hashing every weight byte is `m3export verify`'s job.

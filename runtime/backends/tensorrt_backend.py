@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...errors import BackendUnavailable
+from m3export.errors import BackendUnavailable
 
 INSTALL_HINT = ("pip install 'm3export[trt]' (tensorrt>=10.9 from NVIDIA's package index) on a machine with an "
                 "NVIDIA GPU and driver")
