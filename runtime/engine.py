@@ -19,14 +19,16 @@ from pathlib import Path
 
 import torch
 
-from m3export.config import M3Config
-from m3export.model.batch import Segment, build_batch
+from ..config import M3Config
+from m3export.errors import MediaError
 
 from .acceptance import accept
 from .backends import Backend, create_backend
+from .batch_builder import Segment, build_batch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .drafter import Drafter, DraftJob, MTPDrafter
+from .media import MediaCache, MediaItem, attach_media
 from .outputs import RequestOutput
 from .params import SamplingParams
 from .request import Request
@@ -111,13 +113,14 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs owed to the next step() (aborts)
         self._ids = itertools.count()
         self._rng = random.Random(seed)
+        self.media_cache = MediaCache()  # encoded images / video by content digest, shared across requests
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def from_checkpoint(cls, path_or_preset: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
                         **engine_kwargs) -> Engine:
         """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend."""
-        from m3export import load_model
+        from .. import load_model
         from .backends.torch_backend import TorchBackend
 
         model = load_model(path_or_preset, device=device, dtype=dtype)
@@ -132,7 +135,10 @@ class Engine:
         return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    media: Sequence[MediaItem] | None = None) -> None:
+        """``media``: the prompt's images and videos (preprocessed), each kind in the order of its placeholders;
+        the prompt must already hold one placeholder token per media token (``m3export.preprocess``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -140,7 +146,15 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if media:
+            self._check_media_fits(prompt, media)
         ids = self._prompt_ids(prompt)
+        attached = None
+        if media:
+            if not self.backend.supports_media:
+                raise MediaError(f"the {self.backend.name} backend cannot take images or video"
+                                 + ("" if self.config.vision is not None else " (the model has no vision tower)"))
+            attached = attach_media(ids, media, self.config.vision, self.backend.encode_media, self.media_cache)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (this engine has none); use stop_token_ids")
         if params.logprobs is not None and params.logprobs > self.config.vocab_size:
@@ -150,9 +164,19 @@ class Engine:
         gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         req = Request(request_id, ids, params, gen, detokenizer,
-                      logprobs=[] if params.logprobs is not None else None)
+                      logprobs=[] if params.logprobs is not None else None, media=attached)
         self._requests[request_id] = req
         self.scheduler.add(req)
+
+    def _check_media_fits(self, prompt: str | Sequence[int], media: Sequence[MediaItem]) -> None:
+        """Refuse, naming the media, a prompt that its image / video tokens push past the context."""
+        n = len(self.tokenizer.encode(prompt)) if isinstance(prompt, str) and self.tokenizer else len(prompt)
+        if n >= self.max_model_len:
+            unit = self.config.vision.merge_unit if self.config.vision is not None else 1
+            media_tokens = sum(m.num_tokens(unit) for m in media)
+            raise MediaError(f"prompt has {n} tokens, {media_tokens} of them for {len(media)} image/video item(s): "
+                             f"more than this engine's context allows ({self.max_model_len - 1} prompt tokens, "
+                             f"max_model_len {self.max_model_len}); use smaller images or fewer frames")
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -255,9 +279,14 @@ class Engine:
     # ------------------------------------------------------------------ step internals
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         segments, logits_rows, offset = [], [], 0
+        media_rows, media_values = [], []
         for s in scheduled:
             r = s.request
             tokens = r.tokens[r.num_computed:r.num_computed + s.num_new] + s.drafts
+            if r.media is not None:  # placeholders computed in this step take their media embeddings
+                positions, values = r.media.rows_in(r.num_computed, r.num_computed + s.num_new)
+                media_rows.append(positions - r.num_computed + offset)
+                media_values.append(values)
             segments.append(Segment(r.pages, r.num_computed, tokens))
             if s.samples:
                 first = offset + s.num_new - 1
@@ -265,7 +294,11 @@ class Engine:
             offset += len(tokens)
         ids, batch = build_batch(segments, self.page_size, self.backend.device)
         index = torch.tensor(logits_rows, dtype=torch.int64, device=ids.device)
-        logits, hidden = self.backend.forward(ids, batch, index)
+        if media_rows and sum(r.numel() for r in media_rows):
+            media = (torch.cat(media_rows).to(ids.device), torch.cat(media_values))
+            logits, hidden = self.backend.forward(ids, batch, index, media=media)
+        else:
+            logits, hidden = self.backend.forward(ids, batch, index)
         return logits.float().cpu(), hidden
 
     def _settle(self, s: ScheduledRequest, rows: torch.Tensor, hidden: torch.Tensor) -> DraftJob | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .media import RequestMedia
 from .params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class Request:
     draft_probs: torch.Tensor | None = None
     # Output bookkeeping: what the last RequestOutput already reported.
     reported_tokens: int = 0
+    # Images / video: embeddings for the prompt's placeholder positions, and media digests for the prefix cache.
+    media: RequestMedia | None = None
 
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt_token_ids) + self.output_token_ids

@@ -13,6 +13,7 @@ its prefix is still cached). Preemption never touches a page another request sti
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,7 +102,12 @@ class Scheduler:
 
     def _digest(self, req: Request, i: int, parent: bytes | None) -> bytes:
         p = self.blocks.page_size
-        return page_digest(parent, req.tokens[i * p:(i + 1) * p + self.page_lookahead])
+        lo, hi = i * p, (i + 1) * p + self.page_lookahead
+        digest = page_digest(parent, req.tokens[lo:hi])
+        if req.media is not None and (key := req.media.page_key(lo, hi)):
+            # Placeholder ids are the same for every image: the page's identity must include what fills them.
+            digest = hashlib.sha256(digest + key).digest()
+        return digest
 
     def publish(self, req: Request, cached_len: int) -> None:
         """Offer the request's full, final pages (every position below ``cached_len``) to the prefix cache."""

@@ -7,12 +7,13 @@ outputs cross the interface as CPU-or-device torch tensors so sampling and sched
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 
 import torch
 
-from m3export.config import M3Config
-from m3export.model.batch import Batch
+from ...config import M3Config
+from ...model.batch import Batch
 
 
 class Backend(ABC):
@@ -41,6 +42,18 @@ class Backend(ABC):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target model step: writes the new tokens' K/V and index keys; returns (logits [N, V] float32,
         final-normed hidden [T, H])."""
+
+    @property
+    def supports_media(self) -> bool:
+        """Images / video: the model has a vision tower, ``encode_media`` works and ``forward`` takes
+        ``media=(rows [M], embeddings [M, H])`` (placed over the token embeddings at those rows)."""
+        return self.config.vision is not None and "media" in inspect.signature(self.forward).parameters
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """One media item's patches -> one [tokens, H] block per ``grid_thw`` row."""
+        from m3export.errors import MediaError
+
+        raise MediaError(f"the {self.name} backend does not run the vision encoder (use the torch backend)")
 
     @abstractmethod
     def mtp_forward(self, module: int, input_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch,

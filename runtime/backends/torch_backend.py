@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from m3export.model import M3ForCausalLM
-from m3export.model.batch import Batch
-
+from ...model import M3ForCausalLM
+from ...model.batch import Batch
 from .base import Backend
 
 
@@ -39,13 +38,22 @@ class TorchBackend(Backend):
         self._caches = m.allocate_caches(num_pages, page_size, self.dtype, self.device, layers="main")
         self._mtp_caches = m.allocate_caches(num_pages, page_size, self.dtype, self.device, layers="mtp")
 
-    def forward(self, input_ids, batch: Batch, logits_indices):
+    def forward(self, input_ids, batch: Batch, logits_indices, media=None):
         if self._caches is None:
             raise RuntimeError("TorchBackend.forward before allocate()")
         with torch.inference_mode():
-            out = self.model.step(input_ids, batch, self._caches, logits_indices, inplace=True)
+            embeds = None
+            if media is not None:  # image / video tokens over the placeholders' token embeddings
+                rows, values = media
+                e = self.model.model.embed_tokens(input_ids)
+                embeds = e.index_copy(0, rows.to(e.device), values.to(e.device, e.dtype))
+            out = self.model.step(input_ids, batch, self._caches, logits_indices, inplace=True, inputs_embeds=embeds)
         self._caches = out.caches
         return out.logits.float(), out.hidden
+
+    def encode_media(self, pixel_values, grid_thw):
+        with torch.inference_mode():
+            return self.model.encode_media(pixel_values.to(self.device), grid_thw)
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         if self._mtp_caches is None:
