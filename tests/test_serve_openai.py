@@ -359,6 +359,8 @@ def test_serve_command_starts_prints_its_url_and_serves(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "m3export.cli", "serve", "tiny", "--port", "0",
                              "--max-model-len", "128", "--served-model-name", "tiny-m3", "--log-level", "warning"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    guard = threading.Timer(120, proc.kill)  # a server that never comes up fails the test instead of hanging it
+    guard.start()
     try:
         lines = []
         for line in proc.stderr:
@@ -372,6 +374,7 @@ def test_serve_command_starts_prints_its_url_and_serves(tmp_path):
         r = c.completions.create(model="tiny-m3", prompt="Hi", max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     finally:
+        guard.cancel()
         proc.send_signal(2)
         try:
             proc.wait(30)
