@@ -354,6 +354,7 @@ def test_metrics(live):
         assert f"m3export:{name}{{{label}}}" in values, name
 
 
+@pytest.mark.slow  # a fresh process: imports, model load and warm-up (12-30 s on the shared CI machine)
 def test_serve_command_starts_prints_its_url_and_serves(tmp_path):
     """The CLI as a user runs it: progress, the URL, then answers; Ctrl-C stops it."""
     proc = subprocess.Popen([sys.executable, "-m", "m3export.cli", "serve", "tiny", "--port", "0",
