@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import M3Config
+from m3export.config import M3Config
 from m3export.errors import MediaError
+from m3export.model.batch import Segment, build_batch
 
 from .acceptance import accept
 from .backends import Backend, create_backend
-from .batch_builder import Segment, build_batch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .drafter import Drafter, DraftJob, MTPDrafter
@@ -120,7 +120,7 @@ class Engine:
     def from_checkpoint(cls, path_or_preset: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
                         **engine_kwargs) -> Engine:
         """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend."""
-        from .. import load_model
+        from m3export import load_model
         from .backends.torch_backend import TorchBackend
 
         model = load_model(path_or_preset, device=device, dtype=dtype)

@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ...config import M3Config
-from ...model.batch import Batch
+from m3export.config import M3Config
+from m3export.model.batch import Batch
 
 
 class Backend(ABC):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ...model import M3ForCausalLM
-from ...model.batch import Batch
+from m3export.model import M3ForCausalLM
+from m3export.model.batch import Batch
+
 from .base import Backend
 
 
