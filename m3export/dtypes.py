@@ -90,10 +90,9 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 def by_name(name: str) -> DType:
     """The row called ``name``; ValueError listing the known names otherwise."""
-    try:
-        return BY_NAME[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(BY_NAME)}") from None
+    if not isinstance(name, str) or name not in BY_NAME:
+        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(BY_NAME)}")
+    return BY_NAME[name]
 
 
 @functools.cache
@@ -103,10 +102,9 @@ def _by_torch() -> dict:
 
 def of_torch(dtype: torch.dtype) -> DType:
     """The row of a torch dtype; ValueError for one the project does not store."""
-    try:
-        return _by_torch()[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} has no row in m3export.dtypes") from None
+    if not known_torch(dtype):
+        raise ValueError(f"dtype {dtype} has no row in m3export.dtypes")
+    return _by_torch()[dtype]
 
 
 def known_torch(dtype: torch.dtype) -> bool:

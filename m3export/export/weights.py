@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ..dtypes import BY_NAME
 from ..errors import ArtifactError
 from ..safetensors_io import TensorEntry
 
@@ -47,10 +44,6 @@ class ParamEntry:
     def single(self) -> TensorEntry | None:
         """The one range holding the whole parameter, or None when it is assembled from pieces."""
         return self.pieces[0].entry if len(self.pieces) == 1 and self.pieces[0].index == () else None
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return BY_NAME[self.dtype].torch
 
     def to_json(self) -> dict:
         if self.single is not None:
