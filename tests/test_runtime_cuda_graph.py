@@ -7,21 +7,31 @@ import torch
 
 from m3export.model.batch import Batch
 from m3export.runtime import Engine, SamplingParams
-from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, decode_bucket
+from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, step_shape
 from tests.runtime_fixtures import model, prompts, reference, tiny_model  # noqa: F401  (fixtures)
 
 PAGE = 4
 
 
-def test_decode_bucket():
+def test_step_shape():
     buckets = (1, 2, 4, 8)
-    assert decode_bucket(1, 1, 1, buckets) == 1
-    assert decode_bucket(3, 3, 3, buckets) == 4
-    assert decode_bucket(8, 8, 8, buckets) == 8
-    assert decode_bucket(9, 9, 9, buckets) is None  # past the largest bucket: eager
-    assert decode_bucket(5, 2, 2, buckets) is None  # prefill or mixed: more tokens than sequences
-    assert decode_bucket(4, 2, 4, buckets) is None  # MTP verify: eager (not captured yet)
-    assert decode_bucket(2, 2, 1, buckets) is None  # a token whose logits are not needed: not a decode step
+
+    def shape(counts, sampled=None):
+        ids = torch.zeros(sum(counts), dtype=torch.int64)
+        batch = _batch([[2 * i, 2 * i + 1] for i in range(len(counts))], [0] * len(counts), counts)
+        rows = torch.arange(sum(counts)) if sampled is None else torch.tensor(sampled)
+        return step_shape(ids, batch, rows, buckets, page_size=PAGE)
+
+    assert shape([1]) == (1, 1)
+    assert shape([1, 1, 1]) == (4, 1)
+    assert shape([1] * 8) == (8, 1)
+    assert shape([1] * 9) is None  # past the largest bucket: eager
+    assert shape([3, 3]) == (2, 3)  # MTP verification of 2 drafts per sequence
+    assert shape([2, 4]) is None  # uneven: prefill, mixed or uneven drafts
+    assert shape([5, 5]) is None  # more tokens per sequence than a page holds (padding lives in one page)
+    assert shape([3, 2]) is None
+    assert shape([4, 1]) is None  # 5 tokens over 2 sequences
+    assert shape([2, 2], sampled=[1, 3]) is None  # a prefill chunk pair: only the last tokens sampled
 
 
 def _batch(tables, starts, counts):
@@ -69,6 +79,37 @@ def test_padded_decode_equals_unpadded_and_leaves_real_pages_alone(model):
             others[written] = False
             assert torch.equal(p[others], u[others])
             torch.testing.assert_close(p[written], u[written], rtol=0, atol=1e-12)
+
+
+def test_padded_verify_step_equals_unpadded(model):
+    # An MTP verification shape: 2 sequences x 3 tokens, padded to a bucket of 4 sequences on the scratch page.
+    be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(4,))
+    be.allocate(num_pages=6, page_size=PAGE)
+    tables = [[0, 1, 2], [3, 4]]
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1))
+    be.forward(ids[:8], _batch(tables, [0, 0], [5, 3]), torch.tensor([4, 7]))
+    saved = [[c.clone() for c in layer] for layer in be._caches]
+    step = _batch(tables, [5, 3], [3, 3])
+    rows = torch.arange(6)
+    logits, hidden = be.forward(ids[:6], step, rows)
+    for layer, keep in zip(be._caches, saved):
+        for c, k in zip(layer, keep):
+            c.copy_(k)
+    be.pad_eagerly = False
+    want_logits, want_hidden = be.forward(ids[:6], step, rows)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-10)  # float64 model
+    torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-10)
+
+
+def test_engine_on_padded_speculative_decode_matches_reference(model, reference):
+    # k = 2 drafts: verification steps are (bucket, 3) shapes whenever every sequence drafts 2; the last steps
+    # (fewer drafts near max_tokens) and the prefills run eagerly. Greedy output must equal full recomputation.
+    be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(1, 2, 4))
+    eng = Engine(be, page_size=PAGE, num_pages=64, max_num_seqs=3, num_speculative_tokens=2)
+    ps = prompts(3, seed=5)
+    outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference(tuple(p), 8) for p in ps]
+    assert eng.stats.verify_steps > 0
 
 
 def test_engine_on_padded_decode_matches_reference(model, reference):

@@ -2,12 +2,13 @@
 
 A decode step launches hundreds of small kernels whose launch gaps, not their bytes, set its time at small batch.
 ``GraphedTorchBackend`` is a ``TorchBackend`` whose ``forward`` recognises a decode-only step from shapes alone
-(one new token per sequence, every token sampled: ``T == B == len(logits_indices)``), pads it to the smallest
-bucket (1, 2, 4, ..., 64) that holds it and replays that bucket's graph; mixed or prefill steps, batches past the
-largest bucket, MTP modules, and everything on a device without CUDA graphs run eagerly, exactly as
-``TorchBackend``.
+(one new token per sequence, every token sampled: ``T == B == len(logits_indices)``) or an MTP verification step
+(the same number 1 + k of tokens in every sequence, all sampled), pads it to the smallest bucket (1, 2, 4, ..., 64)
+that holds it and replays that (bucket, tokens per sequence) graph; mixed or prefill steps, batches past the
+largest bucket, the MTP modules' own steps, and everything on a device without CUDA graphs run eagerly, exactly
+as ``TorchBackend``.
 
-Padding rows are decode tokens of length-1 sequences that live on one scratch page which the backend allocates
+Padding rows are the tokens of short sequences that live on one scratch page which the backend allocates
 beyond the pages the engine owns (the engine never addresses it), so they write and read nothing of any request.
 Block tables are padded to one fixed width (the longest sequence the pool can hold), so one bucket is one set of
 input shapes whatever the context lengths. The graph needs every op of the step to be capturable (no host
@@ -30,49 +31,73 @@ log = logging.getLogger("m3export.runtime")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def decode_bucket(num_tokens: int, num_seqs: int, num_logits: int, buckets: tuple[int, ...]) -> int | None:
-    """The bucket a step is replayed in, or None when it must run eagerly (not decode-only, or too large)."""
-    if not (num_tokens == num_seqs == num_logits):
+def step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor, buckets: tuple[int, ...],
+               page_size: int) -> tuple[int, int] | None:
+    """(bucket, tokens per sequence) for a step that can be replayed, else None.
+
+    Replayable: every sequence has the same number q of new tokens and every token's logits are wanted: plain
+    decode (q = 1) and MTP verification of k drafts (q = 1 + k). A verify step's uniformity is read from
+    ``query_start_loc`` (one tiny device-to-host copy; the engine has already synchronised on the previous step's
+    logits); a decode step is recognised from shapes alone. Padding sequences hold their q tokens in one scratch
+    page, so q may not exceed a page.
+    """
+    t, b, n = input_ids.shape[0], batch.seq_lens.shape[0], logits_indices.shape[0]
+    if b == 0 or t % b or n != t:
         return None
-    return next((b for b in buckets if b >= num_seqs), None)
+    q = t // b
+    bucket = next((c for c in buckets if c >= b), None)
+    if bucket is None or q > page_size:
+        return None
+    if q > 1:
+        expected = torch.arange(0, t + 1, q, dtype=batch.query_start_loc.dtype)
+        if not torch.equal(batch.query_start_loc.cpu(), expected) or not torch.equal(
+                logits_indices.cpu(), torch.arange(t, dtype=logits_indices.dtype)):
+            return None
+    return bucket, q
 
 
 class DecodeInputs:
-    """The static input buffers of one bucket: what a captured graph reads, refilled before every replay."""
+    """The static input buffers of one (bucket, q) shape: what a captured graph reads, refilled before every replay.
 
-    def __init__(self, bucket: int, table_width: int, scratch_page: int, page_size: int, device):
-        self.bucket = bucket
-        self.input_ids = torch.zeros(bucket, dtype=torch.int64, device=device)
-        self.logits_indices = torch.arange(bucket, dtype=torch.int64, device=device)
+    Real sequences fill the first B slots; padding sequences have q tokens at positions 0 .. q-1 of the scratch page.
+    """
+
+    def __init__(self, bucket: int, q: int, table_width: int, scratch_page: int, page_size: int, device):
+        self.bucket, self.q = bucket, q
+        rows = bucket * q
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)
         self.batch = Batch(
-            positions=torch.zeros(bucket, dtype=torch.int64, device=device),
-            query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(bucket, dtype=torch.int32, device=device),
+            positions=torch.zeros(rows, dtype=torch.int64, device=device),
+            query_start_loc=torch.arange(0, rows + 1, q, dtype=torch.int32, device=device),
+            seq_lens=torch.full((bucket,), q, dtype=torch.int32, device=device),
             block_tables=torch.zeros((bucket, table_width), dtype=torch.int32, device=device),
-            slot_mapping=torch.zeros(bucket, dtype=torch.int64, device=device),
+            slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
         )
-        self._scratch_slot = scratch_page * page_size
+        offsets = torch.arange(q, device=device).repeat(bucket)
+        self._pad_positions = offsets
+        self._pad_slots = scratch_page * page_size + offsets
         self._scratch_page = scratch_page
 
     def fill(self, input_ids: torch.Tensor, batch: Batch) -> None:
-        """Copy a decode step of B <= bucket sequences in; rows past B become scratch-page padding."""
-        b, w = input_ids.shape[0], batch.block_tables.shape[1]
+        """Copy a step of B <= bucket sequences of q tokens each in; the rest becomes scratch-page padding."""
+        t, b, w = input_ids.shape[0], batch.seq_lens.shape[0], batch.block_tables.shape[1]
         s = self.batch
         if w > s.block_tables.shape[1]:
             raise ValueError(f"block table of {w} pages is wider than the captured {s.block_tables.shape[1]}")
-        self.input_ids[:b].copy_(input_ids)
-        self.input_ids[b:].zero_()
-        s.positions[:b].copy_(batch.positions)
-        s.positions[b:].zero_()
+        self.input_ids[:t].copy_(input_ids)
+        self.input_ids[t:].zero_()
+        s.positions[:t].copy_(batch.positions)
+        s.positions[t:].copy_(self._pad_positions[t:])
         s.seq_lens[:b].copy_(batch.seq_lens)
-        s.seq_lens[b:].fill_(1)
-        s.slot_mapping[:b].copy_(batch.slot_mapping)
-        s.slot_mapping[b:].fill_(self._scratch_slot)
+        s.seq_lens[b:].fill_(self.q)
+        s.slot_mapping[:t].copy_(batch.slot_mapping)
+        s.slot_mapping[t:].copy_(self._pad_slots[t:])
         s.block_tables[:b, :w].copy_(batch.block_tables)
         s.block_tables[:b, w:].zero_()
         s.block_tables[b:].zero_()
         s.block_tables[b:, 0] = self._scratch_page
-        # query_start_loc is arange(bucket + 1) for every decode step: one token per sequence.
+        # query_start_loc is arange(0, bucket * q + 1, q) for every such step.
 
 
 class GraphedTorchBackend(TorchBackend):
@@ -88,8 +113,8 @@ class GraphedTorchBackend(TorchBackend):
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.max_model_len = max_model_len
         self.pad_eagerly = pad_eagerly
-        self._graphs: dict[int, tuple] = {}
-        self._inputs: dict[int, DecodeInputs] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
         self.replays = 0  # decode steps served from a graph (for benchmarks and tests)
 
@@ -101,41 +126,43 @@ class GraphedTorchBackend(TorchBackend):
         self._graphs.clear()
         self._inputs.clear()
 
-    def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, bucket: int) -> DecodeInputs:
-        """The bucket's static inputs filled with this step (also what eager padding runs on, for tests)."""
-        if bucket not in self._inputs:
-            self._inputs[bucket] = DecodeInputs(bucket, self._table_width, self._scratch_page, self._page_size,
-                                                self.device)
-        inputs = self._inputs[bucket]
+    def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple[int, int]) -> DecodeInputs:
+        """The static inputs of shape ``key`` = (bucket, q) filled with this step (also what eager padding runs)."""
+        if key not in self._inputs:
+            self._inputs[key] = DecodeInputs(*key, self._table_width, self._scratch_page, self._page_size,
+                                             self.device)
+        inputs = self._inputs[key]
         inputs.fill(input_ids, batch)
         return inputs
 
     def forward(self, input_ids, batch: Batch, logits_indices):
         if self._caches is None:
             raise RuntimeError("GraphedTorchBackend.forward before allocate()")
-        bucket = decode_bucket(input_ids.shape[0], batch.seq_lens.shape[0], logits_indices.shape[0], self.buckets)
-        if bucket is None or not (self.use_graphs or self.pad_eagerly):
+        if not (self.use_graphs or self.pad_eagerly):
             return super().forward(input_ids, batch, logits_indices)
-        b = input_ids.shape[0]
-        inputs = self.padded_inputs(input_ids, batch, bucket)
+        key = step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
+        if key is None:
+            return super().forward(input_ids, batch, logits_indices)
+        t = input_ids.shape[0]
+        inputs = self.padded_inputs(input_ids, batch, key)
         if self.pad_eagerly:
             with torch.inference_mode():
                 out = self.model.step(inputs.input_ids, inputs.batch, self._caches, inputs.logits_indices,
                                       inplace=True)
-            return out.logits[:b].float(), out.hidden[:b]
-        if bucket not in self._graphs:
+            return out.logits[:t].float(), out.hidden[:t]
+        if key not in self._graphs:
             try:
-                self._graphs[bucket] = self._capture(inputs)
+                self._graphs[key] = self._capture(inputs)
             except Exception as exc:  # an op that synchronises with the host cannot be captured
-                log.warning("CUDA-graph capture of decode bucket %d failed (%s: %s); decoding eagerly", bucket,
+                log.warning("CUDA-graph capture of decode shape %s failed (%s: %s); decoding eagerly", key,
                             type(exc).__name__, str(exc)[:200])
                 self.use_graphs = False
                 torch.cuda.synchronize(self.device)
                 return super().forward(input_ids, batch, logits_indices)
-        graph, logits, hidden = self._graphs[bucket]
+        graph, logits, hidden = self._graphs[key]
         graph.replay()
         self.replays += 1
-        return logits[:b].float().clone(), hidden[:b].clone()
+        return logits[:t].float().clone(), hidden[:t].clone()
 
     def _capture(self, inputs: DecodeInputs):
         def step():
