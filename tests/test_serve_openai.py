@@ -336,14 +336,19 @@ def test_bad_requests_through_the_client(live):
     assert neutral.choices[0].text == SCRIPTS["c2"]
 
 
-def test_metrics(live):
-    live.client().completions.create(model=MODEL, prompt="SCRIPT[c5]", max_tokens=50)
-    text = httpx.get(live.url + "/metrics").text
+def metric_values(text):
+    """Prometheus text -> {'name{labels}': value}."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
+    return values
+
+
+def test_metrics(live):
+    live.client().completions.create(model=MODEL, prompt="SCRIPT[c5]", max_tokens=50)
+    values = metric_values(httpx.get(live.url + "/metrics").text)
     label = f'model_name="{MODEL}"'
     for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
                  "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total"):
@@ -352,6 +357,23 @@ def test_metrics(live):
     for name in ("num_requests_running", "num_requests_waiting", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total"):
         assert f"m3export:{name}{{{label}}}" in values, name
+
+
+def test_speculation_metrics_follow_the_engine():
+    """The speculative-decoding series are the engine's own counters, read when Prometheus scrapes."""
+    from m3export.serve.openai_metrics import ServerMetrics
+
+    engine = Engine.from_checkpoint("tiny", num_speculative_tokens=2, max_model_len=64)
+    metrics = ServerMetrics(engine, "spec")
+    engine.generate(["speculate"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    values, stats = metric_values(metrics.exposition().decode()), engine.stats
+    assert stats.draft_tokens > 0
+    label = '{model_name="spec"}'
+    assert values["m3export:spec_decode_num_draft_tokens_total" + label] == stats.draft_tokens
+    assert values["m3export:spec_decode_num_accepted_tokens_total" + label] == stats.accepted_tokens
+    assert values["m3export:spec_decode_mean_acceptance_length" + label] == pytest.approx(
+        stats.mean_acceptance_length)
+    assert values["m3export:num_speculative_tokens" + label] == 2
 
 
 @pytest.mark.slow  # a fresh process: imports, model load and warm-up (12-30 s on the shared CI machine)
