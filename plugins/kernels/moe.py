@@ -213,7 +213,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, H], got shape {tuple(x.shape)}")
     t, h = x.shape
-    e, two_i, h_w = w13.shape
+    e, two_i = w13.shape[0], w13.shape[1]
     i = two_i // 2
     i_s = shared_w13.shape[0] // 2
     for name, got, want in (("router_weight", router_weight.shape, (e, h)), ("w13", w13.shape, (e, 2 * i, h)),
