@@ -309,7 +309,8 @@ def test_client_disconnect_aborts_and_frees_pages(live, stream):
     ('{"model": "m3-test"}', 400, "prompt"),
     ('{"model": "m3-test", "messages": []}', 400, "messages"),
     ('{"model": "m3-test", "messages": [{"content": "x"}]}', 400, "role"),
-    ('{"model": "m3-test", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "text parts"),
+    ('{"model": "m3-test", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}', 400,
+     "input_audio"),
     ('{"model": "m3-test", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', 400,
      "needs tools"),
 ])
