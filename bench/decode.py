@@ -13,8 +13,11 @@ batch x context it reports the time of one ``TorchBackend.forward`` step:
   touches, the embedding rows, K/V of dense layers over the whole context, index keys over the whole context and
   K/V of the selected blocks on sparse layers) over the device-to-device copy bandwidth measured in the same run.
 
-Greedy tokens of the graph path are compared with the eager kernel path on the same inputs. ``transformers`` eager
-is not run here (it needs its own copy of the weights); docs/performance.md quotes its earlier measurement.
+Greedy tokens of the graph path are compared with the eager kernel path on the same inputs. Last, with the model
+freed, ``transformers``' own MiniMax M3 (``MiniMaxM3VLForCausalLM``, needs transformers >= 5.24; bf16 weights,
+random, same config, SDPA attention) prefills ``context`` tokens and decodes with its cache, timed per token with
+cuDNN SDPA disabled (``torch.backends.cuda.enable_cudnn_sdp(False)``) and enabled: with it on, transformers
+re-plans attention at every new length.
 
   python bench/decode.py                                        # H200: table + bench/results/decode_h200.json
   python bench/decode.py --smoke                                # CPU script check (tiny model, interpreter)
@@ -168,6 +171,45 @@ def touched_experts(model, ids, batch) -> dict[int, int]:
     return out, hooks
 
 
+def transformers_decode_ms(cfg, batch: int, context: int, reps: int, device: str, cudnn: bool) -> float:
+    """Per-token decode time of transformers' MiniMax M3 after a ``context``-token prefill (random weights)."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    keys = set(MiniMaxM3VLTextConfig.__dataclass_fields__) | {"rope_parameters"}
+    hf_cfg = MiniMaxM3VLTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k in keys})
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = MiniMaxM3VLForCausalLM(hf_cfg)
+    model = model.to(torch.float32 if SMOKE else torch.bfloat16).to_empty(device=device)
+    with torch.device(device):  # to_empty leaves the rotary buffers unset: build that module again
+        model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg)
+    g = torch.Generator(device=device).manual_seed(2)
+    with torch.no_grad():
+        for _, t in model.named_parameters():
+            t.normal_(0.0, 0.02 if t.dim() < 2 else 1.0 / math.sqrt(t.shape[-1]), generator=g)
+        for name, t in model.named_buffers():
+            if "correction_bias" in name:
+                t.normal_(0.0, 0.01, generator=g)
+    model.eval()
+    if not SMOKE:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    try:
+        with torch.no_grad():
+            ids = torch.randint(0, cfg.vocab_size, (batch, context), device=device, generator=g)
+            out = model(input_ids=ids, use_cache=True)
+            state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+            def one():
+                o = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
+                state["past"], state["next"] = o.past_key_values, o.logits[:, -1].argmax(-1, keepdim=True)
+
+            return timed_ms(one, reps)
+    finally:
+        if not SMOKE:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def main() -> int:
     global SMOKE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,6 +219,8 @@ def main() -> int:
                     help="batch x context pairs")
     ap.add_argument("--reference-shapes", default="1x4096,1x32768,1x131072,8x4096",
                     help="where the (slow, memory-hungry) reference ops are timed too")
+    ap.add_argument("--transformers-shapes", default="1x4096,8x4096",
+                    help="batch x context pairs where transformers' own model is timed (its prefill is quadratic)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_h200.json"))
@@ -279,6 +323,29 @@ def main() -> int:
         if not SMOKE:
             torch.cuda.empty_cache()
 
+    # (d) transformers' own model on the same config, after ours is freed (it holds its own bf16 weights)
+    hf_shapes = [tuple(int(v) for v in s.split("x")) for s in args.transformers_shapes.split(",") if s]
+    if SMOKE:
+        hf_shapes = [(1, 40)]
+    model = None
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    res["transformers"] = []
+    for b, ctx in hf_shapes:
+        row = dict(batch=b, context=ctx)
+        for label, cudnn in (("cudnn_sdp_off_ms", False), ("cudnn_sdp_on_ms", True)):
+            try:
+                row[label] = transformers_decode_ms(cfg, b, ctx, max(3, args.reps // 4), device, cudnn)
+            except Exception as exc:  # transformers without MiniMax M3, or out of memory: reported
+                row[label] = f"{type(exc).__name__}: {exc}"[:200]
+            if not SMOKE:
+                torch.cuda.empty_cache()
+        ours = rows.get((b, ctx), {}).get("graphs_ms")
+        if ours and isinstance(row["cudnn_sdp_off_ms"], float):
+            row["graphs_speedup_vs_cudnn_off"] = row["cudnn_sdp_off_ms"] / ours
+        res["transformers"].append(row)
+        print(json.dumps(row), flush=True)
+
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -295,6 +362,10 @@ def main() -> int:
         print(f"{r['batch']:>5} {r['context']:>7} {r['bytes_needed'] / 1e6:>7.0f} {r['roofline_ms']:>8.3f} {ref} "
               f"{r['kernels_ms']:>8.2f} {gms} {r.get('x_roofline', float('nan')):>6.2f} "
               f"{str(r['graph_tokens_equal_eager']):>5}")
+    for r in res["transformers"]:
+        fmt = lambda v: f"{v:.2f} ms" if isinstance(v, float) else str(v)  # noqa: E731
+        print(f"transformers B{r['batch']} ctx {r['context']}: cuDNN SDPA off {fmt(r['cudnn_sdp_off_ms'])}, "
+              f"on {fmt(r['cudnn_sdp_on_ms'])}; graphs speed-up {r.get('graphs_speedup_vs_cudnn_off', '-')}")
     return 0
 
 
