@@ -168,17 +168,19 @@ def trace_step(model: M3ForCausalLM, page_size: int, layers: range | None = None
     x = ids if graph.first else torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype,
                                             device="meta")
     head = (logits_indices,) if graph.last else ()  # logits_indices belongs to the part with the head
-    return _export(graph, (x, *batch.inputs(), *head, *pools), step_signature(model, layers))
+    return torch_to_onnx(graph, (x, *batch.inputs(), *head, *pools), step_signature(model, layers))
 
 
 def trace_mtp(model: M3ForCausalLM, k: int, page_size: int) -> ir.Model:
     ids, batch, logits_indices, pools = _example(model, page_size, "mtp")
     hidden = torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype, device="meta")
     args = (ids, hidden, *batch.inputs(), logits_indices, *pools[:3])
-    return _export(MTPGraph(model, k), args, mtp_signature())
+    return torch_to_onnx(MTPGraph(model, k), args, mtp_signature())
 
 
-def _export(module: nn.Module, args, sig: GraphSignature) -> ir.Model:
+def torch_to_onnx(module: nn.Module, args, sig: GraphSignature, shapes: tuple | None = None) -> ir.Model:
+    """Trace ``module`` on ``args`` (meta tensors) into un-finalised ONNX IR named by ``sig``. ``shapes``: the
+    ``torch.export`` dynamic shapes; by default every input's, by name (``dynamic_shapes``), for ``forward(*inputs)``."""
     if len(args) != len(sig.inputs):
         raise AssertionError(f"{type(module).__name__}: {len(args)} example inputs for {len(sig.inputs)} names")
     registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
@@ -188,7 +190,7 @@ def _export(module: nn.Module, args, sig: GraphSignature) -> ir.Model:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation chatter; failures still raise
             program = torch.onnx.export(
-                module, args, dynamo=True, dynamic_shapes=(dynamic_shapes(sig.inputs),),  # forward(*inputs)
+                module, args, dynamo=True, dynamic_shapes=shapes or (dynamic_shapes(sig.inputs),),
                 custom_translation_table=translation_table(), input_names=list(sig.inputs),
                 output_names=list(sig.outputs), opset_version=ONNX_OPSET, optimize=False, verbose=False, report=False,
             )

@@ -12,8 +12,6 @@ artifact's weight file (``finalize``).
 
 from __future__ import annotations
 
-import logging
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,7 @@ from torch import nn
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
 from ..model.vision import vision_position_ids
-from .graphs import ROOT, GraphSignature, finalize
-from .schemas import ONNX_OPSET
+from .graphs import ROOT, GraphSignature, finalize, torch_to_onnx
 
 VISION_FILE = "vision.onnx"
 VISION_SIGNATURE = GraphSignature(("pixel_values", "position_ids"), ("media_embeds",), {})
@@ -57,21 +54,7 @@ def trace_vision(model: M3ForCausalLM) -> ir.Model:
     unit = model.config.vision.merge_unit
     tokens = torch.export.Dim("tokens", min=1)
     patches = unit * tokens  # the projector folds every ``unit`` consecutive patches into one token
-    registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = registry_log.level
-    registry_log.setLevel(logging.ERROR)  # "torchvision is not installed" for ops the tower never uses
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's deprecation chatter; failures still raise
-            program = torch.onnx.export(
-                VisionGraph(model), _example(model), dynamo=True,
-                dynamic_shapes=({0: patches}, {0: patches}), input_names=list(VISION_SIGNATURE.inputs),
-                output_names=list(VISION_SIGNATURE.outputs), opset_version=ONNX_OPSET, optimize=False,
-                verbose=False, report=False,
-            )
-    finally:
-        registry_log.setLevel(level)
-    return program.model
+    return torch_to_onnx(VisionGraph(model), _example(model), VISION_SIGNATURE, shapes=({0: patches}, {0: patches}))
 
 
 def export_vision_graph(model: M3ForCausalLM, weights: dict, out_dir: Path) -> onnx.ModelProto:
