@@ -13,7 +13,9 @@ batch x context it reports the time of one ``TorchBackend.forward`` step:
   touches, the embedding rows, K/V of dense layers over the whole context, index keys over the whole context and
   K/V of the selected blocks on sparse layers) over the device-to-device copy bandwidth measured in the same run.
 
-Greedy tokens of the graph path are compared with the eager kernel path on the same inputs. Last, with the model
+Greedy tokens of the graph path are compared with the eager kernel path on the same inputs. Then one
+``--prefill-tokens`` prompt (64k by default) is prefilled through the engine in chunks of ``--prefill-chunk`` tokens
+(kernels registered; prefill runs eagerly) and its throughput reported in tokens/s. Last, with the model
 freed, ``transformers``' own MiniMax M3 (``MiniMaxM3VLForCausalLM``, needs transformers >= 5.24; bf16 weights,
 random, same config, SDPA attention) prefills ``context`` tokens and decodes with its cache, timed per token with
 cuDNN SDPA disabled (``torch.backends.cuda.enable_cudnn_sdp(False)``) and enabled: with it on, transformers
@@ -171,8 +173,8 @@ def touched_experts(model, ids, batch) -> dict[int, int]:
     return out, hooks
 
 
-def transformers_decode_ms(cfg, batch: int, context: int, reps: int, device: str, cudnn: bool) -> float:
-    """Per-token decode time of transformers' MiniMax M3 after a ``context``-token prefill (random weights)."""
+def transformers_model(cfg, device: str):
+    """transformers' MiniMax M3 on the same config, random weights (bf16; fp32 in smoke mode), SDPA attention."""
     from transformers.models.minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
 
@@ -191,14 +193,21 @@ def transformers_decode_ms(cfg, batch: int, context: int, reps: int, device: str
         for name, t in model.named_buffers():
             if "correction_bias" in name:
                 t.normal_(0.0, 0.01, generator=g)
-    model.eval()
+    return model.eval()
+
+
+def transformers_decode_ms(model, vocab: int, batch: int, context: int, reps: int, device: str, cudnn: bool
+                           ) -> float:
+    """Per-token decode time after a ``context``-token prefill, with cuDNN SDPA on or off."""
     if not SMOKE:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
     try:
         with torch.no_grad():
-            ids = torch.randint(0, cfg.vocab_size, (batch, context), device=device, generator=g)
+            g = torch.Generator(device=device).manual_seed(4)
+            ids = torch.randint(0, vocab, (batch, context), device=device, generator=g)
             out = model(input_ids=ids, use_cache=True)
             state = {"past": out.past_key_values, "next": out.logits[:, -1].argmax(-1, keepdim=True)}
+            del out
 
             def one():
                 o = model(input_ids=state["next"], past_key_values=state["past"], use_cache=True)
@@ -221,6 +230,8 @@ def main() -> int:
                     help="where the (slow, memory-hungry) reference ops are timed too")
     ap.add_argument("--transformers-shapes", default="1x4096,8x4096",
                     help="batch x context pairs where transformers' own model is timed (its prefill is quadratic)")
+    ap.add_argument("--prefill-tokens", type=int, default=65536)
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_h200.json"))
@@ -323,6 +334,26 @@ def main() -> int:
         if not SMOKE:
             torch.cuda.empty_cache()
 
+    # (c') one long prompt prefilled in chunks through the engine
+    from m3export.runtime import Engine, SamplingParams
+
+    n_prompt, chunk = (200, 64) if SMOKE else (args.prefill_tokens, args.prefill_chunk)
+    try:
+        be = GraphedTorchBackend(model, use_graphs=not SMOKE, max_model_len=n_prompt + 8)
+        eng = Engine(be, page_size=page, num_pages=-(-(n_prompt + 8) // page) + 1, max_model_len=n_prompt + 8,
+                     max_num_seqs=1, max_num_batched_tokens=chunk)
+        prompt = torch.randint(0, cfg.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(3)).tolist()
+        t = time.perf_counter()
+        eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        if not SMOKE:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        res["prefill"] = dict(tokens=n_prompt, chunk=chunk, seconds=elapsed, tokens_per_s=n_prompt / elapsed)
+    except Exception as exc:  # out of memory or a kernel that does not take this shape: reported
+        res["prefill"] = dict(tokens=n_prompt, chunk=chunk, error=f"{type(exc).__name__}: {exc}"[:300])
+    print(json.dumps(res["prefill"]), flush=True)
+    be = eng = None
+
     # (d) transformers' own model on the same config, after ours is freed (it holds its own bf16 weights)
     hf_shapes = [tuple(int(v) for v in s.split("x")) for s in args.transformers_shapes.split(",") if s]
     if SMOKE:
@@ -331,12 +362,17 @@ def main() -> int:
     if not SMOKE:
         torch.cuda.empty_cache()
     res["transformers"] = []
-    for b, ctx in hf_shapes:
+    try:
+        hf = transformers_model(cfg, device)
+    except Exception as exc:  # transformers without MiniMax M3 (< 5.24), or out of memory: reported
+        hf, res["transformers_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+        print("transformers:", res["transformers_error"], flush=True)
+    for b, ctx in hf_shapes if hf is not None else []:
         row = dict(batch=b, context=ctx)
         for label, cudnn in (("cudnn_sdp_off_ms", False), ("cudnn_sdp_on_ms", True)):
             try:
-                row[label] = transformers_decode_ms(cfg, b, ctx, max(3, args.reps // 4), device, cudnn)
-            except Exception as exc:  # transformers without MiniMax M3, or out of memory: reported
+                row[label] = transformers_decode_ms(hf, cfg.vocab_size, b, ctx, max(3, args.reps // 4), device, cudnn)
+            except Exception as exc:  # out of memory at this shape: reported
                 row[label] = f"{type(exc).__name__}: {exc}"[:200]
             if not SMOKE:
                 torch.cuda.empty_cache()
@@ -362,6 +398,9 @@ def main() -> int:
         print(f"{r['batch']:>5} {r['context']:>7} {r['bytes_needed'] / 1e6:>7.0f} {r['roofline_ms']:>8.3f} {ref} "
               f"{r['kernels_ms']:>8.2f} {gms} {r.get('x_roofline', float('nan')):>6.2f} "
               f"{str(r['graph_tokens_equal_eager']):>5}")
+    p = res["prefill"]
+    print(f"prefill of {p['tokens']} tokens in chunks of {p['chunk']}: "
+          + (f"{p['seconds']:.2f} s, {p['tokens_per_s']:.0f} tokens/s" if "seconds" in p else p["error"]))
     for r in res["transformers"]:
         fmt = lambda v: f"{v:.2f} ms" if isinstance(v, float) else str(v)  # noqa: E731
         print(f"transformers B{r['batch']} ctx {r['context']}: cuDNN SDPA off {fmt(r['cudnn_sdp_off_ms'])}, "
