@@ -148,3 +148,19 @@ def test_frame_cap_errors_or_downsamples():
 def test_bad_video_and_prompts_are_one_clear_error(call, message):
     with pytest.raises(MediaError, match=message):
         call()
+
+
+def test_preprocessor_config_and_data_urls():
+    import base64
+
+    from m3export.preprocess import decode_data_url
+
+    s = ImageSettings.from_preprocessor_config({"size": {"shortest_edge": 100, "longest_edge": 2000},
+                                                "patch_size": 16, "image_mean": [0.5, 0.5, 0.5]})
+    assert (s.min_pixels, s.max_pixels, s.patch_size, s.image_mean) == (100, 2000, 16, (0.5, 0.5, 0.5))
+    png = _png(images()["rgb-array"][0])
+    assert decode_data_url("data:image/png;base64," + base64.b64encode(png).decode()) == png
+    for bad, message in (("http://x/y.png", "only data: URLs"), ("data:image/png,raw", "without a base64 payload"),
+                         ("data:image/png;base64,@@", "does not decode")):
+        with pytest.raises(MediaError, match=message):
+            decode_data_url(bad)

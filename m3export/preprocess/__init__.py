@@ -4,11 +4,11 @@ Agrees with ``transformers``' ``MiniMaxM3VLImageProcessor`` / ``MiniMaxM3VLVideo
 (checked against their outputs in ``tests/test_preprocess.py``).
 """
 
-from .image import ImageSettings, decode_image, preprocess_images, smart_resize
+from .image import ImageSettings, decode_data_url, decode_image, preprocess_images, smart_resize
 from .prompt import expand_prompt, placeholder_text
 from .video import VideoInputs, VideoSettings, preprocess_video
 
 __all__ = [
-    "ImageSettings", "VideoInputs", "VideoSettings", "decode_image", "expand_prompt", "placeholder_text",
+    "ImageSettings", "VideoInputs", "VideoSettings", "decode_data_url", "decode_image", "expand_prompt", "placeholder_text",
     "preprocess_images", "preprocess_video", "smart_resize",
 ]

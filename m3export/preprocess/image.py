@@ -114,6 +114,26 @@ def decode_image(data: bytes, what: str = "image") -> Any:
         raise MediaError(f"{what}: cannot decode the image bytes ({e})") from None
 
 
+def decode_data_url(url: str, what: str = "image_url") -> bytes:
+    """``data:image/<type>;base64,<payload>`` -> the encoded image bytes. Nothing is fetched: any other URL
+    (http, https, file, ...) is refused with a clear error."""
+    import base64
+    import binascii
+
+    if not isinstance(url, str) or not url.startswith("data:"):
+        shown = url[:40] if isinstance(url, str) else type(url).__name__
+        raise MediaError(f"{what}: only data: URLs are accepted (this server fetches nothing), got {shown!r}")
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise MediaError(f"{what}: expected data:<mime>;base64,<data>, got a data: URL without a base64 payload")
+    if header and not header.startswith("image/"):
+        raise MediaError(f"{what}: the data: URL holds {header.split(';')[0]!r}, not an image")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError(f"{what}: the base64 payload does not decode ({e})") from None
+
+
 def to_rgb_uint8(image: Any, what: str = "image") -> torch.Tensor:
     """A PIL image, or a uint8 array / tensor (H x W or H x W x C, C in {1, 3}) -> uint8 tensor [3, H, W]."""
     try:
@@ -175,16 +195,18 @@ def patchify(frames: torch.Tensor, settings: ImageSettings) -> tuple[torch.Tenso
     return x.reshape(t * h * w, c * tp * p * p), (t, h, w)
 
 
-def preprocess_images(images: Sequence[Any], settings: ImageSettings = ImageSettings()
+def preprocess_images(images: Sequence[Any], settings: ImageSettings = ImageSettings(), first_index: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (PIL or uint8 arrays, or encoded bytes) -> (pixel_values [patches, patch_dim], image_grid_thw [n, 3])."""
+    """Images (PIL or uint8 arrays, or encoded bytes) -> (pixel_values [patches, patch_dim], image_grid_thw [n, 3]).
+
+    Errors name the image as ``image {first_index + i}``."""
     if not isinstance(images, (list, tuple)):
         images = [images]
     if not images:
         raise MediaError("image: no images given")
     patches, grids = [], []
     for i, image in enumerate(images):
-        what = f"image {i}"
+        what = f"image {first_index + i}"
         if isinstance(image, (bytes, bytearray, memoryview)):
             image = decode_image(bytes(image), what)
         rgb = to_rgb_uint8(image, what)

@@ -11,8 +11,8 @@ or, with ``downsample=True``, samples ``max_frames`` frames uniformly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +42,6 @@ class VideoSettings:
         return ImageSettings(min_pixels=self.min_pixels, max_pixels=self.max_pixels, patch_size=self.patch_size,
                              temporal_patch_size=self.temporal_patch_size, merge_size=self.merge_size,
                              image_mean=self.image_mean, image_std=self.image_std, rescale_factor=self.rescale_factor)
-
-    def with_(self, **changes: Any) -> "VideoSettings":
-        return replace(self, **changes)
 
 
 @dataclass

@@ -137,7 +137,16 @@ class EngineDriver:
     def _add(self, request: GenerateRequest, sink: Sink) -> None:
         rid = f"{self._name}-{next(self._ids)}"
         try:
-            self.engine.add_request(rid, request.prompt, sampling_params(request))
+            prompt, media = request.prompt, list(request.media)
+            if request.images:  # decoded and preprocessed here, where the engine's config is known
+                from .media import prepare_images
+
+                prompt, images = prepare_images(self.engine.config, prompt, request.images)
+                media += images
+            if media:
+                self.engine.add_request(rid, prompt, sampling_params(request), media=media)
+            else:
+                self.engine.add_request(rid, prompt, sampling_params(request))
         except (RequestError, ValueError) as e:
             _quietly(sink.fail, str(e))
             return

@@ -36,8 +36,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..errors import MediaError
+from ..preprocess import decode_data_url
+from ..preprocess.prompt import IMAGE_TOKEN
 from .chat_template import ChatTemplate, ChatTemplateError, template_kwargs
 from .driver import EngineDriver
+from .media import prepare_images
 from .openai_metrics import CONTENT_TYPE, ServerMetrics
 from .openai_protocol import ChatRequest, CompletionRequest, NamedToolChoice, error_body
 from .protocol import Chunk, GenerateRequest, RequestError, sampling_kwargs, sampling_params
@@ -92,6 +96,7 @@ class _Prompt:
     ids: list[int]
     text: str | None  # for echo, and for chat: the rendered prompt
     sampling: dict[str, Any]
+    media: tuple = ()  # images (runtime MediaItem) whose placeholders ``ids`` already holds
 
 
 @dataclass
@@ -251,7 +256,7 @@ class OpenAIServer:
         if self.driver is None:
             raise ApiError("the server is not running", 503)
         sink = _AsyncSink(asyncio.get_running_loop())
-        self.driver.submit(GenerateRequest(prompt.ids, prompt.sampling, True, True), sink)
+        self.driver.submit(GenerateRequest(prompt.ids, prompt.sampling, True, True, media=prompt.media), sink)
         arrival, first, num_out = time.monotonic(), None, 0
         checked = arrival
         try:
@@ -446,19 +451,28 @@ class OpenAIServer:
         elif choice == "required" and not tools:
             raise ApiError("tool_choice 'required' needs tools", 400, "tool_choice")
         parse_tools = self.tool_call_parser and tools is not None and choice != "none"
+        images: list[bytes] = []
         try:
             kwargs = template_kwargs(body.chat_template_kwargs)
-            text = self.chat_template.render(_template_messages(body.messages), tools=tools,
+            text = self.chat_template.render(_template_messages(body.messages, images), tools=tools,
                                              add_generation_prompt=body.add_generation_prompt, **kwargs)
         except ChatTemplateError as e:
             raise ApiError(str(e), 400, "messages") from None
-        ids = self._tokenize(text)
+        media: tuple = ()
+        if images:  # markers -> one placeholder per image token, before tokenizing
+            try:
+                expanded, items = prepare_images(self.engine.config, text, images)
+            except MediaError as e:
+                raise ApiError(str(e), 400, "messages") from None
+            ids, media = self._tokenize(expanded), tuple(items)
+        else:
+            ids = self._tokenize(text)
         extra = {"logprobs": body.top_logprobs or 0} if body.logprobs else {}
         if self.markers_are_special and (self.reasoning_parser or parse_tools) \
                 and "skip_special_tokens" not in body.model_fields_set:
             extra["skip_special_tokens"] = False
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompt = _Prompt(ids, text, self._sampling(body, ids, max_tokens, extra))
+        prompt = _Prompt(ids, text, self._sampling(body, ids, max_tokens, extra), media)
         state = _ChatState(ReasoningParser(starts_in_reasoning(text)) if self.reasoning_parser else None,
                            ToolCallParser(tools) if parse_tools else None, body.include_reasoning,
                            body.top_logprobs or 0 if body.logprobs else None)
@@ -625,9 +639,10 @@ def _sum_usage(usage: list[_Usage]) -> dict:
     return _Usage(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage)).as_dict()
 
 
-def _template_messages(messages: list[dict]) -> list[dict]:
+def _template_messages(messages: list[dict], images: list[bytes] | None = None) -> list[dict]:
     """OpenAI messages -> what chat templates read: text parts joined into one string, tool-call arguments
-    parsed from their JSON string (templates iterate over them)."""
+    parsed from their JSON string (templates iterate over them). ``image_url`` parts (data: URLs only) become the
+    image marker in the text, their bytes appended to ``images``."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
@@ -637,9 +652,19 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for part in content:
+                if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    try:
+                        images.append(decode_data_url(url, f"messages[{i}].content image_url"))
+                    except MediaError as e:
+                        raise ApiError(str(e), 400, "messages") from None
+                    texts.append(IMAGE_TOKEN)
+                    continue
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ApiError(f"messages[{i}].content: only text parts are supported, got {kind!r}", 400,
+                    raise ApiError(f"messages[{i}].content: only text and image_url parts are supported, "
+                                   f"got {kind!r}", 400,
                                    "messages")
                 texts.append(part["text"])
             m["content"] = "\n".join(texts)

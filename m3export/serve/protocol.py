@@ -43,6 +43,9 @@ INPUTS = (
     TensorSpec("return_logprobs", "TYPE_BOOL", (1,), optional=True),
     TensorSpec("return_num_input_tokens", "TYPE_BOOL", (1,), optional=True),
     TensorSpec("return_num_output_tokens", "TYPE_BOOL", (1,), optional=True),
+    # Images, as Triton's vLLM backend takes them: one element per image, base64 text or the encoded bytes; the
+    # text prompt marks where each goes with ]<]image[>[ (m3export.serve.media).
+    TensorSpec("image", "TYPE_STRING", (-1,), optional=True),
 )
 # Optional outputs, each sent only when its return_<name> input is true (types as in the vLLM backend).
 OPTIONAL_OUTPUTS = (
@@ -112,6 +115,8 @@ class GenerateRequest:
     exclude_input: bool
     client_id: str = ""  # the client's request id, for log lines only
     returns: frozenset[str] = frozenset()  # optional outputs asked for (names in OPTIONAL_OUTPUTS)
+    images: tuple[bytes, ...] = ()  # encoded images, prepared by the driver (m3export.serve.media)
+    media: tuple = ()  # already prepared media items (runtime MediaItem), the prompt already expanded
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,15 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | Mapping[st
         sampling.update(sampling_kwargs(raw, "sampling_parameters"))
     if returns & {"logprobs", "cumulative_logprob"} and sampling.get("logprobs") is None:
         sampling["logprobs"] = 0  # the sampled tokens' own logprobs, nothing more
-    return GenerateRequest(prompt, sampling, stream, exclude, client_id, returns)
+    images = ()
+    if "image" in inputs:
+        from .media import image_bytes
+
+        try:
+            images = tuple(image_bytes(e) for e in np.asarray(inputs["image"], dtype=object).reshape(-1))
+        except ValueError as e:
+            raise RequestError(f"input 'image': {e}") from None
+    return GenerateRequest(prompt, sampling, stream, exclude, client_id, returns, images)
 
 
 def sampling_params(request: GenerateRequest):
