@@ -5,8 +5,9 @@ weights made on the GPU, bf16 activations, MXFP8 (default) or bf16 weights. K/V 
 random values and every sequence decodes one token at position ``context`` (no prefill needed for timing). For each
 batch x context it reports the time of one ``TorchBackend.forward`` step:
 
-* ``reference``: the custom ops' reference bodies (what the model ran before the kernels; eager);
-* ``kernels``: every Triton kernel module found in ``plugins/kernels`` registered for CUDA (eager);
+* ``reference``: the custom ops' reference bodies (what the model ran before the kernels; eager, inside
+  ``m3export.plugins.kernels.references()``);
+* ``kernels``: the Triton kernels (``m3export.plugins.kernels.register``, as ``load_model`` does on CUDA; eager);
 * ``graphs``: the same through ``GraphedTorchBackend`` (decode replayed from a CUDA graph per batch bucket); when
   a step cannot be captured (an op still synchronises with the host) the row says so;
 * ``roofline``: bytes that must be read (every weight the step uses once, only the routed experts the batch
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -97,27 +97,6 @@ def build_model(cfg, mxfp8: bool, device: str, dtype: torch.dtype):
             else:
                 p.normal_(0.0, std, generator=g)
     return model.eval()
-
-
-def register_kernels() -> list[str]:
-    """Register every kernel module present in plugins/kernels (committed or not); returns the ops registered."""
-    from m3export.plugins import kernels as pk
-
-    names = set(pk.KERNEL_MODULES)
-    for f in Path(pk.__file__).parent.glob("*.py"):
-        if not f.name.startswith("_"):
-            names.add(f.stem)
-    done = []
-    for name in sorted(names):
-        try:
-            mod = importlib.import_module(f"{pk.__name__}.{name}")
-        except Exception as exc:  # a module mid-edit: reported, not fatal
-            print(f"  kernel module {name} not importable: {type(exc).__name__}: {exc}"[:200], flush=True)
-            continue
-        if hasattr(mod, "OP") and hasattr(mod, "forward"):
-            torch.library.register_kernel(mod.OP, "cuda", mod.forward)
-            done.append(mod.OP)
-    return done
 
 
 def decode_batch(batch: int, context: int, page: int, device):
@@ -284,22 +263,25 @@ def main() -> int:
         ids = torch.randint(0, cfg.vocab_size, (b,), device=device, generator=g)
         return be, ids, batch, torch.arange(b, device=device)
 
+    from m3export.plugins.kernels import references, register
+
+    res["kernels_registered"] = register()
+    print("kernels:", ", ".join(res["kernels_registered"]), flush=True)
     rows, ref_logits = {}, {}
-    # (a) the reference ops, before any kernel is registered (registration cannot be undone in a process)
+    # (a) the reference ops on the same model, pools and tokens
     for b, ctx in shapes:
         row = rows.setdefault((b, ctx), dict(batch=b, context=ctx))
         if (b, ctx) in ref_shapes:
             try:
-                be, ids, batch, li = setup(b, ctx, graphs=False)
-                ref_logits[(b, ctx)] = be.forward(ids, batch, li)[0].cpu()
-                row["reference_ms"] = timed_ms(lambda: be.forward(ids, batch, li), max(3, args.reps // 4))
+                with references():
+                    be, ids, batch, li = setup(b, ctx, graphs=False)
+                    ref_logits[(b, ctx)] = be.forward(ids, batch, li)[0].cpu()
+                    row["reference_ms"] = timed_ms(lambda: be.forward(ids, batch, li), max(3, args.reps // 4))
             except torch.OutOfMemoryError:
                 row["reference_ms"] = "out of memory"
             be = None
             if not SMOKE:
                 torch.cuda.empty_cache()
-    res["kernels_registered"] = register_kernels()
-    print("kernels:", ", ".join(res["kernels_registered"]), flush=True)
     for b, ctx in shapes:
         row = rows[(b, ctx)]
         be, ids, batch, li = setup(b, ctx, graphs=False)
