@@ -38,8 +38,9 @@ res["engine_cuda_equals_cpu"] = outs["cpu", 0] == outs["cuda", 0]
 res["engine_cuda_spec2_equals_no_spec"] = outs["cuda", 2] == outs["cuda", 0]
 print(json.dumps(res, indent=1))
 json.dump(res, open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w"), indent=1)
-ok = res["tiny_logits_max_rel_err_cuda_vs_cpu"] < 1e-4 and res["tiny_selections_equal"] and \
-    res["engine_cuda_equals_cpu"] and res["engine_cuda_spec2_equals_no_spec"]
+# Exact engine equality is recorded, not required: tests/test_gpu_engine.py (below) judges CUDA tokens against
+# CPU reference continuations with the near-tie rule.
+ok = res["tiny_logits_max_rel_err_cuda_vs_cpu"] < 1e-4 and res["tiny_selections_equal"]
 raise SystemExit(0 if ok else 1)
 PY
 # Attention kernels (plugins/kernels) at M3's per-layer dimensions against the references, with any host sync
@@ -47,3 +48,8 @@ PY
 # are drawn on the CPU) and `python3 bench/attention.py` are separate calls.
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_attention_gpu.py -k mini_dims 2>&1 \
     | tee "$OUT/kernels_attention.txt"
+# Op conformance on CUDA (every case and dtype of m3export.ops.conformance through torch.ops.m3 with the kernels
+# registered, against the float64 oracle; near-ties listed as warnings) and engine tokens on CUDA against CPU
+# reference continuations, near-tie aware. Kernels must compile for the GPU here: no TRITON_INTERPRET.
+env -u TRITON_INTERPRET python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_op_conformance.py \
+    tests/test_gpu_engine.py 2>&1 | tee "$OUT/conformance_gpu.txt"
