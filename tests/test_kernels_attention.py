@@ -205,7 +205,7 @@ def test_sparse_paged_attention_matches_reference(case):
 def test_sparse_attention_with_nothing_allowed_is_nan_like_reference(monkeypatch):
     """An all -1 selection is a softmax over nothing: NaN in the reference and in the kernel (docs/ops.md §4),
     here through split-K partials that all saw nothing and their merge."""
-    monkeypatch.setattr(_batch, "num_sms", lambda device: 64)
+    monkeypatch.setattr(_batch, "num_sms", lambda device: 4)
     paged = Paged([9, 5], [2, 1], 4, seed=3)
     q, k, v = paged.randn(3, 4, 16), paged.pool(2, 16), paged.pool(2, 16)
     sel = torch.full((3, 2, 2), -1, dtype=torch.int32)
@@ -227,3 +227,75 @@ def test_query_tiles_cover_every_token_once():
             assert e - a <= tile and (a == e or qsl[s] <= a < e <= qsl[s + 1])
             covered[a:e] += 1
         assert covered.eq(1).all()
+
+
+# ------------------------------------------------------------------------------- fused QK norm + RoPE + cache
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp32: test_model_with_fused_norm_rope_generates_the_same_tokens
+def test_norm_rope_cache_write_matches_model_steps(dtype):
+    """The fused kernel against the model's own steps (RMSNorm, apply_rope, write_pool): 17 heads (two head
+    groups per token), a partial rotation, pages of 8, the single-head index-key form, and a v written alongside.
+    fp32: the same math, the mean square summed in another order (1e-6). 16-bit: both round after every step as
+    the PyTorch ops do; the mean-square order can still move an output by one unit in the last place (2^-8)."""
+    from m3export.model.batch import write_pool
+    from m3export.model.norm import RMSNorm
+    from m3export.model.rope import Rotary, apply_rope
+    from m3export.plugins.kernels.qk_norm_rope_cache import norm_rope
+
+    gen = torch.Generator().manual_seed(5)
+    t, h, d, rot, page, pages = 5, 17, 32, 16, 8, 6
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = torch.randn(d, generator=gen) * 0.3
+    pos = torch.tensor([0, 9, 31, 32, 100])
+    cos, sin = Rotary(rot, 10000.0)(pos, dtype)
+    x = (torch.randn(t, h, d, generator=gen) * 3).to(dtype)
+    v = torch.randn(t, h, d, generator=gen).to(dtype)
+    slots = torch.randperm(pages * page, generator=gen)[:t]
+    want = apply_rope(norm(x), cos, sin)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2.0**-8, atol=2.0**-8)
+
+    got = norm_rope(*_dev(x, norm.weight.data), 1e-6, *_dev(cos, sin))
+    torch.testing.assert_close(got.cpu(), want, **tol)
+
+    pool = torch.full((pages, page, h, d), float("nan"), dtype=dtype)
+    vpool = pool.clone()
+    pool_d, vpool_d = _dev(pool, vpool)
+    assert norm_rope(*_dev(x, norm.weight.data), 1e-6, *_dev(cos, sin), pool=pool_d, slots=slots.to(DEVICE),
+                     v=v.to(DEVICE), v_pool=vpool_d) is None
+    ref_pool = write_pool(pool.clone(), slots, want, inplace=True)
+    torch.testing.assert_close(pool_d.cpu(), ref_pool, equal_nan=True, **tol)  # untouched slots stay NaN
+    torch.testing.assert_close(vpool_d.cpu(), write_pool(vpool.clone(), slots, v, inplace=True), equal_nan=True,
+                               rtol=0, atol=0)  # v is copied, not computed
+
+    ik = x[:, 0]  # the index-key form: one head, pool [pages, page, D]
+    ipool = torch.zeros(pages, page, d, dtype=dtype).to(DEVICE)
+    norm_rope(ik.to(DEVICE), norm.weight.data.to(DEVICE), 1e-6, *_dev(cos, sin), pool=ipool, slots=slots.to(DEVICE))
+    ref = write_pool(torch.zeros(pages, page, d, dtype=dtype), slots, apply_rope(norm(ik[:, None]), cos, sin)[:, 0],
+                     inplace=True)
+    torch.testing.assert_close(ipool.cpu(), ref, **tol)
+
+
+def test_model_with_fused_norm_rope_generates_the_same_tokens(monkeypatch):
+    """The tiny model through the engine with the fused kernel in its attention (forced on here, as on CUDA with
+    kernels active) against the separate norm / RoPE / cache-write steps: same greedy tokens, prefill and decode,
+    fp32 (logits agree to ~1e-6, far inside any greedy margin of the tiny model's random weights)."""
+    import m3export
+    import m3export.model.attention as attention
+    from m3export.runtime import Engine, SamplingParams
+    from m3export.runtime.backends.torch_backend import TorchBackend
+
+    model = m3export.load_model("tiny")
+    prompts = [list(range(1, 6)), [40]]  # one batch: a prefill chunk with a one-token prompt, then decodes
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def run():
+        eng = Engine(TorchBackend(model), None, page_size=4, num_pages=32, max_model_len=64)
+        return [o.token_ids for o in eng.generate(prompts, params)]
+
+    plain = run()
+    calls = []
+    from m3export.plugins.kernels import qk_norm_rope_cache
+
+    real = qk_norm_rope_cache.norm_rope
+    monkeypatch.setattr(qk_norm_rope_cache, "norm_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(attention, "_use_fused", lambda x, inplace: inplace)
+    assert run() == plain and calls

@@ -90,6 +90,12 @@ def use_on(device) -> bool:
     return True
 
 
+def active() -> bool:
+    """Whether CUDA ops run the kernels now (registered, and not inside :func:`references`). The model asks this
+    before using the fused QK-norm + RoPE + cache-write kernel, which is not an op."""
+    return _registered and not _use_references
+
+
 @contextlib.contextmanager
 def references():
     """Within this block the CUDA ops run their references even where kernels are registered."""
