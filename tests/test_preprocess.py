@@ -29,10 +29,10 @@ DATA = Path(__file__).parent / "data"
 REFS = load_file(DATA / "processor_refs.safetensors")
 META = json.loads((DATA / "processor_refs.json").read_text())
 
-# Exact equality is expected: the same uint8 bicubic kernel and the same float32 normalisation order. The
-# references came from torch 2.14; should a torch release change the resize kernel's rounding, a pixel may move by
-# one level (1/255/std ~ 0.015 after normalisation), far above the 1e-6 float32 noise allowed here.
-TOL = 1e-6
+# Bit-for-bit equality (measured): the same uint8 bicubic kernel and the same float32 normalisation order. The
+# references came from torch 2.14; should a torch release change the resize kernel's rounding, a pixel would move
+# by one level (1/255/std ~ 0.015 after normalisation) and this must fail.
+TOL = 0.0
 
 
 @pytest.mark.parametrize("name", list(images()))
