@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import stat
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -69,10 +71,25 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def require_regular_file(path: Path, error: type[M3Error] = CheckpointError) -> os.stat_result:
+    """``path``'s stat (links followed) if it is a regular file; anything else raises ``error`` naming it.
+
+    Opening a FIFO blocks until a writer appears and a device can be endless, so every file this project reads
+    as data (shards, weight files, graphs, manifests, indexes) is checked here before it is opened.
+    """
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: not a regular file (a directory, FIFO, socket or device cannot hold data)")
+    return st
+
+
 def raw_header(path: Path, error: type[M3Error] = CheckpointError) -> bytes:
     """The JSON header's bytes, after checking its length against the file size; problems raise ``error``."""
+    size = require_regular_file(path, error).st_size
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -90,11 +107,19 @@ def header_sha256(path: Path, error: type[M3Error] = CheckpointError) -> str:
     return hashlib.sha256(raw_header(path, error)).hexdigest()
 
 
+def _is_count(x) -> bool:
+    """A JSON non-negative integer (safetensors' usize): not a bool, a float or a string."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def read_header(path: Path, error: type[M3Error] = CheckpointError) -> dict[str, TensorEntry]:
     """Parse and check one file's header -> {tensor name: TensorEntry} (``file`` is ``str(path)``).
 
     Every entry is checked against its shape and the file size before any tensor is touched, so a truncated or
-    corrupt file is reported with its name and the tensor's instead of failing deep inside a read.
+    corrupt file is reported with its name and the tensor's instead of failing deep inside a read. The checks are
+    the ``safetensors`` library's own (integer offsets and shapes; tensors that tile the data section in order,
+    without gaps or overlaps, up to its last byte), so a file is accepted here exactly when the library would
+    load it, whichever path (loading, copying export, zero-copy references) reads it.
     """
     raw = raw_header(path, error)
     data_size = path.stat().st_size - 8 - len(raw)
@@ -109,10 +134,13 @@ def read_header(path: Path, error: type[M3Error] = CheckpointError) -> dict[str,
         if name == "__metadata__":
             continue
         try:
-            dt, shape, (start, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
+            dt, shape, (start, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise error(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
-        if dt not in BY_SAFETENSORS:
+        if not all(_is_count(d) for d in shape) or not (_is_count(start) and _is_count(end)):
+            raise error(f"{path}: tensor {name!r}: shape {meta['shape']!r} and data_offsets {meta['data_offsets']!r} "
+                        "must be non-negative integers")
+        if not isinstance(dt, str) or dt not in BY_SAFETENSORS:
             raise error(f"{path}: tensor {name!r} has unsupported dtype {dt!r}")
         dtype = BY_SAFETENSORS[dt]
         if not (0 <= start <= end) or end - start != nbytes(dtype.torch, shape):
@@ -122,6 +150,16 @@ def read_header(path: Path, error: type[M3Error] = CheckpointError) -> dict[str,
             raise error(f"{path}: tensor {name!r} ends at byte {8 + len(raw) + end} but the file has "
                         f"{8 + len(raw) + data_size} bytes (truncated shard?)")
         out[name] = TensorEntry(str(path), 8 + len(raw) + start, end - start, dtype.name, shape)
+    pos = 0  # as the library requires: in offset order, each tensor starts where the previous one ended
+    for name, e in sorted(out.items(), key=lambda kv: (kv[1].offset, kv[1].offset + kv[1].length)):
+        start = e.offset - 8 - len(raw)
+        if start != pos:
+            raise error(f"{path}: tensor {name!r} starts at data byte {start}, expected {pos} (tensors overlap or "
+                        "leave a gap; the safetensors library rejects such a file)")
+        pos = start + e.length
+    if pos != data_size:
+        raise error(f"{path}: the tensors cover {pos} of the {data_size} data bytes (the safetensors library "
+                    "rejects a file with trailing bytes)")
     return out
 
 

@@ -77,3 +77,100 @@ def test_sparse_and_real_checkpoints_plan_the_same_tensors_and_config(tmp_path):
     assert planned(real) == planned(sparse)
     assert json.loads((real / "config.json").read_text()) == json.loads((sparse / "config.json").read_text())
     assert M3Config.from_pretrained(sparse).quantization is not None
+
+
+def _rewrite_header(path, edit):
+    """Rewrite ``path``'s header through ``edit(header)``, keeping the data section's bytes as they are."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _two_tensor_file(tmp_path):
+    path = tmp_path / "two.safetensors"
+    write_safetensors(path, [("a", torch.float32, (4,)), ("b", torch.float32, (4,))], lambda n: torch.ones(4),
+                      progress=False)
+    return path
+
+
+def _library_rejects(path) -> bool:
+    try:
+        with safe_open(str(path), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+    except Exception:  # noqa: BLE001 - the library raises its own error types
+        return True
+    return False
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda h: h["b"].update(data_offsets=[0, 16]), "tensors overlap or leave a gap"),  # b aliases a's bytes
+    (lambda h: h["a"].update(data_offsets=[0.0, 16.0]), "must be non-negative integers"),
+    (lambda h: h["a"].update(data_offsets=["0", "16"]), "must be non-negative integers"),
+    (lambda h: h["a"].update(shape=["4"]), "must be non-negative integers"),
+    (lambda h: h["a"].update(data_offsets=[True, 16]), "must be non-negative integers"),
+    (lambda h: h.pop("b"), "the tensors cover 16 of the 32 data bytes"),  # trailing bytes nobody owns
+])
+def test_headers_the_library_rejects_are_rejected_with_the_tensor_named(tmp_path, edit, match):
+    """Issue 10 items 6 / 16: every path (loading, copying export, zero-copy references) parses headers here, so it
+    must refuse what the safetensors library refuses, with one clear line instead of a TypeError."""
+    path = _two_tensor_file(tmp_path)
+    _rewrite_header(path, edit)
+    assert _library_rejects(path)
+    with pytest.raises(CheckpointError, match=match):
+        read_header(path)
+
+
+def test_a_fifo_shard_or_index_is_refused_not_opened(tmp_path):
+    """Issue 10 item 10: opening a FIFO blocks until a writer comes; only regular files are read."""
+    import os
+
+    import threading
+
+    def opened_without_blocking(fifo):
+        """Checkpoint(ckpt)'s error; a reader stuck in open() is released by opening the FIFO's write end."""
+        result = []
+
+        def target():
+            try:
+                Checkpoint(ckpt)
+            except CheckpointError as e:
+                result.append(str(e))
+
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        t.join(30)
+        if t.is_alive():
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            t.join()
+            pytest.fail(f"reading the checkpoint blocked in open({fifo.name})")
+        return result[0] if result else ""
+
+    ckpt = write_checkpoint(tmp_path / "c", preset("tiny"), "original", "bf16", with_tokenizer=False, progress=False)
+    (ckpt / "model.safetensors").rename(ckpt / "a.safetensors")
+    os.mkfifo(ckpt / "zz.safetensors")
+    assert "zz.safetensors: not a regular file" in opened_without_blocking(ckpt / "zz.safetensors")
+    (ckpt / "zz.safetensors").unlink()
+    os.mkfifo(ckpt / "model.safetensors.index.json")
+    assert "index.json: not a regular file" in opened_without_blocking(ckpt / "model.safetensors.index.json")
+
+
+def test_hugging_face_cache_layout_with_symlinked_shards_loads(tmp_path):
+    """Issue 10 item 16: in the HF cache every shard is a link into ../../blobs; the index names files inside the
+    snapshot, so the checkpoint is valid (an index *name* leaving the directory is still refused)."""
+    real = write_checkpoint(tmp_path / "real", preset("tiny"), "original", "bf16", shard_bytes=300_000,
+                            with_tokenizer=False, progress=False)
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    for p in real.iterdir():
+        (blobs / p.name).write_bytes(p.read_bytes())
+        (snap / p.name).symlink_to(f"../../blobs/{p.name}")
+    assert len(list(snap.glob("model-*.safetensors"))) > 1
+    got = Checkpoint(snap)
+    assert got.tensors.keys() == Checkpoint(real).tensors.keys()
+    name = next(iter(got.tensors))
+    assert torch.equal(got.get(name), Checkpoint(real).get(name))

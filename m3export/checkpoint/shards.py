@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from ..safetensors_io import TensorEntry, read_header
+from ..safetensors_io import TensorEntry, read_header, require_regular_file
 from ..sources import MANIFEST
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,7 +40,7 @@ class Checkpoint:
 
     def _shards(self) -> list[Path]:
         index = self.dir / INDEX_FILE
-        if index.exists():
+        if index.exists() or index.is_symlink():
             self.weight_map = self._read_index(index)
             return sorted({self.dir / f for f in self.weight_map.values()})
         self.weight_map = None
@@ -60,6 +60,7 @@ class Checkpoint:
         return {self.dir / name for name, meta in files.items() if isinstance(meta, dict) and "sha256" in meta}
 
     def _read_index(self, index: Path) -> dict[str, str]:
+        require_regular_file(index)
         try:
             data = json.loads(index.read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -67,14 +68,14 @@ class Checkpoint:
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-        root = self.dir.resolve()
         for name, file in wm.items():
             if not isinstance(file, str) or not file:
                 raise CheckpointError(f"{index}: tensor {name!r} maps to {file!r}, not a file name")
-            target = (self.dir / file).resolve()
-            if os.path.isabs(file) or root not in target.parents:
+            # The *name* must stay inside the directory; the file it names may be a symbolic link to elsewhere,
+            # as every shard of the Hugging Face cache layout is (snapshots/REV/x.safetensors -> ../../blobs/SHA).
+            if os.path.isabs(file) or ".." in Path(file).parts:
                 raise CheckpointError(f"{index}: tensor {name!r} points outside the checkpoint directory ({file})")
-            if not target.exists():
+            if not (self.dir / file).exists():
                 raise CheckpointError(f"{index}: tensor {name!r} is in {file}, which does not exist")
         return wm
 
