@@ -1,7 +1,7 @@
 """PyTorch backend: ``M3ForCausalLM.step`` / ``mtp_step`` on pools it allocates with the model.
 
-On CPU the custom ops run their reference implementations; the same calls pick up the Triton kernels where
-those are registered for CUDA, with no change here.
+On CPU the custom ops run their reference implementations; on a CUDA device the backend makes the Triton kernels
+of ``m3export.plugins.kernels`` their implementation (``use_on``), with no other change here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ class TorchBackend(Backend):
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.dtype = cache_dtype or model.lm_head.weight.dtype
+        if self.device.type == "cuda":
+            from m3export.plugins.kernels import use_on
+
+            use_on(self.device)
         self._caches: list | None = None
         self._mtp_caches: list | None = None
 
