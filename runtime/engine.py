@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import numbers
 import random
 import time
@@ -43,15 +44,35 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_PAGE_SIZE = 16
 
 
+def default_page_size(cfg: M3Config) -> int:
+    """16 tokens, or for a model with sparse layers the largest page of at most 16 tokens that divides the index
+    block (16 for M3's blocks of 128; 4 for the tiny preset's blocks of 4)."""
+    if not cfg.has_sparse_layers:
+        return DEFAULT_PAGE_SIZE
+    return math.gcd(DEFAULT_PAGE_SIZE, cfg.index_block_size)
+
+
+def _check_page_against_index_block(cfg: M3Config, page_size: int) -> None:
+    """Sparse layers read whole index blocks through the page table; with pages equal to the block, or dividing
+    it, every block is whole pages of one sequence. Other sizes still compute the same results (the ops and
+    kernels accept any page size), so the engine runs, and says so."""
+    block = cfg.index_block_size
+    if cfg.has_sparse_layers and block % page_size:
+        log.warning("page_size %d with index blocks of %d tokens: pages should equal the index block or divide "
+                    "it (e.g. %d), so that every block the sparse attention reads is whole pages; running anyway",
+                    page_size, block, default_page_size(cfg))
+
+
 def _pool_geometry(backend: Backend, page_size: int | None, num_pages: int | None, max_model_len: int | None,
                    kv_cache_bytes: int | None) -> tuple[int, int, int]:
     """Fill in (page_size, num_pages, max_model_len) and check that one longest sequence fits the pool, which is
     what guarantees that preemption can always make progress."""
     cfg = backend.config
-    page_size = page_size or backend.required_page_size or DEFAULT_PAGE_SIZE
+    page_size = page_size or backend.required_page_size or default_page_size(cfg)
     if backend.required_page_size and page_size != backend.required_page_size:
         raise ValueError(f"page_size {page_size}: this {backend.name} backend was built for pages of "
                          f"{backend.required_page_size} tokens")
+    _check_page_against_index_block(cfg, page_size)
     if kv_cache_bytes is not None:
         if num_pages is not None:
             raise ValueError("give num_pages or kv_cache_bytes, not both")
