@@ -299,3 +299,22 @@ def test_model_with_fused_norm_rope_generates_the_same_tokens(monkeypatch):
     monkeypatch.setattr(qk_norm_rope_cache, "norm_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(attention, "_use_fused", lambda x, inplace: inplace)
     assert run() == plain and calls
+
+
+def test_engine_pages_follow_the_index_block(caplog):
+    """Sparse models: the default page divides the index block, and a page that does not is reported."""
+    import logging
+
+    import m3export
+    from m3export.runtime import Engine
+    from m3export.runtime.backends.torch_backend import TorchBackend
+    from m3export.runtime.engine import default_page_size
+
+    assert default_page_size(m3export.preset("mini")) == 16  # blocks of 128: 8 pages of 16 each
+    model = m3export.load_model("tiny")  # blocks of 4
+    with caplog.at_level(logging.WARNING, logger="m3export.runtime"):
+        assert Engine(TorchBackend(model), num_pages=64, max_model_len=64).page_size == 4
+        Engine(TorchBackend(model), page_size=2, num_pages=64, max_model_len=64)
+        assert not caplog.records
+        Engine(TorchBackend(model), page_size=8, num_pages=64, max_model_len=64)
+    assert len(caplog.records) == 1 and "index blocks of 4 tokens" in caplog.records[0].getMessage()
