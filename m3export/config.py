@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,39 @@ class ConfigError(M3Error, ValueError):
     """A config value is missing, of the wrong type or inconsistent; the message names the field."""
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: What each ``M3Config`` field annotation admits (JSON gives bool for true/false, which must not pass as a number).
+_TYPE_CHECKS: dict[str, tuple[Any, str]] = {
+    "int": (_is_int, "an integer"),
+    "float": (_is_number, "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int | None": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "list[int]": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers"),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+
+#: Fields without which a config does not describe a model (their defaults are the full release, which a missing
+#: key must not silently select).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], what: str, where: str) -> Any:
+    """``value`` when it is a ``kind`` (bool never counts as a number), else a ConfigError naming ``where``."""
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                                   else (kind,)))
+    if not ok:
+        raise ConfigError(f"{where} must be {what}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """``quantization_config`` of an MXFP8 checkpoint: E4M3 values with one UE8M0 scale per 32 along K."""
@@ -44,14 +78,15 @@ class QuantConfig:
         method = d.get("quant_method")
         if method != "mxfp8":
             raise ConfigError(f"{where}.quant_method: only 'mxfp8' is supported, got {method!r}")
-        block = tuple(d.get("weight_block_size", (1, 32)))
+        block = tuple(_expect(d.get("weight_block_size", [1, 32]), list, "a list", f"{where}.weight_block_size"))
         if block != (1, 32):
             raise ConfigError(f"{where}.weight_block_size: MXFP8 needs [1, 32], got {list(block)}")
         return cls(
             quant_method=method,
             weight_block_size=block,  # type: ignore[arg-type]
             activation_scheme=d.get("activation_scheme", "dynamic"),
-            ignored_layers=tuple(d.get("ignored_layers", cls.ignored_layers)),
+            ignored_layers=tuple(_expect(d.get("ignored_layers", list(cls.ignored_layers)), list, "a list",
+                                         f"{where}.ignored_layers")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,7 +170,7 @@ class VisionConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: vision[k] for k in names & set(vision) if k not in ("image_token_index", "video_token_index",
                                                                        "projector_hidden_size")}
-        rope = vision.get("rope_parameters") or {}
+        rope = _expect(vision.get("rope_parameters") or {}, dict, "an object", f"{source}: vision_config.rope_parameters")
         if rope.get("rope_type", "axial") != "axial":
             raise ConfigError(f"{source}: vision_config rope_type {rope.get('rope_type')!r} is not supported "
                               "(the vision tower uses axial 3D rotary)")
@@ -235,6 +270,26 @@ class M3Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "M3Config":
         """Check every invariant the model and the exported ops rely on; name the offending field."""
+        for f in dataclasses.fields(self):
+            check = _TYPE_CHECKS.get(f.type)
+            v = getattr(self, f.name)
+            if check is not None and not check[0](v):
+                raise ConfigError(f"{f.name} must be {check[1]}, got {v!r}")
+            if f.type == "float" and not math.isfinite(v):
+                raise ConfigError(f"{f.name} must be finite, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.swiglu_limit < 0:
+            raise ConfigError(f"swiglu_limit must be >= 0, got {self.swiglu_limit!r}")
+        if self.max_position_embeddings < 2:
+            raise ConfigError(f"max_position_embeddings must be >= 2 (a prompt token and a generated one), "
+                              f"got {self.max_position_embeddings}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            for t in v if isinstance(v, list) else [] if v is None else [v]:
+                if not 0 <= t < self.vocab_size:
+                    raise ConfigError(f"{name} ({t}) must be a token id in [0, vocab_size={self.vocab_size})")
 
         def positive(name: str) -> None:
             v = getattr(self, name)
@@ -323,13 +378,37 @@ class M3Config:
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: text_config must be an object")
         text = dict(text)
+        missing = [n for n in REQUIRED_FIELDS if n not in text]
+        if missing:
+            raise ConfigError(f"{source}: missing {', '.join(missing)} (a config must give the model's size; "
+                              "nothing is assumed)")
         kw: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"quantization", "vision"}
         for name in names:
             if name in text:
                 kw[name] = text[name]
 
+        # The shapes of the nested values, before anything indexes into them (each a clear error, not a traceback).
+        for name in ("sparse_attention_config", "rope_parameters", "rope_scaling"):
+            if text.get(name) is not None:
+                _expect(text[name], dict, "an object", f"{source}: {name}")
+        for name in ("quantization_config", "vision_config"):
+            for where, d in (("", top), ("text_config.", text)):
+                if d.get(name) is not None:
+                    _expect(d[name], dict, "an object", f"{source}: {where}{name}")
+        for name in ("moe_layer_freq", "layer_types", "mlp_layer_types"):
+            if text.get(name) is not None:
+                _expect(text[name], list, "a list", f"{source}: {name}")
+        for name in ("head_dim", "num_hidden_layers", "rotary_dim"):
+            if name in text:
+                _expect(text[name], int, "an integer", f"{source}: {name}")
         sparse = text.get("sparse_attention_config") or {}
+        for name in ("sparse_attention_freq", "sparse_disable_index_value"):
+            if sparse.get(name) is not None:
+                _expect(sparse[name], list, "a list", f"{source}: sparse_attention_config.{name}")
+        if "use_sparse_attention" in sparse:
+            _expect(sparse["use_sparse_attention"], bool, "true or false",
+                    f"{source}: sparse_attention_config.use_sparse_attention")
         legacy = {
             "sparse_num_index_heads": "index_n_heads",
             "sparse_index_dim": "index_head_dim",
@@ -372,6 +451,7 @@ class M3Config:
         head_dim = kw.get("head_dim", cls.head_dim)
         factor = text.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
         if factor is not None:
+            _expect(factor, (int, float), "a number", f"{source}: partial_rotary_factor")
             from_factor = int(head_dim * float(factor))
             if "rotary_dim" in text and int(text["rotary_dim"]) != from_factor:
                 raise ConfigError(
@@ -388,17 +468,14 @@ class M3Config:
             raise ConfigError(f"{source}: only per-head QK norm (qk_norm_type='per_head') is supported")
         if text.get("attention_output_gate"):
             raise ConfigError(f"{source}: attention_output_gate=true is not supported")
-        if text.get("use_routing_bias") is False:
-            kw["use_routing_bias"] = False
         if "num_experts" in text and "num_local_experts" not in text:
             kw["num_local_experts"] = text["num_experts"]
         if "num_mtp_modules" not in text:
             kw["num_mtp_modules"] = 0  # a config that declares no MTP modules has none (transformers' text config)
         eos = kw.get("eos_token_id", top.get("eos_token_id"))
         if eos is not None:
-            kw["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos)
-        tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        kw["tie_word_embeddings"] = bool(tie)
+            kw["eos_token_id"] = [eos] if _is_int(eos) else eos  # one id or a list; validate() checks the rest
+        kw["tie_word_embeddings"] = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         q = top.get("quantization_config") or text.get("quantization_config")
         quant = QuantConfig.from_dict(q, f"{source}: quantization_config") if q else None
         vision_raw = top.get("vision_config")
@@ -407,12 +484,6 @@ class M3Config:
             cfg = cls(**kw, quantization=quant, vision=vision)
         except TypeError as e:  # pragma: no cover - dataclass signature errors
             raise ConfigError(f"{source}: {e}") from e
-        for f in dataclasses.fields(cls):
-            v = getattr(cfg, f.name)
-            if f.type in ("int", int) and not (isinstance(v, int) and not isinstance(v, bool)):
-                raise ConfigError(f"{source}: {f.name} must be an integer, got {v!r}")
-            if f.type in ("float", float) and not isinstance(v, (int, float)):
-                raise ConfigError(f"{source}: {f.name} must be a number, got {v!r}")
         try:
             return cfg.validate()
         except ConfigError as e:
@@ -426,9 +497,11 @@ class M3Config:
         if not f.exists():
             raise ConfigError(f"{f}: no config.json found")
         try:
-            raw = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{f}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{f}: cannot read ({e.strerror or e})") from None
         return cls.from_dict(raw, source=str(f))
 
     def to_text_dict(self) -> dict[str, Any]:

@@ -106,3 +106,82 @@ def test_presets():
     assert mini.num_hidden_layers < full.num_hidden_layers and mini.num_local_experts < full.num_local_experts
     with pytest.raises(ConfigError, match="unknown preset"):
         preset("huge")
+
+
+# Issue 10 item 9: every field is type-checked (lists and optional ints included) and every value range the model
+# relies on is enforced, each as a ConfigError that names the field.
+@pytest.mark.parametrize("change, message", [
+    ({"eos_token_id": [{}]}, r"eos_token_id must be a list of integers, got \[\{\}\]"),
+    ({"eos_token_id": "eos"}, "eos_token_id must be a list of integers, got 'eos'"),
+    ({"eos_token_id": 200064}, r"eos_token_id \(200064\) must be a token id in \[0, vocab_size=200064\)"),
+    ({"bos_token_id": "x"}, "bos_token_id must be an integer or null, got 'x'"),
+    ({"pad_token_id": -1}, r"pad_token_id \(-1\) must be a token id"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be finite"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be positive"),
+    ({"rope_theta": 0}, "rope_theta must be positive"),
+    ({"rope_theta": -5.0}, "rope_theta must be positive"),
+    ({"rope_theta": float("inf")}, "rope_theta must be finite"),
+    ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor must be finite"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit must be >= 0"),
+    ({"swiglu_alpha": True}, "swiglu_alpha must be a number, got True"),
+    ({"max_position_embeddings": 1}, "max_position_embeddings must be >= 2"),
+    ({"use_routing_bias": "no"}, "use_routing_bias must be true or false, got 'no'"),
+    ({"scoring_func": 1}, "scoring_func must be a string"),
+    ({"num_local_experts": 128.0}, "num_local_experts must be an integer"),
+])
+def test_every_field_is_type_and_range_checked(change, message):
+    with pytest.raises(ConfigError, match=message):
+        M3Config.from_dict({"text_config": {**RELEASE_TEXT, **change}})
+
+
+def test_replace_checks_types_too():
+    with pytest.raises(ConfigError, match="eos_token_id must be a list of integers"):
+        preset("tiny").replace(eos_token_id=["257"])
+    assert preset("tiny").replace(use_routing_bias=False).use_routing_bias is False
+
+
+@pytest.mark.parametrize("raw", [{}, {"text_config": {}}, {k: v for k, v in RELEASE_TEXT.items() if k != "hidden_size"}])
+def test_missing_size_is_an_error_not_the_full_model(raw):
+    with pytest.raises(ConfigError, match="missing .*hidden_size|missing hidden_size"):
+        M3Config.from_dict(raw)
+
+
+def _nested(path: str, value):
+    text = json.loads(json.dumps(RELEASE_TEXT))
+    top = {**json.loads(json.dumps(RELEASE)), "text_config": text}
+    where = text if not path.startswith("/") else top
+    *parents, leaf = path.strip("/").split(".")
+    for p in parents:
+        where = where[p]
+    where[leaf] = value
+    return top
+
+
+# The 11 config.json shapes that printed tracebacks (reliability review U6), plus tie_word_embeddings as a string.
+@pytest.mark.parametrize("path, value, message", [
+    ("partial_rotary_factor", "half", "partial_rotary_factor must be a number, got 'half'"),
+    ("head_dim", "32", "head_dim must be an integer, got '32'"),
+    ("sparse_attention_config", [1], "sparse_attention_config must be an object"),
+    ("rope_scaling", "yarn", "rope_scaling must be an object"),
+    ("/quantization_config", [1, 32], "quantization_config must be an object"),
+    ("layer_types", 3, "layer_types must be a list"),
+    ("moe_layer_freq", 1, "moe_layer_freq must be a list"),
+    ("sparse_attention_config.sparse_attention_freq", 1, "sparse_attention_freq must be a list"),
+    ("sparse_attention_config.sparse_disable_index_value", 1, "sparse_disable_index_value must be a list"),
+    ("/quantization_config.weight_block_size", 32, "weight_block_size must be a list"),
+    ("/tie_word_embeddings", "false", "tie_word_embeddings must be true or false, got 'false'"),
+])
+def test_malformed_config_json_is_one_clear_error(tmp_path, path, value, message):
+    (tmp_path / "config.json").write_text(json.dumps(_nested(path, value)))
+    with pytest.raises(ConfigError, match=message):
+        M3Config.from_pretrained(tmp_path)
+
+
+def test_unreadable_config_json_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_bytes(b'{"hidden_size": "\xff\xfe"}')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        M3Config.from_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="cannot read"):
+        M3Config.from_pretrained(tmp_path)
