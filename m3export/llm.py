@@ -72,9 +72,21 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None) -> list[GenerationOutput]:
         """``prompts``: a string, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``, or a list
-        of those; ``sampling_params``: one SamplingParams for all, or one per prompt."""
+        of those; ``sampling_params``: one SamplingParams for all, or one per prompt. A dict may carry
+        ``"multi_modal_data": {"image": images, "video": videos}`` (one or a list each: PIL images, uint8 arrays or
+        encoded bytes; videos as [T, H, W, C] frames), placed at the prompt's ``]<]image[>[`` / ``]<]video[>[``."""
         items = _prompt_list(prompts)
-        results = self.engine.generate([p for p, _ in items], sampling_params)
+        prompts_in, media = [], []
+        for (p, _), data in zip(items, _multi_modal(prompts, len(items))):
+            if data:
+                from .serve.media import prepare_media
+
+                p, m = prepare_media(self.engine.config, p, _as_list(data.get("image")), _as_list(data.get("video")))
+                media.append(m)
+            else:
+                media.append(None)
+            prompts_in.append(p)
+        results = self.engine.generate(prompts_in, sampling_params, media=media)
         return [GenerationOutput(r.request_id, text, list(r.prompt_token_ids),
                                  [CompletionOutput(0, r.text, list(r.token_ids), r.finish_reason, r.logprobs)])
                 for (_, text), r in zip(items, results)]
@@ -115,6 +127,26 @@ class LLM:
                     o.finish_reason = "tool_calls"
             o.content = content
         return outputs
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _multi_modal(prompts, n: int) -> list[dict | None]:
+    """Each prompt's ``multi_modal_data`` (None for plain prompts), in ``_prompt_list`` order."""
+    one = isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                               and all(isinstance(t, int) for t in prompts))
+    listed = [prompts] if one else list(prompts)
+    out = [p.get("multi_modal_data") if isinstance(p, dict) else None for p in listed]
+    if len(out) != n:  # pragma: no cover - both walk the same list
+        raise AssertionError("prompt list mismatch")
+    for d in out:
+        if d is not None and (not isinstance(d, dict) or set(d) - {"image", "video"}):
+            raise ValueError(f"multi_modal_data takes 'image' and 'video', got {d!r:.80}")
+    return out
 
 
 def _prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:

@@ -234,17 +234,22 @@ class Engine:
 
     # ------------------------------------------------------------------ driving
     def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 media: Sequence[Sequence[MediaItem] | None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion; one final output per prompt, in order. Drives the engine itself:
-        outputs of other requests produced meanwhile are not returned to anyone."""
+        outputs of other requests produced meanwhile are not returned to anyone. ``media``: per prompt, its
+        images / videos (see ``add_request``) or None."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        media = [None] * len(prompts) if media is None else list(media)
+        if len(media) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(media)} media lists")
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, m in zip(prompts, params, media):
             rid = f"generate-{next(self._ids)}"
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, media=m)
             ids.append(rid)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):

@@ -164,3 +164,24 @@ def test_openai_chat_with_a_data_url_image(engine):
             {"type": "image_url", "image_url": {"url": bad_url}}]}])
         with pytest.raises(ApiError, match=message):
             server._chat_prompt(body)
+
+
+def test_llm_generate_with_multi_modal_data(engine):
+    """vLLM's offline shape: {"prompt": ..., "multi_modal_data": {"image": ..., "video": ...}}."""
+    from m3export.llm import LLM
+    from m3export.serve.media import prepare_media
+
+    llm = object.__new__(LLM)
+    llm.engine = engine
+    frames = np.random.RandomState(5).randint(0, 256, (3, 20, 28, 3), dtype=np.uint8)
+    image = Image.open(io.BytesIO(_png(3)))
+    prompt = f"a {IMAGE_TOKEN} then {VIDEO_TOKEN} end"
+    got = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image, "video": frames}}, GREEDY)[0]
+    expanded, items = prepare_media(engine.config, prompt, [image], [frames])
+    assert [it.kind for it in items] == ["image", "video"]
+    assert engine.tokenizer.encode(expanded).count(VISION.video_token_index) == items[1].num_tokens(4)
+    assert got.outputs[0].token_ids == _generate(engine, expanded, items)
+    plain = llm.generate("no media here", GREEDY)[0]  # plain prompts are unchanged
+    assert len(plain.outputs[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="multi_modal_data takes 'image' and 'video'"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"audio": 1}}, GREEDY)
