@@ -33,10 +33,15 @@ H, I, I_SHARED, TOP_K = 6144, 3072, 3072, 4
 DEV = "cuda"
 SMOKE = False  # --smoke: tiny dims on CPU tensors under the Triton interpreter, host timers (checks the script)
 ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
-# Tile variants tried with MXFP8 weights when --sweep is on (BLOCK_N, BLOCK_K, num_warps, num_stages, MX_MODE);
-# MX_MODE 0 gathers each element's scale, 1 broadcasts one scale per 32 columns, 2 is tl.dot_scaled. The best is
-# reported next to the launcher's default, each with its own error against the oracle.
-DECODE_SWEEP = [(64, 128, 4, 4, 0), (32, 128, 4, 4, 1), (32, 128, 4, 4, 2), (64, 128, 4, 4, 2)]
+# Tile variants tried with MXFP8 weights when --sweep is on; MX_MODE 0 gathers each element's scale, 1 broadcasts
+# one scale per 32 columns, 2 is tl.dot_scaled; GEMV is the CUDA-core path of moe_gemv.py (one program per token and
+# expert). The best is reported next to the launcher's default, each with its own error against the oracle.
+DECODE_SWEEP = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
+                dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=0),
+                dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
+                dict(GEMV=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+                dict(GEMV=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+                dict(GEMV=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)]
 PREFILL_SWEEP = [(64, None), (128, dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2))]
 
 
@@ -202,8 +207,7 @@ def main() -> int:
             ids, _ = moe_routing.route(x, layer.router, layer.bias, TOP_K)
             touched = int(torch.unique(ids).numel())
             need = touched * per + shared + layer.router.numel() * 4 + 2 * x.numel() * 2
-            variants = [None] + ([dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, MX_MODE=mode)
-                                  for n, k, w, s, mode in DECODE_SWEEP] if args.sweep and fmt == "mxfp8" else [])
+            variants = [None] + (DECODE_SWEEP if args.sweep and fmt == "mxfp8" else [])
             want = oracle(fmt, x)
             tried = []
             for cfg in variants:

@@ -23,6 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from m3export.plugins.kernels import moe as moe_kernels
+from m3export.plugins.kernels import moe_gemv
 from m3export.plugins.kernels import mxfp8_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -84,6 +85,24 @@ def variants(quick: bool):
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
+    for bn, bk in ((32, 128), (64, 128), (32, 256)) if not quick else ():
+        for mx in (True, False):
+            w = "*fp8e4nv" if mx else "*bf16"
+            common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
+            sigs = {
+                "gate_up": (moe_gemv._gate_up_gemv, {
+                    "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "sx_t": "i32", "sw_e": "i64",
+                    "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sa_p": "i32",
+                    "alpha": "fp32", "limit": "fp32"}),
+                "down": (moe_gemv._down_gemv, {
+                    "act_ptr": "*bf16", **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
+                    "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32",
+                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}),
+            }
+            for kind, (fn, sig) in sigs.items():
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk)
+                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w4 s3", fn, sig,
+                            consts, 4, 3))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]

@@ -172,6 +172,25 @@ def test_moe_mxfp8_scale_gather_mode(dt):
 
 @cpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_gemv_path(fmt, dt):
+    # The CUDA-core decode path (moe_gemv.py) at odd sizes: H 96 is not a multiple of the K tile (128) nor of the
+    # N tile (64 here); I 32 is smaller than the N tile.
+    _check_moe(MoECase(5, 96, 32, 64, 7, 3, seed=8), dt, fmt, config={"GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128})
+
+
+@cpu_only
+def test_moe_gemv_ties_and_clamps():
+    case = MoECase(6, 64, 32, 32, 6, 2, gain=2.0, seed=9, tie_rows=((2, 5),))
+    case.bias[1] += 10.0
+    case.bias[2] += 5.0
+    case.bias[5] += 5.0
+    for fmt in ("bf16", "mxfp8"):
+        _check_moe(case, torch.float32, fmt, config={"GEMV": 1})
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 def test_moe_one_token_most_experts_empty(fmt):
     # One token reaches 2 of 16 experts: 14 experts have no rows, the permutation has a single used block.
     _check_moe(MoECase(1, 64, 32, 32, 16, 2, seed=2), torch.float32, fmt)

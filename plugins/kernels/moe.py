@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from triton import cdiv
+from . import moe_gemv
 from .moe_routing import ExpertBlocks, group_by_expert, route
 from .mxfp8_linear import cast, check_mx_mode, check_mxfp8, mx_mode2_available, use_f32_dot, weight_dot
 
@@ -209,7 +210,8 @@ def forward(x: torch.Tensor, router_weight: torch.Tensor, e_score_correction_bia
 def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, routed_scaling_factor, swiglu_alpha,
             swiglu_limit, scales=(None, None, None, None), config: dict | None = None) -> torch.Tensor:
     """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
-    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config."""
+    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config, or ``GEMV`` with
+    BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``)."""
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, H], got shape {tuple(x.shape)}")
     t, h = x.shape
@@ -231,6 +233,15 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         return out
     ids, route_w = route(x, router_weight, bias, top_k)
     n = t * top_k
+    if (config or {}).get("GEMV"):  # the CUDA-core decode path (moe_gemv.py): no permutation, no padding
+        routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
+        shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
+        act = torch.empty((n, i), dtype=x.dtype, device=x.device)
+        act_s = torch.empty((t, i_s), dtype=x.dtype, device=x.device)
+        y = torch.empty((t, top_k + 1, h), dtype=x.dtype, device=x.device)
+        moe_gemv.launch(x, act, act_s, y, ids, route_w, routed13, routed2, shared13, shared2, h, i, i_s, top_k,
+                        float(swiglu_alpha), float(swiglu_limit), config)
+        return _combine_launch(y, out, routed_scaling_factor, h, top_k)
     bm = (config or {}).get("BLOCK_M") or block_m_for(n, e)
     blocks: ExpertBlocks = group_by_expert(ids, e, bm)
     mode2 = mx_mode2_available(x.dtype)
@@ -254,7 +265,12 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     _launch_gate_up(x, shared13, act_s, None, t, alpha, limit, h, i_s, top_k, shared_bm, shared_cfg, f32, prec)
     _launch_down(act, routed2, y, blocks, route_w, n, h, i, top_k, bm, cfg, f32, prec)
     _launch_down(act_s, shared2, y, None, None, t, h, i_s, top_k, shared_bm, shared_cfg, f32, prec)
+    return _combine_launch(y, out, routed_scaling_factor, h, top_k)
+
+
+def _combine_launch(y, out, routed_scaling_factor, h, top_k):
     block_h = 1024
+    t = out.shape[0]
     _combine[(t, cdiv(h, block_h))](y, out, t, y.stride(0), y.stride(1), out.stride(0), float(routed_scaling_factor),
                                     H=h, TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
     return out
