@@ -120,6 +120,9 @@ def main() -> int:
     ap.add_argument("--eval-windows", type=int, default=16, help="held-out windows per periodic evaluation")
     ap.add_argument("--final-windows", type=int, default=128, help="held-out windows of the final evaluation")
     ap.add_argument("--minutes", type=float, default=35.0, help="stop early after this much wall time")
+    ap.add_argument("--stop-at-step", type=int, default=None,
+                    help="stop after this step with the --steps schedule unchanged (reproduces a run that "
+                         "--minutes stopped: training.json records where)")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads (1 is fastest on a shared 2-core machine: spinning OpenMP threads stall)")
     ap.add_argument("--device", default="cpu")
@@ -182,7 +185,7 @@ def main() -> int:
                    "indexer_kl": kl.item(), "grad_norm": gnorm, "max_load_ratio": imbalance,
                    "lr": opt.param_groups[0]["lr"], "elapsed_s": time.time() - start}
             bar.set_postfix(loss=f"{rec['train_loss']:.3f}", mtp=f"{rec['mtp_loss'][0]:.2f}", kl=f"{float(kl):.3f}")
-            out_of_time = time.time() - start > args.minutes * 60
+            out_of_time = time.time() - start > args.minutes * 60 or step + 1 == args.stop_at_step
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps or out_of_time:
                 model.eval()
                 rec["heldout"] = evaluate(model, windows[:args.eval_windows])
@@ -194,7 +197,7 @@ def main() -> int:
             with log_path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             if out_of_time:
-                tqdm.write(f"stopping at step {step + 1}: --minutes {args.minutes} reached")
+                tqdm.write(f"stopping at step {step + 1} of {args.steps} (--minutes / --stop-at-step)")
                 break
         balancer.remove()
     else:
@@ -216,6 +219,7 @@ def package(model, tok, cfg, windows, log, heldout_files, args) -> None:
     if out.exists():
         shutil.rmtree(out)
     write_checkpoint(out, cfg, layout="original", fmt="bf16", model=model.cpu(), with_tokenizer=False, progress=False)
+    out.chmod(0o755)  # the writer's private temporary directory becomes package data that everyone reads
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(bpe_tokenizer_config(tok, CONTEXT * 16), indent=2) + "\n")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
@@ -227,7 +231,7 @@ def package(model, tok, cfg, windows, log, heldout_files, args) -> None:
         "corpus": "Python standard library .py files (m3export.corpus), held out by file",
         "heldout_files": [rel for rel, _ in heldout_files],
         "context": CONTEXT, "eval_windows": len(windows), "heldout": final, "test_slice": recorded_slice,
-        "steps": len(train), "batch": args.batch, "seed": args.seed, "lr": args.lr, "mtp_weight": args.mtp_weight,
+        "steps": len(train), "schedule_steps": args.steps, "batch": args.batch, "seed": args.seed, "lr": args.lr, "mtp_weight": args.mtp_weight,
         "wall_time_s": train[-1]["elapsed_s"] if train else None, "device": args.device, "threads": args.threads,
         "tokens_seen": len(train) * args.batch * CONTEXT,
         "parameters": sum(p.numel() for p in model.parameters()),

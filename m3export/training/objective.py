@@ -131,6 +131,8 @@ class RouterBalancer:
         self.hooks = [m.register_forward_pre_hook(self._count) for m in model.modules() if isinstance(m, MoE)]
 
     def _count(self, moe: MoE, args) -> None:
+        if not moe.training:
+            return  # evaluation batches (held-out text) must not steer routing
         with torch.no_grad():
             idx, _ = route(args[0], moe.gate.weight, moe.gate.e_score_correction_bias, moe.cfg.num_experts_per_tok)
             load = torch.bincount(idx.reshape(-1), minlength=moe.cfg.num_local_experts).float()
