@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from ..dtypes import MODEL_DTYPES
-from ..sources import ARTIFACT, BACKENDS, source_kind
+from ..sources import ARTIFACT, BACKENDS, PRESET, source_kind
 
 NAME = "generate"
 HELP = ("Generate from an exported artifact (torch / onnxruntime / tensorrt backend), or from a checkpoint "
         "directory or preset (torch backend); text streams to stdout, throughput to stderr.")
 EXAMPLES = """\
+  m3export generate --prompt "def parse_args(argv):" --max-tokens 48 --temperature 0   # embedded trained model
   m3export generate art/tiny --prompt "Once upon a time" --backend onnxruntime --max-tokens 32
   m3export generate art/tiny --prompt "Hello" --speculative 2 --temperature 0.8 --top-p 0.9 --seed 0
   m3export generate tiny --prompt-ids 1,2,3 --temperature 0        # preset, random weights, token ids out
@@ -19,8 +20,9 @@ EXAMPLES = """\
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("artifact", metavar="ARTIFACT",
-                   help="artifact directory (has manifest.json), checkpoint directory, or preset name")
+    p.add_argument("artifact", metavar="ARTIFACT", nargs="?",
+                   help="artifact directory (has manifest.json), checkpoint directory, or preset name (random "
+                        "weights); default: the embedded trained checkpoint (m3export.embedded)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer: tokenizer.json or the tiny preset)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -44,6 +46,14 @@ def _engine(args: argparse.Namespace):
     from ..dtypes import BY_NAME
     from ..errors import M3Error
     from ..runtime import Engine
+
+    if args.artifact is None:
+        from ..embedded import default_model
+
+        args.artifact = str(default_model())
+    if source_kind(args.artifact) == PRESET:
+        print(f"note: preset {args.artifact!r} has random weights, so its output is meaningless by design; leave "
+              "ARTIFACT out to generate with the embedded trained model", file=sys.stderr)
 
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,

@@ -10,6 +10,7 @@ NAME = "triton-repo"
 HELP = ("Write a Triton model repository (Python backend, decoupled/streaming, vLLM-style inputs) that runs "
         "an artifact, a checkpoint or a preset with the m3export runtime.")
 EXAMPLES = """\
+  m3export triton-repo --out repo                               # the embedded trained checkpoint, torch backend
   m3export triton-repo tiny --out repo                          # random-weight preset, torch backend
   m3export triton-repo out/m3-artifact --out repo --backend onnxruntime --instances 2
   m3export triton-repo ckpt/tiny --out repo --name m3-tiny --copy --engine-arg max_model_len=2048
@@ -18,8 +19,9 @@ EXAMPLES = """\
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("artifact", metavar="ARTIFACT",
-                   help="exported artifact directory, or (torch backend) a checkpoint directory or preset name")
+    p.add_argument("artifact", metavar="ARTIFACT", nargs="?",
+                   help="exported artifact directory, or (torch backend) a checkpoint directory or preset name; "
+                        "default: the embedded trained checkpoint (m3export.embedded)")
     p.add_argument("--out", required=True, metavar="REPO", help="model repository directory (created if missing)")
     p.add_argument("--backend", default="torch", choices=BACKENDS,
                    help="runtime backend the engine uses (default: %(default)s)")
@@ -39,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..serve.repo import parse_engine_args, write_repository
+
+    if args.artifact is None:
+        from ..embedded import default_model
+
+        args.artifact = str(default_model())
 
     model_dir = write_repository(
         args.artifact, args.out, backend=args.backend, instances=args.instances, name=args.name, copy=args.copy,
