@@ -13,8 +13,8 @@ mkdir -p "$OUT"
 rm -rf /tmp/m3pkg && mkdir -p /tmp/m3pkg
 cp -r m3export /tmp/m3pkg/ && cp -r plugins /tmp/m3pkg/m3export/plugins && cp -r runtime /tmp/m3pkg/m3export/runtime
 export PYTHONPATH="/tmp/m3pkg:$R"
-(cd / && timeout 240 python3 -m pytest -q --import-mode=importlib -m gpu -p no:cacheprovider -s \
+(cd / && timeout 150 python3 -m pytest -q --import-mode=importlib -m gpu -p no:cacheprovider -s \
     "$R/tests/test_kernels_moe.py" "$R/tests/test_runtime_cuda_graph.py" 2>&1 | grep -v "loading weights" \
     | tail -25 | tee "$OUT/gpu_moe_tests.txt")
 timeout 150 python3 bench/moe.py --json "$OUT/moe_h200.json" 2>&1 | tee "$OUT/moe.log" | grep -v '^{'
-timeout 330 python3 bench/decode.py --json "$OUT/decode_h200.json" 2>&1 | tee "$OUT/decode.log" | grep -v '^{'
+timeout 290 python3 bench/decode.py --json "$OUT/decode_h200.json" 2>&1 | tee "$OUT/decode.log" | grep -v '^{'
