@@ -52,9 +52,10 @@ class MediaItem:
 
 
 class MediaCache:
-    """Encoded items by content digest, least recently used dropped beyond ``max_items``."""
+    """Encoded items by content digest, least recently used dropped beyond ``max_items`` (a 448 x 448 image is
+    256 tokens: 3 MB in bf16 at the release's width; a 2016 x 2016 one 5184 tokens, 64 MB)."""
 
-    def __init__(self, max_items: int = 64):
+    def __init__(self, max_items: int = 16):
         self.max_items = max_items
         self._items: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.hits = self.misses = 0
