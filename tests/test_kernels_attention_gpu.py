@@ -61,9 +61,41 @@ def test_mini_dims_against_references_without_host_sync(page):
         assert (got.float() - ref.float()).abs().max().item() <= bound
 
 
+def test_mini_dims_fused_norm_rope_cache_write():
+    """The fused QK-norm + RoPE + cache-write kernel at M3 dims (64 q heads, 4 KV heads, 128-dim heads, 64 rotary
+    dims, bf16) against the model's separate steps: equal up to one bf16 unit in the last place (the mean
+    square's fp32 summation order), and at least 99 % of elements bit-equal."""
+    from m3export.model.batch import write_pool
+    from m3export.model.norm import RMSNorm
+    from m3export.model.rope import Rotary, apply_rope
+    from m3export.plugins.kernels.qk_norm_rope_cache import norm_rope
+
+    t, pages, page = 300, 16, 128
+    norm = RMSNorm(D, 1e-6).cuda().to(torch.bfloat16)
+    norm.weight.data.normal_(0, 0.3)
+    pos = torch.randint(0, 131072, (t,), device="cuda")
+    cos, sin = Rotary(64, 10000.0).cuda()(pos, torch.bfloat16)
+    for heads in (HQ, HKV):
+        x = torch.randn(t, heads, D, device="cuda", dtype=torch.bfloat16) * 3
+        want = apply_rope(norm(x), cos, sin)
+        got = norm_rope(x, norm.weight, 1e-6, cos, sin)
+        ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+        assert (got == want).float().mean() >= 0.99
+    slots = torch.randperm(pages * page, device="cuda")[:t]
+    pool = torch.zeros(pages, page, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vpool = torch.zeros_like(pool)
+    v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16)
+    norm_rope(x, norm.weight, 1e-6, cos, sin, pool, slots, v, vpool)
+    assert torch.equal(vpool, write_pool(torch.zeros_like(vpool), slots, v, inplace=True))
+    diff = pool.float() - write_pool(torch.zeros_like(pool), slots, want, inplace=True).float()
+    assert diff.abs().max() <= want.float().abs().max() * 2.0**-7
+
+
 def test_mini_model_greedy_tokens_equal_with_kernels_and_references():
     """The whole ``mini`` model (bf16, random weights) through the engine: 64 greedy tokens for a prompt long
-    enough that the indexer selects (2300 tokens > 16 blocks of 128), kernels vs the reference path."""
+    enough that the indexer selects (2300 tokens > 16 blocks of 128), kernels (the m3 ops and the fused
+    norm / RoPE / cache write) vs the reference path. Minutes: the random weights are drawn on the CPU."""
     import m3export
     from m3export.plugins.kernels import references, use_on
     from m3export.runtime import Engine, SamplingParams
