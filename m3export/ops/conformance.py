@@ -12,7 +12,7 @@ implementation x case x dtype. The pieces:
   in the ONNX schema) are then rounded to the dtype under test.
 * :data:`IMPLEMENTATIONS`: ``reference`` (the PyTorch references on the CPU), ``onnx-cpu`` (one ``m3::`` node
   whose model-local function body ONNX Runtime's CPU provider runs), ``triton-interpret`` (every launcher of
-  ``m3export.plugins.kernels.kernels()`` on CPU tensors under ``TRITON_INTERPRET=1``, small cases only),
+  ``m3export.plugins.kernels.kernels()`` on CPU tensors under ``TRITON_INTERPRET=1``, a tiny subset),
   ``cuda`` (whatever ``torch.ops.m3.*`` dispatches to on CUDA after the kernels registered themselves) and
   ``tensorrt`` (not built yet). An unavailable combination says why (:meth:`Implementation.unavailable`).
 * :func:`oracle`: the reference ``m3export.ops.<module>.<op>_reference`` evaluated on float64 upcasts of the very
@@ -27,6 +27,7 @@ implementation x case x dtype. The pieces:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -133,6 +134,7 @@ class Case:
     tags: frozenset[str]
     build: Callable[[torch.Generator], tuple[list[torch.Tensor], dict]] = field(repr=False, compare=False)
     cpu: bool = True  # False: too large for the CPU implementations (runs on cuda only)
+    interpret: bool = False  # in the Triton interpreter's subset (a few tiny cases per op; it is ~1000x slower)
 
     @property
     def id(self) -> str:
@@ -350,7 +352,21 @@ def _build_cases() -> dict[str, Case]:
     cases = {c.id: c for c in out}
     if len(cases) != len(out):
         raise RuntimeError("duplicate conformance case names")
+    for cid in INTERPRET_CASES:
+        cases[cid] = dataclasses.replace(cases[cid], interpret=True)
     return cases
+
+
+# What the Triton interpreter runs in CPU CI: per op, decodes / a verify step and the adversarial data, chosen
+# for few programs (a 37-token prefill of sparse attention takes ~30 s interpreted); the gpu tier runs every case.
+INTERPRET_CASES = (
+    "LightningIndexer/decode-batch", "LightningIndexer/verify-multi-token", "LightningIndexer/forced-beyond-topk",
+    "LightningIndexer/score-ties-no-forced", "LightningIndexer/nan-tails-empty-shared-batch",
+    "PagedAttention/decode-batch", "PagedAttention/verify-multi-token", "PagedAttention/nan-tails-empty-shared-batch",
+    "SparsePagedAttention/decode-batch-random", "SparsePagedAttention/verify-multi-token-indexer",
+    "MoE/top1-1tok", "MoE/routing-ties", "MoEMXFP8/e4m3-edge-codes",
+    "MXFP8Linear/rows7", "MXFP8Linear/e4m3-edge-codes",
+)
 
 
 CASES: dict[str, Case] = _build_cases()
@@ -672,7 +688,7 @@ def _kernels() -> dict[str, Callable]:
 class TritonInterpret(Implementation):
     """Every Triton launcher on CPU tensors through Triton's interpreter. ``TRITON_INTERPRET=1`` must be set
     before the kernel modules are imported (``scripts/test.sh`` and ``tests/conftest.py`` do on machines without
-    CUDA); the interpreter is slow, so it runs only the cases tagged ``small``."""
+    CUDA); the interpreter is slow, so it runs only :data:`INTERPRET_CASES`, in fp32 and bf16."""
 
     name = "triton-interpret"
 
@@ -683,8 +699,10 @@ class TritonInterpret(Implementation):
             return "triton is not installed (pip install 'm3export[gpu]')"
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "TRITON_INTERPRET=1 is not set (kernels would compile for a GPU)"
-        if "small" not in case.tags:
-            return "the Triton interpreter runs small cases only"
+        if not case.interpret:
+            return "not in the Triton interpreter's tiny subset (INTERPRET_CASES; the gpu tier runs every case)"
+        if dtype == torch.float16:
+            return "the Triton interpreter runs fp32 and bf16 (fp16 runs compiled in the gpu tier)"
         if OPS[case.op] not in _kernels():
             return f"no Triton kernel for {OPS[case.op]} yet (m3export.plugins.kernels.KERNEL_MODULES)"
         return super().unavailable(case, dtype)
