@@ -1,5 +1,18 @@
 """m3export: MiniMax M3 out of PyTorch and into production runtimes."""
 
+import os as _os
+
+# ``runtime/`` and ``plugins/`` sit beside this package in the source tree and are installed as
+# ``m3export.runtime`` / ``m3export.plugins`` (pyproject's package-dir). When the tree itself is on ``sys.path``
+# (``PYTHONPATH=.``, or pytest / python started in the repository root, where ``./m3export`` shadows an editable
+# install) they are found by letting this package also search the tree's root for its subpackages.
+_tree = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (not _os.path.isdir(_os.path.join(__path__[0], "runtime"))
+        and _os.path.isfile(_os.path.join(_tree, "pyproject.toml"))
+        and _os.path.isfile(_os.path.join(_tree, "runtime", "__init__.py"))
+        and _os.path.isfile(_os.path.join(_tree, "plugins", "__init__.py"))):
+    __path__.append(_tree)
+
 from .config import M3Config, preset
 from .errors import ArtifactError, BackendUnavailable, CheckpointError, M3Error
 

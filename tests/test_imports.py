@@ -62,3 +62,22 @@ def test_relative_imports_stay_inside_their_directory(name):
     climbing = [f"line {n.lineno}: from {'.' * n.level}{n.module or ''}" for n in ast.walk(tree)
                 if isinstance(n, ast.ImportFrom) and n.level > depth]
     assert not climbing, f"{MODULES[name].relative_to(ROOT)}: {climbing}"
+
+
+def test_the_source_tree_imports_without_an_installation():
+    """The H200 machine runs the working tree on its own packages (``PYTHONPATH=.``): with no installation's
+    finder, ``m3export.runtime`` and ``m3export.plugins`` still resolve to ``runtime/`` and ``plugins/``."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import m3export.runtime.engine, m3export.plugins.kernels\n"
+        "print(m3export.runtime.__file__); print(m3export.plugins.kernels.__file__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(ROOT / "runtime" / "__init__.py"),
+                                   str(ROOT / "plugins" / "kernels" / "__init__.py")]
