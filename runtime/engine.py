@@ -139,20 +139,21 @@ class Engine:
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def from_checkpoint(cls, path_or_preset: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                        **engine_kwargs) -> Engine:
-        """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend."""
+                        enforce_eager: bool = False, **engine_kwargs) -> Engine:
+        """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend (decode
+        replayed from CUDA graphs on a CUDA device unless ``enforce_eager``)."""
         from m3export import load_model
-        from .backends.torch_backend import TorchBackend
+        from .backends import torch_backend
 
         model = load_model(path_or_preset, device=device, dtype=dtype)
         tokenizer = find_tokenizer(path_or_preset, model.config)
-        return cls(TorchBackend(model), tokenizer, **engine_kwargs)
+        return cls(torch_backend(model, enforce_eager), tokenizer, **engine_kwargs)
 
     @classmethod
     def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",
-                      dtype: torch.dtype | None = None, **engine_kwargs) -> Engine:
+                      dtype: torch.dtype | None = None, enforce_eager: bool = False, **engine_kwargs) -> Engine:
         """An exported artifact directory run by ``backend`` (torch, onnxruntime or tensorrt)."""
-        be = create_backend(backend, path, device=device, dtype=dtype)
+        be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager)
         return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
 
     # ------------------------------------------------------------------ requests

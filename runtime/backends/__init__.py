@@ -11,15 +11,31 @@ from m3export.sources import BACKENDS
 from .base import Backend
 
 
-def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None
-                   ) -> Backend:
+def torch_backend(model: torch.nn.Module, enforce_eager: bool = False) -> Backend:
+    """The torch backend for ``model``. On a CUDA device decode steps are replayed from CUDA graphs (hundreds of
+    small launches per step otherwise set its time at small batch) unless ``enforce_eager`` (vLLM's flag)."""
+    from .torch_backend import TorchBackend
+
+    if not enforce_eager and next(model.parameters()).device.type == "cuda":
+        from .cuda_graph import GraphedTorchBackend
+
+        return GraphedTorchBackend(model)
+    return TorchBackend(model)
+
+
+def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                   enforce_eager: bool = False) -> Backend:
     """The backend ``name`` running the exported artifact directory ``artifact``."""
     if name == "torch":
         from m3export.export.artifact import load_artifact, load_torch_model
-        from .torch_backend import TorchBackend
 
         # Start-up checks structure and sizes; hashing every weight byte is `m3export verify`'s job.
-        return TorchBackend(load_torch_model(load_artifact(artifact, verify_checksums=False), device, dtype))
+        model = load_torch_model(load_artifact(artifact, verify_checksums=False), device, dtype)
+        if str(device).startswith("cuda"):
+            from m3export.plugins.kernels import use_on
+
+            use_on(device)
+        return torch_backend(model, enforce_eager)
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
 
@@ -31,4 +47,4 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
     raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "Backend", "create_backend"]
+__all__ = ["BACKENDS", "Backend", "create_backend", "torch_backend"]
