@@ -136,3 +136,20 @@ def test_text_only_model_refuses_media():
     eng = Engine(TorchBackend(tiny_model()), page_size=4, num_pages=64)
     with pytest.raises(MediaError, match="cannot take images or video .the model has no vision tower."):
         eng.add_request("x", _prompt(3, (IMAGE, 6)), GREEDY, media=[IMG])
+
+
+def test_backends_without_an_embeddings_input_refuse_media(model):
+    """A backend whose forward takes no ``media`` (the exported step graphs read input_ids only) refuses media
+    requests at add_request, before anything is scheduled."""
+
+    class IdsOnly(TorchBackend):
+        name = "ids-only"
+
+        def forward(self, input_ids, batch, logits_indices):
+            return super().forward(input_ids, batch, logits_indices)
+
+    assert TorchBackend(model).supports_media and not IdsOnly(model).supports_media
+    eng = Engine(IdsOnly(model), page_size=4, num_pages=64)
+    with pytest.raises(MediaError, match="the ids-only backend cannot take images or video$"):
+        eng.add_request("x", _prompt(3, (IMAGE, 6)), GREEDY, media=[IMG])
+    assert not eng.has_unfinished()
