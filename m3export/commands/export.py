@@ -10,6 +10,7 @@ NAME = "export"
 HELP = ("Export M3 to an artifact: ONNX graphs (m3 custom nodes + ONNX function bodies, paged caches), "
         "weights as external data, manifest.json, tokenizer.")
 EXAMPLES = """\
+  m3export export --out art/code-tiny                          # the embedded trained checkpoint (m3export.embedded)
   m3export export --preset tiny --out art/tiny
   m3export export --checkpoint ckpt/tiny --out art/tiny-mx --weights mxfp8 --page-size 8
   m3export export --checkpoint ckpt/tiny --out art/tiny --force      # replace an existing artifact
@@ -19,8 +20,9 @@ EXAMPLES = """\
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="checkpoint directory (config.json + safetensors); default: the embedded trained checkpoint")
     src.add_argument("--preset", choices=["tiny", "mini"], help="random-weight preset instead of a checkpoint")
     p.add_argument("--out", metavar="DIR", help="artifact directory to create (not with --in-place)")
     p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES,
@@ -47,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.in_place == bool(args.out) or (args.in_place and not args.checkpoint):
         raise ArtifactError("give exactly one of --out DIR or --in-place (which needs --checkpoint)")
+    if not args.checkpoint and not args.preset:
+        from ..embedded import default_model
+
+        args.checkpoint = str(default_model())
 
     from ..export.exporter import export_artifact
 
