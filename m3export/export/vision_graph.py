@@ -3,19 +3,16 @@
 Inputs ``pixel_values`` [patches, C*T*P*P] (float32, what preprocessing writes) and ``position_ids`` [patches, 3]
 (int64, from ``vision_position_ids``: the runtime computes them from the item's grid); output ``media_embeds``
 [patches / merge_unit, hidden] in float32 (numpy has no bfloat16; the runtime casts when it places them at the
-item's placeholder tokens). One
-run per item (an image, or one temporal chunk of a video): attention spans exactly the item, so no segment mask.
+item's placeholder tokens). One run per item (an image, or one temporal chunk of a video): attention spans exactly
+the item, so no segment mask.
 
 Traced on the ``meta`` device like the step graphs; the parameters become external-data references into the
-artifact's weight file (``finalize``).
+artifact's weight file (the exporter's ``finalize``, as for every graph).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import onnx
 import onnx_ir as ir
 import torch
 from torch import nn
@@ -23,7 +20,7 @@ from torch import nn
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
 from ..model.vision import vision_position_ids
-from .graphs import ROOT, GraphSignature, finalize, torch_to_onnx
+from .graphs import ROOT, GraphSignature, torch_to_onnx
 
 VISION_FILE = "vision.onnx"
 VISION_SIGNATURE = GraphSignature(("pixel_values", "position_ids"), ("media_embeds",), {})
@@ -55,11 +52,6 @@ def trace_vision(model: M3ForCausalLM) -> ir.Model:
     tokens = torch.export.Dim("tokens", min=1)
     patches = unit * tokens  # the projector folds every ``unit`` consecutive patches into one token
     return torch_to_onnx(VisionGraph(model), _example(model), VISION_SIGNATURE, shapes=({0: patches}, {0: patches}))
-
-
-def export_vision_graph(model: M3ForCausalLM, weights: dict, out_dir: Path) -> onnx.ModelProto:
-    """Trace and finalise ``vision.onnx`` against the artifact's tensor map ``weights`` (written by the caller)."""
-    return finalize(trace_vision(model), weights, {}, out_dir)
 
 
 def run_vision_onnx(session, pixel_values: torch.Tensor, grid_thw, merge_size: int) -> list[torch.Tensor]:
