@@ -24,7 +24,7 @@ EXAMPLES = """\
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", help="where to keep the checkpoint and artifact (default: a temporary directory)")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint to run (default: the embedded trained model)")
-    p.add_argument("--prompt", default="def read_config(path):\n", help="prompt for the generation step")
+    p.add_argument("--prompt", default="    for i in range(len(items)):", help="prompt for the generation step")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch"],
                    help="runtime backend for the generation step")
