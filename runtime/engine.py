@@ -143,11 +143,11 @@ class Engine:
         """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend (decode
         replayed from CUDA graphs on a CUDA device unless ``enforce_eager``)."""
         from m3export import load_model
-        from .backends import torch_backend
+        from .backends import make_torch_backend
 
         model = load_model(path_or_preset, device=device, dtype=dtype)
         tokenizer = find_tokenizer(path_or_preset, model.config)
-        return cls(torch_backend(model, enforce_eager), tokenizer, **engine_kwargs)
+        return cls(make_torch_backend(model, enforce_eager), tokenizer, **engine_kwargs)
 
     @classmethod
     def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",

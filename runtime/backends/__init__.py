@@ -11,7 +11,7 @@ from m3export.sources import BACKENDS
 from .base import Backend
 
 
-def torch_backend(model: torch.nn.Module, enforce_eager: bool = False) -> Backend:
+def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False) -> Backend:
     """The torch backend for ``model``. On a CUDA device decode steps are replayed from CUDA graphs (hundreds of
     small launches per step otherwise set its time at small batch) unless ``enforce_eager`` (vLLM's flag)."""
     from .torch_backend import TorchBackend
@@ -35,7 +35,7 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
             from m3export.plugins.kernels import use_on
 
             use_on(device)
-        return torch_backend(model, enforce_eager)
+        return make_torch_backend(model, enforce_eager)
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
 
@@ -47,4 +47,4 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
     raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["BACKENDS", "Backend", "create_backend", "torch_backend"]
+__all__ = ["BACKENDS", "Backend", "create_backend", "make_torch_backend"]
