@@ -71,22 +71,26 @@ def test_bf16_torch_engine():
 
 @pytest.mark.slow  # exports a float16 artifact (~20-40 s)
 def test_fp16_onnx_engine(tmp_path):
-    """ONNX Runtime's fp16 graph against PyTorch's fp16 recompute with the same weights. The two round
-    differently (ORT's kernels, the function bodies' fp32 islands), so, as ``m3export verify`` does, a flip is a
-    near-tie when the reference's margin is within twice the largest logit difference of the two on the same
-    sequence (measured here, then bounded: a broken graph would differ by O(1))."""
+    """ONNX Runtime's fp16 graph against the float64 recompute with the same (fp16) weights. As ``m3export
+    verify`` judges greedy flips, a flip is a near-tie when the reference's margin is within twice the largest
+    logit difference of the two on a whole sequence (measured here: ~1.5e-3 of the logit scale; bounded, as a
+    broken graph differs by O(1)). PyTorch's own fp16 recompute is no reference here: on the CPU it departs from
+    float64 by up to 0.7 of the logit scale on some of these prompts, where ONNX Runtime's fp16 stays at 1.5e-3."""
     art = export_artifact("tiny", tmp_path / "fp16", dtype="float16", page_size=8, progress=False)
     ps = prompts(4, seed=7, lo=5, hi=36)
     eng = Engine.from_artifact(art, backend="onnxruntime", num_pages=64)
     outs = eng.generate(ps, GREEDY)
-    reference = load_torch_model(art)  # the same fp16 weights; PyTorch's fp16 recompute
+    reference = load_torch_model(art)
     assert reference.lm_head.weight.dtype == torch.float16
-    ids = torch.tensor(ps[0] + outs[0].token_ids)
-    got, _ = eng.backend.forward(ids, Batch.contiguous(1, len(ids), eng.page_size), torch.arange(len(ids)))
-    with torch.no_grad():
-        want = reference(ids[None])[0].double()
-    err = float((got.double() - want).abs().max() / want.abs().max())
-    assert err < 0.05, f"fp16 ONNX logits differ from PyTorch fp16 by {err:.2e} of the logit scale"
+    reference = reference.double()
+    err = 0.0
+    for p, o in zip(ps, outs, strict=True):
+        ids = torch.tensor(p + o.token_ids)
+        got, _ = eng.backend.forward(ids, Batch.contiguous(1, len(ids), eng.page_size), torch.arange(len(ids)))
+        with torch.no_grad():
+            want = reference(ids[None])[0]
+        err = max(err, float((got.double() - want).abs().max() / want.abs().max()))
+    assert err < 1e-2, f"fp16 ONNX logits differ from the float64 recompute by {err:.2e} of the logit scale"
     _check(reference, ps, outs, max(FP16_MARGIN, 2 * err), 0.75)
 
 
@@ -129,7 +133,7 @@ def test_zero_copy_in_place_artifact_through_verify_and_generate(tmp_path, capsy
 
     root = write_checkpoint(tmp_path / "ckpt", preset("tiny"), "original", "mxfp8", progress=False)
     shards = {p.name for p in root.glob("*.safetensors")}
-    export_artifact(str(root), None, in_place=True, progress=False)
+    export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)  # ORT's CPU EP: no bf16
     art = load_artifact(root)
     fp8 = [e for e in art.manifest.tensors.values() if e.dtype == "float8_e4m3fn"]
     # zero copy: every E4M3 weight (the bulk of the bytes) is read straight from the checkpoint's own shard

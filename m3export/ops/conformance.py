@@ -5,8 +5,8 @@ implementation x case x dtype. The pieces:
 
 * :data:`CASES`: named input builders tagged ``small`` (a few dozen tokens, tiny heads), ``m3-shape`` (the
   release's attributes: head dim 128, 64 query / 4 KV heads, blocks of 128, top-16, pages of 16 and 64, contexts
-  of 2k-4k), ``long`` (16k contexts, 2k-token MoE batches) and ``adversarial`` (NaN in the unused tail of a
-  sequence's last page and in unowned pages, sequences with 0 new tokens, pages shared between sequences, more
+  of 2.1k-2.3k, where top-16 of 128-token blocks must choose), ``long`` (16k contexts, 2k-token MoE batches) and
+  ``adversarial`` (NaN in the unused tail of a sequence's last page and in unowned pages, sequences with 0 new tokens, pages shared between sequences, more
   forced blocks than top-k, exact score and routing ties, E4M3 NaN / subnormal codes and scales 0 / 255, many
   sequences in one batch). A case builds its floating inputs in fp32; the activation inputs (type ``T`` or ``W``
   in the ONNX schema) are then rounded to the dtype under test.
@@ -282,10 +282,15 @@ M3_HEADS = dict(hq=64, hkv=4, d=128)
 # Release-shaped batches: decodes and multi-token verify steps past 2048 tokens (so the indexer must choose),
 # with pages of 16 and of 64.
 M3_SHAPES = {
-    "page16": ([2300, 4100, 2049, 700], [1, 4, 1, 3], 16),
-    "page64": ([3000, 2200, 129], [2, 1, 1], 64),
+    "page16": ([2100, 2300, 700], [1, 4, 3], 16),
+    "page64": ([2200, 129], [2, 1], 64),
 }
 LONG_SHAPE = ([16384, 9000, 12000], [1, 4, 256], 64)  # decode at 16k, verify, a 256-token prefill chunk at 12k
+# The same kind of batch at tiny dims (heads of 8, blocks of 16, top-4), so the CPU implementations run long
+# contexts too: a decode at 6k (375 blocks to choose from), a verify step at 2.5k, a 40-token prefill chunk at 3k.
+LONG_TINY_SHAPE = ([6000, 2500, 3100], [1, 4, 40], 16)
+LONG_TINY_INDEX = dict(block_size=16, topk_blocks=4, local_blocks=1, init_blocks=1)
+LONG_TINY_HEADS = dict(hq=4, hkv=2, d=8)
 
 
 def _attrs(block_size, topk, local, init):
@@ -330,6 +335,12 @@ def _build_cases() -> dict[str, Case]:
     add("16k", "PagedAttention", {"long", "m3-shape"}, _attention_case(ctx, new, page, **M3_HEADS), cpu=False)
     add("16k-indexer", "SparsePagedAttention", {"long", "m3-shape"},
         _sparse_case(ctx, new, page, M3_INDEX, "indexer", **M3_HEADS), cpu=False)
+    ctx, new, page = LONG_TINY_SHAPE
+    add("6k-tiny-dims", "LightningIndexer", {"long"}, _indexer_case(ctx, new, page, LONG_TINY_INDEX, h=2, d=8))
+    add("6k-tiny-dims", "PagedAttention", {"long"}, _attention_case(ctx, new, page, **LONG_TINY_HEADS))
+    for sel in ("indexer", "random"):
+        add(f"6k-tiny-dims-{sel}", "SparsePagedAttention", {"long"},
+            _sparse_case(ctx, new, page, LONG_TINY_INDEX, sel, **LONG_TINY_HEADS))
 
     for top_k, t in ((2, 9), (1, 1), (8, 5)):
         add(f"top{top_k}-{t}tok", "MoE", {"small"}, _moe_case(top_k, t))
