@@ -37,7 +37,9 @@ def test_preset_engine_has_text_in_and_out():
     assert out.text == engine.tokenizer.decode(out.token_ids)
 
 
-@pytest.mark.parametrize("bad", [{"max_tokens": 0}, {"temperature": -1}])
-def test_generate_validates_params(bad):
-    with pytest.raises(ValueError, match="SamplingParams"):
-        SamplingParams(**bad)
+@pytest.mark.parametrize("flag, value, field", [("--max-tokens", "0", "max_tokens"),
+                                               ("--temperature", "-1", "temperature")])
+def test_generate_validates_params(capsys, flag, value, field):
+    """Through the command line: a bad sampling parameter is exit code 2 and one message naming the field."""
+    assert main(["generate", "tiny", "--prompt-ids", "1,2", flag, value]) == 2
+    assert f"SamplingParams.{field}" in capsys.readouterr().err
