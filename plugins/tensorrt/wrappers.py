@@ -1,0 +1,74 @@
+"""The plugin kernels in TensorRT's launch order: thin ``@triton.jit`` wrappers around the ``plugins/kernels``
+bodies (Triton inlines the call: the same kernel code, compiled once more with TensorRT's parameter list).
+
+Each wrapper takes ``(input pointers..., int32 extras..., output pointers...)`` (see ``aot.py``) and passes the
+kernel everything else as compile-time constants: strides of contiguous tensors, the one-token-per-program tiling
+(``TOKENS`` 1, no tile map), a single context split (no split-K scratch, no merge launch) and
+``INTERPRETED`` False. Unused pointer slots of the kernel (tile map, split-K scratch) get a pointer the kernel
+never reads in that configuration, as the torch launchers do.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from m3export.plugins.kernels import lightning_indexer as li
+from m3export.plugins.kernels import mxfp8_linear as ml
+from m3export.plugins.kernels import paged_attention as pa
+from m3export.plugins.kernels import sparse_paged_attention as spa
+
+
+@triton.jit
+def m3_paged_attention(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, pos_ptr, num_seqs, max_pages,
+                       out_ptr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       PAGE: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PREC: tl.constexpr, QK_SCALE: tl.constexpr):
+    pa._paged_attention(
+        q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, out_ptr, out_ptr,
+        out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV, max_pages,
+        HQ * DV, DV, QK_SCALE, HQ, G, G_PAD, D, BLOCK_D, DV, BLOCK_DV, PAGE, 1, ROWS, LOG2_SEQS, BLOCK_N, 1,
+        PREC, False)
+
+@triton.jit
+def m3_sparse_paged_attention(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, pos_ptr, sel_ptr, num_seqs,
+                              max_pages, out_ptr, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                              G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
+                              K_PAD: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PREC: tl.constexpr, QK_SCALE: tl.constexpr):
+    spa._sparse_paged_attention(
+        q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, sel_ptr, out_ptr, out_ptr,
+        out_ptr, out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV,
+        max_pages, HKV * K, K, HQ * DV, DV, QK_SCALE, HQ, G, G_PAD, 1, ROWS, D, BLOCK_D, DV, BLOCK_DV, PAGE, BS,
+        K, K_PAD, LOG2_SEQS, BLOCK_N, 1, PREC, False)
+
+@triton.jit
+def m3_lightning_indexer_scan(q_ptr, k_ptr, bt_ptr, qsl_ptr, pos_ptr, num_seqs, max_pages, num_blocks,
+                              out_ptr, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+                              BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+                              LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                              PREC: tl.constexpr):
+    li._index_scan(q_ptr, k_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, num_seqs, H * D, D,
+                   PAGE * D, D, max_pages, H * num_blocks, num_blocks, H, H_PAD, D, BLOCK_D, PAGE, BS, 1, ROWS,
+                   LOG2_SEQS, BLOCK_N, SPLITS, PREC, False)
+
+@triton.jit
+def m3_lightning_indexer_topk(scores_ptr, pos_ptr, num_blocks, out_ptr, H: tl.constexpr, NB: tl.constexpr,
+                              NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
+                              INIT: tl.constexpr):
+    li._block_topk(scores_ptr, pos_ptr, out_ptr, H * num_blocks, num_blocks, H * TOPK, TOPK, NB, NB_PAD, BS, TOPK,
+                   LOCAL, INIT)
+
+@triton.jit
+def m3_mxfp8_linear(x_ptr, w_ptr, s_ptr, rows, y_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+                    MX_MODE: tl.constexpr):
+    ml._mxfp8_linear(x_ptr, w_ptr, s_ptr, y_ptr, rows, N, K, K, 1, K // 32, 1, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                     F32, PREC, MX_MODE)
+
+
+WRAPPERS = dict(PagedAttention=m3_paged_attention, SparsePagedAttention=m3_sparse_paged_attention,
+                LightningIndexerScan=m3_lightning_indexer_scan, LightningIndexerTopK=m3_lightning_indexer_topk,
+                MXFP8Linear=m3_mxfp8_linear)
