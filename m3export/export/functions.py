@@ -2,10 +2,12 @@
 
 A model that carries these ``FunctionProto``s runs on any ONNX runtime: ONNX Runtime inlines the body of a node
 whose (domain, name) matches a model-local function. The bodies follow the reference implementations in
-``m3export.ops`` step by step (same fp32 accumulation points, same tie-breaking), and trade memory for
-simplicity where ragged batches meet standard ops:
+``m3export.ops`` step by step (same fp32 accumulation points, same tie-breaking), and cost what the op costs
+where standard ops allow it:
 
-* every token gathers its own context from the pool, ``[T, L, ...]`` with ``L = max(positions) + 1``;
+* sparse attention gathers only each token's selected blocks, ``[T, Hkv, K * block_size, ...]``: flat in context;
+* the indexer reads each sequence's index keys once per step (``SequenceLayout``), not once per token;
+* dense attention still gathers every token's context, ``[T, L, ...]`` with ``L = max(positions) + 1``;
 * the MoE runs a ``Scan`` over experts, each step computing only the tokens routed to that expert.
 
 Fast paths (Triton kernels, TensorRT plugins) replace the node, never the semantics. See docs/ops.md.
@@ -36,7 +38,7 @@ def _vec(b: Builder, scalar: str) -> str:
 
 
 class PagedContext:
-    """Where each token's visible keys live: one row of slots per token, ``[T, L]`` with L = max(position) + 1.
+    """(Dense attention.) Where each token's visible keys live: one row of slots per token, ``[T, L]`` with L = max(position) + 1.
 
     Token t belongs to sequence ``#{b : query_start_loc[b + 1] <= t}``; its key j sits in pool slot
     ``block_tables[seq, j // page] * page + j % page``. Slots of keys after the token's position are never read
@@ -103,17 +105,77 @@ def _function(name: str, b: Builder, outputs: list[str]) -> FunctionProto:
 
 
 # ---------------------------------------------------------------------------------------------- indexer
+class SequenceLayout:
+    """Tokens regrouped by sequence, so that per-sequence data (an index-key context) is read once per step.
+
+    ``seq[t]`` is token t's sequence and ``col[t]`` its rank among that sequence's new tokens; a ``[T, ...]``
+    tensor scattered to ``[B, Tmax, ...]`` (Tmax = most new tokens of one sequence) can then meet a ``[B, L, ...]``
+    one in a batched MatMul, and ``GatherND`` with ``index`` brings the ``[B, Tmax, ...]`` result back to tokens.
+    Padded rows compute on zeros and are dropped: the waste is ``B * Tmax - T`` rows, none for pure decode or
+    uniform verify batches and for a lone prefill.
+    """
+
+    def __init__(self, b: Builder, block_tables: str, query_start_loc: str, seq_lens: str, positions: str,
+                 pool: str):
+        self.b = b
+        qsl = b.Cast(query_start_loc, to=I64)
+        starts = b.Slice(qsl, b.const([0]), b.const([-1]))
+        ends = b.Slice(qsl, b.const([1]), b.const([np.iinfo(np.int64).max]))
+        tokens = b.Range(b.const(0), _dim(b, positions, 0), b.const(1))
+        started = b.LessOrEqual(b.Unsqueeze(ends, b.const([0])), b.Unsqueeze(tokens, b.const([1])))  # [T, B]
+        self.seq = b.ReduceSum(b.Cast(started, to=I64), b.const([1]), keepdims=0)  # [T]
+        col = b.Sub(tokens, b.Gather(starts, self.seq, axis=0))
+        self.index = b.Concat(b.Unsqueeze(self.seq, b.const([1])), b.Unsqueeze(col, b.const([1])), axis=1)  # [T, 2]
+        self.num_seqs = _dim(b, seq_lens, 0)
+        self.tmax = b.ReduceMax(b.Sub(ends, starts), keepdims=0)
+        # Keys 0 .. L-1 of every sequence, L = max(positions) + 1; slots past a sequence's length point at slot 0
+        # (their pages may hold anything, even ids outside the pool) and are masked per token later.
+        self.length = b.Add(b.ReduceMax(positions, keepdims=0), b.const(1))
+        self.key_pos = b.Range(b.const(0), self.length, b.const(1))  # [L]
+        page = _dim(b, pool, 1)
+        pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(self.key_pos, page), axis=1)  # [B, L]
+        inside = b.Less(b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
+        self.slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(self.key_pos, page)), b.const(0))  # [B, L]
+        self.visible = b.LessOrEqual(
+            b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
+        )  # [T, L]
+
+    def gather(self, pool: str) -> str:
+        """pool [pages, page, *rest] -> fp32 [B, L, *rest]: every sequence's context, read once."""
+        b = self.b
+        flat = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=2), axis=0))
+        return b.Cast(b.Gather(flat, self.slots, axis=0), to=F32)
+
+    def padded(self, x: str) -> str:
+        """[T, *rest] -> [B, Tmax, *rest], zeros where a sequence has fewer new tokens."""
+        b = self.b
+        shape = b.Concat(_vec(b, self.num_seqs), _vec(b, self.tmax), b.Shape(x, start=1), axis=0)
+        return b.ScatterND(b.Expand(b.CastLike(b.const(0.0, np.float32), x), shape), self.index, x)
+
+    def num_blocks(self, block_size: str) -> str:
+        b = self.b
+        return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
+
+
 def lightning_indexer() -> FunctionProto:
+    """Scores of every token against its sequence's index keys, which are gathered once per sequence per step
+    (``[B, L, D]``), not once per token: a prefill chunk of T tokens reads its context once, and the only
+    ``[T, ...]``-by-context tensor is the score matrix the op must compute anyway."""
     b = Builder("")
-    ctx = PagedContext(b, "index_k_cache", "block_tables", "query_start_loc", "positions")
-    keys = ctx.gather("index_k_cache")  # [T, L, D]
-    scores = b.MatMul(b.Cast("index_q", to=F32), b.Transpose(keys, perm=[0, 2, 1]))  # [T, H, L]
+    seqs = SequenceLayout(b, "block_tables", "query_start_loc", "seq_lens", "positions", "index_k_cache")
+    keys = seqs.gather("index_k_cache")  # [B, L, D]
+    q = seqs.padded(b.Cast("index_q", to=F32))  # [B, Tmax, H, D]
+    heads = b.Shape("index_q", start=1, end=2)
+    q = b.Reshape(q, b.Concat(b.const([0, -1]), b.Shape("index_q", start=2), axis=0))  # [B, Tmax * H, D]
+    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 2, 1]))  # [B, Tmax * H, L]
+    scores = b.Reshape(scores, b.Concat(b.const([0]), _vec(b, seqs.tmax), heads, b.const([-1]), axis=0))
+    scores = b.GatherND(scores, seqs.index)  # [T, H, L]
     neg = b.const(-INF, np.float32)
-    scores = b.Where(b.Unsqueeze(ctx.visible, b.const([1])), scores, neg)
+    scores = b.Where(b.Unsqueeze(seqs.visible, b.const([1])), scores, neg)
 
     bs = b.attr(Ref("block_size", INT))
-    nb = ctx.num_blocks(bs)
-    pad = b.Sub(b.Mul(nb, bs), ctx.length)
+    nb = seqs.num_blocks(bs)
+    pad = b.Sub(b.Mul(nb, bs), seqs.length)
     scores = b.Pad(scores, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, pad), axis=0), neg)
     blocked = b.Reshape(scores, b.Concat(b.const([0, 0]), _vec(b, nb), _vec(b, bs), axis=0))
     block_max = b.ReduceMax(blocked, b.const([3]), keepdims=0)  # [T, H, NB]; -inf where nothing is visible
@@ -135,36 +197,80 @@ def lightning_indexer() -> FunctionProto:
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def _attention(name: str, sparse: bool) -> FunctionProto:
-    b = Builder("")
-    ctx = PagedContext(b, "k_cache", "block_tables", "query_start_loc", "positions")
-    keys, values = ctx.gather("k_cache"), ctx.gather("v_cache")  # [T, L, Hkv, D]
+def _token_sequences(b: Builder, query_start_loc: str, positions: str) -> str:
+    """Token t's sequence, ``#{b : query_start_loc[b + 1] <= t}``, [T] int64."""
+    tokens = b.Range(b.const(0), _dim(b, positions, 0), b.const(1))
+    ends = b.Slice(b.Cast(query_start_loc, to=I64), b.const([1]), b.const([np.iinfo(np.int64).max]))
+    started = b.LessOrEqual(b.Unsqueeze(ends, b.const([0])), b.Unsqueeze(tokens, b.const([1])))  # [T, B]
+    return b.ReduceSum(b.Cast(started, to=I64), b.const([1]), keepdims=0)
+
+
+def _grouped_attention(b: Builder, keys: str, values: str, allowed: str) -> str:
+    """Softmax attention of ``q`` over fp32 ``keys`` / ``values`` [T, Hkv, S, D] where ``allowed`` [T, Hkv, S];
+    returns [T, Hq, Dv] in q's dtype. Values of keys not allowed are zeroed (0 * NaN would leak otherwise)."""
     hkv = b.Shape("k_cache", start=2, end=3)
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), b.Shape("q", start=2), axis=0))
-    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 2, 3, 1]))  # [T, Hkv, G, L]
-    scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
-    allowed = b.Unsqueeze(ctx.visible, b.const([1, 2]))  # [T, 1, 1, L]
-    if sparse:
-        bs = b.attr(Ref("block_size", INT))
-        ids = b.Range(b.const(0), ctx.num_blocks(bs), b.const(1))
-        hit = b.Equal(b.Unsqueeze(b.Cast("block_idx", to=I64), b.const([3])), ids)  # [T, Hkv, K, NB]
-        keep = b.ReduceMax(b.Cast(hit, to=TensorProto.INT32), b.const([2]), keepdims=0)  # [T, Hkv, NB]
-        keep = b.Gather(keep, b.Div(ctx.key_pos, bs), axis=2)  # [T, Hkv, L]
-        allowed = b.And(allowed, b.Cast(b.Unsqueeze(keep, b.const([2])), to=TensorProto.BOOL))
-    probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
-    # Zero the values of invisible keys: their slots may hold anything (even NaN) and 0 * NaN would leak.
-    values = b.Where(b.Unsqueeze(ctx.visible, b.const([2, 3])), values, b.const(0.0, np.float32))
-    out = b.MatMul(probs, b.Transpose(values, perm=[0, 2, 1, 3]))  # [T, Hkv, G, Dv]
+    scores = b.Mul(b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2])), b.attr(Ref("scale", FLOAT)))  # [T,Hkv,G,S]
+    probs = b.Softmax(b.Where(b.Unsqueeze(allowed, b.const([2])), scores, b.const(-INF, np.float32)), axis=-1)
+    values = b.Where(b.Unsqueeze(allowed, b.const([3])), values, b.const(0.0, np.float32))
+    out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
-    return _function(name, b, [b.CastLike(out, "q")])
+    return b.CastLike(out, "q")
 
 
 def paged_attention() -> FunctionProto:
-    return _attention("PagedAttention", sparse=False)
+    b = Builder("")
+    ctx = PagedContext(b, "k_cache", "block_tables", "query_start_loc", "positions")
+    keys, values = ctx.gather("k_cache"), ctx.gather("v_cache")  # [T, L, Hkv, D]
+    allowed = b.Expand(b.Unsqueeze(ctx.visible, b.const([1])),
+                       b.Concat(b.const([1]), b.Shape("k_cache", start=2, end=3), b.const([1]), axis=0))
+    out = _grouped_attention(b, b.Transpose(keys, perm=[0, 2, 1, 3]), b.Transpose(values, perm=[0, 2, 1, 3]),
+                             allowed)
+    return _function("PagedAttention", b, [out])
 
 
 def sparse_paged_attention() -> FunctionProto:
-    return _attention("SparsePagedAttention", sparse=True)
+    """Gathers only the selected blocks: ``[T, Hkv, K * block_size]`` keys and values per step, whatever the
+    context length (the dense body's ``[T, L, ...]`` context never appears).
+
+    A selected id counts once (later duplicates are dropped), and only if it is a block the token can see
+    (``0 <= id <= position // block_size``); the keys of a counted block are visible up to the token's position.
+    Everything not counted is redirected to a valid slot of the token's own first page and masked, so ids of
+    any value, padding in ``block_tables`` and whatever unused pool rows hold never reach the result.
+    """
+    b = Builder("")
+    bs = b.attr(Ref("block_size", INT))
+    seq = _token_sequences(b, "query_start_loc", "positions")
+    blk = b.Cast("block_idx", to=I64)  # [T, Hkv, K]
+    pos = b.Unsqueeze("positions", b.const([1, 2]))  # [T, 1, 1]
+    kk = b.Range(b.const(0), _dim(b, "block_idx", 2), b.const(1))
+    earlier = b.Less(b.Unsqueeze(kk, b.const([0])), b.Unsqueeze(kk, b.const([1])))  # [K (k), K (k')]: k' < k
+    same = b.Equal(b.Unsqueeze(blk, b.const([3])), b.Unsqueeze(blk, b.const([2])))  # [T, Hkv, K, K]
+    dup = b.ReduceMax(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([3]), keepdims=0)
+    counted = b.And(b.And(b.GreaterOrEqual(blk, b.const(0)), b.LessOrEqual(blk, b.Div(pos, bs))),
+                    b.Not(b.Cast(dup, to=TensorProto.BOOL)))  # [T, Hkv, K]
+    keys_pos = b.Add(b.Unsqueeze(b.Mul(b.Where(counted, blk, b.const(0)), bs), b.const([3])),
+                     b.Range(b.const(0), bs, b.const(1)))  # [T, Hkv, K, bs]
+    allowed = b.And(b.Unsqueeze(counted, b.const([3])), b.LessOrEqual(keys_pos, b.Unsqueeze(pos, b.const([3]))))
+    keys_pos = b.Where(allowed, keys_pos, b.const(0))
+
+    page = _dim(b, "k_cache", 1)
+    max_pages = _dim(b, "block_tables", 1)
+    rows = b.Reshape(b.Cast("block_tables", to=I64), b.const([-1]))  # [B * max_pages]
+    row_of = b.Unsqueeze(b.Mul(seq, max_pages), b.const([1, 2, 3]))  # [T, 1, 1, 1]
+    pages = b.Gather(rows, b.Add(row_of, b.Div(keys_pos, page)), axis=0)
+    slots = b.Add(b.Mul(pages, page), b.Mod(keys_pos, page))  # [T, Hkv, K, bs]
+    hkv = _dim(b, "k_cache", 2)
+    heads = b.Unsqueeze(b.Range(b.const(0), hkv, b.const(1)), b.const([0, 2, 3]))  # [1, Hkv, 1, 1]
+    flat_shape = b.Concat(b.Shape("block_idx", end=2), b.const([-1]), axis=0)  # [T, Hkv, K * bs]
+    index = b.Reshape(b.Add(b.Mul(slots, hkv), heads), flat_shape)
+
+    def gather(pool: str) -> str:  # [pages, page, Hkv, D] -> fp32 [T, Hkv, K * bs, D]
+        rows_of_pool = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=3), axis=0))
+        return b.Cast(b.Gather(rows_of_pool, index, axis=0), to=F32)
+
+    out = _grouped_attention(b, gather("k_cache"), gather("v_cache"), b.Reshape(allowed, flat_shape))
+    return _function("SparsePagedAttention", b, [out])
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -1,0 +1,83 @@
+"""What the ONNX function bodies cost, read from the tensors they materialise (no timings).
+
+Each body is inlined into a one-node model whose every intermediate becomes a graph output; ONNX Runtime's CPU
+provider then reports the shape of everything the body builds. The sparse attention body must gather only the
+selected blocks (nothing grows with the context beyond views of ``block_tables``), and the indexer body must
+read its sequence's index keys once per step: no ``[T, L, D]`` per-token copy of the context. The bodies'
+values are the conformance suite's business (``tests/test_op_conformance.py``, long tiny-dim cases included).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper, inliner
+
+from m3export.export.functions import BUILDERS
+from m3export.export.schemas import SPEC_BY_NAME, opset_imports, register_schemas
+from m3export.ops import conformance as conf
+
+
+def intermediate_sizes(op: str, inputs: list[torch.Tensor], attrs: dict) -> dict[str, int]:
+    """Element count of every tensor the inlined body of ``m3::op`` computes on ``inputs`` (fp32 inputs)."""
+    register_schemas()
+    spec = SPEC_BY_NAME[op]
+    names = [p.name for p in spec.inputs]
+    graph = helper.make_graph(
+        [helper.make_node(op, names, [spec.outputs[0].name], domain="m3", **attrs)], op,
+        [helper.make_tensor_value_info(n, conf._onnx_type(t.dtype), list(t.shape)) for n, t in zip(names, inputs)],
+        [helper.make_tensor_value_info(spec.outputs[0].name, onnx.TensorProto.UNDEFINED, None)],
+    )
+    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[BUILDERS[op]()])
+    model.ir_version = 10
+    model = onnx.shape_inference.infer_shapes(inliner.inline_local_functions(model))
+    typed = {v.name: v for v in model.graph.value_info}
+    outs = [o for node in model.graph.node for o in node.output if o in typed]
+    assert len(outs) > 20, "shape inference typed too few intermediates for this check to mean anything"
+    del model.graph.output[:]
+    model.graph.output.extend(typed[o] for o in outs)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = sess.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
+    return {o: int(np.prod(v.shape)) for o, v in zip(outs, values)}
+
+
+INDEX = dict(block_size=16, topk_blocks=4, local_blocks=1, init_blocks=1)
+HEADS = dict(hq=4, hkv=2, d=8)
+
+
+def _sparse(ctx: int):
+    """A decode, a 4-token verify step and a 6-token prefill chunk, the first sequence at context ``ctx``."""
+    gen = torch.Generator().manual_seed(0)
+    return conf._sparse_case([ctx, 300, 200], [1, 4, 6], 16, INDEX, "indexer", **HEADS)(gen)
+
+
+def test_sparse_attention_body_gathers_only_the_selected_blocks():
+    (short, attrs), (long, _) = _sparse(1000), _sparse(8000)
+    small, large = intermediate_sizes("SparsePagedAttention", short, attrs), intermediate_sizes(
+        "SparsePagedAttention", long, attrs)
+    views = {t.numel() for t in long}  # reshapes of the inputs (pools, block tables) are views, not reads
+    grown = {name: (small[name], n) for name, n in large.items() if n > small[name] and n not in views}
+    assert not grown, f"tensors that grow with the context: {grown}"
+    t, hkv, k = long[-1].shape
+    gathered = t * hkv * k * INDEX["block_size"] * HEADS["d"]  # the selected keys (and values), fp32
+    assert max(n for n in large.values() if n not in views) == gathered
+
+
+@pytest.mark.parametrize("new", [[40, 1, 1], [1, 1, 1]], ids=["prefill-chunk", "decode"])
+def test_indexer_body_reads_each_sequence_context_once(new):
+    ctx, page, h, d = [3000, 2500, 1200], 16, 2, 8
+    gen = torch.Generator().manual_seed(1)
+    inputs, attrs = conf._indexer_case(ctx, new, page, INDEX, h=h, d=d)(gen)
+    sizes = intermediate_sizes("LightningIndexer", inputs, attrs)
+    t, length, bs = sum(new), 3000, INDEX["block_size"]
+    # the scores, [B, Tmax, H, L] (tokens regrouped by sequence, shorter sequences padded) or [T, H, L] padded
+    # to whole blocks: the op computes T x H x L of them; the padding rows are the body's documented waste
+    scores = max(len(ctx) * max(new) * h * length, t * h * -(-length // bs) * bs)
+    context_once = len(ctx) * length * d  # every sequence's index keys, [B, L, D]
+    assert max(sizes.values()) <= max(scores, context_once)
+    assert context_once in sizes.values()
+    if t > len(ctx):  # a prefill chunk: a per-token copy of the context would be [T, L, D]
+        assert max(sizes.values()) < t * length * d
