@@ -60,5 +60,8 @@ def test_pool_bytes_match_torch(artifact):
 def test_page_size_and_device_are_checked(artifact):
     with pytest.raises(ValueError, match="pages of 4 tokens"):
         Engine.from_artifact(artifact, backend="onnxruntime", page_size=8)
-    with pytest.raises(BackendUnavailable, match="device 'cpu' only"):
-        Engine.from_artifact(artifact, backend="onnxruntime", device="cuda")
+    if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
+        with pytest.raises(BackendUnavailable, match="CUDAExecutionProvider .* install onnxruntime-gpu"):
+            Engine.from_artifact(artifact, backend="onnxruntime", device="cuda")
+    with pytest.raises(BackendUnavailable, match="keeps its tensors on cpu, not on cuda"):
+        Engine.from_artifact(artifact, backend="onnxruntime", device="cuda", provider="openvino")

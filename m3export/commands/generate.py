@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..dtypes import MODEL_DTYPES
+from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, source_kind
 
 NAME = "generate"
@@ -14,6 +15,7 @@ HELP = ("Generate from an exported artifact (torch / onnxruntime / tensorrt back
 EXAMPLES = """\
   m3export generate --prompt "def parse_args(argv):" --max-tokens 48 --temperature 0   # embedded trained model
   m3export generate art/tiny --prompt "Once upon a time" --backend onnxruntime --max-tokens 32
+  m3export generate art/mini --prompt "Hello" --backend onnxruntime --provider cuda:device_id=0
   m3export generate art/tiny --prompt "Hello" --speculative 2 --temperature 0.8 --top-p 0.9 --seed 0
   m3export generate tiny --prompt-ids 1,2,3 --temperature 0        # preset, random weights, token ids out
 """
@@ -37,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-request random seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
+    add_provider_argument(p, default=None)
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--num-pages", type=int, help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + generated) to allow")
@@ -58,8 +61,11 @@ def _engine(args: argparse.Namespace):
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative}
+    if args.provider is not None and args.backend != "onnxruntime":
+        raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend onnxruntime")
     if source_kind(args.artifact) == ARTIFACT:
-        return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype, **sizing)
+        return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype,
+                                    provider=args.provider, **sizing)
     if args.backend != "torch":
         raise M3Error(f"{args.artifact} is not an exported artifact (no manifest.json): checkpoints and presets run "
                       f"on the torch backend; export it first (m3export export) to use {args.backend}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import BACKENDS
 
 NAME = "triton-repo"
@@ -13,6 +14,7 @@ EXAMPLES = """\
   m3export triton-repo --out repo                               # the embedded trained checkpoint, torch backend
   m3export triton-repo tiny --out repo                          # random-weight preset, torch backend
   m3export triton-repo out/m3-artifact --out repo --backend onnxruntime --instances 2
+  m3export triton-repo out/m3-artifact --out repo --backend onnxruntime --provider cuda
   m3export triton-repo ckpt/tiny --out repo --name m3-tiny --copy --engine-arg max_model_len=2048
   python -m m3export.serve.server repo                          # then serve it (HTTP 8000, gRPC 8001)
 """
@@ -37,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="engine keyword argument, VALUE as JSON (e.g. max_model_len=8192, device=\"cuda\"); repeatable")
     p.add_argument("--force", action="store_true", help="replace REPO/NAME if it exists")
+    add_provider_argument(p, default=None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,9 +50,18 @@ def run(args: argparse.Namespace) -> int:
 
         args.artifact = str(default_model())
 
+    engine_args = parse_engine_args(args.engine_arg)
+    if args.provider is not None:
+        from ..errors import M3Error
+        from ..plugins.onnxruntime.providers import parse_provider
+
+        if args.backend != "onnxruntime":
+            raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend "
+                          "onnxruntime")
+        engine_args["provider"] = str(parse_provider(args.provider))  # checked here, not in Triton's log
     model_dir = write_repository(
         args.artifact, args.out, backend=args.backend, instances=args.instances, name=args.name, copy=args.copy,
-        engine_args=parse_engine_args(args.engine_arg), force=args.force,
+        engine_args=engine_args, force=args.force,
     )
     print(f"wrote Triton model '{args.name}' ({args.backend} backend, {args.instances} instance(s)) to {model_dir}")
     print(f"serve it: python -m m3export.serve.server {model_dir.parent}")

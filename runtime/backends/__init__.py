@@ -24,8 +24,11 @@ def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False) -> B
 
 
 def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                   enforce_eager: bool = False) -> Backend:
-    """The backend ``name`` running the exported artifact directory ``artifact``."""
+                   enforce_eager: bool = False, provider: str | None = None) -> Backend:
+    """The backend ``name`` running the exported artifact directory ``artifact``; ``provider`` (onnxruntime only)
+    is the execution provider, ``cpu``, ``cuda``, ... with options (``m3export.plugins.onnxruntime.providers``)."""
+    if provider is not None and name != "onnxruntime":
+        raise ValueError(f"an execution provider ({provider!r}) is for the onnxruntime backend, not {name!r}")
     if name == "torch":
         from m3export.export.artifact import load_artifact, load_torch_model
 
@@ -39,7 +42,7 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
 
-        return OnnxRuntimeBackend.from_artifact(artifact, device=device)
+        return OnnxRuntimeBackend.from_artifact(artifact, device=device, provider=provider)
     if name == "tensorrt":
         from .tensorrt_backend import open_artifact
 

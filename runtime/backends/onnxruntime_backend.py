@@ -2,7 +2,12 @@
 
 The pools and the in-place binding (one buffer bound as a graph's cache input and as the aliased cache output)
 are ``PagedSession``'s job (``m3export.plugins.onnxruntime.session``); this class maps the engine's batches onto
-the graphs' inputs and brings logits and hidden states back as torch tensors.
+the graphs' inputs and hands logits and hidden states back as torch tensors.
+
+The execution provider decides where everything lives (``--provider``; ``Provider.device``): on the CPU EP the
+batches, pools and outputs are host tensors; on a CUDA-like EP they are device tensors bound in place, so a
+step's inputs, the pools and the outputs (the hidden state chained into the MTP graphs included) stay on the
+device between steps. CI runs the CPU EP; the GPU path is the same code and is unverified here.
 """
 
 from __future__ import annotations
@@ -19,33 +24,52 @@ from m3export.model.batch import Batch
 from .base import Backend
 
 
+def provider_for(device: str | torch.device = "cpu", provider=None):
+    """The execution provider for a backend asked to run on ``device`` with ``provider`` (either may be left
+    at its default): ``cpu`` -> the CPU EP, ``cuda[:n]`` -> the CUDA EP on device n; a provider whose memory is
+    not ``device`` (other than the default ``cpu``) is an error."""
+    from m3export.plugins.onnxruntime.providers import parse_provider
+
+    device = torch.device(device)
+    if provider is None:
+        if device.type == "cpu":
+            return parse_provider("cpu")
+        if device.type == "cuda":
+            return parse_provider(f"cuda:device_id={device.index or 0}")
+        raise BackendUnavailable(f"the onnxruntime backend has no default execution provider for device "
+                                 f"{str(device)!r}: pass provider=... (--provider)")
+    chosen = parse_provider(provider)
+    if device.type != "cpu" and torch.device(chosen.device) != device:
+        raise BackendUnavailable(f"execution provider {chosen} keeps its tensors on {chosen.device}, not on "
+                                 f"{device}: leave the device out or make them agree")
+    return chosen
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, artifact, providers: tuple[str, ...] = ("CPUExecutionProvider",)):
+    def __init__(self, artifact, provider="cpu"):
         from m3export.plugins.onnxruntime.session import PagedSession
 
         self.artifact = artifact
         self.config = artifact.config
         self.required_page_size = artifact.page_size
-        self.device = torch.device("cpu")
         if artifact.manifest.dtype not in MODEL_DTYPES:
             raise BackendUnavailable(f"{artifact.root}: graphs of dtype {artifact.manifest.dtype!r} cannot be fed "
                                      "from here")
         self.graph_dtype = BY_NAME[artifact.manifest.dtype]  # activations, hidden states and pools
-        self._main = PagedSession.from_artifact(artifact, "model", providers=providers)
-        self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", providers=providers)
+        self._main = PagedSession.from_artifact(artifact, "model", providers=provider)
+        self.provider = self._main.provider
+        self.device = self._main.device  # where the engine builds batches: the EP's memory
+        self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", providers=self.provider)
                      for k in range(artifact.manifest.mtp_modules)]
 
     @classmethod
-    def from_artifact(cls, path: str | Path, device: str = "cpu") -> OnnxRuntimeBackend:
+    def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None) -> OnnxRuntimeBackend:
         from m3export.export.artifact import load_artifact
 
-        if str(device) != "cpu":
-            raise BackendUnavailable(
-                f"the onnxruntime backend runs on device 'cpu' only so far (got {device!r}): its cache pools are "
-                "host arrays (m3export/plugins/onnxruntime/session.py); use backend='torch' on GPUs for now")
-        return cls(load_artifact(path, verify_checksums=False))  # structure at start-up; hashes: verify
+        chosen = provider_for(device, provider)
+        return cls(load_artifact(path, verify_checksums=False), chosen)  # structure at start-up; hashes: verify
 
     @property
     def num_mtp_modules(self) -> int:
@@ -66,19 +90,15 @@ class OnnxRuntimeBackend(Backend):
         for session in [self._main, *self._mtp]:
             session.allocate(num_pages)
 
-    def _run(self, session, feeds: dict[str, np.ndarray], hidden_name: str):
-        # PagedSession rejects an output it cannot see written, which a zero-row logits tensor never is:
-        # ask for one row then and drop it (a step of prefill chunks that all stop short of their end).
-        want = len(feeds["logits_indices"])
-        if want == 0:
-            feeds["logits_indices"] = np.zeros(1, dtype=np.int64)
-        out = session.run(feeds)
-        return self.graph_dtype.to_torch(out["logits"][:want]).float(), self.graph_dtype.to_torch(out[hidden_name])
+    def _run(self, session, batch: Batch, hidden_name: str, **extra: torch.Tensor):
+        feeds = {name: t.to(self.device) for name, t in zip(batch.input_names(), batch.inputs())}
+        feeds.update({name: t.to(self.device) for name, t in extra.items()})
+        out = session.run_torch(feeds)
+        return out["logits"].float(), out[hidden_name]
 
     def forward(self, input_ids, batch: Batch, logits_indices):
-        return self._run(self._main, batch.feeds(input_ids=input_ids, logits_indices=logits_indices), "hidden")
+        return self._run(self._main, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices)
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
-        feeds = batch.feeds(input_ids=input_ids, logits_indices=logits_indices)
-        feeds["hidden"] = self.graph_dtype.to_numpy(hidden)
-        return self._run(self._mtp[module], feeds, "hidden_out")
+        return self._run(self._mtp[module], batch, "hidden_out", input_ids=input_ids, logits_indices=logits_indices,
+                         hidden=hidden.to(self.graph_dtype.torch))
