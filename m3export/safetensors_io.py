@@ -61,6 +61,9 @@ class TensorEntry:
             raise ArtifactError(f"manifest.json: tensor {name!r} has a malformed entry ({e!r})") from None
         if entry.dtype not in BY_NAME:
             raise ArtifactError(f"manifest.json: tensor {name!r} has unknown dtype {entry.dtype!r}")
+        if entry.offset < 0 or any(s < 0 for s in entry.shape):
+            raise ArtifactError(f"manifest.json: tensor {name!r} has a negative offset or dimension "
+                                f"(offset {entry.offset}, shape {list(entry.shape)})")
         if entry.length != nbytes(entry.torch_dtype, entry.shape):
             raise ArtifactError(f"manifest.json: tensor {name!r}: length {entry.length} does not match "
                                 f"shape {list(entry.shape)} x {entry.dtype}")

@@ -31,3 +31,9 @@ def source_kind(source: str | os.PathLike) -> str:
 
 def is_preset(source: str | os.PathLike) -> bool:
     return source_kind(source) == PRESET
+
+
+def default_backend(source: str | os.PathLike) -> str:
+    """The backend a source runs on when none is asked for: an exported artifact on the one it was exported for
+    (its ONNX graphs, in ONNX Runtime); checkpoints and presets, which have no graphs, on torch."""
+    return "onnxruntime" if source_kind(source) == ARTIFACT else "torch"

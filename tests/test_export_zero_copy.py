@@ -138,11 +138,31 @@ def test_in_place_export_again_needs_force_and_keeps_the_checkpoint_loadable(tmp
 
     root = write_checkpoint(tmp_path / "c", preset("tiny"), "original", "mxfp8", progress=False)  # one shard
     before = {p.name: p.read_bytes() for p in root.iterdir()}
-    export_artifact(str(root), None, in_place=True, progress=False)  # fp32 graphs: norms etc. converted
+    export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)  # norms etc. converted
     assert (root / "weights.safetensors").exists()
     with pytest.raises(ArtifactError, match="already holds .* pass --force"):
-        export_artifact(str(root), None, in_place=True, progress=False)
-    export_artifact(str(root), None, in_place=True, force=True, progress=False)
+        export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)
+    export_artifact(str(root), None, dtype="float32", in_place=True, force=True, progress=False)
     assert all((root / n).read_bytes() == b for n, b in before.items())  # the checkpoint's files untouched
     assert m3export.load_model(root, progress=False).mxfp8  # our weight file is not mistaken for a shard
     assert load_artifact(root).manifest.mxfp8
+
+
+def test_verify_hashes_linked_shards_start_up_does_not(exported, tmp_path):
+    """Issue 10 item 12: a same-size corruption of a linked shard's data (a permuted lm_head once passed verify)
+    leaves the header alone; the shard's full sha256, recorded at export, catches it when verifying."""
+    files = json.loads((exported / "manifest.json").read_text())["files"]
+    linked = sorted(n for n, meta in files.items() if "header_sha256" in meta)
+    assert linked and all(len(files[n]["sha256"]) == 64 for n in linked)
+    copy = tmp_path / "c"
+    shutil.copytree(exported, copy)
+    ck = Checkpoint(copy)
+    info = ck.tensors[SAMPLES[-1]]  # language_model.model.norm.weight: real (non-hole) bytes
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset)
+        first = f.read(2)
+        f.seek(info.offset)
+        f.write(first[::-1] if first[0] != first[1] else bytes([first[0] ^ 1, first[1]]))
+    load_artifact(copy, verify_checksums=False)  # start-up: size and header only, as before
+    with pytest.raises(ArtifactError, match=r"sha256 does not match manifest.json \(shard corrupted or modified\)"):
+        load_artifact(copy)

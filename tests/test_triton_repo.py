@@ -10,6 +10,7 @@ import pytest
 
 from m3export.cli import main
 from m3export.config import preset
+from m3export.errors import M3Error
 from m3export.runtime import Engine, SamplingParams
 from m3export.serve.protocol import INPUTS, OUTPUTS
 from m3export.serve.repo import RepositoryError, load_engine, parse_engine_args, write_repository
@@ -27,11 +28,21 @@ def parameters(cfg) -> dict[str, str]:
 
 
 def fake_artifact(root: Path, files: dict[str, bytes] | None = None, listed: list[str] | None = None) -> Path:
-    """A structurally valid artifact (what the writer inspects); the server tests use real engines."""
+    """A structurally valid artifact (what the writer inspects: the tensor map matches the tiny model, over a
+    sparse weight file); the server tests use real engines."""
+    import torch
+
+    from m3export.checkpoint.loader import build_empty
+    from m3export.safetensors_io import write_safetensors
+
     root.mkdir(parents=True)
     files = files if files is not None else {"model.onnx": b"graph bytes"}
     for name, data in files.items():
         (root / name).write_bytes(data)
+    meta = build_empty(preset("tiny"), torch.float32, "meta", num_mtp_modules=0)
+    tensors = write_safetensors(root / "weights.safetensors",
+                                [(n, p.dtype, tuple(p.shape)) for n, p in meta.named_parameters()], progress=False)
+    files = {**files, "weights.safetensors": (root / "weights.safetensors").read_bytes()}
     entries = {n: {"sha256": hashlib.sha256(d).hexdigest(), "bytes": len(d)} for n, d in files.items()}
     for name in listed or []:
         entries[name] = {"sha256": "0" * 64, "bytes": 0}
@@ -39,7 +50,7 @@ def fake_artifact(root: Path, files: dict[str, bytes] | None = None, listed: lis
         "format": "m3export.artifact", "format_version": 1, "config": preset("tiny").to_text_dict(),
         "dtype": "float32", "mxfp8": False, "page_size": 16, "mtp_modules": 0, "source": "test", "opset": {},
         "graphs": {"model": {"file": "model.onnx", "inputs": [], "outputs": [], "aliases": {}}},
-        "tensors": {}, "files": entries, "tools": {},
+        "tensors": {n: e.to_json() for n, e in tensors.items()}, "files": entries, "tools": {},
     }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
@@ -94,8 +105,8 @@ def test_artifact_backends_copy_and_link(tmp_path):
 def test_copy_refuses_artifacts_that_reach_outside(tmp_path):
     (tmp_path / "elsewhere.safetensors").write_bytes(b"")
     art = fake_artifact(tmp_path / "art", listed=["../elsewhere.safetensors"])
-    with pytest.raises(RepositoryError, match="outside its directory.*--link"):
-        write_repository(str(art), tmp_path / "repo", copy=True)
+    with pytest.raises(M3Error, match=r"'\.\./elsewhere.safetensors' is not inside the artifact directory"):
+        write_repository(str(art), tmp_path / "repo", copy=True)  # refused as every loader refuses it
     assert not (tmp_path / "repo" / "m3").exists()
 
 
@@ -144,3 +155,38 @@ def test_load_engine_names_what_is_missing(tmp_path):
         load_engine({"source_kind": "preset"}, tmp_path)
     with pytest.raises(RepositoryError, match="missing"):
         load_engine({"source_kind": "artifact", "source": "artifact", "backend": "torch"}, tmp_path)
+
+
+def test_force_never_deletes_the_artifact_it_serves(tmp_path, capsys):
+    """Issue 10 item 1: `triton-repo X/m3 --out X --name m3 --force` deleted the artifact and wrote a config that
+    pointed at it."""
+    art = fake_artifact(tmp_path / "X" / "m3")
+    before = sorted(p.name for p in art.iterdir())
+    assert main(["triton-repo", str(art), "--out", str(tmp_path / "X"), "--name", "m3", "--force"]) == 2
+    assert "is or contains the source" in capsys.readouterr().err
+    assert sorted(p.name for p in art.iterdir()) == before
+
+
+def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    """Issue 10 item 16: a file as --out (or under it) gave FileExistsError / NotADirectoryError tracebacks."""
+    f = tmp_path / "f"
+    f.write_text("x")
+    for out in (f, f / "repo"):
+        assert main(["triton-repo", "tiny", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+    assert f.read_text() == "x"
+
+
+def test_non_ascii_and_quoted_paths_survive_config_pbtxt(tmp_path):
+    """Issue 10 item 16: json.dumps wrote 'ä' as \\u00e4, which text format reads as the letters u00e4."""
+    art = fake_artifact(tmp_path / 'ärt "q" \\ x')
+    model_dir = write_repository(str(art), tmp_path / "repo")
+    assert parameters(parse_config(model_dir))["source"] == str(art.resolve())
+
+
+def test_an_artifact_defaults_to_the_backend_it_was_exported_for(tmp_path):
+    """Issue 10 item 15: an exported artifact ran on torch unless --backend onnxruntime was given."""
+    art = fake_artifact(tmp_path / "art")
+    assert parameters(parse_config(write_repository(str(art), tmp_path / "repo")))["backend"] == "onnxruntime"
+    assert parameters(parse_config(write_repository("tiny", tmp_path / "repo", name="t")))["backend"] == "torch"

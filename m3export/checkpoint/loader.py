@@ -1,8 +1,12 @@
 """Build M3 on the ``meta`` device and stream a checkpoint into it, tensor by tensor.
 
-Each checkpoint tensor is memory-mapped, checked (shape, dtype), converted if needed (cast, or MXFP8
-dequantisation when a floating-point model is asked for) and copied straight into its slice of the allocated
+Each checkpoint tensor is memory-mapped, checked (shape, dtype, finite values), converted if needed (cast, or
+MXFP8 dequantisation when a floating-point model is asked for) and copied straight into its slice of the allocated
 parameter, so peak memory is the model plus one tensor. Every error names the file and the tensor.
+
+``check_tensors`` (names, shapes, dtypes) and ``check_finite`` are the one validation of a checkpoint's tensors:
+loading (generate, the torch backend) and export (copying or zero-copy) both call them, so a checkpoint one path
+accepts is never rejected by the other.
 """
 
 from __future__ import annotations
@@ -114,8 +118,25 @@ def _plan(layout: Layout, params: dict[str, torch.Tensor]) -> dict[str, tuple[st
     return plan
 
 
-def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bool) -> None:
-    params = dict(model.named_parameters())
+def check_finite(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t`` if it holds no NaN or infinity (E4M3's NaN codes S.1111.111 and a UE8M0 scale of 255, NaN in the OCP
+    MX format, included); otherwise a ``CheckpointError`` naming ``where`` and how many values are bad."""
+    if t.dtype == torch.float8_e4m3fn:
+        bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    elif t.dtype == torch.uint8:  # the only uint8 tensors of M3 are MXFP8 scales
+        bad = int((t == 255).sum())
+    elif t.is_floating_point():
+        bad = int((~torch.isfinite(t)).sum())
+    else:
+        bad = 0
+    if bad:
+        raise CheckpointError(f"{where} holds {bad} NaN or infinite value(s) (a corrupt or diverged checkpoint)")
+    return t
+
+
+def check_tensors(ckpt: Checkpoint, layout: Layout, params: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple]]:
+    """Check the checkpoint's tensors against the model's parameters (``meta`` ones suffice): none missing, none
+    unexpected, every shape, and a dtype each parameter can be filled from. Returns {tensor: (parameter, index)}."""
     plan = _plan(layout, params)
     names = set(ckpt.tensors)
     missing = sorted(set(plan) - names)
@@ -128,6 +149,28 @@ def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bo
     if unexpected:
         raise CheckpointError(f"{ckpt.dir}: {len(unexpected)} unexpected tensor(s) for this config, e.g. "
                               f"{unexpected[:5]} ({layout.kind} layout)")
+    for name, (pname, index) in plan.items():
+        info = ckpt.tensors[name]
+        want = params[pname][index]
+        where = f"{info.file}: tensor {name!r}"
+        if tuple(info.shape) != tuple(want.shape):
+            raise CheckpointError(f"{where} has shape {list(info.shape)}, expected {list(want.shape)} "
+                                  f"(parameter {pname})")
+        have = info.torch_dtype
+        if want.dtype in (torch.float8_e4m3fn, torch.uint8):
+            if have != want.dtype:
+                raise CheckpointError(f"{where} has dtype {have}, expected {want.dtype} (MXFP8 weight or scale)")
+        elif have == torch.float8_e4m3fn:
+            if name + "_scale_inv" not in ckpt.tensors:
+                raise CheckpointError(f"{where} is float8_e4m3fn but its scale {name + '_scale_inv'!r} is missing")
+        elif have not in FLOAT_TYPES:
+            raise CheckpointError(f"{where} has dtype {have}, expected a floating-point weight")
+    return plan
+
+
+def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bool) -> None:
+    params = dict(model.named_parameters())
+    plan = check_tensors(ckpt, layout, params)
     order = sorted(plan, key=lambda n: (Path(ckpt.tensors[n].file).name, ckpt.tensors[n].offset))
     for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         pname, index = plan[name]
@@ -137,7 +180,7 @@ def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bo
         if tuple(info.shape) != tuple(target.shape):
             raise CheckpointError(f"{where} has shape {list(info.shape)}, expected {list(target.shape)} "
                                   f"(parameter {pname})")
-        target.copy_(_convert(ckpt, name, target.dtype, where))
+        target.copy_(check_finite(_convert(ckpt, name, target.dtype, where), where))
 
 
 def _convert(ckpt: Checkpoint, name: str, want: torch.dtype, where: str) -> torch.Tensor:

@@ -57,7 +57,8 @@ class Checkpoint:
             files = json.loads(manifest.read_text()).get("files", {}) if manifest.exists() else {}
         except (OSError, json.JSONDecodeError, AttributeError):
             return set()
-        return {self.dir / name for name, meta in files.items() if isinstance(meta, dict) and "sha256" in meta}
+        return {self.dir / name for name, meta in files.items()
+                if isinstance(meta, dict) and "sha256" in meta and "header_sha256" not in meta}
 
     def _read_index(self, index: Path) -> dict[str, str]:
         require_regular_file(index)

@@ -24,15 +24,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", metavar="DIR",
                      help="checkpoint directory (config.json + safetensors); default: the embedded trained checkpoint")
     src.add_argument("--preset", choices=["tiny", "mini"], help="random-weight preset instead of a checkpoint")
-    p.add_argument("--out", metavar="DIR", help="artifact directory to create (not with --in-place)")
-    p.add_argument("--dtype", default="float32", choices=MODEL_DTYPES,
-                   help="activation / weight dtype of the graphs (ONNX Runtime's CPU EP runs float32 and float16)")
+    p.add_argument("--out", metavar="DIR",
+                   help="artifact directory to create, parents included (not with --in-place)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
+                   help="activation / weight dtype of the graphs. Default auto: with --in-place the checkpoint's own "
+                        "dtype (only tensors in another dtype are converted and written), otherwise float32 (ONNX "
+                        "Runtime's CPU EP runs float32 and float16, not bfloat16)")
     p.add_argument("--weights", choices=["mxfp8", "bf16"], default=None,
                    help="mxfp8: E4M3 + UE8M0 weights (MXFP8Linear / MoEMXFP8 nodes); bf16: unquantised weights "
                         "in --dtype. Default: whatever the source holds")
     p.add_argument("--page-size", type=int, default=16, metavar="N",
-                   help="tokens per KV-cache page (static in the graphs; recorded in the manifest)")
-    p.add_argument("--force", action="store_true", help="replace --out if it already holds files")
+                   help="tokens per KV-cache page (static in the graphs; recorded in the manifest; default %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out if it already holds files (never the source, a directory holding it or the "
+                        "current directory); with --in-place, replace the files of an earlier export (never a "
+                        "file of the checkpoint)")
     p.add_argument("--split-layers", type=int, metavar="N",
                    help="also write the model as parts of N layers each (model.part{j}.onnx) for builders that "
                         "cannot take the whole graph; the manifest's 'parts' says how they chain")

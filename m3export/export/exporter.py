@@ -1,9 +1,11 @@
 """``m3export export``: a checkpoint or preset -> an artifact directory (ONNX graphs, weights, manifest, tokenizer).
 
-Everything is written into a temporary sibling directory that is renamed into place only once every file is
-complete and checked, so a failure (or Ctrl-C) never leaves a half-written artifact where a runtime could find
-it. Nothing written depends on the time, the temporary path or the order of a hash map: the same inputs give
-byte-identical files.
+Everything is written into a hidden staging directory beside the output (``m3export.output_dir``) that is renamed
+into place only once every file is complete and checked, so a failure (or Ctrl-C, or SIGTERM) never leaves a
+half-written artifact where a runtime could find it, nor a weight copy nobody removes. ``--force`` never replaces
+an output that is, contains or lies inside the source. Before a weight file is written its size is compared with
+the free space. Nothing written depends on the time, the temporary path or the order of a hash map: the same
+inputs give byte-identical files.
 """
 
 from __future__ import annotations
@@ -23,22 +25,25 @@ from ..config import M3Config
 from ..dtypes import BY_NAME, MODEL_DTYPES, of_torch
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
+from ..output_dir import check_free_space, check_replaceable, make_parent, os_errors_as, staging, staging_prefix
 from ..ops import DOMAIN, OPS, OPSET_VERSION
 from ..ops import mxfp8 as mx
-from ..safetensors_io import write_safetensors
+from ..safetensors_io import nbytes, write_safetensors
 from ..sources import is_preset
 from .graphs import finalize, mtp_signature, step_signature, trace_mtp, trace_step
 from .manifest import MANIFEST, Manifest, sha256_file, signature_of
 from .schemas import ONNX_OPSET, register_schemas
 from .vision_graph import VISION_FILE, VISION_SIGNATURE, trace_vision
 from .weights import ParamEntry
-from .zero_copy import converted_value, resolve, shard_files
+from .zero_copy import check_referenced_finite, converted_value, resolve, shard_files
 from .zero_copy import plan as zero_copy_plan
 
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 WEIGHT_FORMATS = ("mxfp8", "bf16")
+AUTO = "auto"  # --dtype: in place, the checkpoint's own dtype; otherwise float32 (what ONNX Runtime's CPU EP runs)
+IN_PLACE_STAGING = "m3export"  # in place, files are staged in ROOT/.m3export.partial-*
 
 
 def load_source(source: str, dtype: torch.dtype, weights: str | None, progress: bool) -> M3ForCausalLM:
@@ -108,16 +113,15 @@ def _check_graph(path: Path) -> None:
         raise ArtifactError(f"{path.name}: exported graph fails onnx.checker ({e})") from e
 
 
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ArtifactError(f"{out}: exists and is not a directory")
+def _prepare_out(out: Path, force: bool, source: str) -> None:
+    make_parent(out, ArtifactError)
+    if force:
+        check_replaceable(out, [] if is_preset(source) else [source], ArtifactError)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ArtifactError(f"{out}: directory exists and is not empty (pass --force to replace it)")
-    if not out.parent.is_dir():
-        raise ArtifactError(f"{out.parent}: parent directory does not exist")
 
 
-def export_artifact(source: str, out: str | Path | None, dtype: str = "float32", weights: str | None = None,
+def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weights: str | None = None,
                     page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False,
                     split_layers: int | None = None) -> Path:
     """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``.
@@ -126,10 +130,11 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = "float32",
     ``in_place`` the artifact *is* the checkpoint directory: graphs and manifest are added next to the shards and
     reference their bytes directly (zero copy); only tensors whose dtype must change are written.
     ``split_layers`` N also writes the model as parts of N layers each (``model.part{j}.onnx``), for builders
-    that cannot take the whole graph; the manifest's ``parts`` says how they chain.
+    that cannot take the whole graph; the manifest's ``parts`` says how they chain. ``dtype`` ``"auto"`` is the
+    checkpoint's own dtype in place (nothing converted that need not be) and float32 otherwise.
     """
-    if dtype not in MODEL_DTYPES:
-        raise ArtifactError(f"--dtype must be one of {list(MODEL_DTYPES)}, got {dtype!r}")
+    if dtype != AUTO and dtype not in MODEL_DTYPES:
+        raise ArtifactError(f"--dtype must be one of {[AUTO, *MODEL_DTYPES]}, got {dtype!r}")
     if weights not in (None, *WEIGHT_FORMATS):
         raise ArtifactError(f"--weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if not isinstance(page_size, int) or page_size < 1:
@@ -137,20 +142,14 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = "float32",
     if split_layers is not None and (not isinstance(split_layers, int) or split_layers < 1):
         raise ArtifactError(f"--split-layers must be a positive integer, got {split_layers!r}")
     register_schemas()
-    opts = dict(dtype=BY_NAME[dtype].torch, weights=weights, page_size=page_size, progress=progress,
-                split_layers=split_layers)
+    opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers)
     if in_place:
         return _export_in_place(source, force, **opts)
     out = Path(out).absolute()
-    _prepare_out(out, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would otherwise become the artifact's mode
+    _prepare_out(out, force, source)
+    with os_errors_as(ArtifactError), staging(out.parent, out.name, ArtifactError) as tmp:
         _export_into(tmp, source, in_place=False, **opts)
         _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -163,35 +162,66 @@ def _export_in_place(source: str, force: bool, **opts) -> Path:
     root = Path(source).absolute()
     if not root.is_dir():
         raise ArtifactError(f"--in-place needs a checkpoint directory, got {source!r}")
-    tmp = Path(tempfile.mkdtemp(prefix=".m3export-partial-", dir=root))
-    moved: list[Path] = []
-    try:
-        tmp.chmod(0o755)
+    _check_in_place_names(root, [WEIGHTS_FILE, MANIFEST], force)  # the cheap refusals before hours of work
+    with os_errors_as(ArtifactError), staging(root, IN_PLACE_STAGING, ArtifactError) as tmp:
         _export_into(tmp, str(root), in_place=True, **opts)
-        clash = sorted(p.name for p in tmp.iterdir() if (root / p.name).exists())
-        if clash and not force:
-            raise ArtifactError(f"{root}: already holds {clash} (an earlier export?); pass --force to replace them")
-        for p in sorted(tmp.iterdir()):
-            p.replace(root / p.name)
-            moved.append(root / p.name)
-        tmp.rmdir()
-        for graph in json.loads((root / MANIFEST).read_text())["graphs"].values():
-            _check_graph(root / graph["file"])
-    except BaseException:
-        for p in moved:
-            p.unlink(missing_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        produced = sorted(p.name for p in tmp.iterdir())
+        _check_in_place_names(root, produced, force)
+        moved: list[Path] = []
+        try:
+            for name in produced:
+                (tmp / name).replace(root / name)
+                moved.append(root / name)
+            for graph in json.loads((root / MANIFEST).read_text())["graphs"].values():
+                _check_graph(root / graph["file"])
+        except BaseException:
+            for p in moved:
+                p.unlink(missing_ok=True)
+            raise
     return root
 
 
+def _earlier_export_files(root: Path) -> set[str]:
+    """What an earlier in-place export wrote into ``root``: its manifest and the files it lists with a full
+    sha256 (graphs, converted weights). Linked shards are listed by header hash only: they belong to the
+    checkpoint."""
+    try:
+        files = json.loads((root / MANIFEST).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return set()
+    if not isinstance(files, dict):
+        return set()
+    return {MANIFEST} | {n for n, meta in files.items() if isinstance(n, str) and "/" not in n
+                         and isinstance(meta, dict) and "sha256" in meta and "header_sha256" not in meta}
+
+
+def _check_in_place_names(root: Path, names: list[str], force: bool) -> None:
+    """In place, a file of the checkpoint is never replaced, whatever ``force`` says; files of an earlier export
+    are replaced only with ``force``."""
+    present = [n for n in names if (root / n).exists() or (root / n).is_symlink()]
+    ours = _earlier_export_files(root)
+    theirs = [n for n in present if n not in ours]
+    if theirs:
+        raise ArtifactError(f"{root}: already holds {theirs}, which an in-place export would have to replace; "
+                            "files of the checkpoint are never replaced (rename them, or export with --out DIR)")
+    if present and not force:
+        raise ArtifactError(f"{root}: already holds {present} from an earlier export; pass --force to replace them")
+
+
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished artifact into place; an old one at ``out`` is removed only after the swap."""
+    """Move the finished artifact into place; an old one at ``out`` is removed only after the swap (and put back
+    if the swap fails)."""
     old = None
     if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = Path(tempfile.mkdtemp(prefix=staging_prefix(out.name), dir=out.parent))
         out.rename(old / "artifact")
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        if old is not None:
+            (old / "artifact").rename(out)
+            old.rmdir()
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -199,6 +229,7 @@ def _replace(tmp: Path, out: Path) -> None:
 def _weights_from_model(tmp: Path, model: M3ForCausalLM, progress: bool) -> dict[str, ParamEntry]:
     """Presets (and MXFP8 exports of unquantised checkpoints): the weights exist only in memory; write them."""
     state = model.state_dict()
+    check_free_space(tmp, sum(v.nbytes for v in state.values()), "the artifact's weight file", ArtifactError)
     written = write_safetensors(tmp / WEIGHTS_FILE, ((k, v.dtype, tuple(v.shape)) for k, v in state.items()),
                                 state.__getitem__, progress)
     return {k: ParamEntry.whole(e) for k, e in written.items()}
@@ -209,12 +240,22 @@ def _weights_from_checkpoint(tmp: Path, ckpt, layout, meta: M3ForCausalLM, zero_
     they are; every other piece is converted (or copied) one checkpoint tensor at a time."""
     wp = zero_copy_plan(ckpt, layout, meta, WEIGHTS_FILE, zero_copy)
     targets = {name: dt for name, dt, _ in wp.convert}
+    check_free_space(tmp, sum(nbytes(dt, shape) for _, dt, shape in wp.convert),
+                     f"{WEIGHTS_FILE} ({len(wp.convert)} converted tensors)", ArtifactError)
     written = write_safetensors(tmp / WEIGHTS_FILE, wp.convert, lambda n: converted_value(ckpt, n, targets[n]),
                                 progress) if wp.convert else {}
+    check_referenced_finite(ckpt, wp)
     return resolve(wp, written), shard_files(wp.shards)
 
 
-def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None, page_size: int,
+def source_dtype(ckpt, layout) -> str:
+    """The dtype a checkpoint stores its unquantised weights in (that of its embedding), as a model dtype name."""
+    piece = layout.pieces("model.embed_tokens.weight")[0]
+    name = ckpt.tensors[piece.name].dtype if piece.name in ckpt.tensors else None
+    return name if name in MODEL_DTYPES else "bfloat16"
+
+
+def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_size: int,
                  progress: bool, in_place: bool, split_layers: int | None) -> None:
     with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
         steps.set_postfix_str("weights")
@@ -222,12 +263,15 @@ def _export_into(tmp: Path, source: str, dtype: torch.dtype, weights: str | None
         if opened is not None and (weights != "mxfp8" or opened[4]):
             # every checkpoint export streams, except an MXFP8 export of an unquantised checkpoint (quantising)
             ckpt, cfg, layout, n_mtp, quantized = opened
+            dtype = BY_NAME[source_dtype(ckpt, layout) if dtype == AUTO and in_place else
+                            "float32" if dtype == AUTO else dtype].torch
             mxfp8 = quantized and weights != "bf16"
             meta = build_empty(cfg, dtype, "meta", mxfp8=mxfp8, num_mtp_modules=n_mtp)
             tensors, shards = _weights_from_checkpoint(tmp, ckpt, layout, meta, in_place, progress)
         elif in_place:
             raise ArtifactError(f"{source}: --in-place cannot quantise an unquantised checkpoint to MXFP8")
         else:
+            dtype = BY_NAME["float32" if dtype == AUTO else dtype].torch
             model = load_source(source, dtype, weights, progress)
             cfg, mxfp8, n_mtp = model.config, model.mxfp8, len(model.mtp)
             tensors, shards = _weights_from_model(tmp, model, progress), {}

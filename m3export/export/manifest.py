@@ -162,8 +162,10 @@ def _parts(parts: Any, graphs: dict[str, GraphInfo], n_layers: int, where: str) 
         raise ArtifactError(f"{where}: field 'parts' must be a list")
     end = 0
     for p in parts:
-        if not isinstance(p, dict) or p.get("graph") not in graphs or not isinstance(p.get("layers"), list):
-            raise ArtifactError(f"{where}: malformed part {p!r}")
+        layers = p.get("layers") if isinstance(p, dict) else None
+        if (layers is None or p.get("graph") not in graphs or not isinstance(layers, list) or len(layers) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers) or layers[0] >= layers[1]):
+            raise ArtifactError(f"{where}: malformed part {p!r} (expected {{'graph': NAME, 'layers': [start, stop]}})")
         if p["layers"][0] != end:
             raise ArtifactError(f"{where}: part {p['graph']} starts at layer {p['layers'][0]}, expected {end}")
         end = p["layers"][1]

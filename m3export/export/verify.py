@@ -27,20 +27,41 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 
 @dataclass
 class Stat:
-    """Worst error of one output over all steps; ``max_rel`` is max|ort - ref| / max|ref| of the worst step."""
+    """Worst error of one output over all steps; ``max_rel`` is max|ort - ref| / max|ref| of the worst step.
+
+    Non-finite values are counted apart, on either side, and always fail: ``max`` drops NaN (``max(0.0, nan)`` is
+    0.0), so folding them into the error would report a NaN output as a perfect match. A NaN in the reference
+    means the model itself (its weights) is broken, which verify must say as loudly as a wrong graph.
+    """
 
     max_abs: float = 0.0
     max_rel: float = 0.0
+    nonfinite_got: int = 0
+    nonfinite_ref: int = 0
 
     def update(self, got: torch.Tensor, ref: torch.Tensor) -> None:
         got, ref = got.double(), ref.double()
         if got.shape != ref.shape:
             self.max_abs = self.max_rel = float("inf")
             return
+        bad_got, bad_ref = ~torch.isfinite(got), ~torch.isfinite(ref)
+        self.nonfinite_got += int(bad_got.sum())
+        self.nonfinite_ref += int(bad_ref.sum())
+        finite = ~(bad_got | bad_ref)
+        got, ref = got[finite], ref[finite]
         err = (got - ref).abs().max().item() if ref.numel() else 0.0
         scale = ref.abs().max().item() if ref.numel() else 0.0
         self.max_abs = max(self.max_abs, err)
         self.max_rel = max(self.max_rel, err / scale if scale > 0 else (0.0 if err == 0 else float("inf")))
+
+    def ok(self, tolerance: float) -> bool:
+        return self.max_rel <= tolerance and not (self.nonfinite_got or self.nonfinite_ref)
+
+    def status(self, tolerance: float) -> str:
+        if self.nonfinite_got or self.nonfinite_ref:
+            return (f"MISMATCH: NaN/Inf in {self.nonfinite_got} ONNX Runtime value(s), {self.nonfinite_ref} "
+                    "reference value(s)")
+        return "ok" if self.ok(tolerance) else "MISMATCH"
 
 
 @dataclass
@@ -95,15 +116,14 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return (all(s.max_rel <= self.tolerance for s in self.outputs.values())
+        return (all(s.ok(self.tolerance) for s in self.outputs.values())
                 and all(a.exact for a in self.selections.values())
                 and all(a.acceptable for a in self.greedy.values()))
 
     def lines(self) -> list[str]:
         out = [f"{'output':34s} {'max abs':>10s} {'max rel':>10s}  status"]
         for name, s in self.outputs.items():
-            out.append(f"{name:34s} {s.max_abs:10.3e} {s.max_rel:10.3e}  "
-                       f"{'ok' if s.max_rel <= self.tolerance else 'MISMATCH'}")
+            out.append(f"{name:34s} {s.max_abs:10.3e} {s.max_rel:10.3e}  {s.status(self.tolerance)}")
         for name, a in self.selections.items():
             out.append(f"{name:34s} block selection agreement {a}  {'ok' if a.exact else 'MISMATCH'}")
         for name, a in self.greedy.items():
@@ -157,11 +177,13 @@ class _Comparison:
 
 
 def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, tolerance: float | None = None,
-                    providers: tuple[str, ...] = ("CPUExecutionProvider",), progress: bool = True) -> Report:
-    """Run the scenario on both sides and compare; the report says what matched and what did not."""
+                    providers: tuple[str, ...] = ("CPUExecutionProvider",), progress: bool = True,
+                    hash_files: bool = True) -> Report:
+    """Run the scenario on both sides and compare; the report says what matched and what did not. Every file's
+    sha256 is checked first (linked checkpoint shards included) unless ``hash_files`` is false."""
     from m3export.plugins.onnxruntime.session import PagedSession  # packaged from plugins/
 
-    art = path if isinstance(path, Artifact) else load_artifact(path)
+    art = path if isinstance(path, Artifact) else load_artifact(path, verify_checksums=hash_files)
     cfg, page = art.config, art.page_size
     report = Report(TOLERANCE.get(art.manifest.dtype, 1e-4) if tolerance is None else tolerance)
     cmp = _Comparison(report, art.manifest.dtype)

@@ -12,11 +12,14 @@ the graph's is referenced where it is; any other piece is converted and streamed
 artifact's own weight file. The graph reassembles multi-piece parameters with standard Concat / Unsqueeze
 nodes (see ``assemble``), which runtimes fold once at load.
 
-Referenced shards are identified by size and a hash of their safetensors header, never by hashing gigabytes.
+Referenced shards are identified at start-up by size and a hash of their safetensors header (cheap); the export
+also records each shard's full sha256, which ``m3export verify`` checks (a same-size corruption of the data
+leaves the header alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ import onnx_ir as ir
 import torch
 
 from ..checkpoint.layout import Layout, Piece
+from ..checkpoint.loader import check_finite, check_tensors
 from ..checkpoint.shards import Checkpoint
 from ..dtypes import of_torch
 from ..errors import ArtifactError, CheckpointError
@@ -36,8 +40,11 @@ AXES0 = "m3export.axes0"  # the one [0] constant every Unsqueeze of an assembly 
 
 
 def shard_identity(path: Path) -> dict:
-    """Size plus sha256 of the safetensors header: cheap, and changes whenever tensors, dtypes or shapes do."""
-    return {"bytes": path.stat().st_size, "header_sha256": header_sha256(path)}
+    """Size plus sha256 of the safetensors header (cheap, checked at every start-up: changes whenever tensors,
+    dtypes or shapes do) and of the whole file (checked by verify)."""
+    from .manifest import sha256_file
+
+    return {"bytes": path.stat().st_size, "header_sha256": header_sha256(path), "sha256": sha256_file(path)}
 
 
 def _plain_index(piece: Piece) -> tuple:
@@ -51,6 +58,7 @@ class WeightPlan:
     params: dict[str, ParamEntry]
     convert: list[tuple[str, torch.dtype, tuple[int, ...]]]  # (checkpoint tensor, target dtype, shape)
     shards: dict[str, Path]  # name relative to the checkpoint directory -> shard
+    referenced: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors used where they are
 
 
 def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file: str, zero_copy: bool = True
@@ -58,9 +66,11 @@ def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file:
     """Decide, piece by piece, whether the checkpoint bytes can be used as they are (``model`` on ``meta`` gives
     the dtype and shape each parameter has in the graph). Other pieces (all of them without ``zero_copy``) are
     converted into ``converted_file``; their entries get real offsets once that file is written (``resolve``)."""
+    check_tensors(ckpt, layout, dict(model.named_parameters()))  # what loading the checkpoint would check
     params: dict[str, ParamEntry] = {}
     convert: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     shards: dict[str, Path] = {}
+    referenced: list[str] = []
     for name, p in model.named_parameters():
         out = []
         for piece in layout.pieces(name):
@@ -75,6 +85,7 @@ def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file:
                 shard = Path(info.file)
                 rel = shard.relative_to(ckpt.dir).as_posix()
                 shards[rel] = shard
+                referenced.append(piece.name)
                 entry = TensorEntry(rel, info.offset, info.length, info.dtype, want_shape)
             else:
                 if p.dtype in (torch.float8_e4m3fn, torch.uint8) and info.torch_dtype != p.dtype:
@@ -84,7 +95,7 @@ def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file:
                 entry = TensorEntry(converted_file, -1, 0, of_torch(p.dtype).name, want_shape)
             out.append(PieceEntry(_plain_index(piece), entry))
         params[name] = ParamEntry(of_torch(p.dtype).name, tuple(p.shape), tuple(out))
-    return WeightPlan(params, convert, shards)
+    return WeightPlan(params, convert, shards, referenced)
 
 
 def resolve(wp: WeightPlan, written: dict[str, TensorEntry]) -> dict[str, ParamEntry]:
@@ -98,18 +109,33 @@ def resolve(wp: WeightPlan, written: dict[str, TensorEntry]) -> dict[str, ParamE
 
 
 def converted_value(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """A checkpoint tensor in the graph's dtype (MXFP8 weights are dequantised with their scales)."""
+    """A checkpoint tensor in the graph's dtype (MXFP8 weights are dequantised with their scales), checked finite
+    as loading checks it."""
+    where = f"{ckpt.tensors[name].file}: tensor {name!r}"
     t = ckpt.get(name)
-    if t.dtype == dtype:
-        return t
-    if t.dtype == torch.float8_e4m3fn:
-        t = mx.dequantize(t, ckpt.get(name + "_scale_inv"))
-    return t.to(dtype)
+    if t.dtype != dtype:
+        if t.dtype == torch.float8_e4m3fn:
+            t = mx.dequantize(t, ckpt.get(name + "_scale_inv"))
+        t = t.to(dtype)
+    return check_finite(t, where)
+
+
+def check_referenced_finite(ckpt: Checkpoint, wp: WeightPlan) -> None:
+    """The checkpoint tensors the graphs reference in place hold no NaN or infinity, as converted ones are checked
+    when they are written (each read once, memory-mapped)."""
+    for name in wp.referenced:
+        check_finite(ckpt.get(name), f"{ckpt.tensors[name].file}: tensor {name!r}")
 
 
 def shard_files(shards: dict[str, Path]) -> dict[str, dict]:
-    """Manifest entries for the referenced shards: {name: {"bytes", "header_sha256"}}."""
-    return {name: shard_identity(path) for name, path in sorted(shards.items())}
+    """Manifest entries for the referenced shards: {name: {"bytes", "header_sha256", "sha256"}}, hashed in
+    parallel (hashlib releases the GIL on large buffers; shards are read once each)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(shards)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(names, pool.map(lambda n: shard_identity(shards[n]), names)))
 
 
 def assemble(graph: ir.Graph, name: str, parts: list[tuple[tuple, ir.Value]], shape: tuple[int, ...]

@@ -18,7 +18,6 @@ import inspect
 import json
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ from .. import __version__
 from ..config import PRESETS
 from ..dtypes import BY_NAME, MODEL_DTYPES
 from ..errors import M3Error
-from ..sources import ARTIFACT, BACKENDS, CHECKPOINT, MANIFEST, PRESET, source_kind
+from ..output_dir import check_replaceable, make_parent, os_errors_as, staging
+from ..sources import ARTIFACT, BACKENDS, CHECKPOINT, MANIFEST, PRESET, default_backend, source_kind
 from .protocol import INPUTS, OUTPUTS, TensorSpec
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -107,8 +107,23 @@ def _tensor(spec: TensorSpec) -> str:
     return f'  {{ name: "{spec.name}" data_type: {spec.dtype} dims: [ {dims} ]{optional} }}'
 
 
+def pbtxt_string(value: str) -> str:
+    """``value`` as a protobuf text-format string literal. Unlike JSON's ``\\uXXXX`` (which text format reads as
+    the letters ``uXXXX``), non-ASCII characters stay UTF-8 as they are; quotes, backslashes and control
+    characters are escaped the way text format reads them back."""
+    out = []
+    for ch in value:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\{ord(ch):03o}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def render_config(name: str, instances: int, parameters: dict[str, str]) -> str:
-    params = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: {json.dumps(v)} }} }}'
+    params = ",\n".join(f'  {{ key: "{k}" value: {{ string_value: {pbtxt_string(v)} }} }}'
                         for k, v in parameters.items())
     return (
         f"# Written by m3export {__version__} (m3export triton-repo). Inputs and outputs follow Triton's vLLM\n"
@@ -142,9 +157,16 @@ except ImportError as e:
 '''
 
 
-def write_repository(source: str, out: str | Path, *, backend: str = "torch", instances: int = 1, name: str = "m3",
-                     copy: bool = False, engine_args: dict[str, Any] | None = None, force: bool = False) -> Path:
-    """Write ``out/name`` (the repository may hold other models) and return that model directory."""
+def write_repository(source: str, out: str | Path, *, backend: str | None = None, instances: int = 1,
+                     name: str = "m3", copy: bool = False, engine_args: dict[str, Any] | None = None,
+                     force: bool = False) -> Path:
+    """Write ``out/name`` (the repository may hold other models) and return that model directory.
+
+    ``backend`` None picks what the source was built for (``sources.default_backend``: onnxruntime for an
+    exported artifact, torch otherwise). ``force`` replaces ``out/name``, never when that is (or holds) the
+    source being served or the current directory.
+    """
+    backend = backend or default_backend(source)
     if not _NAME.fullmatch(name):
         raise RepositoryError(f"model name {name!r}: use letters, digits, '_', '.' and '-' (it is a directory)")
     if instances < 1:
@@ -156,11 +178,12 @@ def write_repository(source: str, out: str | Path, *, backend: str = "torch", in
     model_dir = repo / name
     if model_dir.exists() and not force:
         raise RepositoryError(f"{model_dir} exists; remove it, choose another --name, or pass --force")
-    repo.mkdir(parents=True, exist_ok=True)
+    if force:
+        check_replaceable(model_dir, [] if src.kind == PRESET else [src.location], RepositoryError)
+    make_parent(model_dir, RepositoryError)  # the repository directory, parents included
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=repo))
-    try:
-        version_dir = staging / "1"
+    with os_errors_as(RepositoryError), staging(repo, name, RepositoryError) as tmp:
+        version_dir = tmp / "1"
         version_dir.mkdir()
         location = src.location
         if copy:
@@ -169,14 +192,11 @@ def write_repository(source: str, out: str | Path, *, backend: str = "torch", in
             location = src.kind  # relative to the version directory
         parameters = {"source_kind": src.kind, "source": location, "backend": backend,
                       "engine_args": json.dumps(engine_args or {}, sort_keys=True)}
-        (staging / "config.pbtxt").write_text(render_config(name, instances, parameters))
+        (tmp / "config.pbtxt").write_text(render_config(name, instances, parameters), encoding="utf-8")
         (version_dir / "model.py").write_text(MODEL_PY.format(version=__version__))
         if model_dir.exists():
             shutil.rmtree(model_dir)
-        staging.rename(model_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        tmp.rename(model_dir)
     return model_dir
 
 

@@ -1,0 +1,87 @@
+"""A manifest is data: it must not make a loader read, hash or run files outside the artifact, nor allocate what
+its config claims before the tensor map is checked against it (issue 10 items 5 and 16)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from m3export.errors import ArtifactError
+from m3export.export.artifact import load_artifact, load_torch_model
+from m3export.export.manifest import sha256_file
+from tests.export_fixtures import tiny_artifact  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def art(tiny_artifact, tmp_path):  # noqa: F811
+    copy = tmp_path / "art"
+    shutil.copytree(tiny_artifact, copy)
+    return copy
+
+
+def _edit(art, fn):
+    path = art / "manifest.json"
+    manifest = json.loads(path.read_text())
+    fn(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _point_tensor_at(art, name, outside):
+    """Make ``name``'s bytes come from ``outside`` with a correct size and checksum, as an attacker would."""
+    def fn(m):
+        m["files"][str(outside)] = {"bytes": outside.stat().st_size, "sha256": sha256_file(outside)}
+        m["tensors"][name].update(file=str(outside), offset=0)
+    _edit(art, fn)
+
+
+def test_absolute_and_dotdot_names_are_refused(art, tmp_path):
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"\0" * 4096)  # enough bytes for model.norm.weight (64 x float32)
+    _point_tensor_at(art, "model.norm.weight", outside)
+    with pytest.raises(ArtifactError, match="is not inside the artifact directory"):
+        load_torch_model(art)
+
+    art2 = tmp_path / "art2"
+    shutil.copytree(art, art2)
+    (tmp_path / "outside").mkdir()
+    shutil.copy(art / "model.onnx", tmp_path / "outside" / "evil.onnx")
+
+    def graph_outside(m):
+        rel = "../outside/evil.onnx"
+        m["files"][rel] = m["files"]["model.onnx"]
+        m["graphs"]["model"]["file"] = rel
+    _edit(art2, graph_outside)
+    with pytest.raises(ArtifactError, match=r"'\.\./outside/evil\.onnx' is not inside the artifact directory"):
+        load_artifact(art2, verify_checksums=False)
+
+
+@pytest.mark.parametrize("name", ["weights.safetensors", "model.onnx"])
+def test_symlinks_leaving_the_artifact_are_refused(art, tmp_path, name):
+    outside = tmp_path / f"elsewhere-{name}"
+    (art / name).rename(outside)  # same bytes, same checksum: only the link gives it away
+    (art / name).symlink_to(outside)
+    with pytest.raises(ArtifactError, match=rf"'{name}' is a symbolic link leading outside the artifact"):
+        load_artifact(art)
+
+
+def test_a_symlink_inside_the_artifact_is_fine(art):
+    (art / "weights.safetensors").rename(art / "real-weights")
+    (art / "weights.safetensors").symlink_to("real-weights")
+    load_artifact(art)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m["config"].update(hidden_size=10 ** 9), r"tensor '.*' has shape .* the config implies"),
+    (lambda m: m["tensors"]["model.norm.weight"].update(offset=-8), "negative offset"),
+    (lambda m: m.update(parts=[{"graph": "model", "layers": []}]), "malformed part"),
+    (lambda m: m.update(dtype="int64"), "'int64' is not a model dtype"),
+    (lambda m: m["tensors"]["model.norm.weight"].update(dtype="bfloat16", length=128), "is stored as"),
+])
+def test_absurd_manifests_are_one_clear_error_before_any_allocation(art, edit, match):
+    """hidden_size 1e9 once allocated 1.28 TB before the shapes were compared; now every loader (both backends,
+    verify) checks the tensor map on a meta model first."""
+    _edit(art, edit)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(art, verify_checksums=False)

@@ -1,0 +1,90 @@
+"""One validation of a checkpoint's tensors for every path (issue 10 items 12, 13): what `generate` (loading)
+rejects, export rejects too, copying or zero-copy; non-finite weights are named; verify never calls NaN ok."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import m3export
+from m3export.checkpoint.writer import write_checkpoint
+from m3export.config import preset
+from m3export.errors import CheckpointError
+from m3export.export import exporter
+from m3export.export.exporter import export_artifact
+from m3export.export.verify import Report, Stat
+
+NORM = "language_model.model.norm.weight"  # the original layout's name of model.norm.weight
+
+
+class Traced(Exception):
+    """Raised in place of tracing: every check of the weights has run by then."""
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    def trace(*a, **k):
+        raise Traced
+    monkeypatch.setattr(exporter, "trace_step", trace)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "ck", preset("tiny"), "original", "bf16",
+                            with_tokenizer=False, progress=False)
+
+
+def _variant(ckpt, tmp_path, edit):
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    shard = d / "model.safetensors"
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard))
+    return d
+
+
+def _nan(tensors):
+    tensors[NORM] = tensors[NORM].clone()
+    tensors[NORM][5] = float("nan")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_nan, rf"tensor '{NORM}' holds 1 NaN or infinite value"),
+    (lambda t: t.update({NORM: torch.ones(64, dtype=torch.int32)}), "int32, expected a floating-point weight"),
+    (lambda t: t.update({"language_model.model.layers.9.extra.weight": torch.zeros(2)}), "unexpected tensor"),
+], ids=["nan", "int32", "extra"])
+@pytest.mark.parametrize("path", ["load", "export", "in-place"])
+def test_every_path_rejects_what_loading_rejects(ckpt, tmp_path, no_tracing, edit, match, path):
+    """NaN weights exported without a word; an int32 weight was cast and extra tensors ignored by export while
+    `generate` refused them."""
+    d = _variant(ckpt, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=match):
+        if path == "load":
+            m3export.load_model(d, progress=False)
+        elif path == "export":
+            export_artifact(str(d), tmp_path / "art", progress=False)
+        else:  # auto dtype: the NaN norm weight is referenced in place, not converted
+            export_artifact(str(d), None, in_place=True, progress=False)
+    assert not (tmp_path / "art").exists() and not (d / "manifest.json").exists()
+
+
+def test_nan_is_a_named_mismatch_never_ok():
+    """max(0.0, nan) is 0.0: a NaN output once read as a perfect match and verify PASSED."""
+    nan = float("nan")
+    s = Stat()
+    s.update(torch.tensor([nan, 1.0]), torch.tensor([1.0, 1.0]))
+    assert not s.ok(1e-4) and s.nonfinite_got == 1 and "NaN/Inf in 1 ONNX Runtime value" in s.status(1e-4)
+    both = Stat()
+    both.update(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0]))  # a broken model: the reference is NaN too
+    assert not both.ok(1e-4) and both.nonfinite_ref == 1 and both.max_abs == 0.0
+    fine = Stat()
+    fine.update(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+    report = Report(tolerance=1e-4, outputs={"model:hidden": s, "model:logits": fine})
+    assert not report.passed
+    lines = report.lines()
+    assert any("model:hidden" in line and "NaN/Inf" in line and "MISMATCH" in line for line in lines)
+    assert lines[-1].endswith("FAILED")
