@@ -151,9 +151,11 @@ class Engine:
 
     @classmethod
     def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",
-                      dtype: torch.dtype | None = None, enforce_eager: bool = False, **engine_kwargs) -> Engine:
-        """An exported artifact directory run by ``backend`` (torch, onnxruntime or tensorrt)."""
-        be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager)
+                      dtype: torch.dtype | None = None, enforce_eager: bool = False, provider: str | None = None,
+                      **engine_kwargs) -> Engine:
+        """An exported artifact directory run by ``backend`` (torch, onnxruntime or tensorrt); ``provider``: the
+        onnxruntime backend's execution provider (``cpu``, ``cuda``, ... with options; default: from ``device``)."""
+        be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager, provider=provider)
         return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
 
     # ------------------------------------------------------------------ requests
