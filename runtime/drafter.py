@@ -2,7 +2,10 @@
 
 After every target step the engine hands the drafter, per request, the target's hidden states for the positions
 that step computed and kept (accepted), and how many drafts it wants. The drafter must leave ``request.drafts``
-(and, for sampling requests, ``request.draft_probs``: the distributions the drafts were drawn from).
+(and, for sampling requests, ``request.draft_probs``: the distributions the drafts were drawn from). It is asked
+for drafts only when the request holds none: drafts a step could not verify (pages or budget were short) stay on
+the request and are verified by later steps, never redrafted. The scheduler reserves the pages that the chain
+below writes before the step runs, so a drafter always delivers every draft it was asked for.
 
 MTP drafting, per step and batched over requests:
 1. Catch-up: every MTP module runs over the newly kept positions t with token x_{t+1} and target hidden h_t,
@@ -29,7 +32,7 @@ from m3export.model.batch import Segment, build_batch
 
 from .backends.base import Backend
 from .request import Request
-from .sampling import draw, filtered_probs
+from .sampling import Purpose, draw, filtered_probs
 
 
 @dataclass
@@ -54,13 +57,14 @@ class Drafter(ABC):
 
 
 def _propose(req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """One draft token (argmax for greedy requests, else drawn from the filtered distribution) and its p_d.
-    On the CPU, like target sampling: the request's generator lives there."""
+    """The next draft token (argmax for greedy requests, else drawn from the filtered distribution) and its p_d.
+    Its uniform is the one for the position it drafts (after the request's tokens and drafts so far), so a
+    position redrafted from the same context gets the same draft. On the CPU, like target sampling."""
     logits = logits.float().cpu()
     if req.params.greedy:
         return int(torch.argmax(logits)), None
     probs = filtered_probs(logits, req.params)
-    return draw(probs, req.generator), probs
+    return draw(probs, req.rng.uniform(req.num_tokens + len(req.drafts), Purpose.DRAFT)), probs
 
 
 class MTPDrafter(Drafter):
@@ -87,6 +91,7 @@ class MTPDrafter(Drafter):
         last_logits, last_hidden = self._catch_up(jobs)
         drafting = [(j, last_logits[i], last_hidden[i]) for i, j in enumerate(jobs) if j.num_drafts > 0]
         for j, logits, _ in drafting:
+            j.request.drafts = []
             tok, probs = _propose(j.request, logits)
             j.request.drafts = [tok]
             j.request.draft_probs = None if probs is None else probs[None]

@@ -33,7 +33,7 @@ from .media import MediaCache, MediaItem, attach_media
 from .outputs import RequestOutput
 from .params import SamplingParams
 from .request import Request
-from .sampling import sample, token_logprobs
+from .sampling import PositionalRandom, token_logprobs
 from .scheduler import ScheduledRequest, Scheduler
 from .stats import EngineStats
 from .tokenizer import TextTokenizer, find_tokenizer
@@ -128,7 +128,8 @@ class Engine:
             drafter = MTPDrafter(backend, page_size, self._ensure_pages)
         self.drafter = drafter if num_speculative_tokens else None
         lookahead = self.drafter.page_lookahead if self.drafter else 0
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, lookahead)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, lookahead,
+                                   draft_reserve=max(0, num_speculative_tokens - 1), max_model_len=max_model_len)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs owed to the next step() (aborts)
@@ -184,10 +185,9 @@ class Engine:
         if params.logprobs is not None and params.logprobs > self.config.vocab_size:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
                              f"({self.config.vocab_size})")
-        gen = torch.Generator()
-        gen.manual_seed(params.seed if params.seed is not None else self._rng.randrange(2**63))
+        rng = PositionalRandom(params.seed if params.seed is not None else self._rng.randrange(2**64))
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
-        req = Request(request_id, ids, params, gen, detokenizer,
+        req = Request(request_id, ids, params, rng, detokenizer,
                       logprobs=[] if params.logprobs is not None else None, media=attached)
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -297,8 +297,12 @@ class Engine:
         if self.drafter is not None:
             self.drafter.run(jobs)
         for j in jobs:
+            if len(j.request.drafts) < j.num_drafts:  # the scheduler reserves the chain's pages: a drafter bug
+                log.warning("request %s: %d of %d drafts proposed; its seeded samples may now depend on the "
+                            "pool", j.request.request_id, len(j.request.drafts), j.num_drafts)
             cached = self.drafter.cached_len(j.request) if self.drafter else j.request.num_computed
             self.scheduler.publish(j.request, cached)
+            self.scheduler.trim_pages(j.request)  # after drafting: the chain wrote into the reserved pages
         progressed = [s.request for s in plan.scheduled if s.samples]
         self._account(plan, progressed, time.perf_counter() - t0)
         for req in progressed:
@@ -339,23 +343,35 @@ class Engine:
         if not s.samples:
             req.num_computed += s.num_new
             return DraftJob(req, start, hidden, 0)
-        emitted = self._next_tokens(req, s, rows)
-        req.num_computed = start + s.num_new + len(emitted) - 1  # accepted drafts keep their K/V; the rest is
-        req.clear_drafts()  # past the cached length now, i.e. forgotten
+        emitted = self._next_tokens(req, rows)
+        # Accepted drafts keep their K/V; a rejected one is past the cached length now, i.e. forgotten. When the
+        # rows ran out before the drafts did and every row accepted, the round of drafts goes on: the remaining
+        # drafts stay for the next step, and with none remaining the next step's one row is the round's bonus
+        # token (computed alone, the step would have had a row after the last draft). Otherwise (a rejection, or
+        # the bonus drawn) the round is over and the drafter proposes anew.
+        req.num_computed = start + s.num_new + len(emitted) - 1
+        round_goes_on = len(rows) <= len(req.drafts) and emitted == req.drafts[:len(rows)]
+        if round_goes_on:
+            req.drafts = req.drafts[len(rows):]
+            req.draft_probs = None if req.draft_probs is None or not req.drafts else req.draft_probs[len(rows):]
+        else:
+            req.clear_drafts()
         self._append(req, emitted, rows)
         if req.finished:
             return None
-        self.scheduler.trim_pages(req)
-        return DraftJob(req, start, hidden[:req.num_computed - start], self._num_drafts(req))
+        return DraftJob(req, start, hidden[:req.num_computed - start], 0 if round_goes_on else self._num_drafts(req))
 
-    def _next_tokens(self, req: Request, s: ScheduledRequest, rows: torch.Tensor) -> list[int]:
-        if not s.drafts:
-            return [sample(rows[0], req.params, req.generator)]
-        probs = None if req.draft_probs is None else req.draft_probs[:len(s.drafts)]
-        emitted = accept(rows, s.drafts, probs, req.params, req.generator)
-        self.stats.verify_steps += 1
-        self.stats.draft_tokens += len(s.drafts)
-        self.stats.accepted_tokens += len(emitted) - 1
+    def _next_tokens(self, req: Request, rows: torch.Tensor) -> list[int]:
+        """The tokens the step's rows decide: with j drafts computed, j + 1 rows verify the request's first
+        j + 1 drafts (a bonus only when every draft was among them); with none, one plain sample."""
+        emitted = accept(rows, req.drafts, req.draft_probs, req.params, req.rng, req.num_tokens)
+        verified = min(len(rows), len(req.drafts))
+        if verified:
+            accepted = next((i for i, (a, b) in enumerate(zip(emitted, req.drafts[:verified])) if a != b),
+                            min(len(emitted), verified))
+            self.stats.verify_steps += 1
+            self.stats.draft_tokens += verified
+            self.stats.accepted_tokens += accepted
         return emitted
 
     def _append(self, req: Request, emitted: list[int], rows: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .media import RequestMedia
 from .params import SamplingParams
+from .sampling import PositionalRandom
 
 
 class Status(enum.Enum):
@@ -28,7 +29,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    rng: PositionalRandom  # every uniform of the request, addressed by (position, purpose)
     detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -42,7 +43,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     page_digests: list[bytes] = field(default_factory=list)  # of the leading full pages already published
     # Speculation: draft tokens for the positions after the last token, and (sampling only) the distributions
-    # they were drawn from [len(drafts), vocab]; None for greedy drafts, which act as one-hot.
+    # they were drawn from [len(drafts), vocab]; None for greedy drafts, which act as one-hot. A step verifies a
+    # prefix of them (as many as fit its pages and budget); the rest stay here for the next step, and survive
+    # preemption (they are a function of the tokens and the seed, so recompute would draft the same ones).
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     # Output bookkeeping: what the last RequestOutput already reported.

@@ -5,10 +5,15 @@ request asks for its last token plus its draft tokens, a request still in prefil
 the budget leaves (chunked prefill). Waiting requests are then admitted in arrival order while budget, sequence
 slots and free pages last, each starting after the longest prefix of full pages already in the cache.
 
-When a running request needs a page and none is free, it first gives up its drafts; then the newest running
-request is preempted: its pages are released and it goes back to the head of the queue to be recomputed from
-its tokens later (recompute rather than swap: the pools live on one device and recomputation reuses whatever of
-its prefix is still cached). Preemption never touches a page another request still references.
+When a running request needs a page and none is free, it first verifies fewer of its drafts (a prefix: the rest
+stay on the request for a later step); then the newest running request is preempted: its pages are released and
+it goes back to the head of the queue to be recomputed from its tokens later (recompute rather than swap: the
+pools live on one device and recomputation reuses whatever of its prefix is still cached). Preemption never
+touches a page another request still references, and keeps the request's drafts.
+
+A step that produces tokens is followed by the drafter, whose chain writes draft positions past the kept ones;
+the scheduler reserves those pages with the step's own (``draft_reserve`` tokens past what the step computes), so
+drafting never runs short of pages and never depends on what else holds the pool.
 """
 
 from __future__ import annotations
@@ -47,9 +52,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 page_lookahead: int = 0):
+                 page_lookahead: int = 0, draft_reserve: int = 0, max_model_len: int | None = None):
         """``page_lookahead``: how many tokens after a page its cached state depends on (1 with MTP, whose entry
-        at position t is computed from token t + 1), so the prefix-cache identity of a page includes them."""
+        at position t is computed from token t + 1), so the prefix-cache identity of a page includes them.
+        ``draft_reserve``: tokens past a producing step's last computed one that the drafter may write (k - 1 for
+        k speculative tokens), reserved up to ``max_model_len``."""
+        self.draft_reserve = draft_reserve
+        self.max_model_len = max_model_len
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -77,7 +86,6 @@ class Scheduler:
         self.blocks.release(req.pages)
         req.pages, req.page_digests = [], []
         req.num_computed = req.num_mtp_computed = 0
-        req.clear_drafts()
         self.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -92,6 +100,16 @@ class Scheduler:
             return False
         req.pages.extend(self.blocks.allocate(missing))
         return True
+
+    def _step_tokens(self, req: Request, start: int, num_new: int, num_drafts: int) -> int:
+        """Positions the request's pages must cover for a step of ``num_new`` known tokens from ``start`` and
+        ``num_drafts`` drafts, including what the drafter writes after a step that produces tokens: at most
+        (last computed + 1 emitted) + draft_reserve, never past max_model_len (where drafting stops)."""
+        end = start + num_new + num_drafts
+        if start + num_new < req.num_tokens or not self.draft_reserve:  # a prefill chunk: nothing is drafted
+            return end
+        reserve = end + self.draft_reserve
+        return max(end, min(reserve, self.max_model_len)) if self.max_model_len else reserve
 
     def trim_pages(self, req: Request) -> None:
         """Release pages past the request's cached positions (rolled-back drafts leave them empty)."""
@@ -141,9 +159,9 @@ class Scheduler:
             remaining = req.num_tokens - req.num_computed
             num_new = min(remaining, budget)
             drafts = req.drafts[:budget - num_new] if num_new == remaining else []
-            while not self.ensure_pages(req, req.num_computed + num_new + len(drafts)):
+            while not self.ensure_pages(req, self._step_tokens(req, req.num_computed, num_new, len(drafts))):
                 if drafts:
-                    drafts = []
+                    drafts = drafts[:-1]  # verify a shorter prefix; the rest waits on the request
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -161,7 +179,7 @@ class Scheduler:
             hits, digests = self._cached_prefix(req)
             start = len(hits) * self.blocks.page_size
             num_new = min(req.num_tokens - start, budget)
-            fresh = self.blocks.pages_for(start + num_new) - len(hits)
+            fresh = self.blocks.pages_for(self._step_tokens(req, start, num_new, 0)) - len(hits)
             revived = sum(1 for p in hits if self.blocks.refcount(p) == 0)
             if fresh > self.blocks.num_free - revived:
                 break
