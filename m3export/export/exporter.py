@@ -307,6 +307,8 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)
+            # `polygraphy run model.onnx --onnxrt --data-loader-script polygraphy_loader.py` works in the artifact
+            shutil.copyfile(Path(__file__).with_name("polygraphy_loader.py"), tmp / "polygraphy_loader.py")
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
         files.update(shards)
         manifest = Manifest(
