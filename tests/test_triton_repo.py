@@ -190,3 +190,13 @@ def test_an_artifact_defaults_to_the_backend_it_was_exported_for(tmp_path):
     art = fake_artifact(tmp_path / "art")
     assert parameters(parse_config(write_repository(str(art), tmp_path / "repo")))["backend"] == "onnxruntime"
     assert parameters(parse_config(write_repository("tiny", tmp_path / "repo", name="t")))["backend"] == "torch"
+
+
+def test_cli_artifact_defaults_to_onnxruntime_unless_a_gpu_is_asked_for(tmp_path, capsys):
+    art = fake_artifact(tmp_path / "art")
+    assert main(["triton-repo", str(art), "--out", str(tmp_path / "repo")]) == 0
+    assert "(onnxruntime backend" in capsys.readouterr().out
+    assert parameters(parse_config(tmp_path / "repo" / "m3"))["backend"] == "onnxruntime"
+    assert main(["triton-repo", str(art), "--out", str(tmp_path / "repo"), "--name", "g",
+                 "--engine-arg", 'device="cuda"']) == 0
+    assert parameters(parse_config(tmp_path / "repo" / "g"))["backend"] == "torch"

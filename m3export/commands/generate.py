@@ -7,7 +7,7 @@ import sys
 
 from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
-from ..sources import ARTIFACT, BACKENDS, PRESET, source_kind
+from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
 
 NAME = "generate"
 HELP = ("Generate from an exported artifact (torch / onnxruntime / tensorrt backend), or from a checkpoint "
@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer: tokenizer.json or the tiny preset)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    p.add_argument("--backend", default="torch", choices=BACKENDS,
-                   help="runtime backend for an artifact (checkpoints and presets run on torch)")
+    p.add_argument("--backend", default=None, choices=BACKENDS,
+                   help="runtime backend (default: onnxruntime for an exported artifact, whose ONNX graphs it runs, "
+                        "torch with a --device other than cpu; torch for checkpoints and presets)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="draft K tokens per step with the MTP module(s) (0: no speculation)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
@@ -58,6 +59,8 @@ def _engine(args: argparse.Namespace):
         print(f"note: preset {args.artifact!r} has random weights, so its output is meaningless by design; leave "
               "ARTIFACT out to generate with the embedded trained model", file=sys.stderr)
 
+    if args.backend is None:  # what the source was built for; the onnxruntime backend runs on the CPU only
+        args.backend = default_backend(args.artifact) if str(args.device) == "cpu" else "torch"
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative}

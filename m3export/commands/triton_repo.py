@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
-from ..sources import BACKENDS
+from ..sources import BACKENDS, default_backend
 
 NAME = "triton-repo"
 HELP = ("Write a Triton model repository (Python backend, decoupled/streaming, vLLM-style inputs) that runs "
@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="exported artifact directory, or (torch backend) a checkpoint directory or preset name; "
                         "default: the embedded trained checkpoint (m3export.embedded)")
     p.add_argument("--out", required=True, metavar="REPO", help="model repository directory (created if missing)")
-    p.add_argument("--backend", default="torch", choices=BACKENDS,
-                   help="runtime backend the engine uses (default: %(default)s)")
+    p.add_argument("--backend", default=None, choices=BACKENDS,
+                   help="runtime backend the engine uses (default: onnxruntime for an exported artifact, whose ONNX "
+                        "graphs it runs, unless --engine-arg device names a GPU; torch for checkpoints and presets)")
     p.add_argument("--instances", type=int, default=1, metavar="N",
                    help="model instances, each with its own engine (default: %(default)s)")
     p.add_argument("--name", default="m3", help="model name in Triton (default: %(default)s)")
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         args.artifact = str(default_model())
 
     engine_args = parse_engine_args(args.engine_arg)
+    if args.backend is None:  # what the source was built for; the onnxruntime backend runs on the CPU only
+        cpu = str(engine_args.get("device", "cpu")) == "cpu"
+        args.backend = default_backend(args.artifact) if cpu or args.provider is not None else "torch"
     if args.provider is not None:
         from ..errors import M3Error
         from ..plugins.onnxruntime.providers import parse_provider
