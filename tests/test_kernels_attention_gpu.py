@@ -70,8 +70,11 @@ def test_mini_dims_against_references_without_host_sync(page):
 
 def test_mini_dims_fused_norm_rope_cache_write():
     """The fused QK-norm + RoPE + cache-write kernel at M3 dims (64 q heads, 4 KV heads, 128-dim heads, 64 rotary
-    dims, bf16) against the model's separate steps: equal up to one bf16 unit in the last place (the mean
-    square's fp32 summation order), and at least 99 % of elements bit-equal."""
+    dims, bf16) against the model's separate steps, whose roundings it repeats (after the norm, each RoPE
+    product, the sum). They can differ where the norm's fp32 mean square or reciprocal square root rounds
+    differently and one bf16 unit of the normed value moves. RoPE's difference can cancel far below its terms,
+    so that unit is measured against the un-cancelled magnitude |a cos| + |b sin| (a float64 oracle of the same
+    formula), not the result's own last place; and at least 99 % of elements must be bit-equal."""
     from m3export.model.batch import write_pool
     from m3export.model.norm import RMSNorm
     from m3export.model.rope import Rotary, apply_rope
@@ -82,12 +85,21 @@ def test_mini_dims_fused_norm_rope_cache_write():
     norm.weight.data.normal_(0, 0.3)
     pos = torch.randint(0, 131072, (t,), device="cuda")
     cos, sin = Rotary(64, 10000.0).cuda()(pos, torch.bfloat16)
+    rot = 64
     for heads in (HQ, HKV):
         x = torch.randn(t, heads, D, device="cuda", dtype=torch.bfloat16) * 3
         want = apply_rope(norm(x), cos, sin)
         got = norm_rope(x, norm.weight, 1e-6, cos, sin)
-        ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
-        assert ((got.float() - want.float()).abs() <= ulp).all()
+        xd = x.double()
+        n = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.double())
+        c, s_ = cos.double()[:, None, :], sin.double()[:, None, :]  # [t, 1, rot / 2]
+        a, b = n[..., :rot // 2], n[..., rot // 2:rot]
+        exact = torch.cat([a * c - b * s_, b * c + a * s_, n[..., rot:]], dim=-1)
+        mag = torch.cat([(a * c).abs() + (b * s_).abs(), (b * c).abs() + (a * s_).abs(), n[..., rot:].abs()], -1)
+        # Both are within a few bf16 roundings of the exact formula, in units of the un-cancelled magnitude.
+        assert ((got.double() - exact).abs() <= mag * 2.0**-6).all()
+        assert ((want.double() - exact).abs() <= mag * 2.0**-6).all()
+        assert ((got.double() - want.double()).abs() <= mag * 2.0**-7).all()
         assert (got == want).float().mean() >= 0.99
     slots = torch.randperm(pages * page, device="cuda")[:t]
     pool = torch.zeros(pages, page, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -100,16 +112,23 @@ def test_mini_dims_fused_norm_rope_cache_write():
 
 
 def test_mini_model_greedy_tokens_equal_with_kernels_and_references():
-    """The whole ``mini`` model (bf16, random weights) through the engine: 64 greedy tokens for a prompt long
-    enough that the indexer selects (2300 tokens > 16 blocks of 128), kernels (the m3 ops and the fused
-    norm / RoPE / cache write) vs the reference path. Minutes: the random weights are drawn on the CPU."""
-    import m3export
+    """The whole ``mini`` model (real per-layer dims, 8 experts, random weights) through the engine: 64 greedy
+    tokens after a prompt long enough that the indexer selects (2300 tokens > 16 blocks of 128), kernels (the m3
+    ops and the fused norm / RoPE / cache write) vs the reference path. In fp32, where the two differ only by
+    summation order (~1e-6): in bf16, random weights' greedy tokens flip on rounding differences alone (seen on
+    the H200: the bf16 step differs by ~25 % at 4k context while every op matches its reference), which tests
+    nothing. Top-2 logit gaps of random weights are ~1e-2 of the logit scale, so a near-tie flip is unlikely."""
+    import dataclasses
+
+    from m3export.checkpoint.loader import random_model
+    from m3export.config import preset
     from m3export.plugins.kernels import references, use_on
     from m3export.runtime import Engine, SamplingParams
     from m3export.runtime.backends.torch_backend import TorchBackend
 
+    cfg = dataclasses.replace(preset("mini"), num_local_experts=8).validate()
+    model = random_model(cfg, device="cuda", dtype=torch.float32, num_mtp_modules=0)
     assert use_on("cuda")
-    model = m3export.load_model("mini", device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (2300,), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -122,5 +141,5 @@ def test_mini_model_greedy_tokens_equal_with_kernels_and_references():
                 outs.append(eng.generate([prompt], params)[0].token_ids)
         else:
             outs.append(eng.generate([prompt], params)[0].token_ids)
-    same = sum(a == b for a, b in zip(*outs))
+    same = sum(a == b for a, b in zip(*outs, strict=True))
     assert outs[0] == outs[1], f"{same} of 64 greedy tokens agree"
