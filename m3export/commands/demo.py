@@ -9,6 +9,7 @@ takes. ``--checkpoint`` runs the same job on any other checkpoint.
 from __future__ import annotations
 
 import argparse
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -44,11 +45,16 @@ def run(args: argparse.Namespace) -> int:
             ("generate", ["generate", str(art), "--prompt", args.prompt, "--max-tokens", str(args.max_tokens),
                           "--backend", args.backend, "--speculative", "2", "--temperature", "0"]),
         ]
+        from .synth import has_random_weights
+
+        if has_random_weights(str(ckpt)):
+            print(f"== note: {ckpt} holds random weights (m3export synth): the generated text is meaningless by "
+                  "design", flush=True)
         for title, argv in steps:
             if not argv:
                 print(f"== {title}: reusing {work}", flush=True)
                 continue
-            print(f"== {title}: m3export {' '.join(argv)}", flush=True)
+            print(f"== {title}: {shlex.join(['m3export', *argv])}", flush=True)  # pasteable as it is
             rc = main(argv)
             if rc:
                 print(f"== {title} failed (exit {rc})")

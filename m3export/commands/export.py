@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..dtypes import MODEL_DTYPES
+from .arguments import MAX_PAGE_SIZE, bounded_int
 
 NAME = "export"
 HELP = ("Export M3 to an artifact: ONNX graphs (m3 custom nodes + ONNX function bodies, paged caches), "
@@ -33,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["mxfp8", "bf16"], default=None,
                    help="mxfp8: E4M3 + UE8M0 weights (MXFP8Linear / MoEMXFP8 nodes); bf16: unquantised weights "
                         "in --dtype. Default: whatever the source holds")
-    p.add_argument("--page-size", type=int, default=16, metavar="N",
-                   help="tokens per KV-cache page (static in the graphs; recorded in the manifest; default %(default)s)")
+    p.add_argument("--page-size", type=bounded_int(1, MAX_PAGE_SIZE), default=16, metavar="N",
+                   help=f"tokens per KV-cache page, 1 .. {MAX_PAGE_SIZE} (static in the graphs; recorded in the "
+                        "manifest; default %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="replace --out if it already holds files (never the source, a directory holding it or the "
                         "current directory); with --in-place, replace the files of an earlier export (never a "

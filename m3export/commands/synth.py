@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 NAME = "synth"
 HELP = "Write a synthetic random-weight M3 checkpoint (sharded safetensors + config + tokenizer)."
@@ -25,6 +27,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mtp", action="store_true", help="leave the MTP modules out (as the public release does)")
 
 
+#: Key synth adds to the checkpoint's config.json, so that what runs it later can say its weights are random.
+RANDOM_WEIGHTS_KEY = "m3export_random_weights"
+
+
+def has_random_weights(source: str) -> bool:
+    """True for a checkpoint directory that ``m3export synth`` wrote (its config.json carries the mark)."""
+    f = Path(source) / "config.json"
+    try:
+        return bool(json.loads(f.read_text(encoding="utf-8")).get(RANDOM_WEIGHTS_KEY))
+    except (OSError, ValueError, AttributeError):
+        return False  # not a readable checkpoint: whoever loads it reports that
+
+
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint.writer import write_checkpoint
     from ..config import preset
@@ -32,5 +47,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = preset(args.preset)
     out = write_checkpoint(args.out, cfg, args.layout, args.dtype, seed=args.seed, shard_bytes=args.shard_mb << 20,
                            with_mtp=not args.no_mtp, with_tokenizer=args.preset == "tiny")
-    print(f"wrote {args.preset} checkpoint ({args.layout} layout, {args.dtype}) to {out}")
+    config = Path(out) / "config.json"
+    raw = json.loads(config.read_text(encoding="utf-8"))
+    raw[RANDOM_WEIGHTS_KEY] = {"seed": args.seed}
+    config.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.preset} checkpoint ({args.layout} layout, {args.dtype}, random weights from seed {args.seed}: "
+          f"its generations are meaningless by design) to {out}")
     return 0

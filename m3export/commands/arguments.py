@@ -1,0 +1,62 @@
+"""Checks of command-line values that every command shares: bounded integers, devices and prompt text.
+
+Why here and not in each command: a bad value must be one line naming the option before anything is loaded or
+allocated (argparse prints ``error: argument --x: ...`` and exits 2), and the bounds are the same wherever an
+option appears.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import M3Error
+
+#: Largest KV-cache page (tokens): pages are a unit of allocation, far below any sequence length; M3's index
+#: blocks are 128 tokens and pages should divide them.
+MAX_PAGE_SIZE = 1024
+
+
+def bounded_int(lo: int | None = None, hi: int | None = None):
+    """An argparse ``type`` accepting integers in [lo, hi] (either end open when None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            if hi is None:
+                raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+            if lo is None:
+                raise argparse.ArgumentTypeError(f"must be <= {hi}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = "integer"  # what argparse names in its own messages
+    return parse
+
+
+def check_device(device: str) -> None:
+    """Refuse a torch device string that does not parse, or a CUDA device on a machine without one."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise M3Error(f"--device {device!r} is not a torch device ({e}); use cpu or cuda[:N]") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise M3Error(f"--device {device}: no CUDA device is available here (torch.cuda.is_available() is "
+                          "False); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise M3Error(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_text(option: str, text: str) -> str:
+    """Command-line text must be valid UTF-8 (Python keeps undecodable argv bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise M3Error(f"{option} is not valid UTF-8 text: byte(s) {bad.hex(' ')} at character {e.start}") from None
+    return text
