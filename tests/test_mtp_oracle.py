@@ -54,6 +54,7 @@ def swiglu(gu, alpha, limit):
     return g / (1 + torch.exp(-alpha * g)) * (u + 1)
 
 
+@torch.no_grad()
 def mtp_oracle(cfg, w: dict[str, torch.Tensor], embed, lm_head, tokens: list[int], hidden: torch.Tensor):
     """Logits [n, vocab] and pre-norm outputs [n, H] of MTP module weights ``w`` (float64) at positions 0..n-1."""
     n, eps = len(tokens) - 1, cfg.rms_norm_eps
