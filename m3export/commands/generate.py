@@ -8,6 +8,8 @@ import sys
 from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
+from .arguments import bounded_int, check_device, check_text
+from .synth import has_random_weights
 
 NAME = "generate"
 HELP = ("Generate from an exported artifact (torch / onnxruntime / tensorrt backend), or from a checkpoint "
@@ -31,19 +33,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=BACKENDS,
                    help="runtime backend (default: onnxruntime for an exported artifact, whose ONNX graphs it runs, "
                         "torch with a --device other than cpu; torch for checkpoints and presets)")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
+    p.add_argument("--speculative", type=bounded_int(0), default=0, metavar="K",
                    help="draft K tokens per step with the MTP module(s) (0: no speculation)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the most likely tokens whose probabilities add up to P (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    p.add_argument("--seed", type=bounded_int(0, 2**64 - 1), default=None,
+                   help="random seed, 0 .. 2^64 - 1 (default: a fresh one each run)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
     add_provider_argument(p, default=None)
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
-    p.add_argument("--num-pages", type=int, help="KV-cache pages to allocate (default: 4 x max-model-len)")
-    p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + generated) to allow")
+    p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
+    p.add_argument("--max-model-len", type=bounded_int(2),
+                   help="longest sequence (prompt + generated) to allow (default: min(4096, the model's limit))")
 
 
 def _engine(args: argparse.Namespace):
@@ -58,6 +63,9 @@ def _engine(args: argparse.Namespace):
     if source_kind(args.artifact) == PRESET:
         print(f"note: preset {args.artifact!r} has random weights, so its output is meaningless by design; leave "
               "ARTIFACT out to generate with the embedded trained model", file=sys.stderr)
+    elif has_random_weights(args.artifact):
+        print(f"note: {args.artifact} holds random weights (written by m3export synth), so its output is meaningless "
+              "by design; leave ARTIFACT out to generate with the embedded trained model", file=sys.stderr)
 
     if args.backend is None:  # what the source was built for; the onnxruntime backend runs on the CPU only
         args.backend = default_backend(args.artifact) if str(args.device) == "cpu" else "torch"
@@ -85,7 +93,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = _engine(args)
+    if args.prompt is not None:
+        check_text("--prompt", args.prompt)
+    check_device(args.device)
+    try:
+        engine = _engine(args)
+    except ValueError as e:  # the engine's own checks of its sizes (pool, length limit, speculation)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if isinstance(prompt, str) and engine.tokenizer is None:
         print(f"error: {args.artifact} has no tokenizer.json: pass --prompt-ids instead of --prompt", file=sys.stderr)
         return 2
