@@ -12,18 +12,33 @@ import sys
 COMMANDS = ("synth", "export", "verify", "generate", "serve", "triton_repo", "demo")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples keep their layout, and every option that has a default value says it (unless its help already
+    does): a new user reads what happens when the option is left out."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or any(action.default is v for v in (None, False, argparse.SUPPRESS))
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="m3export",
         description="Take MiniMax M3 from PyTorch to ONNX / ONNX Runtime / TensorRT / Triton.",
         epilog="Run 'm3export COMMAND --help' for examples of each command.",
     )
+    parser.add_argument("--version", action="version", version=f"m3export {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod_name in COMMANDS:
         mod = importlib.import_module(f"m3export.commands.{mod_name}")
         p = sub.add_parser(
             mod.NAME, help=mod.HELP, description=mod.HELP, epilog="examples:\n" + mod.EXAMPLES,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
