@@ -157,3 +157,19 @@ def test_sigterm_removes_the_partial_directory(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM and "terminated" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_out_that_is_a_file_is_one_line_and_its_checkpoint_is_readable(tmp_path, capsys):
+    """Item 16 (synth): a file as --out gave a NotADirectoryError traceback; the checkpoint came out mode 0700."""
+    import stat
+
+    f = tmp_path / "f"
+    f.write_text("x")
+    for out in (f, f / "ck"):
+        assert cli(["synth", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+    out = tmp_path / "new" / "ck"
+    assert cli(["synth", "--out", str(out)]) == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert sorted(p.name for p in out.parent.iterdir()) == ["ck"]  # no staging directory left beside it

@@ -3,22 +3,22 @@
 Used by ``m3export synth`` and the tests, and to convert between layouts; ``sparse.py`` writes full-size
 checkpoints through the same code without values. What a checkpoint holds (names, dtypes, shapes, order) is
 decided once, by ``planned_tensors``; shards are then streamed tensor by tensor (``write_safetensors``). Everything
-goes to a temporary sibling directory that is renamed into place at the end, so an interrupted write never leaves
-a half-written checkpoint behind.
+goes to a hidden staging directory beside the output (``m3export.output_dir``: removed on error, Ctrl-C or SIGTERM,
+and by the next write after a SIGKILL) that is renamed into place at the end, so an interrupted write never leaves
+a half-written checkpoint behind; the checkpoint is readable by others (mode 0755), as an artifact is.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..config import M3Config, QuantConfig
 from ..errors import CheckpointError
+from ..output_dir import make_parent, os_errors_as, staging
 from ..model import M3ForCausalLM
 from ..ops import mxfp8 as mx
 from ..safetensors_io import nbytes, write_safetensors
@@ -90,6 +90,7 @@ def write_checkpoint(out_dir: str | os.PathLike, cfg: M3Config, layout: str = "o
     if fmt not in FORMATS:
         raise ValueError(f"unknown checkpoint format {fmt!r}: expected one of {list(FORMATS)}")
     out = Path(out_dir)
+    make_parent(out, CheckpointError)  # a file as --out, or a parent that cannot be made: one clear error
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: output directory exists and is not empty")
     n_mtp = (len(model.mtp) if model is not None else cfg.num_mtp_modules) if with_mtp else 0
@@ -132,9 +133,8 @@ def write_shards(out: Path, cfg: M3Config, layout: Layout, specs, shard_bytes: i
             size = 0
         groups[-1].append((name, dtype, shape))
         size += n
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    make_parent(out, CheckpointError)
+    with os_errors_as(CheckpointError), staging(out.parent, out.name, CheckpointError) as tmp:
         names = (["model.safetensors"] if single_file and len(groups) == 1 else
                  [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
         weight_map, total = {}, 0
@@ -152,9 +152,6 @@ def write_shards(out: Path, cfg: M3Config, layout: Layout, specs, shard_bytes: i
         if out.exists():
             out.rmdir()
         tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
