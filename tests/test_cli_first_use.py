@@ -47,6 +47,7 @@ def test_help_shows_every_default(command):
     (["generate", "tiny", "--prompt-ids", "1,2", "--num-pages", "0"], "argument --num-pages: must be >= 1"),
     (["generate", "tiny", "--prompt-ids", "1,2", "--seed", str(2**64)], "argument --seed: must be in [0, "),
     (["generate", "tiny", "--prompt-ids", "1,2", "--seed", "x"], "argument --seed: expected an integer, got 'x'"),
+    (["demo", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),  # before any step runs
     (["export", "--preset", "tiny", "--out", "unused", "--page-size", "0"], "argument --page-size: must be in [1, 1024]"),
     (["export", "--preset", "tiny", "--out", "unused", "--page-size", "100000"], "argument --page-size: must be in"),
 ])
@@ -72,8 +73,11 @@ def test_bad_device_and_invalid_utf8_prompt_are_one_line(capsys):
     rc, err = _run(capsys, ["generate", "tiny", "--prompt-ids", "1,2", "--device", "gpu7"])
     assert rc == 2 and "error: --device 'gpu7' is not a torch device" in err and "Traceback" not in err
     # What Python makes of the argv bytes b"ab\xff": the undecodable byte as a lone surrogate.
-    rc, err = _run(capsys, ["generate", "tiny", "--prompt", b"ab\xff".decode("utf-8", "surrogateescape")])
+    bad = b"ab\xff".decode("utf-8", "surrogateescape")
+    rc, err = _run(capsys, ["generate", "tiny", "--prompt", bad])
     assert rc == 2 and "error: --prompt is not valid UTF-8 text: byte(s) ff at character 2" in err
+    rc, err = _run(capsys, ["demo", "--prompt", bad])
+    assert rc == 2 and "error: --prompt is not valid UTF-8 text" in err
 
 
 def test_engine_size_errors_are_one_line(capsys):

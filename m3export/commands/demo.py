@@ -13,6 +13,8 @@ import shlex
 import tempfile
 from pathlib import Path
 
+from .arguments import bounded_int, check_text
+
 NAME = "demo"
 HELP = "Run the main job on the embedded trained default: export -> verify -> generate (speculative)."
 EXAMPLES = """\
@@ -26,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", help="where to keep the checkpoint and artifact (default: a temporary directory)")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint to run (default: the embedded trained model)")
     p.add_argument("--prompt", default="    for i in range(len(items)):", help="prompt for the generation step")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    p.add_argument("--max-tokens", type=bounded_int(1), default=32,
+                   help="tokens to generate (checked before anything runs)")
     p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "torch"],
                    help="runtime backend for the generation step")
 
@@ -34,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..cli import main
     from ..embedded import default_model
+
+    check_text("--prompt", args.prompt)  # now, not after export and verify have run
 
     with tempfile.TemporaryDirectory(prefix="m3demo-") as tmp:
         work = Path(args.workdir or tmp)
