@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("synth", "export", "verify", "generate", "serve", "triton_repo", "demo")
+COMMANDS = ("synth", "export", "verify", "build", "compare", "generate", "serve", "triton_repo", "demo")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

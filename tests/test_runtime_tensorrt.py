@@ -17,8 +17,8 @@ def test_missing_tensorrt_says_what_to_install(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TENSORRT, reason="TensorRT is not installed (pip install 'm3export[trt]' on a GPU host)")
-def test_tensorrt_engines_are_not_runnable_yet(tmp_path):
-    with pytest.raises(BackendUnavailable, match="cannot run TensorRT engines yet"):
+def test_a_directory_without_engines_says_how_to_build_them(tmp_path):
+    with pytest.raises(BackendUnavailable, match="holds no TensorRT engines: build them with 'm3export build"):
         create_backend("tensorrt", tmp_path)
 
 

@@ -1,8 +1,11 @@
-"""TensorRT backend: only the availability check exists so far.
+"""TensorRT backend: finds the engines ``m3export build`` wrote and checks they fit this GPU and TensorRT.
 
-TensorRT cannot be installed on the CPU development machine, the M3 TensorRT plugins and the engine build
-(``m3export build-engine``) are not written yet, and so there is no engine format to run. Asking for this
-backend therefore fails with ``BackendUnavailable`` saying exactly what is missing, instead of pretending.
+Engines come from ``m3export build ARTIFACT --out DIR`` (the graphs' TensorRT flavour with the m3 plugins). What
+exists: the checks that an engine directory is one, was built for this compute capability and this TensorRT
+version, with a message saying what to do otherwise. What does not exist yet: running an engine step by step
+(device pools bound by address, the cache-write nodes aliased in place); asking for it fails with
+``BackendUnavailable`` saying so, instead of pretending. TensorRT cannot be installed on the development machine,
+so none of this has run against a real engine.
 """
 
 from __future__ import annotations
@@ -20,15 +23,26 @@ def require_tensorrt():
     try:
         import tensorrt
     except ImportError as e:
-        raise BackendUnavailable(f"the tensorrt backend needs TensorRT, which is not installed ({e}): "
-                                 f"{INSTALL_HINT}") from e
+        raise BackendUnavailable(f"TensorRT is not installed ({e}): {INSTALL_HINT}") from e
     return tensorrt
 
 
 def open_artifact(path: str | Path, device: str = "cuda"):
-    """The TensorRT backend for an artifact: today always BackendUnavailable, with the reason."""
+    """The TensorRT backend for an engine directory (``m3export build``'s output)."""
     trt = require_tensorrt()
+    from m3export.build.engine import BUILD_JSON, read_build
+    from m3export.build.profiles import check_engine
+
+    root = Path(path)
+    if not (root / BUILD_JSON).is_file():
+        raise BackendUnavailable(f"{path} holds no TensorRT engines: build them with 'm3export build {path} --out "
+                                 "DIR' and pass DIR to the tensorrt backend")
+    meta = read_build(root)
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    check_engine(meta, trt.__version__, (props.major, props.minor), str(root))
     raise BackendUnavailable(
-        f"TensorRT {trt.__version__} is installed, but this runtime cannot run TensorRT engines yet: the M3 "
-        f"plugins and the engine build are not implemented, so {path} holds no engine to run; use "
+        f"{path}: engines for TensorRT {trt.__version__} on this GPU are present, but this runtime cannot run "
+        "TensorRT engines yet (the step runner with device pools bound in place is not written); use "
         "backend='onnxruntime' or 'torch'")

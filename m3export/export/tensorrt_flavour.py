@@ -1,0 +1,125 @@
+"""The TensorRT flavour of an exported graph: every ``m3`` node becomes the plugin node(s) TensorRT's ONNX parser
+maps onto the ``m3`` plugins (``plugins/tensorrt``), and the ONNX function bodies are dropped.
+
+TensorRT's parser turns a node it has no importer for into the plugin whose name is the node's ``op_type``, whose
+version is the node's ``plugin_version`` attribute and whose namespace is its ``plugin_namespace`` attribute; an
+``aot`` attribute of 1 selects the plugin's ahead-of-time implementation (the compiled Triton kernel, so the
+engine runs without Python). Every other attribute is handed to the plugin as a field. Model-local functions would
+be inlined by the parser instead, so the flavour graph carries none for ``m3`` ops.
+
+Ops whose kernel needs more than one launch are cut into the steps of ``plugins/tensorrt/steps.py``
+(``LightningIndexer`` -> ``LightningIndexerScan`` -> ``LightningIndexerTopK``, the top-k compiled for
+``max_blocks = ceil(max_model_len / block_size)``: a build-time bound, so the flavour is written per build).
+``MoE`` / ``MoEMXFP8`` stay single nodes with ``aot`` 0 (Python ``impl``). The graph keeps its inputs, outputs,
+initializers (external data) and every standard node, so the manifest's signatures describe it unchanged.
+"""
+
+from __future__ import annotations
+
+
+import onnx
+from onnx import helper
+
+from ..errors import ArtifactError
+from ..ops import DOMAIN
+
+NAMESPACE = "m3"
+PLUGIN_VERSION = "1"
+FLAVOUR = "tensorrt"
+
+
+def _plugin_attrs(aot: bool) -> list[onnx.AttributeProto]:
+    return [helper.make_attribute("plugin_namespace", NAMESPACE), helper.make_attribute("plugin_version",
+                                                                                        PLUGIN_VERSION),
+            helper.make_attribute("aot", int(aot))]
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def flavour_graph(model: onnx.ModelProto, max_model_len: int) -> tuple[onnx.ModelProto, dict]:
+    """A copy of ``model`` with plugin nodes; returns it and a record of what was rewritten (for the manifest)."""
+    from m3export.plugins.tensorrt.steps import STEPS, max_blocks
+
+    if max_model_len < 1:
+        raise ArtifactError(f"max_model_len must be >= 1, got {max_model_len}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes: list[onnx.NodeProto] = []
+    counts: dict[str, int] = {}
+    aot_flags: dict[str, bool] = {}
+    for node in model.graph.node:
+        if node.domain != DOMAIN:
+            nodes.append(node)
+            continue
+        if node.op_type not in STEPS:
+            raise ArtifactError(f"node {node.name or node.op_type}: m3::{node.op_type} has no TensorRT plugin")
+        steps = STEPS[node.op_type]
+        if node.op_type == "LightningIndexer":
+            a = _attrs(node)
+            index_q, kc, bt, qsl, _seq_lens, pos = node.input
+            scores = f"{node.output[0]}.block_scores"
+            scan = helper.make_node("LightningIndexerScan", [index_q, kc, bt, qsl, pos], [scores],
+                                    name=f"{node.name}.scan", domain=DOMAIN, block_size=a["block_size"])
+            topk = helper.make_node("LightningIndexerTopK", [scores, pos], list(node.output), name=f"{node.name}.topk",
+                                    domain=DOMAIN, block_size=a["block_size"], topk_blocks=a["topk_blocks"],
+                                    local_blocks=a["local_blocks"], init_blocks=a["init_blocks"],
+                                    max_blocks=max_blocks(max_model_len, a["block_size"]))
+            new = [scan, topk]
+        else:
+            new = [onnx.NodeProto()]
+            new[0].CopyFrom(node)
+        for n in new:
+            n.attribute.extend(_plugin_attrs(aot=steps is not None))
+            counts[n.op_type] = counts.get(n.op_type, 0) + 1
+            aot_flags[n.op_type] = steps is not None
+        nodes.extend(new)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    kept = [f for f in out.functions if f.domain != DOMAIN]
+    del out.functions[:]
+    out.functions.extend(kept)
+    record = {"flavour": FLAVOUR, "plugin_namespace": NAMESPACE, "plugin_version": PLUGIN_VERSION,
+              "max_model_len": max_model_len, "plugin_nodes": dict(sorted(counts.items())),
+              "aot": sorted(n for n, a in aot_flags.items() if a),
+              "python_impl": sorted(n for n, a in aot_flags.items() if not a)}
+    return out, record
+
+
+def external_files(model: onnx.ModelProto) -> list[str]:
+    """Files the graph's initializers point into (relative to the graph's directory)."""
+    files = set()
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            files.update(e.value for e in t.external_data if e.key == "location")
+    return sorted(files)
+
+
+def flavour_file(graph: str) -> str:
+    return f"{graph}.trt.onnx"
+
+
+def write_flavour(artifact, max_model_len: int, graphs: list[str] | None = None) -> dict:
+    """Write ``<graph>.trt.onnx`` beside each graph of ``artifact`` (a loaded ``Artifact``), where the graphs'
+    external data resolves (parsers read it relative to the graph, and ONNX refuses symbolic or hard links to
+    it). Only these files are written; the artifact's own files are never touched, and an earlier flavour file
+    is replaced. Returns the manifest record: per graph, the file and what was rewritten."""
+    record = {}
+    for name in graphs or [g for g in artifact.graphs if g != "vision"]:
+        src = artifact.path(name)
+        model = onnx.load(str(src), load_external_data=False)
+        flavoured, rec = flavour_graph(model, max_model_len)
+        file = flavour_file(name)
+        if file in artifact.manifest.files:
+            raise ArtifactError(f"{artifact.root}: {file} is a file of the artifact itself; not replacing it")
+        tmp = src.parent / f".{file}.partial"
+        try:
+            tmp.write_bytes(flavoured.SerializeToString(deterministic=True))
+            tmp.replace(src.parent / file)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise ArtifactError(f"{src.parent}: cannot write the TensorRT flavour graph {file} beside {src.name} "
+                                f"({e.strerror or e})") from None
+        record[name] = {"file": file, "source": src.name, "external_data": external_files(model), **rec}
+    return record

@@ -1,0 +1,172 @@
+"""The TensorRT flavour of the tiny model's graphs, the build's profiles and engine checks, ``m3export build`` and
+``m3export compare`` without TensorRT (what can be checked on a machine where TensorRT cannot be installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import onnx
+import pytest
+from onnx import helper
+
+from m3export.build.profiles import Limits, check_engine, dim_range, profile_shapes
+from m3export.cli import main as cli
+from m3export.errors import ArtifactError, BackendUnavailable
+from m3export.export.artifact import load_artifact
+from m3export.export.tensorrt_flavour import flavour_graph, write_flavour
+from m3export.plugins.tensorrt.shapes import PLUGINS
+from tests.export_fixtures import tiny_artifact  # noqa: F401  (fixture)
+
+HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+PLUGIN_ATTRS = {"plugin_namespace", "plugin_version", "aot"}
+
+
+def _attrs(node):
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+@pytest.mark.parametrize("graph", ["model", "mtp0"])
+def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(tiny_artifact, graph):
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    src = onnx.load(str(art.path(graph)), load_external_data=False)
+    mml = 1000
+    out, record = flavour_graph(src, mml)
+    assert [f.name for f in out.functions if f.domain == "m3"] == []  # the parser would inline them instead
+    assert list(out.graph.input) == list(src.graph.input) and list(out.graph.output) == list(src.graph.output)
+    assert list(out.graph.initializer) == list(src.graph.initializer)
+    assert [n for n in out.graph.node if n.domain != "m3"] == [n for n in src.graph.node if n.domain != "m3"]
+
+    by_output = {o: n for n in out.graph.node for o in n.output}
+    for node in src.graph.node:
+        if node.domain != "m3":
+            continue
+        a = _attrs(node)
+        if node.op_type == "LightningIndexer":
+            topk = by_output[node.output[0]]
+            scan = by_output[topk.input[0]]
+            assert (topk.op_type, scan.op_type) == ("LightningIndexerTopK", "LightningIndexerScan")
+            index_q, kc, bt, qsl, _seq_lens, pos = node.input
+            assert list(scan.input) == [index_q, kc, bt, qsl, pos] and list(topk.input) == [scan.output[0], pos]
+            ta = _attrs(topk)
+            assert {k: ta[k] for k in a} == a and _attrs(scan)["block_size"] == a["block_size"]
+            assert ta["max_blocks"] == math.ceil(mml / a["block_size"])
+            plugin_nodes = [scan, topk]
+        else:
+            (new,) = [by_output[o] for o in node.output][:1]
+            assert new.op_type == node.op_type and list(new.input) == list(node.input)
+            assert {k: v for k, v in _attrs(new).items() if k not in PLUGIN_ATTRS} == a
+            plugin_nodes = [new]
+        for n in plugin_nodes:
+            na = _attrs(n)
+            assert na["plugin_namespace"] == b"m3" and na["plugin_version"] == b"1"
+            assert na["aot"] == (0 if n.op_type in ("MoE", "MoEMXFP8") else 1)
+            # every other attribute is a field the registered plugin declares, and it declares no other
+            assert set(na) - PLUGIN_ATTRS == set(PLUGINS[n.op_type].attributes)
+    m3_ops = {n.op_type for n in src.graph.node if n.domain == "m3"}
+    assert record["python_impl"] == sorted(m3_ops & {"MoE", "MoEMXFP8"})
+    assert set(record["plugin_nodes"]) == (m3_ops - {"LightningIndexer"}) | (
+        {"LightningIndexerScan", "LightningIndexerTopK"} if "LightningIndexer" in m3_ops else set())
+
+
+def test_write_flavour_beside_the_graphs_leaves_the_artifact_valid(tiny_artifact):
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    before = {p.name: p.read_bytes() for p in tiny_artifact.iterdir() if p.suffix in (".json", ".onnx")}
+    rec = write_flavour(art, 4096)
+    try:
+        assert set(rec) == {"model", "mtp0"}
+        for g in rec.values():
+            model = onnx.load(str(tiny_artifact / g["file"]))  # the external data resolves from there
+            assert model.graph.initializer and all(t.raw_data for t in model.graph.initializer)
+            assert g["external_data"] == ["weights.safetensors"]
+        after = {n: (tiny_artifact / n).read_bytes() for n in before}
+        assert after == before
+        load_artifact(tiny_artifact, verify_checksums=True)  # still a valid artifact
+    finally:
+        for g in rec.values():
+            (tiny_artifact / g["file"]).unlink()
+
+
+def test_profiles_cover_every_input_of_every_graph(tiny_artifact):
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    limits = Limits.for_config(art.config, art.page_size, max_num_tokens=512, max_batch=8, max_model_len=1000)
+    for name, graph in art.graphs.items():
+        shapes = profile_shapes(graph, limits)
+        assert list(shapes) == graph.input_names
+        for t in graph.inputs:
+            lo, opt, hi = shapes[t.name]
+            assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), (name, t.name)
+            for d, a, c in zip(t.shape, lo, hi):
+                if isinstance(d, int):
+                    assert a == c == d
+        assert shapes["query_start_loc"] == ((2,), (9,), (9,))  # B + 1
+        assert shapes["block_tables"][2] == (8, math.ceil(1000 / art.page_size))
+        assert shapes["input_ids"][2] == (512,)
+
+
+def test_profile_ranges_reject_unknown_dimensions():
+    ranges = Limits(16, 4, 64, 16).ranges()
+    assert dim_range("B - 1", ranges, "g") == (0, 3, 3)
+    with pytest.raises(ArtifactError, match="dimension 'seq_len' has no build range"):
+        dim_range("seq_len", ranges, "g")
+
+
+def test_limits_are_checked(tiny_artifact):
+    cfg = load_artifact(tiny_artifact, verify_checksums=False).config
+    with pytest.raises(ArtifactError, match="exceeds the model's max_position_embeddings"):
+        Limits.for_config(cfg, 16, max_model_len=cfg.max_position_embeddings + 1)
+
+
+def test_engines_for_another_gpu_or_tensorrt_are_refused():
+    meta = {"format": "m3export.engines", "tensorrt": "10.13.0", "compute_capability": [9, 0], "device": "H200"}
+    check_engine(meta, "10.13.0", (9, 0), "e")
+    with pytest.raises(BackendUnavailable, match=r"built for compute capability 9\.0 \(H200\), this GPU is 8\.9"):
+        check_engine(meta, "10.13.0", (8, 9), "e")
+    with pytest.raises(BackendUnavailable, match="built with TensorRT 10.13.0, this is TensorRT 11.0.0"):
+        check_engine(meta, "11.0.0", (9, 0), "e")
+    with pytest.raises(ArtifactError, match="not an m3export engine directory"):
+        check_engine({}, "11.0.0", (9, 0), "e")
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is installed here; the missing-package path cannot be seen")
+def test_build_without_tensorrt_fails_in_one_line_and_writes_nothing(tiny_artifact, tmp_path, capsys):
+    out = tmp_path / "engines"
+    assert cli(["build", str(tiny_artifact), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'm3export[trt]'" in err[0]
+    assert not out.exists()
+
+
+def test_build_help_has_examples_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli(["build", "--help"])
+    text = capsys.readouterr().out
+    assert "m3export build art/mini --out engines/mini" in text and "(default 2048)" in text
+
+
+def test_compare_torch_and_onnxruntime(tiny_artifact, capsys):
+    assert cli(["compare", str(tiny_artifact), "--decode-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "onnxruntime  logits" in out and "onnxruntime  mtp0.logits" in out and "PASSED" in out
+
+
+@pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is installed here; the missing-package path cannot be seen")
+def test_compare_reports_an_unavailable_backend(tiny_artifact, capsys):
+    assert cli(["compare", str(tiny_artifact), "--backends", "torch,onnxruntime,tensorrt",
+                "--decode-steps", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "tensorrt     unavailable: TensorRT is not installed" in out and "FAILED" in out
+
+
+def test_compare_needs_two_backends(tiny_artifact, capsys):
+    assert cli(["compare", str(tiny_artifact), "--backends", "torch"]) == 2
+    assert "needs at least two backends" in capsys.readouterr().err
+
+
+def test_tensorrt_backend_on_an_artifact_without_engines_says_build(tiny_artifact, tmp_path):
+    from m3export.runtime.backends import create_backend
+
+    with pytest.raises(BackendUnavailable, match="pip install 'm3export\\[trt\\]'" if not HAS_TENSORRT else
+                       "holds no TensorRT engines: build them with 'm3export build"):
+        create_backend("tensorrt", tiny_artifact)
