@@ -248,3 +248,41 @@ def test_plugins_register_with_tensorrt():
 
     names = plugins.register()
     assert set(names) == set(shapes.PLUGINS)
+
+
+def test_driver_launch_passes_exactly_tensorrt_arguments_then_null_scratch():
+    """The raw cuLaunchKernel marshalling of ``launch.DriverKernel`` (used on the H200), checked against a recording
+    stand-in for libcuda: input pointers, int32 extras, output pointers, null per hidden parameter, the plan's grid."""
+    import ctypes
+
+    from m3export.plugins.tensorrt.launch import DriverKernel
+
+    plan = aot.KernelPlan("X", None, {"a": "*fp32", "b": "*i32", "n": "i32", "m": "i32", "y": "*fp32"}, {}, 4, 1,
+                          2, 1, (7, -3), (5, 2, 1))
+    kernel = aot.AotKernel(plan, "k", "", b"", 1024, (128, 1, 1), ("u64 ptr",) * 2 + ("u32",) * 2 + ("u64 ptr",) * 3,
+                           2)
+    seen = {}
+
+    class FakeCuda:
+        def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            seen["grid"] = (gx.value, gy.value, gz.value)
+            seen["block"] = (bx.value, by.value, bz.value, smem.value)
+            n = len(kernel.params)
+            ptrs = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            kinds = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64,
+                     ctypes.c_uint64, ctypes.c_uint64]
+            seen["args"] = [ctypes.cast(ptrs[i], ctypes.POINTER(k)).contents.value for i, k in zip(range(n), kinds)]
+            return 0
+
+    class T:
+        def __init__(self, p):
+            self.p = p
+
+        def data_ptr(self):
+            return self.p
+
+    dk = DriverKernel.__new__(DriverKernel)
+    dk.kernel, dk.cuda, dk.function = kernel, FakeCuda(), ctypes.c_void_p(1)
+    dk.launch([T(0x1000), T(0x2000)], [T(0x3000)])
+    assert seen["args"] == [0x1000, 0x2000, 7, -3, 0x3000, 0, 0]
+    assert seen["grid"] == (5, 2, 1) and seen["block"] == (128, 1, 1, 1024)

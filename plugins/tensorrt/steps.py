@@ -64,7 +64,8 @@ def run_plugin_steps(op: str, inputs: Sequence, attrs: dict, compiled: bool = Fa
             key = (plugin, repr(sorted(plan.constexprs.items())), tuple(plan.signature.values()))
             kernel = (cache if cache is not None else {}).get(key)
             if kernel is None:
-                kernel = DriverKernel(aot.compile_plan(plan))
+                cc = torch.cuda.get_device_capability(device)
+                kernel = DriverKernel(aot.compile_plan(plan, cc[0] * 10 + cc[1]))
                 if cache is not None:
                     cache[key] = kernel
             kernel.launch(ins, outs)
