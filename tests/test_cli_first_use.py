@@ -112,3 +112,16 @@ def test_random_weights_are_said_to_be_random(tmp_path, capsys):
     assert main(["generate", str(default_model()), "--prompt", "def f", "--max-tokens", "1", "--backend", "torch",
                  "--temperature", "0"]) == 0
     assert "random" not in capsys.readouterr().err  # the embedded model is trained
+
+
+def test_no_progress_bar_before_input_validation(tmp_path, capsys):
+    """A checkpoint whose config.json is bad is refused before the export's progress bar appears."""
+    ckpt = tmp_path / "ckpt"
+    assert main(["synth", "--preset", "tiny", "--out", str(ckpt), "--dtype", "fp32"]) == 0
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["text_config"]["eos_token_id"] = [{}]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "art")]) == 2
+    err = capsys.readouterr().err
+    assert "eos_token_id must be a list of integers" in err and "export:" not in err and "%|" not in err

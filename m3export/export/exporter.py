@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checkpoint.loader import build_empty, open_checkpoint
-from ..config import M3Config
+from ..config import M3Config, preset
 from ..dtypes import BY_NAME, MODEL_DTYPES, of_torch
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
@@ -257,9 +257,13 @@ def source_dtype(ckpt, layout) -> str:
 
 def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_size: int,
                  progress: bool, in_place: bool, split_layers: int | None) -> None:
+    opened = None if is_preset(source) else open_checkpoint(source)  # config and shards checked before any bar
+    limit = (opened[1] if opened is not None else preset(source)).max_position_embeddings
+    if page_size > limit:
+        raise ArtifactError(f"--page-size {page_size} exceeds the model's max_position_embeddings ({limit}): "
+                            "a page cannot hold more tokens than a sequence")
     with tqdm(total=5, desc="export", unit="step", disable=not progress) as steps:  # 4 + one per MTP graph
         steps.set_postfix_str("weights")
-        opened = None if is_preset(source) else open_checkpoint(source)
         if opened is not None and (weights != "mxfp8" or opened[4]):
             # every checkpoint export streams, except an MXFP8 export of an unquantised checkpoint (quantising)
             ckpt, cfg, layout, n_mtp, quantized = opened
