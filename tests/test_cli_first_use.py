@@ -125,3 +125,23 @@ def test_no_progress_bar_before_input_validation(tmp_path, capsys):
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "art")]) == 2
     err = capsys.readouterr().err
     assert "eos_token_id must be a list of integers" in err and "export:" not in err and "%|" not in err
+
+
+def test_artifacts_of_random_weights_are_recognised(tmp_path):
+    """An artifact's manifest names its source: a preset, or a checkpoint that synth marked, is random."""
+    from m3export.commands.synth import RANDOM_WEIGHTS_KEY, has_random_weights
+    from m3export.embedded import default_model
+
+    ckpt, trained = tmp_path / "ckpt", tmp_path / "trained"
+    for d, mark in ((ckpt, True), (trained, False)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({RANDOM_WEIGHTS_KEY: {"seed": 0}} if mark else {}))
+    for source, random in ((f"checkpoint:{ckpt}", True), ("preset:tiny", True), (f"checkpoint:{trained}", False),
+                           (f"checkpoint:{tmp_path / 'moved'}", False)):
+        art = tmp_path / "art"
+        art.mkdir(exist_ok=True)
+        (art / "manifest.json").write_text(json.dumps({"source": source}))
+        assert has_random_weights(str(art)) is random, source
+    (ckpt / "manifest.json").write_text(json.dumps({"source": f"checkpoint:{ckpt}"}))  # exported in place
+    assert has_random_weights(str(ckpt))
+    assert not has_random_weights(str(default_model()))

@@ -64,8 +64,9 @@ def _engine(args: argparse.Namespace):
         print(f"note: preset {args.artifact!r} has random weights, so its output is meaningless by design; leave "
               "ARTIFACT out to generate with the embedded trained model", file=sys.stderr)
     elif has_random_weights(args.artifact):
-        print(f"note: {args.artifact} holds random weights (written by m3export synth), so its output is meaningless "
-              "by design; leave ARTIFACT out to generate with the embedded trained model", file=sys.stderr)
+        print(f"note: {args.artifact} holds random weights (m3export synth, or exported from it or a preset), so its "
+              "output is meaningless by design; leave ARTIFACT out to generate with the embedded trained model",
+              file=sys.stderr)
 
     if args.backend is None:  # what the source was built for; the onnxruntime backend runs on the CPU only
         args.backend = default_backend(args.artifact) if str(args.device) == "cpu" else "torch"

@@ -32,12 +32,22 @@ RANDOM_WEIGHTS_KEY = "m3export_random_weights"
 
 
 def has_random_weights(source: str) -> bool:
-    """True for a checkpoint directory that ``m3export synth`` wrote (its config.json carries the mark)."""
-    f = Path(source) / "config.json"
+    """True for a checkpoint directory that ``m3export synth`` wrote (its config.json carries the mark), and for
+    an artifact exported from a preset or from such a checkpoint (its manifest's ``source`` says which)."""
+    from ..sources import MANIFEST
+
+    def marked(checkpoint: Path) -> bool:
+        return bool(json.loads((checkpoint / "config.json").read_text(encoding="utf-8")).get(RANDOM_WEIGHTS_KEY))
+
+    root = Path(source)
     try:
-        return bool(json.loads(f.read_text(encoding="utf-8")).get(RANDOM_WEIGHTS_KEY))
+        if (root / MANIFEST).is_file():  # an artifact (an in-place one names its own directory)
+            origin = json.loads((root / MANIFEST).read_text(encoding="utf-8")).get("source", "")
+            kind, _, where = origin.partition(":")
+            return kind == "preset" or (kind == "checkpoint" and marked(Path(where)))
+        return marked(root)
     except (OSError, ValueError, AttributeError):
-        return False  # not a readable checkpoint: whoever loads it reports that
+        return False  # not readable as either: whoever loads it reports that
 
 
 def run(args: argparse.Namespace) -> int:
