@@ -85,3 +85,34 @@ def test_absurd_manifests_are_one_clear_error_before_any_allocation(art, edit, m
     _edit(art, edit)
     with pytest.raises(ArtifactError, match=match):
         load_artifact(art, verify_checksums=False)
+
+
+def _page_size(m, size, signatures=False):
+    m["page_size"] = size
+    if signatures:  # a consistent lie: the signatures claim pages of `size` too
+        for g in m["graphs"].values():
+            for t in (*g["inputs"], *g["outputs"]):
+                if "cache" in t["name"]:
+                    t["shape"][1] = size
+
+
+def test_a_manifest_that_contradicts_its_graphs_is_refused(art):
+    """Issue 10 item 13: the onnxruntime backend ran (and verify failed generically) with page_size 8 over graphs
+    built for 16, and with mtp_modules -1 ran without MTP."""
+    from m3export.errors import BackendUnavailable
+    from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+    original = (art / "manifest.json").read_text()
+    _edit(art, lambda m: _page_size(m, 8))
+    with pytest.raises(ArtifactError, match=r"pool k_cache.0 has shape \['pages', 16, 2, 32\], but page_size is 8"):
+        load_artifact(art, verify_checksums=False)
+    (art / "manifest.json").write_text(original)
+    _edit(art, lambda m: m.update(mtp_modules=-1))
+    with pytest.raises(ArtifactError, match="mtp_modules must be >= 0"):
+        load_artifact(art, verify_checksums=False)
+    (art / "manifest.json").write_text(original)
+    _edit(art, lambda m: _page_size(m, 8, signatures=True))
+    load_artifact(art, verify_checksums=False)  # self-consistent: only the graph files can tell
+    with pytest.raises(BackendUnavailable, match=r"model.onnx: input k_cache.0 has shape \['pages', 16, 2, 32\] in "
+                                                 r"the graph, manifest.json says \['pages', 8, 2, 32\]"):
+        OnnxRuntimeBackend.from_artifact(art)

@@ -88,3 +88,30 @@ def test_nan_is_a_named_mismatch_never_ok():
     lines = report.lines()
     assert any("model:hidden" in line and "NaN/Inf" in line and "MISMATCH" in line for line in lines)
     assert lines[-1].endswith("FAILED")
+
+
+def test_page_size_is_bounded_by_the_position_limit(tmp_path, no_tracing):
+    """Item 16: --page-size 100000000 exported, then verify / generate died allocating 95 GiB."""
+    from m3export.errors import ArtifactError
+
+    limit = preset("tiny").max_position_embeddings
+    with pytest.raises(ArtifactError, match=rf"--page-size {limit + 1} exceeds the model's max_position_embeddings"):
+        export_artifact("tiny", tmp_path / "art", page_size=limit + 1, progress=False)
+    assert not (tmp_path / "art").exists()
+
+
+def test_in_place_over_symlinked_shards_says_to_export_a_copy(ckpt, tmp_path, no_tracing):
+    """Item 16: a Hugging Face cache snapshot (shards are links into ../../blobs) loads, but ONNX Runtime refuses
+    external data through links; --in-place failed late inside onnx.checker."""
+    from m3export.errors import ArtifactError
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snap"
+    blobs.mkdir()
+    snap.mkdir()
+    for p in ckpt.iterdir():
+        (blobs / p.name).write_bytes(p.read_bytes())
+        (snap / p.name).symlink_to(blobs / p.name)
+    m3export.load_model(snap, progress=False)
+    with pytest.raises(ArtifactError, match="is a symbolic link .* export this checkpoint with --out DIR"):
+        export_artifact(str(snap), None, in_place=True, progress=False)
+    assert sorted(p.name for p in snap.iterdir()) == sorted(p.name for p in ckpt.iterdir())

@@ -61,6 +61,7 @@ def load_artifact(path: str | Path, verify_checksums: bool = True) -> Artifact:
         raise ArtifactError(f"{mpath}: not valid JSON ({e})") from None
     manifest = Manifest.from_json(raw, str(mpath))
     _check_tensor_map(manifest, mpath)
+    _check_graph_signatures(manifest, mpath)
 
     referenced = {g.file for g in manifest.graphs.values()} | {
         pc.entry.file for e in manifest.tensors.values() for pc in e.pieces}
@@ -129,6 +130,30 @@ def _check_tensor_map(m: Manifest, where: Path) -> None:
         dtypes = {entry.dtype} | {pc.entry.dtype for pc in entry.pieces}
         if dtypes != {BY_NAME[entry.dtype].name} or BY_NAME[entry.dtype].torch != p.dtype:
             raise ArtifactError(f"{where}: tensor {name!r} is stored as {sorted(dtypes)}, the model has {p.dtype}")
+
+
+def _check_graph_signatures(m: Manifest, where: Path) -> None:
+    """The graph signatures against the config and page size the manifest states: a backend sizes its pools and
+    reads logits from these, so a contradiction (page_size 8 over graphs built for 16) must not reach it. (The
+    onnxruntime backend then checks the signatures against the graph files themselves.)"""
+    cfg = m.config
+    for k in range(m.mtp_modules):
+        if f"mtp{k}" not in m.graphs:
+            raise ArtifactError(f"{where}: mtp_modules is {m.mtp_modules} but there is no graph 'mtp{k}'")
+    for gname, g in m.graphs.items():
+        if gname == "vision":
+            continue
+        for t in (*g.inputs, *g.outputs):
+            last = t.shape[-1] if t.shape else None
+            if t.name == "logits" and last != cfg.vocab_size:
+                raise ArtifactError(f"{where}: graph {gname!r} output logits has shape {list(t.shape)}, the config "
+                                    f"says vocab_size {cfg.vocab_size}")
+            if t.name in ("hidden", "hidden_out") and last != cfg.hidden_size:
+                raise ArtifactError(f"{where}: graph {gname!r} {t.name} has shape {list(t.shape)}, the config says "
+                                    f"hidden_size {cfg.hidden_size}")
+            if "cache" in t.name and (len(t.shape) < 2 or t.shape[1] != m.page_size):
+                raise ArtifactError(f"{where}: graph {gname!r} pool {t.name} has shape {list(t.shape)}, but "
+                                    f"page_size is {m.page_size} (pools are [pages, page_size, ...])")
 
 
 def load_torch_model(path: str | Path | Artifact, device="cpu", dtype: torch.dtype | None = None

@@ -83,6 +83,10 @@ def plan(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, converted_file:
                                       f"{list(want_shape)}")
             if zero_copy and info.torch_dtype == p.dtype:
                 shard = Path(info.file)
+                if shard.is_symlink():
+                    raise ArtifactError(f"{shard}: is a symbolic link (as every shard of the Hugging Face cache "
+                                        "is); ONNX Runtime and onnx.checker refuse external data through links, so "
+                                        "export this checkpoint with --out DIR instead of --in-place")
                 rel = shard.relative_to(ckpt.dir).as_posix()
                 shards[rel] = shard
                 referenced.append(piece.name)

@@ -45,6 +45,25 @@ def provider_for(device: str | torch.device = "cpu", provider=None):
     return chosen
 
 
+def _check_signature(session, root: Path) -> None:
+    """The manifest's signature of a graph (names and static dims, which pools, feeds and outputs are sized from)
+    against the graph ONNX Runtime loaded; ``load_artifact`` has checked the signature against the config."""
+    sig = session.graph
+    for kind, declared, actual in (("input", sig.inputs, session.session.get_inputs()),
+                                   ("output", sig.outputs, session.session.get_outputs())):
+        got = {a.name: a.shape for a in actual}
+        if [t.name for t in declared] != [a.name for a in actual]:
+            raise BackendUnavailable(f"{root / sig.file}: the graph's {kind}s {list(got)} are not the ones "
+                                     f"manifest.json declares {[t.name for t in declared]}")
+        for t in declared:
+            shape = got[t.name]
+            if len(shape) != len(t.shape) or any(isinstance(d, int) and isinstance(a, int) and d != a
+                                                 for d, a in zip(t.shape, shape)):
+                raise BackendUnavailable(f"{root / sig.file}: {kind} {t.name} has shape {shape} in the graph, "
+                                         f"manifest.json says {list(t.shape)} (the manifest does not describe "
+                                         "these graphs)")
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
@@ -63,6 +82,8 @@ class OnnxRuntimeBackend(Backend):
         self.device = self._main.device  # where the engine builds batches: the EP's memory
         self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", providers=self.provider)
                      for k in range(artifact.manifest.mtp_modules)]
+        for session in (self._main, *self._mtp):
+            _check_signature(session, artifact.root)
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None) -> OnnxRuntimeBackend:
