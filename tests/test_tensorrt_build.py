@@ -170,3 +170,34 @@ def test_tensorrt_backend_on_an_artifact_without_engines_says_build(tiny_artifac
     with pytest.raises(BackendUnavailable, match="pip install 'm3export\\[trt\\]'" if not HAS_TENSORRT else
                        "holds no TensorRT engines: build them with 'm3export build"):
         create_backend("tensorrt", tiny_artifact)
+
+
+@pytest.mark.slow  # one more tiny export (~15-40 s on the CI machine)
+def test_export_option_writes_the_tensorrt_flavour_into_the_manifest(tmp_path):
+    from m3export.export.exporter import export_artifact
+
+    out = export_artifact("tiny", tmp_path / "art", progress=False, flavour="tensorrt")
+    art = load_artifact(out, verify_checksums=True)  # the flavour files are listed with their checksums
+    rec = art.manifest.flavours["tensorrt"]
+    assert set(rec) == {"model", "mtp0"}
+    for name, g in rec.items():
+        assert g["file"] in art.manifest.files and g["source"] == art.graphs[name].file
+        model = onnx.load(str(out / g["file"]))
+        assert {n.op_type for n in model.graph.node if n.domain == "m3"} >= {"LightningIndexerScan", "MoE"}
+        assert g["max_model_len"] == art.config.max_position_embeddings
+    raw = json.loads((out / "manifest.json").read_text())
+    assert raw["flavours"]["tensorrt"]["model"]["plugin_namespace"] == "m3"
+    with pytest.raises(ArtifactError, match="'tensorrt' is a file of the artifact|model.trt.onnx is a file"):
+        write_flavour(art, 1000)  # a build never replaces the exported flavour
+
+
+def test_manifest_flavours_are_validated(tiny_artifact, tmp_path):
+    import shutil
+
+    bad = tmp_path / "art"
+    shutil.copytree(tiny_artifact, bad)
+    raw = json.loads((bad / "manifest.json").read_text())
+    raw["flavours"] = {"tensorrt": "model.trt.onnx"}
+    (bad / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError, match="field 'flavours' must map a flavour name to its graphs"):
+        load_artifact(bad, verify_checksums=False)

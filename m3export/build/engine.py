@@ -90,7 +90,11 @@ def build_engines(artifact: str | Path, out: str | Path, max_num_tokens: int | N
     out = Path(out)
     _prepare_out(out, art.root, force)
     registered = plugins.register()
-    flavour = write_flavour(art, limits.max_model_len, names)  # beside the graphs, where their weights resolve
+    exported = art.manifest.flavours.get("tensorrt", {})
+    if all(n in exported for n in names):  # written at export, bounded by max_position_embeddings >= max_model_len
+        flavour = {n: exported[n] for n in names}
+    else:  # beside the graphs, where their weights resolve
+        flavour = write_flavour(art, limits.max_model_len, names)
     cache_path = Path(timing_cache) if timing_cache else out / "timing.cache"
 
     logger = trt.Logger(trt.Logger.WARNING)

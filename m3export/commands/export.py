@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-layers", type=int, metavar="N",
                    help="also write the model as parts of N layers each (model.part{j}.onnx) for builders that "
                         "cannot take the whole graph; the manifest's 'parts' says how they chain")
+    p.add_argument("--flavour", choices=["tensorrt"], default=None,
+                   help="also write each graph's TensorRT flavour (<graph>.trt.onnx: m3 nodes as m3 plugin nodes "
+                        "for TensorRT's ONNX parser), recorded in the manifest's 'flavours'; 'm3export build' uses it")
     p.add_argument("--in-place", action="store_true",
                    help="zero copy: write the graphs and manifest into the --checkpoint directory itself, referencing "
                         "the shards' bytes (ONNX Runtime only reads external data inside the model's directory); "
@@ -67,6 +70,6 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
                           page_size=args.page_size, force=args.force, in_place=args.in_place,
-                          split_layers=args.split_layers)
+                          split_layers=args.split_layers, flavour=args.flavour)
     print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -123,14 +123,16 @@ def _prepare_out(out: Path, force: bool, source: str) -> None:
 
 def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weights: str | None = None,
                     page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False,
-                    split_layers: int | None = None) -> Path:
+                    split_layers: int | None = None, flavour: str | None = None) -> Path:
     """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``.
 
     From a checkpoint nothing is loaded: tensors stream one at a time into the artifact's weight file. With
     ``in_place`` the artifact *is* the checkpoint directory: graphs and manifest are added next to the shards and
     reference their bytes directly (zero copy); only tensors whose dtype must change are written.
     ``split_layers`` N also writes the model as parts of N layers each (``model.part{j}.onnx``), for builders
-    that cannot take the whole graph; the manifest's ``parts`` says how they chain. ``dtype`` ``"auto"`` is the
+    that cannot take the whole graph; the manifest's ``parts`` says how they chain. ``flavour`` "tensorrt" also
+    writes each graph's TensorRT flavour (``<graph>.trt.onnx``: m3 nodes as TensorRT plugin nodes, see
+    ``tensorrt_flavour.py``), recorded under the manifest's ``flavours``. ``dtype`` ``"auto"`` is the
     checkpoint's own dtype in place (nothing converted that need not be) and float32 otherwise.
     """
     if dtype != AUTO and dtype not in MODEL_DTYPES:
@@ -142,7 +144,10 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     if split_layers is not None and (not isinstance(split_layers, int) or split_layers < 1):
         raise ArtifactError(f"--split-layers must be a positive integer, got {split_layers!r}")
     register_schemas()
-    opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers)
+    if flavour not in (None, "tensorrt"):
+        raise ArtifactError(f"--flavour must be 'tensorrt', got {flavour!r}")
+    opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers,
+                flavour=flavour)
     if in_place:
         return _export_in_place(source, force, **opts)
     out = Path(out).absolute()
@@ -256,7 +261,7 @@ def source_dtype(ckpt, layout) -> str:
 
 
 def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_size: int,
-                 progress: bool, in_place: bool, split_layers: int | None) -> None:
+                 progress: bool, in_place: bool, split_layers: int | None, flavour: str | None = None) -> None:
     opened = None if is_preset(source) else open_checkpoint(source)  # config and shards checked before any bar
     limit = (opened[1] if opened is not None else preset(source)).max_position_embeddings
     if page_size > limit:
@@ -308,6 +313,11 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
             graphs[key] = signature_of(proto, file, aliases)
             steps.update()
 
+        flavours = {}
+        if flavour == "tensorrt":  # bounded by the model's longest sequence, so any engine build can use it
+            from .tensorrt_flavour import write_flavour_files
+
+            flavours["tensorrt"] = write_flavour_files(tmp, graphs, cfg.max_position_embeddings)
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)
@@ -319,7 +329,7 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
             config=cfg, dtype=of_torch(dtype).name, mxfp8=mxfp8, page_size=page_size,
             mtp_modules=n_mtp, source=_describe(source),
             opset={"domain": DOMAIN, "version": OPSET_VERSION, "onnx_opset": ONNX_OPSET, "ops": dict(OPS)},
-            graphs=graphs, tensors=tensors, files=files, tools=_tools(), parts=parts,
+            graphs=graphs, tensors=tensors, files=files, tools=_tools(), parts=parts, flavours=flavours,
         )
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
         steps.update()

@@ -92,6 +92,8 @@ class Manifest:
     tools: dict[str, str]
     # split export: the graphs that together equal "model", in order, with their layer ranges
     parts: list[dict[str, Any]] = field(default_factory=list)
+    # other flavours of the graphs written beside them, e.g. "tensorrt" (m3export/export/tensorrt_flavour.py)
+    flavours: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -109,6 +111,7 @@ class Manifest:
             "files": self.files,
             "tools": self.tools,
             "parts": self.parts,
+            "flavours": self.flavours,
         }
 
     @classmethod
@@ -153,7 +156,14 @@ class Manifest:
             mtp_modules=field("mtp_modules", int), source=field("source", str), opset=field("opset", dict),
             graphs=graphs, tensors=tensors, files=field("files", dict), tools=field("tools", dict),
             parts=_parts(raw.get("parts", []), graphs, config.num_hidden_layers, where),
+            flavours=_flavours(raw.get("flavours", {}), where),
         )
+
+
+def _flavours(flavours: Any, where: str) -> dict[str, Any]:
+    if not isinstance(flavours, dict) or not all(isinstance(v, dict) for v in flavours.values()):
+        raise ArtifactError(f"{where}: field 'flavours' must map a flavour name to its graphs")
+    return flavours
 
 
 def _parts(parts: Any, graphs: dict[str, GraphInfo], n_layers: int, where: str) -> list[dict[str, Any]]:

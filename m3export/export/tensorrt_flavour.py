@@ -16,6 +16,7 @@ initializers (external data) and every standard node, so the manifest's signatur
 
 from __future__ import annotations
 
+from pathlib import Path
 
 import onnx
 from onnx import helper
@@ -100,26 +101,35 @@ def flavour_file(graph: str) -> str:
     return f"{graph}.trt.onnx"
 
 
-def write_flavour(artifact, max_model_len: int, graphs: list[str] | None = None) -> dict:
-    """Write ``<graph>.trt.onnx`` beside each graph of ``artifact`` (a loaded ``Artifact``), where the graphs'
-    external data resolves (parsers read it relative to the graph, and ONNX refuses symbolic or hard links to
-    it). Only these files are written; the artifact's own files are never touched, and an earlier flavour file
-    is replaced. Returns the manifest record: per graph, the file and what was rewritten."""
+def write_flavour_files(directory: Path, graphs: dict, max_model_len: int, names: list[str] | None = None,
+                        protected: set[str] = frozenset()) -> dict:
+    """Write ``<graph>.trt.onnx`` beside each graph file of ``graphs`` (name -> manifest ``GraphInfo``) in
+    ``directory``, where the graphs' external data resolves (parsers read it relative to the graph, and ONNX
+    refuses symbolic or hard links to it). ``protected`` files are never replaced. Returns the manifest record:
+    per graph, the file and what was rewritten."""
+    directory = Path(directory)
     record = {}
-    for name in graphs or [g for g in artifact.graphs if g != "vision"]:
-        src = artifact.path(name)
+    for name in names or [g for g in graphs if g != "vision"]:
+        src = directory / graphs[name].file
         model = onnx.load(str(src), load_external_data=False)
         flavoured, rec = flavour_graph(model, max_model_len)
         file = flavour_file(name)
-        if file in artifact.manifest.files:
-            raise ArtifactError(f"{artifact.root}: {file} is a file of the artifact itself; not replacing it")
-        tmp = src.parent / f".{file}.partial"
+        if file in protected:
+            raise ArtifactError(f"{directory}: {file} is a file of the artifact itself; not replacing it")
+        tmp = directory / f".{file}.partial"
         try:
             tmp.write_bytes(flavoured.SerializeToString(deterministic=True))
-            tmp.replace(src.parent / file)
+            tmp.replace(directory / file)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise ArtifactError(f"{src.parent}: cannot write the TensorRT flavour graph {file} beside {src.name} "
+            raise ArtifactError(f"{directory}: cannot write the TensorRT flavour graph {file} beside {src.name} "
                                 f"({e.strerror or e})") from None
         record[name] = {"file": file, "source": src.name, "external_data": external_files(model), **rec}
     return record
+
+
+def write_flavour(artifact, max_model_len: int, graphs: list[str] | None = None) -> dict:
+    """The flavour of an exported artifact's graphs (``write_flavour_files`` in its directory); the artifact's own
+    files are never touched, an earlier build's flavour files are replaced."""
+    return write_flavour_files(artifact.root, artifact.graphs, max_model_len, graphs,
+                               protected=set(artifact.manifest.files))

@@ -4,14 +4,20 @@ TensorRT cannot be installed where this project is developed (its PyPI wheels do
 everything before ``builder.build_serialized_network`` is plain Python checked on the CPU, and only the thin
 registration in ``plugins.py`` imports TensorRT:
 
-| module | what | checked here by |
-|---|---|---|
-| ``shapes.py`` | plugin list (``PLUGINS``: one per op of ``docs/ops.md`` plus kernel steps), output shapes / types on ints or TensorRT ShapeExprs, input checks naming the input | reference and fake ops' outputs, 200 random shapes per op |
-| ``wrappers.py``, ``aot.py`` | each plugin kernel in TensorRT's argument order, its launch plan (grid, extra int32 arguments as formulas of the input dims, constants), the AOT compile and the launch-convention proof (Triton's hidden scratch parameters) | wrappers run under the Triton interpreter with TensorRT's argument list vs the references; every kernel and tactic compiled for sm_90 |
-| ``steps.py`` | which plugin nodes each op becomes (the indexer is two kernels: scan, top-k) | as above |
-| ``compile.py`` | ``python -m m3export.plugins.tensorrt.compile --out DIR``: all AOT kernels for a GPU, PTX + cubin + ``kernels.json`` | CI (sm_90) |
-| ``launch.py`` | launching an AOT kernel as TensorRT would, without TensorRT: Triton launcher, or raw ``cuLaunchKernel`` on the PTX | CPU interpreter; the H200 (``tests/test_tensorrt_plugins_gpu.py``) |
-| ``plugins.py`` | ``tensorrt.plugin`` ``register`` / ``aot_impl`` / ``impl`` / ``autotune`` | skipped without TensorRT |
+* ``shapes.py``: the plugin list (``PLUGINS``: one per op of ``docs/ops.md`` plus kernel steps), output shapes and
+  types on ints or TensorRT ShapeExprs, input checks naming the input. Checked against the reference and fake ops'
+  outputs (conformance cases, 200 random shapes per op).
+* ``wrappers.py``, ``aot.py``: each plugin kernel in TensorRT's argument order, its launch plan (grid and extra int32
+  arguments as formulas of the input dims, compile-time constants), the AOT compile and the launch-convention proof
+  (Triton's hidden scratch parameters). The wrappers run under the Triton interpreter with TensorRT's argument
+  list against the references; every kernel and tactic is compiled for sm_90 in CI.
+* ``steps.py``: which plugin nodes each op becomes (the indexer is two kernels: scan, then top-k).
+* ``compile.py``: ``python -m m3export.plugins.tensorrt.compile --out DIR``, every AOT kernel for one GPU (PTX,
+  cubin, ``kernels.json``).
+* ``launch.py``: an AOT kernel launched as TensorRT would, without TensorRT: through Triton's launcher, or raw
+  ``cuLaunchKernel`` on the PTX (``tests/test_tensorrt_plugins_gpu.py`` on the H200).
+* ``plugins.py``: ``tensorrt.plugin`` ``register`` / ``aot_impl`` / ``impl`` / ``autotune`` (skipped without
+  TensorRT).
 
 **What is not AOT yet.** ``MoE`` / ``MoEMXFP8`` run five launches with torch glue (routing, permutation, two
 grouped GEMMs, combine); their plugins have a Python ``impl`` only, so an engine holding them needs Python (and

@@ -96,6 +96,6 @@ class DriverKernel:
             raise CudaError(f"{self.kernel.name}: {len(values)} arguments for {len(self.kernel.params)} parameters")
         params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
         bx, by, bz = self.kernel.block
-        self._check(self.cuda.cuLaunchKernel(self.function, *[ctypes.c_uint(g) for g in grid], ctypes.c_uint(bx),
-                                             ctypes.c_uint(by), ctypes.c_uint(bz), ctypes.c_uint(self.kernel.shared_mem),
-                                             ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+        dims = [ctypes.c_uint(v) for v in (*grid, bx, by, bz, self.kernel.shared_mem)]
+        self._check(self.cuda.cuLaunchKernel(self.function, *dims, ctypes.c_void_p(stream), params, None),
+                    "cuLaunchKernel")

@@ -6,7 +6,7 @@ functions here take dimensions as anything with that arithmetic (Python ints in 
 TensorRT), so the logic that ``plugins.py`` hands TensorRT is the logic the CPU tests check against the reference
 ops' outputs. Type names are ``m3export.dtypes`` names (``float32``, ``bfloat16``, ``int32`` ...).
 
-Two kinds of plugin exist (``docs/tensorrt.md`` in ``plugins/tensorrt/README.md`` says why):
+Two kinds of plugin exist (``plugins/tensorrt/__init__.py`` and ``steps.py`` say why):
 
 * one per op of ``docs/ops.md`` (``OP_PLUGINS``), whose node the TensorRT flavour of a graph keeps as it is, and
 * the kernel steps an op is cut into when it needs more than one kernel launch (``STEP_PLUGINS``): an AOT plugin
