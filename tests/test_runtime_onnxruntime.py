@@ -65,3 +65,25 @@ def test_page_size_and_device_are_checked(artifact):
             Engine.from_artifact(artifact, backend="onnxruntime", device="cuda")
     with pytest.raises(BackendUnavailable, match="keeps its tensors on cpu, not on cuda"):
         Engine.from_artifact(artifact, backend="onnxruntime", device="cuda", provider="openvino")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [0, 2])
+def test_cuda_provider_generation_equals_torch(artifact, k):
+    """On the CUDA execution provider (pools, inputs and outputs in device memory, bound in place) greedy and
+    seeded generation equals the torch backend's on the CPU token for token, with and without MTP drafts."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    ps = prompts(4, seed=10 + k)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2 + \
+             [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=16, ignore_eos=True) for i in range(2)]
+    outs = {}
+    for backend, provider in (("torch", None), ("onnxruntime", "cuda")):
+        eng = Engine.from_artifact(artifact, backend=backend, provider=provider, num_pages=48,
+                                   num_speculative_tokens=k, max_num_batched_tokens=24)
+        if provider:
+            assert eng.backend.device.type == "cuda"
+            assert all(t.is_cuda for t in eng.backend._main.pool_tensors.values())
+        outs[backend] = [o.token_ids for o in eng.generate(ps, params)]
+    assert outs["onnxruntime"] == outs["torch"]
