@@ -116,7 +116,8 @@ def main() -> int:
         first.setdefault(batch, o_ms)
         roof_ms = step_bytes(torch_be.model, cfg, batch, context, elt, {
             i: cfg.num_local_experts for i in range(cfg.num_hidden_layers)}) / bw * 1e3
-        row = {"batch": batch, "context": context, "torch_ms": t_ms, "ort_plain_ms": o_ms, "ort_over_torch": o_ms / t_ms,
+        row = {"batch": batch, "context": context, "torch_ms": t_ms, "ort_plain_ms": o_ms,
+               "ort_over_torch": o_ms / t_ms,
                "ort_over_first_context": o_ms / first[batch], "roofline_ms_all_experts": roof_ms,
                "greedy_same": same}
         res["rows"].append(row)

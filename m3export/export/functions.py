@@ -38,7 +38,8 @@ def _vec(b: Builder, scalar: str) -> str:
 
 
 class PagedContext:
-    """(Dense attention.) Where each token's visible keys live: one row of slots per token, ``[T, L]`` with L = max(position) + 1.
+    """(Dense attention.) Where each token's visible keys live: one row of slots per token, ``[T, L]`` with
+    L = max(position) + 1.
 
     Token t belongs to sequence ``#{b : query_start_loc[b + 1] <= t}``; its key j sits in pool slot
     ``block_tables[seq, j // page] * page + j % page``. Slots of keys after the token's position are never read

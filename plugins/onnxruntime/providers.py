@@ -112,8 +112,9 @@ def parse_provider(spec: str | Provider | Sequence | None) -> Provider:
     full = SHORT_NAMES.get(name.lower(), name)
     known = _ort().get_all_providers()
     if full not in known and full not in PACKAGES:
-        raise BackendUnavailable(f"unknown execution provider {name!r}: use one of {', '.join(sorted(SHORT_NAMES))} or a "
-                         f"name ONNX Runtime lists ({', '.join(known)}), optionally with :key=value,...")
+        raise BackendUnavailable(f"unknown execution provider {name!r}: use one of "
+                                 f"{', '.join(sorted(SHORT_NAMES))} or a name ONNX Runtime lists "
+                                 f"({', '.join(known)}), optionally with :key=value,...")
     options = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
