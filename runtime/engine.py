@@ -343,7 +343,7 @@ class Engine:
         if not s.samples:
             req.num_computed += s.num_new
             return DraftJob(req, start, hidden, 0)
-        emitted = self._next_tokens(req, rows)
+        emitted = self._next_tokens(req, s, rows)
         # Accepted drafts keep their K/V; a rejected one is past the cached length now, i.e. forgotten. When the
         # rows ran out before the drafts did and every row accepted, the round of drafts goes on: the remaining
         # drafts stay for the next step, and with none remaining the next step's one row is the round's bonus
@@ -361,9 +361,9 @@ class Engine:
             return None
         return DraftJob(req, start, hidden[:req.num_computed - start], 0 if round_goes_on else self._num_drafts(req))
 
-    def _next_tokens(self, req: Request, rows: torch.Tensor) -> list[int]:
-        """The tokens the step's rows decide: with j drafts computed, j + 1 rows verify the request's first
-        j + 1 drafts (a bonus only when every draft was among them); with none, one plain sample."""
+    def _next_tokens(self, req: Request, s: ScheduledRequest, rows: torch.Tensor) -> list[int]:
+        """The tokens the step's rows decide: with j = len(s.drafts) drafts computed, j + 1 rows verify the
+        request's first j + 1 drafts (a bonus only when every draft was among them); with none, a plain sample."""
         emitted = accept(rows, req.drafts, req.draft_probs, req.params, req.rng, req.num_tokens)
         verified = min(len(rows), len(req.drafts))
         if verified:
