@@ -52,7 +52,7 @@ def _dim(d: Any) -> Any:
     try:
         if d.is_constant:
             return int(d.constant_value())
-    except AttributeError:
+    except (AttributeError, RuntimeError):  # an int already, or a "fake" ShapeExpr outside shape calculations
         pass
     return d
 
