@@ -179,10 +179,14 @@ def test_out_that_is_a_file_is_one_line(tmp_path, capsys):
 
 
 def test_non_ascii_and_quoted_paths_survive_config_pbtxt(tmp_path):
-    """Issue 10 item 16: json.dumps wrote 'ä' as \\u00e4, which text format reads as the letters u00e4."""
+    """Issue 10 item 16: json.dumps wrote 'ä' as \\u00e4, which tritonserver 2.51 did not decode (model load
+    failed: "the artifact this model serves is missing")."""
     art = fake_artifact(tmp_path / 'ärt "q" \\ x')
     model_dir = write_repository(str(art), tmp_path / "repo")
     assert parameters(parse_config(model_dir))["source"] == str(art.resolve())
+    # Python's protobuf reads \u escapes, tritonserver 2.51's does not: the text must hold the UTF-8 itself
+    text = (model_dir / "config.pbtxt").read_text(encoding="utf-8")
+    assert 'ärt \\"q\\" \\\\ x' in text and "\\u00e4" not in text
 
 
 def test_an_artifact_defaults_to_the_backend_it_was_exported_for(tmp_path):

@@ -108,9 +108,9 @@ def _tensor(spec: TensorSpec) -> str:
 
 
 def pbtxt_string(value: str) -> str:
-    """``value`` as a protobuf text-format string literal. Unlike JSON's ``\\uXXXX`` (which text format reads as
-    the letters ``uXXXX``), non-ASCII characters stay UTF-8 as they are; quotes, backslashes and control
-    characters are escaped the way text format reads them back."""
+    """``value`` as a protobuf text-format string literal. Non-ASCII characters stay UTF-8 as they are (JSON's
+    ``\\uXXXX``, which tritonserver 2.51's parser does not decode, turned ``ärt`` into a path that does not
+    exist); quotes, backslashes and control characters get the escapes every text-format parser reads."""
     out = []
     for ch in value:
         if ch in '"\\':
