@@ -81,3 +81,19 @@ def test_indexer_body_reads_each_sequence_context_once(new):
     assert context_once in sizes.values()
     if t > len(ctx):  # a prefill chunk: a per-token copy of the context would be [T, L, D]
         assert max(sizes.values()) < t * length * d
+
+
+def test_dense_attention_body_reads_each_sequence_context_once():
+    """A 40-token prefill chunk at 3000 context beside two decodes: no [T, L, Hkv, D] per-token context copy; the
+    largest tensors are the [B, L, Hkv, D] contexts and the [B, Hkv, Tmax, G, L] scores."""
+    ctx, new, page = [3000, 2500, 1200], [40, 1, 1], 16
+    gen = torch.Generator().manual_seed(2)
+    inputs, attrs = conf._attention_case(ctx, new, page, **HEADS)(gen)
+    sizes = intermediate_sizes("PagedAttention", inputs, attrs)
+    views = {t.numel() for t in inputs}
+    t, length, b = sum(new), 3000, len(ctx)
+    context_once = b * length * HEADS["hkv"] * HEADS["d"]
+    scores = b * max(new) * HEADS["hq"] * length
+    assert max(n for n in sizes.values() if n not in views) <= max(context_once, scores)
+    assert context_once in sizes.values()
+    assert max(sizes.values()) < t * length * HEADS["hkv"] * HEADS["d"]  # what a per-token gather would hold

@@ -6,8 +6,8 @@ whose (domain, name) matches a model-local function. The bodies follow the refer
 where standard ops allow it:
 
 * sparse attention gathers only each token's selected blocks, ``[T, Hkv, K * block_size, ...]``: flat in context;
-* the indexer reads each sequence's index keys once per step (``SequenceLayout``), not once per token;
-* dense attention still gathers every token's context, ``[T, L, ...]`` with ``L = max(positions) + 1``;
+* the indexer and dense attention read each sequence's context once per step (``SequenceLayout``), not once
+  per token;
 * the MoE runs a ``Scan`` over experts, each step computing only the tokens routed to that expert.
 
 Fast paths (Triton kernels, TensorRT plugins) replace the node, never the semantics. See docs/ops.md.
@@ -35,44 +35,6 @@ def _dim(b: Builder, x: str, axis: int) -> str:
 
 def _vec(b: Builder, scalar: str) -> str:
     return b.Reshape(scalar, b.const([1]))
-
-
-class PagedContext:
-    """(Dense attention.) Where each token's visible keys live: one row of slots per token, ``[T, L]`` with
-    L = max(position) + 1.
-
-    Token t belongs to sequence ``#{b : query_start_loc[b + 1] <= t}``; its key j sits in pool slot
-    ``block_tables[seq, j // page] * page + j % page``. Slots of keys after the token's position are never read
-    for their value (they point at slot 0), so padding in ``block_tables`` may hold anything.
-    """
-
-    def __init__(self, b: Builder, pool: str, block_tables: str, query_start_loc: str, positions: str):
-        self.b = b
-        tokens = b.Range(b.const(0), _dim(b, positions, 0), b.const(1))
-        ends = b.Slice(b.Cast(query_start_loc, to=I64), b.const([1]), b.const([np.iinfo(np.int64).max]))
-        started = b.LessOrEqual(b.Unsqueeze(ends, b.const([0])), b.Unsqueeze(tokens, b.const([1])))  # [T, B]
-        seq = b.ReduceSum(b.Cast(started, to=I64), b.const([1]), keepdims=0)  # [T]
-        rows = b.Gather(b.Cast(block_tables, to=I64), seq, axis=0)  # [T, max_pages]
-        self.length = b.Add(b.ReduceMax(positions, keepdims=0), b.const(1))  # L
-        self.key_pos = b.Range(b.const(0), self.length, b.const(1))  # [L]
-        page = _dim(b, pool, 1)
-        pages = b.Gather(rows, b.Div(self.key_pos, page), axis=1)  # [T, L]
-        self.visible = b.LessOrEqual(
-            b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
-        )  # [T, L]
-        slots = b.Add(b.Mul(pages, page), b.Mod(self.key_pos, page))
-        self.slots = b.Where(self.visible, slots, b.const(0))
-
-    def gather(self, pool: str) -> str:
-        """pool [pages, page, *rest] -> fp32 [T, L, *rest]."""
-        b = self.b
-        flat = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=2), axis=0))
-        return b.Cast(b.Gather(flat, self.slots, axis=0), to=F32)
-
-    def num_blocks(self, block_size: str) -> str:
-        """ceil(L / block_size) as a rank-0 int64."""
-        b = self.b
-        return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
 
 
 def _swiglu(b: Builder, gate_up: str, alpha: str, limit: str) -> str:
@@ -220,14 +182,30 @@ def _grouped_attention(b: Builder, keys: str, values: str, allowed: str) -> str:
 
 
 def paged_attention() -> FunctionProto:
+    """Each sequence's keys and values are gathered once per step (``[B, L, Hkv, D]``, ``SequenceLayout``) and
+    its new tokens' queries meet them in one batched MatMul, ``[B, Hkv, Tmax * G, L]`` scores: a prefill chunk of
+    T tokens reads its context once, never a ``[T, L, ...]`` per-token copy."""
     b = Builder("")
-    ctx = PagedContext(b, "k_cache", "block_tables", "query_start_loc", "positions")
-    keys, values = ctx.gather("k_cache"), ctx.gather("v_cache")  # [T, L, Hkv, D]
-    allowed = b.Expand(b.Unsqueeze(ctx.visible, b.const([1])),
-                       b.Concat(b.const([1]), b.Shape("k_cache", start=2, end=3), b.const([1]), axis=0))
-    out = _grouped_attention(b, b.Transpose(keys, perm=[0, 2, 1, 3]), b.Transpose(values, perm=[0, 2, 1, 3]),
-                             allowed)
-    return _function("PagedAttention", b, [out])
+    seqs = SequenceLayout(b, "block_tables", "query_start_loc", "seq_lens", "positions", "k_cache")
+    keys, values = seqs.gather("k_cache"), seqs.gather("v_cache")  # [B, L, Hkv, D]
+    hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
+    q = seqs.padded(b.Cast("q", to=F32))  # [B, Tmax, Hq, D]
+    q = b.Reshape(q, b.Concat(b.const([0, 0]), hkv, b.const([-1]), d, axis=0))  # [B, Tmax, Hkv, G, D]
+    q = b.Transpose(q, perm=[0, 2, 1, 3, 4])  # [B, Hkv, Tmax, G, D]
+    scores = b.MatMul(q, b.Unsqueeze(b.Transpose(keys, perm=[0, 2, 3, 1]), b.const([2])))  # [B, Hkv, Tmax, G, L]
+    scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
+    shape = b.Concat(_vec(b, seqs.num_seqs), _vec(b, seqs.tmax), axis=0)
+    pos = b.ScatterND(b.Expand(b.const(-1), shape), seqs.index, "positions")  # [B, Tmax]; -1: padding rows
+    visible = b.LessOrEqual(b.Unsqueeze(seqs.key_pos, b.const([0, 1])), b.Unsqueeze(pos, b.const([2])))  # [B,Tmax,L]
+    probs = b.Softmax(b.Where(b.Unsqueeze(visible, b.const([1, 3])), scores, b.const(-INF, np.float32)), axis=-1)
+    # Values no token of the sequence can see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
+    last = b.ReduceMax(pos, b.const([1]), keepdims=1)  # [B, 1]
+    seen = b.LessOrEqual(b.Unsqueeze(seqs.key_pos, b.const([0])), last)  # [B, L]
+    values = b.Where(b.Unsqueeze(seen, b.const([2, 3])), values, b.const(0.0, np.float32))
+    out = b.MatMul(probs, b.Unsqueeze(b.Transpose(values, perm=[0, 2, 1, 3]), b.const([2])))  # [B,Hkv,Tmax,G,Dv]
+    out = b.GatherND(b.Transpose(out, perm=[0, 2, 1, 3, 4]), seqs.index)  # [T, Hkv, G, Dv]
+    out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
+    return _function("PagedAttention", b, [b.CastLike(out, "q")])
 
 
 def sparse_paged_attention() -> FunctionProto:
