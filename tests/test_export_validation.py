@@ -115,3 +115,38 @@ def test_in_place_over_symlinked_shards_says_to_export_a_copy(ckpt, tmp_path, no
     with pytest.raises(ArtifactError, match="is a symbolic link .* export this checkpoint with --out DIR"):
         export_artifact(str(snap), None, in_place=True, progress=False)
     assert sorted(p.name for p in snap.iterdir()) == sorted(p.name for p in ckpt.iterdir())
+
+
+def test_a_config_that_does_not_fit_the_tensors_is_an_error_before_allocating(ckpt, tmp_path):
+    """Item 16 (absurd sizes): loading allocated the model the config describes (1.28 TB for hidden_size 1e9)
+    before comparing a single tensor shape."""
+    import json
+
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["hidden_size"] = 10 ** 9
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"has shape \[\d+(, \d+)*\], expected \[.*1000000000"):
+        m3export.load_model(d, progress=False)
+
+
+def test_a_fifo_config_is_refused_not_opened(ckpt, tmp_path):
+    """Item 10: only regular files are opened; a FIFO config.json blocked the load forever."""
+    import os
+    import threading
+
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    (d / "config.json").unlink()
+    os.mkfifo(d / "config.json")
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(CheckpointError, m3export.load_model, d,
+                                                                    progress=False)), daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():
+        os.close(os.open(d / "config.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join()
+        pytest.fail("loading blocked in open(config.json)")
+    assert "config.json: not a regular file" in str(errors[0].value)

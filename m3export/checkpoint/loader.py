@@ -23,6 +23,7 @@ from ..dtypes import BY_NAME, MODEL_DTYPES
 from ..errors import CheckpointError
 from ..model import M3ForCausalLM
 from ..ops import mxfp8 as mx
+from ..safetensors_io import require_regular_file
 from ..sources import is_preset
 from .layout import IGNORED, Layout, detect, mtp_modules_present
 from .random_init import random_parameter
@@ -81,7 +82,10 @@ def load_model(path_or_preset: str | os.PathLike, device="cpu", dtype: torch.dty
     if is_preset(path_or_preset):
         return random_model(preset(str(path_or_preset)), device, dtype, seed, mxfp8)
     ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(path_or_preset)
-    model = build_empty(cfg, dtype, device, mxfp8=quantized and not dequantize, num_mtp_modules=n_mtp)
+    mxfp8 = quantized and not dequantize
+    # on meta first: a config that does not fit the tensors (hidden_size 1e9) is an error, not a 1 TB allocation
+    check_tensors(ckpt, layout, dict(build_empty(cfg, dtype, "meta", mxfp8, n_mtp).named_parameters()))
+    model = build_empty(cfg, dtype, device, mxfp8=mxfp8, num_mtp_modules=n_mtp)
     model.checkpoint_info = {"layout": layout.kind, "mxfp8": quantized, "mtp_modules": n_mtp, "path": str(ckpt.dir)}
     _stream(ckpt, layout, model, progress)
     return model.requires_grad_(False).eval()
@@ -93,6 +97,8 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Checkpoint, M3Config, Layo
     A config that declares more MTP modules than the checkpoint ships is reported (the release may omit them).
     """
     ckpt = Checkpoint(path)
+    if (ckpt.dir / "config.json").exists():
+        require_regular_file(ckpt.dir / "config.json")  # a FIFO would block the read forever
     cfg = M3Config.from_pretrained(ckpt.dir)
     try:
         kind, prefix = detect(ckpt.tensors)
