@@ -36,7 +36,9 @@ def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(tiny_artifact, gr
     assert [f.name for f in out.functions if f.domain == "m3"] == []  # the parser would inline them instead
     assert list(out.graph.input) == list(src.graph.input) and list(out.graph.output) == list(src.graph.output)
     assert list(out.graph.initializer) == list(src.graph.initializer)
-    assert [n for n in out.graph.node if n.domain != "m3"] == [n for n in src.graph.node if n.domain != "m3"]
+    router = (".moe.x_f32", ".moe.router_f32", ".moe.logits")  # the MoE router's fp32 Gemm, added (checked below)
+    assert [n for n in out.graph.node if n.domain != "m3" and not n.output[0].endswith(router)] == \
+        [n for n in src.graph.node if n.domain != "m3"]
 
     by_output = {o: n for n in out.graph.node for o in n.output}
     for node in src.graph.node:
@@ -53,6 +55,30 @@ def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(tiny_artifact, gr
             assert {k: ta[k] for k in a} == a and _attrs(scan)["block_size"] == a["block_size"]
             assert ta["max_blocks"] == math.ceil(mml / a["block_size"])
             plugin_nodes = [scan, topk]
+        elif node.op_type in ("MoE", "MoEMXFP8"):
+            mx = "MXFP8" if node.op_type == "MoEMXFP8" else ""
+            x, router, bias = node.input[:3]
+            weights = list(node.input[3:])  # w13 [scale], w2 [scale], shared_w13 [scale], shared_w2 [scale]
+            per = 2 if mx else 1
+            combine = by_output[node.output[0]]
+            shared_down = by_output[combine.input[0]]
+            down = by_output[shared_down.input[-1]]
+            route = by_output[down.input[-2]]
+            gate_up, shared_gate_up = by_output[down.input[0]], by_output[shared_down.input[0]]
+            gemm = by_output[route.input[0]]
+            assert [n.op_type for n in (route, gate_up, shared_gate_up, down, shared_down, combine)] == [
+                "MoERoute", f"MoEGateUp{mx}", f"MoESharedGateUp{mx}", f"MoEDown{mx}", f"MoESharedDown{mx}",
+                "MoECombine"]
+            assert gemm.op_type == "Gemm" and _attrs(gemm)["transB"] == 1 and route.input[1] == bias
+            assert [by_output[i].input[0] for i in gemm.input] == [x, router]  # both cast to fp32
+            assert list(gate_up.input) == [x, *weights[:per], route.output[0]]
+            assert list(shared_gate_up.input) == [x, *weights[2 * per:3 * per]]
+            assert list(down.input) == [gate_up.output[0], *weights[per:2 * per], *route.output]
+            assert list(shared_down.input)[1:-1] == weights[3 * per:]
+            assert _attrs(combine)["routed_scaling_factor"] == pytest.approx(a["routed_scaling_factor"])
+            assert all(_attrs(n)["top_k"] == a["top_k"] for n in (route, gate_up, down, shared_down, combine))
+            assert _attrs(gate_up)["swiglu_limit"] == pytest.approx(a["swiglu_limit"])
+            plugin_nodes = [route, gate_up, shared_gate_up, down, shared_down, combine]
         else:
             (new,) = [by_output[o] for o in node.output][:1]
             assert new.op_type == node.op_type and list(new.input) == list(node.input)
@@ -61,13 +87,14 @@ def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(tiny_artifact, gr
         for n in plugin_nodes:
             na = _attrs(n)
             assert na["plugin_namespace"] == b"m3" and na["plugin_version"] == b"1"
-            assert na["aot"] == (0 if n.op_type in ("MoE", "MoEMXFP8") else 1)
+            assert na["aot"] == 1
             # every other attribute is a field the registered plugin declares, and it declares no other
             assert set(na) - PLUGIN_ATTRS == set(PLUGINS[n.op_type].attributes)
+    from m3export.plugins.tensorrt.steps import STEPS
+
     m3_ops = {n.op_type for n in src.graph.node if n.domain == "m3"}
-    assert record["python_impl"] == sorted(m3_ops & {"MoE", "MoEMXFP8"})
-    assert set(record["plugin_nodes"]) == (m3_ops - {"LightningIndexer"}) | (
-        {"LightningIndexerScan", "LightningIndexerTopK"} if "LightningIndexer" in m3_ops else set())
+    assert record["python_impl"] == [] and record["aot"] == sorted(record["plugin_nodes"])
+    assert set(record["plugin_nodes"]) == {p for op in m3_ops for p in STEPS[op]}
 
 
 def test_write_flavour_beside_the_graphs_leaves_the_artifact_valid(tiny_artifact):
@@ -183,7 +210,7 @@ def test_export_option_writes_the_tensorrt_flavour_into_the_manifest(tmp_path):
     for name, g in rec.items():
         assert g["file"] in art.manifest.files and g["source"] == art.graphs[name].file
         model = onnx.load(str(out / g["file"]))
-        assert {n.op_type for n in model.graph.node if n.domain == "m3"} >= {"LightningIndexerScan", "MoE"}
+        assert {n.op_type for n in model.graph.node if n.domain == "m3"} >= {"LightningIndexerScan", "MoERoute"}
         assert g["max_model_len"] == art.config.max_position_embeddings
     raw = json.loads((out / "manifest.json").read_text())
     assert raw["flavours"]["tensorrt"]["model"]["plugin_namespace"] == "m3"

@@ -154,7 +154,8 @@ KERNEL_CASES = [("PagedAttention/decode-batch", 0), ("PagedAttention/nan-tails-e
                 ("LightningIndexer/decode-batch", 0), ("LightningIndexer/decode-batch", 2),
                 ("LightningIndexer/score-ties-no-forced", 1), ("LightningIndexer/forced-beyond-topk", 0),
                 ("LightningIndexer/nan-tails-empty-shared-batch", 0), ("MXFP8Linear/rows7", 0),
-                ("MXFP8Linear/rows7", 1), ("MXFP8Linear/e4m3-edge-codes", 2)]
+                ("MXFP8Linear/rows7", 1), ("MXFP8Linear/e4m3-edge-codes", 2), ("MoE/top1-1tok", 0),
+                ("MoE/routing-ties", 0), ("MoE/top2-9tok", 0), ("MoEMXFP8/e4m3-edge-codes", 0)]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")

@@ -9,9 +9,9 @@ be inlined by the parser instead, so the flavour graph carries none for ``m3`` o
 
 Ops whose kernel needs more than one launch are cut into the steps of ``plugins/tensorrt/steps.py``
 (``LightningIndexer`` -> ``LightningIndexerScan`` -> ``LightningIndexerTopK``, the top-k compiled for
-``max_blocks = ceil(max_model_len / block_size)``: a build-time bound, so the flavour is written per build).
-``MoE`` / ``MoEMXFP8`` stay single nodes with ``aot`` 0 (Python ``impl``). The graph keeps its inputs, outputs,
-initializers (external data) and every standard node, so the manifest's signatures describe it unchanged.
+``max_blocks = ceil(max_model_len / block_size)``; ``MoE`` / ``MoEMXFP8`` -> an fp32 router ``Gemm`` and six plugin
+steps). Every plugin node is AOT. The graph keeps its inputs, outputs, initializers (external data) and every
+other node, so the manifest's signatures describe it unchanged.
 """
 
 from __future__ import annotations
@@ -37,6 +37,43 @@ def _plugin_attrs(aot: bool) -> list[onnx.AttributeProto]:
 
 def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _moe_nodes(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """MoE / MoEMXFP8 -> router logits in fp32 (Cast, Cast, Gemm with transB: ``float(x) @ float(router)^T``) and the
+    GEMV plugin chain of ``plugins/tensorrt/steps.py``; the shared expert's output is written in place into the
+    routed output's last slot (``MoESharedDown``'s output aliases its ``y`` input)."""
+    a = _attrs(node)
+    mx = node.op_type == "MoEMXFP8"
+    sfx = "MXFP8" if mx else ""
+    if mx:
+        x, router, bias, w13, s13, w2, s2, sw13, ss13, sw2, ss2 = node.input
+    else:
+        x, router, bias, w13, w2, sw13, sw2 = node.input
+    p = f"{node.output[0]}.moe"
+    name = node.name or node.output[0]
+    w = lambda t, s: [t, s] if mx else [t]  # noqa: E731
+    k = a["top_k"]
+    swiglu = dict(swiglu_alpha=a["swiglu_alpha"], swiglu_limit=a["swiglu_limit"])
+    f32 = onnx.TensorProto.FLOAT
+    return [
+        helper.make_node("Cast", [x], [f"{p}.x_f32"], name=f"{name}.x_f32", to=f32),
+        helper.make_node("Cast", [router], [f"{p}.router_f32"], name=f"{name}.router_f32", to=f32),
+        helper.make_node("Gemm", [f"{p}.x_f32", f"{p}.router_f32"], [f"{p}.logits"], name=f"{name}.router",
+                         transB=1),
+        helper.make_node("MoERoute", [f"{p}.logits", bias], [f"{p}.ids", f"{p}.weights"], name=f"{name}.route",
+                         domain=DOMAIN, top_k=k),
+        helper.make_node(f"MoEGateUp{sfx}", [x, *w(w13, s13 if mx else None), f"{p}.ids"], [f"{p}.act"],
+                         name=f"{name}.gate_up", domain=DOMAIN, top_k=k, **swiglu),
+        helper.make_node(f"MoESharedGateUp{sfx}", [x, *w(sw13, ss13 if mx else None)], [f"{p}.act_shared"],
+                         name=f"{name}.shared_gate_up", domain=DOMAIN, **swiglu),
+        helper.make_node(f"MoEDown{sfx}", [f"{p}.act", *w(w2, s2 if mx else None), f"{p}.ids", f"{p}.weights"],
+                         [f"{p}.y_routed"], name=f"{name}.down", domain=DOMAIN, top_k=k),
+        helper.make_node(f"MoESharedDown{sfx}", [f"{p}.act_shared", *w(sw2, ss2 if mx else None), f"{p}.y_routed"],
+                         [f"{p}.y"], name=f"{name}.shared_down", domain=DOMAIN, top_k=k),
+        helper.make_node("MoECombine", [f"{p}.y"], list(node.output), name=f"{name}.combine", domain=DOMAIN, top_k=k,
+                         routed_scaling_factor=a["routed_scaling_factor"]),
+    ]
 
 
 def flavour_graph(model: onnx.ModelProto, max_model_len: int) -> tuple[onnx.ModelProto, dict]:
@@ -68,10 +105,14 @@ def flavour_graph(model: onnx.ModelProto, max_model_len: int) -> tuple[onnx.Mode
                                     local_blocks=a["local_blocks"], init_blocks=a["init_blocks"],
                                     max_blocks=max_blocks(max_model_len, a["block_size"]))
             new = [scan, topk]
+        elif node.op_type in ("MoE", "MoEMXFP8"):
+            new = _moe_nodes(node)
         else:
             new = [onnx.NodeProto()]
             new[0].CopyFrom(node)
         for n in new:
+            if n.domain != DOMAIN:  # the router's fp32 MatMul and its Casts: standard ONNX
+                continue
             n.attribute.extend(_plugin_attrs(aot=steps is not None))
             counts[n.op_type] = counts.get(n.op_type, 0) + 1
             aot_flags[n.op_type] = steps is not None

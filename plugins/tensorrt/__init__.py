@@ -19,11 +19,13 @@ registration in ``plugins.py`` imports TensorRT:
 * ``plugins.py``: ``tensorrt.plugin`` ``register`` / ``aot_impl`` / ``impl`` / ``autotune`` (skipped without
   TensorRT).
 
-**What is not AOT yet.** ``MoE`` / ``MoEMXFP8`` run five launches with torch glue (routing, permutation, two
-grouped GEMMs, combine); their plugins have a Python ``impl`` only, so an engine holding them needs Python (and
-``plugins.register()``) at run time. An AOT chain would use the permutation-free GEMV kernels of
-``plugins/kernels/moe_gemv.py`` (route -> gate-up -> down -> combine, four plugin steps). Attention plugins run one
-context split (a split-K merge is a second launch): decode at small batch fills fewer SMs than the torch path.
+**Every plugin node is AOT** (engines need no Python): the indexer runs as two kernels (scan, top-k) and the MoE
+as an fp32 router ``Gemm`` plus six kernels on the permutation-free GEMV path of ``plugins/kernels/moe_gemv.py``
+(``steps.py``). What the AOT path gives up against the torch launchers, to be measured on the H200: attention runs
+one context split per (token, KV head) (a split-K merge would be a second launch), decode-shaped tiling for every
+batch (one token per program), and the MoE on CUDA cores (the grouped tensor-core GEMMs of ``moe.py`` need a
+device-side permutation with torch glue between launches). Each ``plugins.py`` plugin also has a Python ``impl``
+on the torch launchers, which TensorRT uses when a node's ``aot`` attribute is 0.
 
 **Why not TensorRT's own layers.** TensorRT 11 adds ``TRT_Attention`` (attention over contiguous K/V: no paged
 KV, no block tables), ``TRT_KVCacheUpdate`` (a contiguous per-sequence cache, not a shared page pool addressed by

@@ -285,6 +285,77 @@ def mxfp8_linear(inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], at
                       (cdiv(n, cfg["BLOCK_N"]), cdiv(rows, cfg["BLOCK_M"]), 1))
 
 
+#: MoE GEMV tiles (moe_gemv.launch's defaults): one program per (row, BLOCK_N output columns).
+_GEMV = dict(BLOCK_N=32, BLOCK_K=128)
+
+
+def moe_route(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    logits, bias = inputs
+    e = static("MoERoute", "experts", logits.shape[1])
+    block_e = next_pow2(e)
+    block_t = max(1, min(16, 4096 // block_e))
+    c = dict(E=e, TOP_K=int(attrs["top_k"]), BLOCK_T=block_t, BLOCK_E=block_e)
+    sig = _sig(("logits_ptr", "bias_ptr"), inputs, ("num_tokens",), ("ids_ptr", "w_ptr"), outputs)
+    t = logits.shape[0]
+    return KernelPlan("MoERoute", _wrappers()["MoERoute"], sig, c, 4, 1, 2, 2, (t,), (cdiv(t, block_t), 1, 1))
+
+
+def _gemv_plan(plugin, names, out_names, inputs, outputs, consts, rows, cols) -> KernelPlan:
+    sig = _sig(names, inputs, (), out_names, outputs)
+    return KernelPlan(plugin, _wrappers()[plugin], sig, consts | _GEMV, 4, 3, len(inputs), len(outputs), (),
+                      (rows, cdiv(cols, _GEMV["BLOCK_N"]), 1))
+
+
+def moe_gate_up(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    mx = len(inputs) == 4
+    plugin = "MoEGateUp" + ("MXFP8" if mx else "")
+    x, w = inputs[0], inputs[1]
+    h, i = static(plugin, "hidden", w.shape[2]), static(plugin, "expert width", w.shape[1]) // 2
+    k = int(attrs["top_k"])
+    c = dict(H=h, I=i, TOP_K=k, ALPHA=float(attrs["swiglu_alpha"]), LIMIT=float(attrs["swiglu_limit"]))
+    names = ("x_ptr", "w_ptr", *(("s_ptr",) if mx else ()), "ids_ptr")
+    return _gemv_plan(plugin, names, ("act_ptr",), inputs, outputs, c, x.shape[0] * k, i)
+
+
+def moe_shared_gate_up(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    mx = len(inputs) == 3
+    plugin = "MoESharedGateUp" + ("MXFP8" if mx else "")
+    x, w = inputs[0], inputs[1]
+    h, i = static(plugin, "hidden", w.shape[1]), static(plugin, "shared width", w.shape[0]) // 2
+    c = dict(H=h, I=i, ALPHA=float(attrs["swiglu_alpha"]), LIMIT=float(attrs["swiglu_limit"]))
+    names = ("x_ptr", "w_ptr", *(("s_ptr",) if mx else ()))
+    return _gemv_plan(plugin, names, ("act_ptr",), inputs, outputs, c, x.shape[0], i)
+
+
+def moe_down(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    mx = len(inputs) == 5
+    plugin = "MoEDown" + ("MXFP8" if mx else "")
+    act, w = inputs[0], inputs[1]
+    h, i = static(plugin, "hidden", w.shape[1]), static(plugin, "expert width", w.shape[2])
+    c = dict(H=h, I=i, TOP_K=int(attrs["top_k"]))
+    names = ("act_ptr", "w_ptr", *(("s_ptr",) if mx else ()), "ids_ptr", "rw_ptr")
+    return _gemv_plan(plugin, names, ("y_ptr",), inputs, outputs, c, act.shape[0], h)
+
+
+def moe_shared_down(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    mx = len(inputs) == 4
+    plugin = "MoESharedDown" + ("MXFP8" if mx else "")
+    act, w = inputs[0], inputs[1]
+    h, i = static(plugin, "hidden", w.shape[0]), static(plugin, "shared width", w.shape[1])
+    c = dict(H=h, I=i, TOP_K=int(attrs["top_k"]))
+    names = ("act_ptr", "w_ptr", *(("s_ptr",) if mx else ()), "y_in_ptr")
+    return _gemv_plan(plugin, names, ("y_ptr",), inputs, outputs, c, act.shape[0], h)
+
+
+def moe_combine(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    (y,) = inputs
+    h = static("MoECombine", "hidden", y.shape[2])
+    c = dict(H=h, TOP_K=int(attrs["top_k"]), SCALING=float(attrs["routed_scaling_factor"]), BLOCK_H=1024)
+    sig = _sig(("y_ptr",), inputs, ("num_tokens",), ("out_ptr",), outputs)
+    return KernelPlan("MoECombine", _wrappers()["MoECombine"], sig, c, 4, 1, 1, 1, (y.shape[0],),
+                      (y.shape[0], cdiv(h, 1024), 1))
+
+
 #: plugin -> (planner, tactics). Plugins absent here have no AOT kernel (see plugins/tensorrt/__init__.py).
 PLANNERS: dict[str, tuple[Callable[..., KernelPlan], tuple[int, ...]]] = {
     "PagedAttention": (paged_attention, (0,)),
@@ -292,6 +363,12 @@ PLANNERS: dict[str, tuple[Callable[..., KernelPlan], tuple[int, ...]]] = {
     "LightningIndexerScan": (lightning_indexer_scan, tuple(SCAN_SPLITS)),
     "LightningIndexerTopK": (lightning_indexer_topk, (0,)),
     "MXFP8Linear": (mxfp8_linear, tuple(LINEAR_TILES)),
+    "MoERoute": (moe_route, (0,)),
+    "MoECombine": (moe_combine, (0,)),
+    **{f"MoEGateUp{mx}": (moe_gate_up, (0,)) for mx in ("", "MXFP8")},
+    **{f"MoESharedGateUp{mx}": (moe_shared_gate_up, (0,)) for mx in ("", "MXFP8")},
+    **{f"MoEDown{mx}": (moe_down, (0,)) for mx in ("", "MXFP8")},
+    **{f"MoESharedDown{mx}": (moe_shared_down, (0,)) for mx in ("", "MXFP8")},
 }
 
 

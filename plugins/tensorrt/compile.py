@@ -45,6 +45,27 @@ def plugin_instances(cfg, dtype: str, page_size: int, max_model_len: int) -> lis
            ("MXFP8Linear", [TensorInfo((t, cfg.hidden_size), dtype),
                             TensorInfo((cfg.hidden_size, cfg.hidden_size), "float8_e4m3fn"),
                             TensorInfo((cfg.hidden_size, cfg.hidden_size // 32), "uint8")], {})]
+    h, e, k = cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    i, i_s = cfg.intermediate_size, cfg.shared_intermediate_size
+    swiglu = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+    x = TensorInfo((t, h), dtype)
+    ids, weights = TensorInfo((t, k), "int32"), TensorInfo((t, k), "float32")
+    out.append(("MoERoute", [TensorInfo((t, e), "float32"), TensorInfo((e,), "float32")], dict(top_k=k)))
+    out.append(("MoECombine", [TensorInfo((t, k + 1, h), dtype)],
+                dict(top_k=k, routed_scaling_factor=cfg.routed_scaling_factor)))
+    for mx in (False, True):
+        sfx = "MXFP8" if mx else ""
+
+        def w(*shape):
+            if not mx:
+                return [TensorInfo(shape, dtype)]
+            return [TensorInfo(shape, "float8_e4m3fn"), TensorInfo((*shape[:-1], shape[-1] // 32), "uint8")]
+
+        out += [(f"MoEGateUp{sfx}", [x, *w(e, 2 * i, h), ids], dict(top_k=k, **swiglu)),
+                (f"MoESharedGateUp{sfx}", [x, *w(2 * i_s, h)], swiglu),
+                (f"MoEDown{sfx}", [TensorInfo((t * k, i), dtype), *w(e, h, i), ids, weights], dict(top_k=k)),
+                (f"MoESharedDown{sfx}", [TensorInfo((t, i_s), dtype), *w(h, i_s), TensorInfo((t, k + 1, h), dtype)],
+                 dict(top_k=k))]
     return out
 
 

@@ -68,8 +68,11 @@ def _io_types(p: PluginDef) -> list[str]:
 
     fixed = {"block_tables": "INT32", "query_start_loc": "INT32", "seq_lens": "INT32", "positions": "INT64",
              "block_idx": "INT32", "selected_blocks": "INT32", "block_scores": "FP32",
-             "router_weight": "FP32|FP32|FP32", "e_score_correction_bias": "FP32|FP32|FP32"}
-    mx = p.name in ("MoEMXFP8", "MXFP8Linear")
+             "router_weight": "FP32|FP32|FP32", "e_score_correction_bias": "FP32|FP32|FP32",
+             "router_logits": "FP32", "expert_ids": "INT32", "expert_weights": "FP32"}
+    if p.name == "MoERoute":  # no activation position: the router runs in fp32
+        fixed["e_score_correction_bias"] = "FP32"
+    mx = p.name.endswith("MXFP8") or p.name == "MXFP8Linear"
     out = []
     for name in (*p.inputs, *p.outputs):
         if name in fixed:
@@ -116,7 +119,9 @@ def _register_one(p: PluginDef, trt, trtp, to_trt, from_trt) -> None:
 
     def shapes(inputs, attr_values):
         outs = p.infer([_info(d, from_trt) for d in inputs], attr_values)
-        return tuple(trtp.from_shape_expr(tuple(o.shape), dtype=to_trt[o.dtype]) for o in outs)
+        aliased = dict(p.aliases)  # written in place: the output is its input's buffer
+        return tuple(inputs[aliased[j]].aliased() if j in aliased else
+                     trtp.from_shape_expr(tuple(o.shape), dtype=to_trt[o.dtype]) for j, o in enumerate(outs))
 
     env["_shapes"] = shapes
     desc = _define(f"{p.name}_desc", ins + attrs, "Tuple[" + ", ".join(["trtp.TensorDesc"] * n_out) + "]",

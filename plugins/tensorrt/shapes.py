@@ -167,6 +167,81 @@ def lightning_indexer_topk(scores: TensorInfo, positions: TensorInfo, *, block_s
     return [TensorInfo((scores.shape[0], scores.shape[1], topk_blocks), "int32")]
 
 
+# ---------------------------------------------------------------------------------- MoE kernel steps (GEMV)
+def moe_route(logits: TensorInfo, bias: TensorInfo, *, top_k: int) -> list[TensorInfo]:
+    """Step 1 of MoE: sigmoid scores, top-k of scores + bias (ties to the lower id), renormalised weights."""
+    op = "MoERoute"
+    _need(op, "router_logits", logits, 2, ("float32",))
+    _need(op, "e_score_correction_bias", bias, 1, FLOATS)
+    _same(op, "router_logits experts and bias length", logits.shape[1], bias.shape[0])
+    _attrs(op, top_k=top_k)
+    t = logits.shape[0]
+    return [TensorInfo((t, top_k), "int32"), TensorInfo((t, top_k), "float32")]
+
+
+def _moe_weight(op: str, name: str, w: TensorInfo, scale: TensorInfo | None, rank: int) -> None:
+    _need(op, name, w, rank, (E4M3,) if scale is not None else FLOATS)
+    if scale is not None:
+        _scale(op, f"{name}_scale", w, scale)
+
+
+def moe_gate_up(x: TensorInfo, w13: TensorInfo, *rest: TensorInfo, top_k: int, swiglu_alpha: float,
+                swiglu_limit: float) -> list[TensorInfo]:
+    """Routed experts' SwiGLU-OAI activations, one row per (token, slot): ``[T * top_k, I]``. ``rest`` is
+    (ids,) or (w13_scale, ids)."""
+    scale, ids = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    op = "MoEGateUp" + ("MXFP8" if scale is not None else "")
+    _need(op, "x", x, 2, FLOATS)
+    _moe_weight(op, "w13", w13, scale, 3)
+    _need(op, "expert_ids", ids, 2, ("int32",))
+    _same(op, "x hidden and w13 columns", x.shape[1], w13.shape[2])
+    _attrs(op, top_k=top_k)
+    return [TensorInfo((x.shape[0] * top_k, w13.shape[1] // 2), x.dtype)]
+
+
+def moe_shared_gate_up(x: TensorInfo, w13: TensorInfo, *rest: TensorInfo, swiglu_alpha: float,
+                       swiglu_limit: float) -> list[TensorInfo]:
+    scale = rest[0] if rest else None
+    op = "MoESharedGateUp" + ("MXFP8" if scale is not None else "")
+    _need(op, "x", x, 2, FLOATS)
+    _moe_weight(op, "shared_w13", w13, scale, 2)
+    _same(op, "x hidden and shared_w13 columns", x.shape[1], w13.shape[1])
+    return [TensorInfo((x.shape[0], w13.shape[0] // 2), x.dtype)]
+
+
+def moe_down(act: TensorInfo, w2: TensorInfo, *rest: TensorInfo, top_k: int) -> list[TensorInfo]:
+    """Routed experts' outputs times their routing weights into slots 0..top_k-1 of ``y [T, top_k + 1, H]`` (the
+    last slot is the shared expert's). ``rest`` is (ids, weights) or (w2_scale, ids, weights)."""
+    scale, ids, weights = (rest[0], rest[1], rest[2]) if len(rest) == 3 else (None, rest[0], rest[1])
+    op = "MoEDown" + ("MXFP8" if scale is not None else "")
+    _need(op, "act", act, 2, FLOATS)
+    _moe_weight(op, "w2", w2, scale, 3)
+    _need(op, "expert_ids", ids, 2, ("int32",))
+    _need(op, "expert_weights", weights, 2, ("float32",))
+    _same(op, "act columns and w2 columns", act.shape[1], w2.shape[2])
+    _attrs(op, top_k=top_k)
+    return [TensorInfo((ids.shape[0], top_k + 1, w2.shape[1]), act.dtype)]
+
+
+def moe_shared_down(act: TensorInfo, w2: TensorInfo, *rest: TensorInfo, top_k: int) -> list[TensorInfo]:
+    """The shared expert's output into the last slot of ``y``, in place (the output aliases input ``y``)."""
+    scale, y = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0])
+    op = "MoESharedDown" + ("MXFP8" if scale is not None else "")
+    _need(op, "act", act, 2, FLOATS)
+    _moe_weight(op, "shared_w2", w2, scale, 2)
+    _need(op, "y", y, 3, (act.dtype,))
+    _same(op, "act columns and shared_w2 columns", act.shape[1], w2.shape[1])
+    _attrs(op, top_k=top_k)
+    return [TensorInfo(tuple(y.shape), y.dtype)]
+
+
+def moe_combine(y: TensorInfo, *, top_k: int, routed_scaling_factor: float) -> list[TensorInfo]:
+    op = "MoECombine"
+    _need(op, "y", y, 3, FLOATS)
+    _attrs(op, top_k=top_k)
+    return [TensorInfo((y.shape[0], y.shape[2]), y.dtype)]
+
+
 # ------------------------------------------------------------------------------------------------- helpers
 def _attrs(op: str, **values: int) -> None:
     for name, v in values.items():
@@ -230,6 +305,7 @@ class PluginDef:
     attributes: tuple[str, ...]
     outputs: tuple[str, ...]
     shapes: Callable[..., list[TensorInfo]]
+    aliases: tuple[tuple[int, int], ...] = ()  # (output, input) pairs written in place (TensorRT: aliased())
 
     def infer(self, inputs: Sequence[TensorInfo], attrs: dict) -> list[TensorInfo]:
         if len(inputs) != len(self.inputs):
@@ -264,6 +340,17 @@ STEP_PLUGINS: dict[str, PluginDef] = {p.name: p for p in (
     PluginDef("LightningIndexerTopK", ("block_scores", "positions"),
               ("block_size", "topk_blocks", "local_blocks", "init_blocks", "max_blocks"), ("selected_blocks",),
               lightning_indexer_topk),
+    PluginDef("MoERoute", ("router_logits", "e_score_correction_bias"), ("top_k",), ("expert_ids", "expert_weights"),
+              moe_route),
+    PluginDef("MoECombine", ("y",), ("top_k", "routed_scaling_factor"), ("out",), moe_combine),
+    *(PluginDef(f"MoEGateUp{mx}", ("x", "w13", *(("w13_scale",) if mx else ()), "expert_ids"),
+                ("top_k", "swiglu_alpha", "swiglu_limit"), ("act",), moe_gate_up) for mx in ("", "MXFP8")),
+    *(PluginDef(f"MoESharedGateUp{mx}", ("x", "shared_w13", *(("shared_w13_scale",) if mx else ())),
+                ("swiglu_alpha", "swiglu_limit"), ("act",), moe_shared_gate_up) for mx in ("", "MXFP8")),
+    *(PluginDef(f"MoEDown{mx}", ("act", "w2", *(("w2_scale",) if mx else ()), "expert_ids", "expert_weights"),
+                ("top_k",), ("y",), moe_down) for mx in ("", "MXFP8")),
+    *(PluginDef(f"MoESharedDown{mx}", ("act", "shared_w2", *(("shared_w2_scale",) if mx else ()), "y"),
+                ("top_k",), ("y_out",), moe_shared_down, aliases=((0, 3 if mx else 2),)) for mx in ("", "MXFP8")),
 )}
 
 PLUGINS: dict[str, PluginDef] = {**OP_PLUGINS, **STEP_PLUGINS}

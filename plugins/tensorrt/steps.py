@@ -3,9 +3,11 @@ TensorRT (each step's AOT kernel launched with TensorRT's argument list) for the
 
 An AOT plugin launches exactly one kernel, so an op whose kernel needs two launches is cut into steps joined by an
 intermediate tensor: ``LightningIndexer`` -> ``LightningIndexerScan`` (fp32 block maxima ``[T, H, NB]``) ->
-``LightningIndexerTopK``. ``MoE`` / ``MoEMXFP8`` have no AOT chain yet (routing, the grouped GEMMs and the combine
-are five launches plus torch glue in ``plugins/kernels/moe.py``): their plugin runs the Triton launcher through
-TensorRT's Python ``impl`` (the engine then needs Python at run time), and the flavour graph marks them non-AOT.
+``LightningIndexerTopK``; ``MoE`` / ``MoEMXFP8`` become an fp32 router MatMul (standard ONNX) then
+``MoERoute`` -> ``MoEGateUp`` -> ``MoESharedGateUp`` -> ``MoEDown`` -> ``MoESharedDown`` (writes the shared slot of
+the routed output in place: an aliased output) -> ``MoECombine``, on the permutation-free GEMV kernels of
+``plugins/kernels/moe_gemv.py`` (the grouped tensor-core GEMMs of ``moe.py`` need a device-side permutation with
+torch glue between launches).
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from typing import Sequence
 from . import aot
 from .shapes import PLUGINS, TensorInfo
 
-#: op -> its plugin nodes in order; None: one non-AOT plugin node (Python impl).
+#: op -> its plugin nodes in order (every one an AOT kernel).
 STEPS: dict[str, tuple[str, ...] | None] = {
     "LightningIndexer": ("LightningIndexerScan", "LightningIndexerTopK"),
     "PagedAttention": ("PagedAttention",),
     "SparsePagedAttention": ("SparsePagedAttention",),
     "MXFP8Linear": ("MXFP8Linear",),
-    "MoE": None,
-    "MoEMXFP8": None,
+    "MoE": ("MoERoute", "MoEGateUp", "MoESharedGateUp", "MoEDown", "MoESharedDown", "MoECombine"),
+    "MoEMXFP8": ("MoERoute", "MoEGateUpMXFP8", "MoESharedGateUpMXFP8", "MoEDownMXFP8", "MoESharedDownMXFP8",
+                 "MoECombine"),
 }
 
 
@@ -54,12 +57,14 @@ def run_plugin_steps(op: str, inputs: Sequence, attrs: dict, compiled: bool = Fa
         k[1:]: v for k, v in attrs.items() if k == "_max_blocks"}
     device = inputs[0].device
 
-    def launch(plugin, ins, step_attrs):
+    def launch(plugin, ins, step_attrs, alias=None):
         infos = tensor_infos(ins)
         outs_info = PLUGINS[plugin].infer(infos, step_attrs)
         plan = aot.plan(plugin, infos, step_attrs, _tactic(plugin, tactic))
-        outs = [torch.empty(o.shape, dtype=_torch_dtype(o.dtype), device=device) for o in outs_info]
         ins = [t.contiguous() for t in ins]
+        # an aliased output is its input's buffer (TensorRT: TensorDesc.aliased()), written in place
+        outs = [(alias or {}).get(i) if (alias or {}).get(i) is not None else
+                torch.empty(o.shape, dtype=_torch_dtype(o.dtype), device=device) for i, o in enumerate(outs_info)]
         if compiled:
             key = (plugin, repr(sorted(plan.constexprs.items())), tuple(plan.signature.values()))
             kernel = (cache if cache is not None else {}).get(key)
@@ -81,7 +86,31 @@ def run_plugin_steps(op: str, inputs: Sequence, attrs: dict, compiled: bool = Fa
         topk_attrs["max_blocks"] = int(attrs.get("max_blocks", nb + 5))
         (sel,) = launch("LightningIndexerTopK", [scores, pos], topk_attrs)
         return sel
+    if op in ("MoE", "MoEMXFP8"):
+        return _moe(op, inputs, attrs, launch)
     (out,) = launch(steps[0], list(inputs), attrs)
+    return out
+
+
+def _moe(op: str, inputs, attrs: dict, launch):
+    """The MoE chain; the router logits are an fp32 MatMul in the graph (``tensorrt_flavour``), here torch's."""
+    mx = op == "MoEMXFP8"
+    if mx:
+        x, router, bias, w13, s13, w2, s2, sw13, ss13, sw2, ss2 = inputs
+    else:
+        x, router, bias, w13, w2, sw13, sw2 = inputs
+        s13 = s2 = ss13 = ss2 = None
+    k = int(attrs["top_k"])
+    sfx = "MXFP8" if mx else ""
+    swiglu = {"swiglu_alpha": attrs["swiglu_alpha"], "swiglu_limit": attrs["swiglu_limit"]}
+    w = lambda t, s: [t] if s is None else [t, s]  # noqa: E731
+    logits = x.float() @ router.float().t()
+    ids, weights = launch("MoERoute", [logits, bias], {"top_k": k})
+    (act,) = launch(f"MoEGateUp{sfx}", [x, *w(w13, s13), ids], {"top_k": k, **swiglu})
+    (act_s,) = launch(f"MoESharedGateUp{sfx}", [x, *w(sw13, ss13)], swiglu)
+    (y,) = launch(f"MoEDown{sfx}", [act, *w(w2, s2), ids, weights], {"top_k": k})
+    (y,) = launch(f"MoESharedDown{sfx}", [act_s, *w(sw2, ss2), y], {"top_k": k}, alias={0: y})
+    (out,) = launch("MoECombine", [y], {"top_k": k, "routed_scaling_factor": attrs["routed_scaling_factor"]})
     return out
 
 

@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 
 from m3export.plugins.kernels import lightning_indexer as li
+from m3export.plugins.kernels import moe as moe_k
+from m3export.plugins.kernels import moe_gemv as gemv
+from m3export.plugins.kernels import moe_routing as routing
 from m3export.plugins.kernels import mxfp8_linear as ml
 from m3export.plugins.kernels import paged_attention as pa
 from m3export.plugins.kernels import sparse_paged_attention as spa
@@ -69,6 +72,88 @@ def m3_mxfp8_linear(x_ptr, w_ptr, s_ptr, rows, y_ptr, N: tl.constexpr, K: tl.con
                      F32, PREC, MX_MODE)
 
 
+
+# MoE as permutation-free GEMV steps (moe_gemv.py): weights [E, N, K] contiguous, activations contiguous.
+@triton.jit
+def m3_moe_route(logits_ptr, bias_ptr, num_tokens, ids_ptr, w_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    routing._route(logits_ptr, bias_ptr, ids_ptr, w_ptr, num_tokens, E, E, TOP_K, BLOCK_T, BLOCK_E)
+
+
+@triton.jit
+def _gate_up(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+             ROUTED: tl.constexpr, MXFP8: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    gemv._gate_up_gemv(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, H, 2 * I * H, H, 1, 2 * I * (H // 32), H // 32, 1, I,
+                       ALPHA, LIMIT, H, I, TOP_K, ROUTED, MXFP8, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                   ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _gate_up(x_ptr, w_ptr, w_ptr, ids_ptr, act_ptr, H, I, TOP_K, True, False, ALPHA, LIMIT, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_gate_up_mxfp8(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr,
+                         TOP_K: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    _gate_up(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H, I, TOP_K, True, True, ALPHA, LIMIT, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_shared_gate_up(x_ptr, w_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, ALPHA: tl.constexpr,
+                          LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _gate_up(x_ptr, w_ptr, w_ptr, x_ptr, act_ptr, H, I, 1, False, False, ALPHA, LIMIT, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_shared_gate_up_mxfp8(x_ptr, w_ptr, s_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, ALPHA: tl.constexpr,
+                                LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _gate_up(x_ptr, w_ptr, s_ptr, x_ptr, act_ptr, H, I, 1, False, True, ALPHA, LIMIT, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down(act_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+          ROUTED: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    gemv._down_gemv(act_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, rw_ptr, I, H * I, I, 1, H * (I // 32), I // 32, 1,
+                    (TOP_K + 1) * H, H, H, I, TOP_K, ROUTED, MXFP8, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_down(act_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _down(act_ptr, w_ptr, w_ptr, ids_ptr, rw_ptr, y_ptr, H, I, TOP_K, True, False, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_down_mxfp8(act_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _down(act_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, y_ptr, H, I, TOP_K, True, True, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_shared_down(act_ptr, w_ptr, y_in_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _down(act_ptr, w_ptr, w_ptr, act_ptr, act_ptr, y_ptr, H, I, TOP_K, False, False, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_shared_down_mxfp8(act_ptr, w_ptr, s_ptr, y_in_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
+                             TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _down(act_ptr, w_ptr, s_ptr, act_ptr, act_ptr, y_ptr, H, I, TOP_K, False, True, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def m3_moe_combine(y_ptr, num_tokens, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, SCALING: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    moe_k._combine(y_ptr, out_ptr, num_tokens, (TOP_K + 1) * H, H, H, SCALING, H, TOP_K, BLOCK_H)
+
+
 WRAPPERS = dict(PagedAttention=m3_paged_attention, SparsePagedAttention=m3_sparse_paged_attention,
                 LightningIndexerScan=m3_lightning_indexer_scan, LightningIndexerTopK=m3_lightning_indexer_topk,
-                MXFP8Linear=m3_mxfp8_linear)
+                MXFP8Linear=m3_mxfp8_linear, MoERoute=m3_moe_route, MoEGateUp=m3_moe_gate_up,
+                MoEGateUpMXFP8=m3_moe_gate_up_mxfp8, MoESharedGateUp=m3_moe_shared_gate_up,
+                MoESharedGateUpMXFP8=m3_moe_shared_gate_up_mxfp8, MoEDown=m3_moe_down, MoEDownMXFP8=m3_moe_down_mxfp8,
+                MoESharedDown=m3_moe_shared_down, MoESharedDownMXFP8=m3_moe_shared_down_mxfp8,
+                MoECombine=m3_moe_combine)
