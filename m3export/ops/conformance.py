@@ -14,7 +14,7 @@ implementation x case x dtype. The pieces:
   whose model-local function body ONNX Runtime's CPU provider runs), ``triton-interpret`` (every launcher of
   ``m3export.plugins.kernels.kernels()`` on CPU tensors under ``TRITON_INTERPRET=1``, a tiny subset),
   ``cuda`` (whatever ``torch.ops.m3.*`` dispatches to on CUDA after the kernels registered themselves) and
-  ``tensorrt`` (not built yet). An unavailable combination says why (:meth:`Implementation.unavailable`).
+  ``tensorrt`` (no engine per case yet). An unavailable combination says why (:meth:`Implementation.unavailable`).
 * :func:`oracle`: the reference ``m3export.ops.<module>.<op>_reference`` evaluated on float64 upcasts of the very
   inputs the implementation received (the references accumulate in float64 for float64 inputs, see
   ``ops.paged.accumulation_dtype``).
@@ -757,7 +757,8 @@ class TensorRT(Implementation):
 
         if importlib.util.find_spec("tensorrt") is None:
             return "tensorrt is not installed"
-        return "the m3 TensorRT plugins are not built yet (issue 17)"
+        return ("no TensorRT engine is built per case yet; the plugins' AOT kernels, launched with TensorRT's "
+                "arguments, are checked by tests/test_tensorrt_plugins*.py")
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
