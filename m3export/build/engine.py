@@ -103,8 +103,9 @@ def build_engines(artifact: str | Path, out: str | Path, max_num_tokens: int | N
     engines, profiles = {}, {}
     for name in names:
         print(f"building {name} ({flavour[name]['file']})", file=sys.stderr, flush=True)
-        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)  # the graph's dtypes, not TRT's choice
-        network = builder.create_network(flags)
+        # the graph's dtypes, not TensorRT's choice (TensorRT 11 networks are strongly typed without the flag)
+        typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+        network = builder.create_network(0 if typed is None else 1 << int(typed))
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(art.root / flavour[name]["file"])):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
