@@ -229,6 +229,9 @@ def test_launch_convention_refuses_a_wrong_order():
     Md.global_scratch_size = 64
     with pytest.raises(aot.LaunchConventionError, match="global_scratch_size"):
         aot.launch_convention(good, ptx, "k", Md)
+    Md.global_scratch_size, Md.num_ctas = 0, 2
+    with pytest.raises(aot.LaunchConventionError, match="num_ctas=2 needs a launch TensorRT does not make"):
+        aot.launch_convention(good, ptx, "k", Md)
 
 
 @pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is installed: the missing-package path cannot be seen")

@@ -163,6 +163,11 @@ def launch_convention(plan: KernelPlan, ptx: str, name: str, md: Any) -> tuple[t
         if int(getattr(md, what, 0) or 0):
             raise LaunchConventionError(f"{name}: needs {what}={getattr(md, what)} bytes, which TensorRT does not "
                                         "allocate")
+    # launch features TensorRT's plain launch (grid, block, dynamic shared memory) cannot reproduce
+    for what, plain in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False), ("tmem_size", 0)):
+        value = getattr(md, what, plain)
+        if value != plain:
+            raise LaunchConventionError(f"{name}: {what}={value!r} needs a launch TensorRT does not make")
     return tuple(t for t, _ in params), len(hidden)
 
 
