@@ -108,3 +108,26 @@ def test_mxfp8_linear_lowered_structure():
     fp32 = conf.CASES["MXFP8Linear/rows7"].inputs(torch.float32)[0]
     _, kept = lower(_one_node("MXFP8Linear", fp32, attrs, torch.float32))
     assert kept["MXFP8Linear"] == 0
+
+
+def test_export_records_the_ort_contrib_flavour(tmp_path):
+    """`export --flavour ort-contrib`: <graph>.ort.onnx beside each graph, recorded (and checksummed) in the
+    manifest, run by PagedSession.from_artifact(flavour=...) with the graph's outputs (fp32, CPU provider)."""
+    from m3export.export.artifact import load_artifact
+    from m3export.export.exporter import export_artifact
+    from m3export.plugins.onnxruntime.session import PagedSession
+
+    root = export_artifact("tiny", tmp_path / "art", page_size=16, progress=False, flavour="ort-contrib")
+    art = load_artifact(root)
+    record = art.manifest.flavours["ort-contrib"]
+    assert set(record) == {"model", "mtp0"} and record["model"]["lowered"]["MoE"] > 0
+    assert all(r["file"] in art.manifest.files and "unverified on GPU" in r["status"] for r in record.values())
+    manifest = json.loads((root / "manifest.json").read_text())
+    outs = []
+    for flavour in (None, "ort-contrib"):
+        sess = PagedSession.from_artifact(art, "model", flavour=flavour)
+        feeds = polygraphy_loader.step_feeds(manifest, "model")
+        sess.allocate(feeds[sess.pool_inputs[0]].shape[0])
+        outs.append(sess.run({k: v for k, v in feeds.items() if k not in sess.pool_inputs}))
+    for name in ("logits", "hidden"):
+        assert np.abs(outs[1][name] - outs[0][name]).max() <= 1e-4 * np.abs(outs[0][name]).max()

@@ -44,9 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-layers", type=int, metavar="N",
                    help="also write the model as parts of N layers each (model.part{j}.onnx) for builders that "
                         "cannot take the whole graph; the manifest's 'parts' says how they chain")
-    p.add_argument("--flavour", choices=["tensorrt"], default=None,
+    p.add_argument("--flavour", choices=["tensorrt", "ort-contrib"], default=None,
                    help="also write each graph's TensorRT flavour (<graph>.trt.onnx: m3 nodes as m3 plugin nodes "
-                        "for TensorRT's ONNX parser), recorded in the manifest's 'flavours'; 'm3export build' uses it")
+                        "for TensorRT's ONNX parser; 'm3export build' uses it) or, experimental and unverified on "
+                        "GPU, its ONNX Runtime contrib-op flavour (<graph>.ort.onnx: MoE and 16-bit MXFP8Linear "
+                        "lowered to com.microsoft kernels); recorded in the manifest's 'flavours'")
     p.add_argument("--in-place", action="store_true",
                    help="zero copy: write the graphs and manifest into the --checkpoint directory itself, referencing "
                         "the shards' bytes (ONNX Runtime only reads external data inside the model's directory); "

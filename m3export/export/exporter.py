@@ -132,7 +132,8 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     ``split_layers`` N also writes the model as parts of N layers each (``model.part{j}.onnx``), for builders
     that cannot take the whole graph; the manifest's ``parts`` says how they chain. ``flavour`` "tensorrt" also
     writes each graph's TensorRT flavour (``<graph>.trt.onnx``: m3 nodes as TensorRT plugin nodes, see
-    ``tensorrt_flavour.py``), recorded under the manifest's ``flavours``. ``dtype`` ``"auto"`` is the
+    ``tensorrt_flavour.py``), "ort-contrib" each graph lowered to ONNX Runtime's contrib kernels (``<graph>.ort.onnx``,
+    ``lowering.py``, experimental), recorded under the manifest's ``flavours``. ``dtype`` ``"auto"`` is the
     checkpoint's own dtype in place (nothing converted that need not be) and float32 otherwise.
     """
     if dtype != AUTO and dtype not in MODEL_DTYPES:
@@ -144,8 +145,8 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     if split_layers is not None and (not isinstance(split_layers, int) or split_layers < 1):
         raise ArtifactError(f"--split-layers must be a positive integer, got {split_layers!r}")
     register_schemas()
-    if flavour not in (None, "tensorrt"):
-        raise ArtifactError(f"--flavour must be 'tensorrt', got {flavour!r}")
+    if flavour not in (None, "tensorrt", "ort-contrib"):
+        raise ArtifactError(f"--flavour must be 'tensorrt' or 'ort-contrib', got {flavour!r}")
     opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers,
                 flavour=flavour)
     if in_place:
@@ -318,6 +319,10 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
             from .tensorrt_flavour import write_flavour_files
 
             flavours["tensorrt"] = write_flavour_files(tmp, graphs, cfg.max_position_embeddings)
+        if flavour == "ort-contrib":  # experimental: m3 nodes lowered to ONNX Runtime's contrib kernels
+            from .lowering import FLAVOUR, write_flavour_files as write_lowered
+
+            flavours[FLAVOUR] = write_lowered(tmp, graphs)
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)

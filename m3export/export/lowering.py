@@ -1,6 +1,7 @@
 """EXPERIMENTAL: lower ``m3`` nodes to ONNX Runtime's own ``com.microsoft`` kernels where they express the op.
 
-A graph pass with onnx-graphsurgeon (no hand-edited protobuf). Each lowering is kept only once the H200 shows
+A graph pass with onnx-graphsurgeon (no hand-edited protobuf); ``m3export export --flavour ort-contrib`` writes
+each graph lowered as ``<graph>.ort.onnx`` beside it, recorded in the manifest's ``flavours``. Each lowering is kept only once the H200 shows
 that the lowered graph matches the reference (block selections and greedy tokens exactly, logits within the
 bound verify uses); until then every lowering here is **unverified on GPU**. What each one does:
 
@@ -24,6 +25,8 @@ projections onward; not written yet).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -139,3 +142,28 @@ def lower(model: onnx.ModelProto, ops: tuple[str, ...] = LOWERABLE) -> tuple[onn
         out.opset_import.append(onnx.helper.make_opsetid(MS, 1))
     out.ir_version = model.ir_version
     return out, done
+
+
+FLAVOUR = "ort-contrib"
+STATUS = "experimental: unverified on GPU (kept only once the H200 shows it matches the reference)"
+
+
+def flavour_file(graph: str) -> str:
+    return f"{graph}.ort.onnx"
+
+
+def write_flavour_files(directory: Path, graphs: dict, ops: tuple[str, ...] = LOWERABLE) -> dict:
+    """Write ``<graph>.ort.onnx`` (the graph lowered by :func:`lower`) beside each graph file of ``graphs`` (name ->
+    manifest ``GraphInfo``; not the vision graph) in ``directory``, where the external data resolves. Inputs and
+    outputs are the graph's own, so the manifest's signatures describe the flavour too. Returns the manifest's
+    ``flavours["ort-contrib"]`` record: per graph, the file, its source and how many nodes of each op were
+    lowered."""
+    directory = Path(directory)
+    record = {}
+    for name in (g for g in graphs if g != "vision"):
+        src = directory / graphs[name].file
+        lowered, done = lower(onnx.load(str(src), load_external_data=False), ops)
+        file = flavour_file(name)
+        (directory / file).write_bytes(lowered.SerializeToString(deterministic=True))
+        record[name] = {"file": file, "source": src.name, "lowered": done, "status": STATUS}
+    return record

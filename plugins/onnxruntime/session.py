@@ -87,9 +87,16 @@ class PagedSession:
         self.pools: Mapping[str, np.ndarray] = _HostPools(self)
 
     @classmethod
-    def from_artifact(cls, artifact, graph: str = "model", **kwargs) -> PagedSession:
-        """Graph ``graph`` of an ``m3export.export.artifact.Artifact``."""
-        return cls(artifact.path(graph), artifact.graphs[graph], **kwargs)
+    def from_artifact(cls, artifact, graph: str = "model", flavour: str | None = None, **kwargs) -> PagedSession:
+        """Graph ``graph`` of an ``m3export.export.artifact.Artifact``; ``flavour`` (e.g. ``ort-contrib``): the
+        flavour of that graph the artifact records, which has the graph's own signature."""
+        if flavour is None:
+            return cls(artifact.path(graph), artifact.graphs[graph], **kwargs)
+        record = artifact.manifest.flavours.get(flavour, {}).get(graph)
+        if record is None:
+            raise BackendUnavailable(f"{artifact.root}: no {flavour!r} flavour of graph {graph!r} in manifest.json "
+                                     f"(export it with --flavour {flavour})")
+        return cls(artifact.root / record["file"], artifact.graphs[graph], **kwargs)
 
     def allocate(self, num_pages: int) -> None:
         """Zeroed pools of ``num_pages`` pages for every cache input, in the execution provider's memory."""
