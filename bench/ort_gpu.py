@@ -9,9 +9,10 @@ from 4k to 32k, and within 2x of the torch backend with kernels), whether both p
 the roofline (bytes the step must read, ``bench/decode.py``'s ``step_bytes``, over the device-to-device copy
 bandwidth measured in the same run).
 
-Variants: ``plain`` is the artifact as exported (every ``m3`` node runs its ONNX function body). The lowered
-variant (``com.microsoft`` contrib ops, ``m3export/export/lowering.py``) is listed as unavailable until that
-pass exists and the H200 has shown it matches the reference.
+Variants: ``plain`` is the artifact as exported (every ``m3`` node runs its ONNX function body); ``lowered`` is
+its ``ort-contrib`` flavour (``export --flavour ort-contrib``: ``com.microsoft`` kernels, experimental,
+``m3export/export/lowering.py``), timed with its greedy agreement and largest logit difference to the torch
+backend when the artifact has it.
 
   python bench/ort_gpu.py --artifact art/mini-bf16              # H200 + onnxruntime-gpu: table + JSON
   python bench/ort_gpu.py --smoke --artifact art/tiny           # CPU script check (CPU EP, fp32 tiny artifact)
@@ -81,6 +82,8 @@ def main() -> int:
     art = load_artifact(args.artifact, verify_checksums=False)
     cfg, page = art.config, art.page_size
     ort_be = OnnxRuntimeBackend(art, provider)
+    lowered_be = OnnxRuntimeBackend(art, provider, flavour="ort-contrib") if "ort-contrib" in art.manifest.flavours \
+        else None
     torch_be = create_backend("torch", args.artifact, device=str(device))
     elt = torch.empty((), dtype=ort_be.graph_dtype.torch).element_size()
     shapes = [(1, 40), (2, 90)] if SMOKE else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -90,7 +93,9 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)",
            "onnxruntime": onnxruntime.__version__, "provider": str(provider), "artifact": str(art.root),
            "dtype": art.manifest.dtype, "mxfp8": art.manifest.mxfp8, "page_size": page,
-           "copy_bandwidth_TBps": bw / 1e12, "lowered": "unavailable: m3export/export/lowering.py not built yet",
+           "copy_bandwidth_TBps": bw / 1e12,
+           "lowered": "ort-contrib flavour (experimental)" if lowered_be else
+                      "not in this artifact (export it with --flavour ort-contrib)",
            "rows": []}
     print(f"{'batch':>5s} {'context':>7s} {'torch ms':>9s} {'ort ms':>9s} {'ort/torch':>9s} {'vs first':>8s} "
           f"{'roofline ms':>11s}  greedy")
@@ -98,11 +103,11 @@ def main() -> int:
     g = torch.Generator(device=device).manual_seed(0)
     for batch, context in shapes:
         b, pages = decode_batch(batch, context, page, device)
-        for be in (ort_be, torch_be):
+        for be in (x for x in (ort_be, lowered_be, torch_be) if x is not None):
             be.allocate(pages, page)
         for pool in (p for layer in torch_be._caches for p in layer):
             pool.normal_(0.0, 1.0, generator=g)
-        for session in [ort_be._main]:  # the same bytes: torch's pools copied into ORT's, in graph order
+        for session in [be._main for be in (ort_be, lowered_be) if be is not None]:  # the same bytes, graph order
             for name, pool in zip(session.pool_inputs, (p for layer in torch_be._caches for p in layer)):
                 session.pool_tensors[name].copy_(pool)
         ids = torch.randint(0, cfg.vocab_size, (batch,), generator=g, device=device)
@@ -113,22 +118,30 @@ def main() -> int:
             same = bool((lo.argmax(-1) == lt.argmax(-1)).all())
             t_ms = timed_ms(lambda: torch_be.forward(ids, b, rows), args.reps, device)
             o_ms = timed_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device)
+            if lowered_be is not None:
+                ll, _ = lowered_be.forward(ids, b, rows)
+                lowered = {"ort_lowered_ms": timed_ms(lambda: lowered_be.forward(ids, b, rows), args.reps, device),
+                           "lowered_greedy_same": bool((ll.argmax(-1) == lt.argmax(-1)).all()),
+                           "lowered_max_abs_logit_diff": float((ll - lt).abs().max())}
+            else:
+                lowered = {}
         first.setdefault(batch, o_ms)
         roof_ms = step_bytes(torch_be.model, cfg, batch, context, elt, {
             i: cfg.num_local_experts for i in range(cfg.num_hidden_layers)}) / bw * 1e3
         row = {"batch": batch, "context": context, "torch_ms": t_ms, "ort_plain_ms": o_ms,
                "ort_over_torch": o_ms / t_ms,
                "ort_over_first_context": o_ms / first[batch], "roofline_ms_all_experts": roof_ms,
-               "greedy_same": same}
+               "greedy_same": same, **lowered}
         res["rows"].append(row)
+        low = f"  lowered {lowered['ort_lowered_ms']:.2f} ms" if lowered else ""
         print(f"{batch:5d} {context:7d} {t_ms:9.2f} {o_ms:9.2f} {o_ms / t_ms:9.2f} {o_ms / first[batch]:8.2f} "
-              f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}", flush=True)
+              f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}{low}", flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
-    return 0 if all(r["greedy_same"] for r in res["rows"]) else 1
+    return 0 if all(r["greedy_same"] and r.get("lowered_greedy_same", True) for r in res["rows"]) else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_provid
 M="python3 -m m3export.cli"
 timeout 120 $M export --preset tiny --dtype float32 --out /tmp/art-tiny --force 2>&1 | tail -1
 timeout 120 $M verify /tmp/art-tiny --provider cuda --fast 2>&1 | tee "$OUT/verify_tiny_cuda.txt" | tail -4
-timeout 200 $M export --preset mini --dtype bfloat16 --out /tmp/art-mini --force 2>&1 | tail -1
+timeout 200 $M export --preset mini --dtype bfloat16 --flavour ort-contrib --out /tmp/art-mini --force 2>&1 | tail -1
 timeout 200 $M verify /tmp/art-mini --provider cuda --fast 2>&1 | tee "$OUT/verify_mini_cuda.txt" | tail -4
 (cd / && timeout 120 python3 -m pytest -q --import-mode=importlib -m gpu -p no:cacheprovider \
     "$R/tests/test_runtime_onnxruntime.py" 2>&1 | tail -8 | tee "$OUT/gpu_ort_tests.txt")

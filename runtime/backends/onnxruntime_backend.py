@@ -67,7 +67,9 @@ def _check_signature(session, root: Path) -> None:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, artifact, provider="cpu"):
+    def __init__(self, artifact, provider="cpu", flavour: str | None = None):
+        """``flavour``: run the graphs' recorded flavour (e.g. ``ort-contrib``, experimental) instead of the plain
+        ones; it has the same signatures."""
         from m3export.plugins.onnxruntime.session import PagedSession
 
         self.artifact = artifact
@@ -77,10 +79,10 @@ class OnnxRuntimeBackend(Backend):
             raise BackendUnavailable(f"{artifact.root}: graphs of dtype {artifact.manifest.dtype!r} cannot be fed "
                                      "from here")
         self.graph_dtype = BY_NAME[artifact.manifest.dtype]  # activations, hidden states and pools
-        self._main = PagedSession.from_artifact(artifact, "model", providers=provider)
+        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=provider)
         self.provider = self._main.provider
         self.device = self._main.device  # where the engine builds batches: the EP's memory
-        self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", providers=self.provider)
+        self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", flavour=flavour, providers=self.provider)
                      for k in range(artifact.manifest.mtp_modules)]
         for session in (self._main, *self._mtp):
             _check_signature(session, artifact.root)
