@@ -17,7 +17,7 @@ from m3export.errors import ArtifactError, BackendUnavailable
 from m3export.export.artifact import load_artifact
 from m3export.export.tensorrt_flavour import flavour_graph, write_flavour
 from m3export.plugins.tensorrt.shapes import PLUGINS
-from tests.export_fixtures import tiny_artifact  # noqa: F401  (fixture)
+from tests.export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifact  # noqa: F401  (fixtures)
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 PLUGIN_ATTRS = {"plugin_namespace", "plugin_version", "aot"}
@@ -27,9 +27,12 @@ def _attrs(node):
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+@pytest.mark.parametrize("fixture", ["tiny_artifact", "mxfp8_artifact"])
 @pytest.mark.parametrize("graph", ["model", "mtp0"])
-def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(tiny_artifact, graph):
-    art = load_artifact(tiny_artifact, verify_checksums=False)
+def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(request, fixture, graph):
+    """On the float32 tiny model (MoE) and its MXFP8 export (MoEMXFP8, MXFP8Linear): every m3 node's plugin
+    nodes, their wiring and attributes."""
+    art = load_artifact(request.getfixturevalue(fixture), verify_checksums=False)
     src = onnx.load(str(art.path(graph)), load_external_data=False)
     mml = 1000
     out, record = flavour_graph(src, mml)
@@ -93,6 +96,7 @@ def test_flavour_graph_has_plugin_nodes_and_no_function_bodies(tiny_artifact, gr
     from m3export.plugins.tensorrt.steps import STEPS
 
     m3_ops = {n.op_type for n in src.graph.node if n.domain == "m3"}
+    assert "MoEMXFP8" in m3_ops if fixture == "mxfp8_artifact" else "MoE" in m3_ops  # both MoE forms covered
     assert record["python_impl"] == [] and record["aot"] == sorted(record["plugin_nodes"])
     assert set(record["plugin_nodes"]) == {p for op in m3_ops for p in STEPS[op]}
 
