@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random seed, 0 .. 2^64 - 1 (default: a fresh one each run)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     add_provider_argument(p, default=None)
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
@@ -72,7 +74,7 @@ def _engine(args: argparse.Namespace):
         args.backend = default_backend(args.artifact) if str(args.device) == "cpu" else "torch"
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
-              "num_speculative_tokens": args.speculative}
+              "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager}
     if args.provider is not None and args.backend != "onnxruntime":
         raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend onnxruntime")
     if source_kind(args.artifact) == ARTIFACT:

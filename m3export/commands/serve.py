@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per engine step at most (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: %(default)s)")
@@ -87,6 +89,8 @@ def build_server(args: argparse.Namespace):
     src = resolve_source(args.model, args.backend)
     engine_args = {"num_speculative_tokens": args.speculative, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens, "device": args.device}
+    if args.enforce_eager:
+        engine_args["enforce_eager"] = True
     for key in ("max_model_len", "num_pages", "dtype"):
         if getattr(args, key) is not None:
             engine_args[key] = getattr(args, key)
