@@ -10,6 +10,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)  # the CI machine has 2 cores; one thread per test process is fastest there
 
+# Session fixtures shared by every module from here, so each artifact is exported once per run (a module that
+# imports a fixture function gets its own copy, exported again).
+from tests.export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifact  # noqa: E402,F401
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -11,7 +11,6 @@ import pytest
 from m3export.errors import ArtifactError
 from m3export.export.artifact import load_artifact, load_torch_model
 from m3export.export.manifest import sha256_file
-from tests.export_fixtures import tiny_artifact  # noqa: F401  (fixture)
 
 
 @pytest.fixture

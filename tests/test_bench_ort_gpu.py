@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .export_fixtures import tiny_artifact  # noqa: F401  (session fixture)
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "ort_gpu.py"
 

@@ -4,7 +4,6 @@ in ONNX Runtime, as the stats line says; checkpoints and presets stay on torch."
 from __future__ import annotations
 
 from m3export.cli import main as cli
-from tests.export_fixtures import tiny_artifact  # noqa: F401  (fixture)
 
 
 def test_generate_runs_an_artifact_on_onnxruntime_by_default(tiny_artifact, capsys):  # noqa: F811

@@ -21,7 +21,6 @@ from m3export.export.artifact import load_artifact, load_torch_model
 from m3export.export.exporter import export_artifact, quantize_model
 from m3export.export.graphs import mtp_signature, step_signature
 from m3export.plugins.onnxruntime.session import PagedSession
-from tests.export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifact  # noqa: F401  (fixtures)
 
 CFG = preset("tiny")
 SPARSE = [i for i in range(CFG.num_hidden_layers) if CFG.is_sparse_layer(i)]

@@ -18,7 +18,6 @@ from m3export.export.lowering import MS, lower
 from m3export.export.schemas import SPEC_BY_NAME, opset_imports, register_schemas
 from m3export.ops import conformance as conf
 
-from .export_fixtures import tiny_artifact  # noqa: F401  (session fixture)
 
 
 def _one_node(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.dtype) -> onnx.ModelProto:

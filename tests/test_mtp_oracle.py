@@ -23,7 +23,6 @@ import torch
 
 from m3export.model import Batch
 
-from .export_fixtures import tiny_artifact  # noqa: F401  (fixture)
 from .runtime_fixtures import tiny_model
 
 D64 = torch.float64

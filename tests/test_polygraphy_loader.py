@@ -13,7 +13,6 @@ import pytest
 from m3export.export import polygraphy_loader
 from m3export.model.batch import Segment, build_batch
 
-from .export_fixtures import tiny_artifact  # noqa: F401  (session fixture)
 
 
 def test_the_step_is_the_one_build_batch_makes(tiny_artifact):  # noqa: F811

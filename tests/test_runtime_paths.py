@@ -21,7 +21,6 @@ from m3export.model import Batch
 from m3export.runtime import Engine, SamplingParams
 from m3export.runtime.backends.torch_backend import TorchBackend
 
-from .export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifact  # noqa: F401  (fixtures)
 from .greedy_agreement import agreeing_prefix
 from .runtime_fixtures import prompts
 from .test_runtime_speculative import OracleDrafter

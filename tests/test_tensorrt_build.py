@@ -17,7 +17,6 @@ from m3export.errors import ArtifactError, BackendUnavailable
 from m3export.export.artifact import load_artifact
 from m3export.export.tensorrt_flavour import flavour_graph, write_flavour
 from m3export.plugins.tensorrt.shapes import PLUGINS
-from tests.export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifact  # noqa: F401  (fixtures)
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 PLUGIN_ATTRS = {"plugin_namespace", "plugin_version", "aot"}

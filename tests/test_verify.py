@@ -11,7 +11,6 @@ import pytest
 from m3export.cli import main as cli
 from m3export.export.manifest import sha256_file
 from m3export.export.verify import verify_artifact
-from tests.export_fixtures import mxfp8_artifact, mxfp8_checkpoint, tiny_artifact  # noqa: F401  (fixtures)
 
 
 def _check(report, pools: int):
