@@ -6,7 +6,8 @@ written for these tests, not taken from the release.
 
 ``ScriptedEngine`` is the real tiny engine (paging, batching, detokenizing, stop handling all run) except that a
 prompt containing ``SCRIPT[key]`` gets the byte tokens of ``scripts[key]`` followed by EOS instead of sampled
-tokens: with the byte-level tokenizer any text, markup included, is a token sequence the test can force.
+tokens: with the byte-level tokenizer any text, markup included, is a token sequence the test can force. It keeps
+the decoded prompt of every scripted request (``prompts``), so a test can check what the engine was given.
 """
 
 from __future__ import annotations
@@ -66,10 +67,13 @@ class ScriptedEngine(Engine):
         super().__init__(*args, **kwargs)
         self.scripts = scripts
         self._forced: dict[str, list[int] | None] = {}
+        self.prompts: list[str] = []  # decoded prompts of the scripted requests, in arrival order
 
     def _script_for(self, req) -> list[int] | None:
         if req.request_id not in self._forced:
             keys = _DIRECTIVE.findall(self.tokenizer.decode(req.prompt_token_ids))
+            if keys:
+                self.prompts.append(self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False))
             self._forced[req.request_id] = (self.tokenizer.encode(self.scripts[keys[-1]])
                                             + [self.config.eos_token_id[0]]) if keys else None
         return self._forced[req.request_id]

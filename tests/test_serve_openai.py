@@ -18,7 +18,7 @@ import pytest
 
 from m3export.runtime import Engine, SamplingParams
 from m3export.serve.chat_template import ChatTemplate
-from m3export.serve.tool_parser import INVOKE_END, INVOKE_START, TOOL_CALL_END, TOOL_CALL_START
+from m3export.serve.tool_parser import INVOKE_END, INVOKE_START, TOOL_CALL_END, TOOL_CALL_START, forced_call_prefix
 from tests.serve_fixtures import TEST_TEMPLATE, ScriptedEngine
 
 openai = pytest.importorskip("openai", reason="the openai client comes with the dev extra")
@@ -43,6 +43,10 @@ SCRIPTS = {
     "preopened": "Quick thought.</mm:think>\nAnswer: 42 ✓",
     "truncated": f"Calling {TOOL_CALL_START}{INVOKE_START} name=\"get_weather\">{el('city', 'Oslo')}{NS}<days>",
     "long": "z" * 400,
+    # Continuations of a forced call start (tool_choice required / named): what follows the prompt's prefix.
+    "required": f"get_weather\">\n{el('city', 'Bern')}\n{el('days', '2')}\n{INVOKE_END}\n{TOOL_CALL_END}",
+    "named": f"{el('zone', 'UTC')}\n{INVOKE_END}\n{TOOL_CALL_END}",
+    "nocall": "I would rather not",
     **{f"c{i}": f"client {i} says " + "abcdefghij"[:i % 10] * (1 + i % 4) for i in range(16)},
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -240,21 +244,83 @@ def test_chat_tool_calls_plain_and_streamed(live):
         live.engine, SCRIPTS["tool"]) + 1
 
 
-def test_tool_choice_none_named_and_truncated_markup(live):
+def test_tool_choice_none_and_truncated_markup(live):
     c = live.client()
-    none, truncated, named = parallel(
+    none, truncated = parallel(
         lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER],
                                           tool_choice="none"),
-        lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER]),
-        lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER, CLOCK],
-                                          tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        lambda: c.chat.completions.create(model=MODEL, messages=chat("truncated"), tools=[WEATHER]))
     assert none.choices[0].finish_reason == "stop" and not none.choices[0].message.tool_calls
     assert none.choices[0].message.content == SCRIPTS["truncated"]  # not parsed: returned as text
-    for r in (truncated, named):
-        m = r.choices[0].message  # the call announced before the cut keeps what it had; the rest is content
-        assert m.content == "Calling " + f"{NS}<days>" and r.choices[0].finish_reason == "tool_calls"
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
-            ("get_weather", {"city": "Oslo"})]
+    m = truncated.choices[0].message  # the call announced before the cut keeps what it had; the rest is content
+    assert m.content == "Calling " + f"{NS}<days>" and truncated.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+
+
+NAMED_CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("key, tool_choice, expected, prefix, shown", [
+    ("required", "required", ("get_weather", {"city": "Bern", "days": 2}), forced_call_prefix(), [WEATHER, CLOCK]),
+    ("named", NAMED_CLOCK, ("get_time", {"zone": "UTC"}), forced_call_prefix("get_time"), [CLOCK]),
+])
+def test_tool_choice_required_and_named_are_forced(live, key, tool_choice, expected, prefix, shown):
+    """The prompt ends with the start of a call, the model (here: the script) continues it, and the reply is
+    that call, parsed as if the model had written the prefix too. ``shown``: the tools the template sees (a named
+    choice shows only that one)."""
+    c = live.client()
+    kw = {"model": MODEL, "messages": chat(key), "tools": [WEATHER, CLOCK], "tool_choice": tool_choice}
+    live.engine.prompts.clear()
+    plain, chunks = parallel(lambda: c.chat.completions.create(**kw),
+                             lambda: list(c.chat.completions.create(**kw, stream=True,
+                                                                    stream_options={"include_usage": True})))
+    rendered = ChatTemplate(TEST_TEMPLATE, "t", SPECIALS).render(chat(key), tools=shown)
+    assert live.engine.prompts == [rendered + prefix] * 2  # what the engine was given, both requests
+    assert not rendered.endswith(prefix)
+
+    choice = plain.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == [expected]
+    assert plain.usage.prompt_tokens == n_tokens(live.engine, rendered + prefix)
+    assert plain.usage.completion_tokens == n_tokens(live.engine, SCRIPTS[key]) + 1  # + EOS; the prefix is prompt
+
+    content, reasoning, streamed, reasons = collect_stream(chunks)
+    assert (content, reasoning) == ("", "")
+    assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+    assert [(name, json.loads("".join(args))) for _, name, args in streamed.values()] == [expected]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_forced_call_comes_after_reasoning_the_template_pre_opens(live):
+    """With thinking enabled the template opens a think block; a forced call is rendered with thinking disabled
+    (the template's own closed block) so the call is not read as reasoning."""
+    c = live.client()
+    live.engine.prompts.clear()
+    r = c.chat.completions.create(model=MODEL, messages=chat("required"), tools=[WEATHER], tool_choice="required",
+                                  extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}})
+    template = ChatTemplate(TEST_TEMPLATE, "t", SPECIALS)
+    assert template.render(chat("required"), tools=[WEATHER], thinking_mode="enabled").endswith("<mm:think>\n")
+    disabled = template.render(chat("required"), tools=[WEATHER], thinking_mode="disabled")
+    assert live.engine.prompts == [disabled + forced_call_prefix()]
+    m = r.choices[0].message
+    assert m.reasoning_content is None and m.content is None and r.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+        ("get_weather", {"city": "Bern", "days": 2})]
+
+
+def test_forced_call_the_model_does_not_finish_is_returned_as_content(live, caplog):
+    """A forced start the model continues with no valid call is malformed markup: returned as text and logged."""
+    c = live.client()
+    with caplog.at_level("WARNING", logger="m3export.serve.openai"):
+        r = c.chat.completions.create(model=MODEL, messages=chat("nocall"), tools=[WEATHER], tool_choice="required")
+        chunks = list(c.chat.completions.create(model=MODEL, messages=chat("nocall"), tools=[WEATHER],
+                                                tool_choice="required", stream=True))
+    assert r.choices[0].message.content == forced_call_prefix() + SCRIPTS["nocall"]
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+    content, _, streamed, reasons = collect_stream(chunks)
+    assert (content, streamed, reasons[-1]) == (forced_call_prefix() + SCRIPTS["nocall"], {}, "stop")
+    assert any("tool-call markup returned as content" in rec.getMessage() for rec in caplog.records)
 
 
 def test_sixteen_concurrent_streams(live):
@@ -313,6 +379,12 @@ def test_client_disconnect_aborts_and_frees_pages(live, stream):
      "input_audio"),
     ('{"model": "m3-test", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', 400,
      "needs tools"),
+    ('{"model": "m3-test", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+     '"function": {"name": "get_time"}}], "tool_choice": {"type": "function", "function": {"name": "nope"}}}', 400,
+     "'nope', which is not in tools"),
+    ('{"model": "m3-test", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+     '"function": {"name": "get_time"}}], "tool_choice": "required", "add_generation_prompt": false}', 400,
+     "needs add_generation_prompt"),
 ])
 def test_bad_requests_get_openai_errors(live, body, status, match):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

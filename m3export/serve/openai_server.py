@@ -46,7 +46,7 @@ from .openai_metrics import CONTENT_TYPE, ServerMetrics
 from .openai_protocol import ChatRequest, CompletionRequest, NamedToolChoice, error_body
 from .protocol import Chunk, GenerateRequest, RequestError, sampling_kwargs, sampling_params
 from .reasoning_parser import THINK_END, THINK_START, ReasoningParser, starts_in_reasoning
-from .tool_parser import NAMESPACE, ToolCallParser
+from .tool_parser import NAMESPACE, ToolCallParser, forced_call_prefix
 
 log = logging.getLogger("m3export.serve.openai")
 
@@ -117,6 +117,7 @@ class _ChatState:
     tools: ToolCallParser | None
     include_reasoning: bool
     top_logprobs: int | None  # None: no logprobs in the response
+    forced: str = ""  # the start of a tool call the prompt ends with: parsed as if generated, before the reply
     call_ids: dict[int, str] = field(default_factory=dict)
     num_calls: int = 0
 
@@ -451,11 +452,19 @@ class OpenAIServer:
         elif choice == "required" and not tools:
             raise ApiError("tool_choice 'required' needs tools", 400, "tool_choice")
         parse_tools = self.tool_call_parser and tools is not None and choice != "none"
+        forced = self._forced_call(body, parse_tools)
         images: list[bytes] = []
         try:
             kwargs = template_kwargs(body.chat_template_kwargs)
-            text = self.chat_template.render(_template_messages(body.messages, images), tools=tools,
-                                             add_generation_prompt=body.add_generation_prompt, **kwargs)
+            messages = _template_messages(body.messages, images)
+            text = self.chat_template.render(messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+                                             **kwargs)
+            if forced and starts_in_reasoning(text):  # the call must not land inside a pre-opened think block
+                text = self.chat_template.render(messages, tools=tools, add_generation_prompt=True,
+                                                 **{**kwargs, "thinking_mode": "disabled"})
+                if starts_in_reasoning(text):  # a template that ignores thinking_mode: close the block itself
+                    text += THINK_END + "\n"
+            text += forced
         except ChatTemplateError as e:
             raise ApiError(str(e), 400, "messages") from None
         media: tuple = ()
@@ -475,12 +484,36 @@ class OpenAIServer:
         prompt = _Prompt(ids, text, self._sampling(body, ids, max_tokens, extra), media)
         state = _ChatState(ReasoningParser(starts_in_reasoning(text)) if self.reasoning_parser else None,
                            ToolCallParser(tools) if parse_tools else None, body.include_reasoning,
-                           body.top_logprobs or 0 if body.logprobs else None)
+                           body.top_logprobs or 0 if body.logprobs else None, forced)
         return prompt, state
+
+    def _forced_call(self, body: ChatRequest, parse_tools: bool) -> str:
+        """``tool_choice`` "required" or a named function is enforced by ending the prompt with the start of a
+        call (``forced_call_prefix``), so the model can only continue it; "" for auto / none."""
+        choice = body.tool_choice
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
+            return ""
+        what = "'required'" if choice == "required" else f"naming '{choice.function.name}'"
+        if not parse_tools:
+            raise ApiError(f"tool_choice {what} needs the tool-call parser; this server runs with "
+                           "--tool-call-parser none", 400, "tool_choice")
+        if not body.add_generation_prompt:
+            raise ApiError(f"tool_choice {what} starts the assistant's reply with a tool call and needs "
+                           "add_generation_prompt: true", 400, "tool_choice")
+        if choice == "required":
+            return forced_call_prefix()
+        name = choice.function.name
+        if not name or any(ch in name for ch in '"<>\n'):
+            raise ApiError(f"tool_choice names {name!r}, which cannot be written in M3's tool-call markup", 400,
+                           "tool_choice")
+        return forced_call_prefix(name)
 
     def _parse(self, state: _ChatState, text: str, final: bool) -> dict:
         """One chunk of generated text -> a delta: content, reasoning_content and/or tool_calls. A parser bug
-        must not end the response: the text then goes out as plain content, unparsed from there on."""
+        must not end the response: the text then goes out as plain content, unparsed from there on. A forced
+        call start (``_forced_call``) goes in front of the first chunk, as if the model had written it."""
+        if state.forced:
+            text, state.forced = state.forced + text, ""
         try:
             return self._parse_unguarded(state, text, final)
         except Exception:  # noqa: BLE001
@@ -606,7 +639,8 @@ class OpenAIServer:
             return None
         delta = self._parse(state, text, True)
         if state.tools is not None and body.tool_choice not in (None, "auto", "none") and not state.num_calls:
-            log.warning("tool_choice=%s but the model called no tool", body.tool_choice)
+            log.warning("tool_choice=%s forced the start of a call, but the model's markup did not make one "
+                        "(returned as content)", body.tool_choice)
         message = {"role": "assistant", "content": delta.get("content") or (None if state.num_calls else ""),
                    "reasoning_content": delta.get("reasoning_content"),
                    "tool_calls": [{"id": c["id"], "type": "function", "function": c["function"]}

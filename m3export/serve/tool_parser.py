@@ -41,6 +41,19 @@ ELEMENT_START = NAMESPACE + "<"
 ELEMENT_END = NAMESPACE + "</"
 ARRAY_ITEM = "item"
 
+
+
+def forced_call_prefix(name: str | None = None) -> str:
+    """The start of a tool call block that a prompt may end with, so that the reply can only continue a call.
+
+    This is how ``tool_choice`` "required" (``name`` None: the model still picks the function, the prefix stops
+    inside ``<invoke name="``) and a named function (the whole ``<invoke name="NAME">`` tag) are enforced without
+    guided decoding. The layout (a newline after each tag) is the one of the markup example above.
+    """
+    head = f"{TOOL_CALL_START}\n{INVOKE_START} name=\""
+    return head if name is None else f"{head}{name}\">\n"
+
+
 _INVOKE_HEADER = re.compile(r"""<invoke\s+name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>"']+))\s*>""")
 _TAG_NAME = re.compile(r"[^\s<>/]+")
 
