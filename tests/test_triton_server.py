@@ -168,7 +168,8 @@ def test_ready_only_with_the_model_loaded(server):
     meta = client.get_model_metadata(MODEL)
     assert {i["name"] for i in meta["inputs"]} >= {"text_input", "stream", "sampling_parameters",
                                                     "exclude_input_in_output", "input_ids"}
-    assert {o["name"] for o in meta["outputs"]} == {"text_output", "output_ids"}
+    assert {o["name"] for o in meta["outputs"]} == {"text_output", "output_ids", "finish_reason", "num_input_tokens",
+                                                     "num_output_tokens", "logprobs", "cumulative_logprob"}
 
 
 def test_grpc_streaming_equals_the_runtime(server, engine):
