@@ -153,3 +153,13 @@ def test_backends_without_an_embeddings_input_refuse_media(model):
     with pytest.raises(MediaError, match="the ids-only backend cannot take images or video$"):
         eng.add_request("x", _prompt(3, (IMAGE, 6)), GREEDY, media=[IMG])
     assert not eng.has_unfinished()
+
+
+def test_the_cuda_graph_backend_runs_media_steps_eagerly(model):
+    """The torch backend on CUDA is the graphed one by default: a step carrying media must reach the eager path
+    (it raised TypeError on the media keyword); padded decode shapes run eagerly here, as graphs would replay them."""
+    from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+
+    ids = _prompt(5, (IMAGE, 6), 3)
+    eng = Engine(GraphedTorchBackend(model, pad_eagerly=True), page_size=4, num_pages=64)
+    assert eng.generate([ids], GREEDY, media=[[IMG]])[0].token_ids == _reference(model, ids, [IMG], GREEDY.max_tokens)

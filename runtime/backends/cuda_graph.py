@@ -135,11 +135,12 @@ class GraphedTorchBackend(TorchBackend):
         inputs.fill(input_ids, batch)
         return inputs
 
-    def forward(self, input_ids, batch: Batch, logits_indices):
+    def forward(self, input_ids, batch: Batch, logits_indices, media=None):
         if self._caches is None:
             raise RuntimeError("GraphedTorchBackend.forward before allocate()")
-        if not (self.use_graphs or self.pad_eagerly):
-            return super().forward(input_ids, batch, logits_indices)
+        if media is not None or not (self.use_graphs or self.pad_eagerly):
+            # A step that places image / video embeddings is a prefill step: eager, as TorchBackend runs it.
+            return super().forward(input_ids, batch, logits_indices, media=media)
         key = step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
         if key is None:
             return super().forward(input_ids, batch, logits_indices)
