@@ -115,3 +115,17 @@ def test_a_manifest_that_contradicts_its_graphs_is_refused(art):
     with pytest.raises(BackendUnavailable, match=r"model.onnx: input k_cache.0 has shape \['pages', 16, 2, 32\] in "
                                                  r"the graph, manifest.json says \['pages', 8, 2, 32\]"):
         OnnxRuntimeBackend.from_artifact(art)
+
+
+def test_flavour_files_must_be_checksummed_files_of_the_artifact(art, tmp_path):
+    """A flavour's graph is loaded and run (PagedSession.from_artifact(flavour=...), the TensorRT build), so its
+    file must be a listed, contained file like every graph file, not any path the manifest names."""
+    (tmp_path / "outside").mkdir()
+    shutil.copy(art / "model.onnx", tmp_path / "outside" / "evil.onnx")
+    _edit(art, lambda m: m.update(flavours={"ort-contrib": {"model": {"file": "../outside/evil.onnx"}}}))
+    with pytest.raises(ArtifactError, match=r"files \['\.\./outside/evil\.onnx'\] are used but have no checksum"):
+        load_artifact(art, verify_checksums=False)
+
+    _edit(art, lambda m: m.update(flavours={"ort-contrib": {"model": {"source": "model.onnx"}}}))
+    with pytest.raises(ArtifactError, match=r"flavours\['ort-contrib'\]\['model'\] must be a record with a 'file'"):
+        load_artifact(art, verify_checksums=False)

@@ -64,7 +64,8 @@ def load_artifact(path: str | Path, verify_checksums: bool = True) -> Artifact:
     _check_graph_signatures(manifest, mpath)
 
     referenced = {g.file for g in manifest.graphs.values()} | {
-        pc.entry.file for e in manifest.tensors.values() for pc in e.pieces}
+        pc.entry.file for e in manifest.tensors.values() for pc in e.pieces} | {
+        r["file"] for graphs in manifest.flavours.values() for r in graphs.values()}  # flavour graphs are run too
     unlisted = sorted(referenced - set(manifest.files))
     if unlisted:
         raise ArtifactError(f"{mpath}: files {unlisted} are used but have no checksum entry")

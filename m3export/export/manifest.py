@@ -161,8 +161,14 @@ class Manifest:
 
 
 def _flavours(flavours: Any, where: str) -> dict[str, Any]:
+    """Each flavour maps a graph name to a record naming its ``file`` (which ``load_artifact`` then requires to be
+    a checksummed file of the artifact, as every graph file is: a flavour's file is loaded and run too)."""
     if not isinstance(flavours, dict) or not all(isinstance(v, dict) for v in flavours.values()):
         raise ArtifactError(f"{where}: field 'flavours' must map a flavour name to its graphs")
+    for fname, graphs in flavours.items():
+        for gname, record in graphs.items():
+            if not isinstance(record, dict) or not isinstance(record.get("file"), str):
+                raise ArtifactError(f"{where}: flavours[{fname!r}][{gname!r}] must be a record with a 'file' name")
     return flavours
 
 
