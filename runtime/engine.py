@@ -171,20 +171,18 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if media:
-            self._check_media_fits(prompt, media)
-        ids = self._prompt_ids(prompt)
-        attached = None
-        if media:
-            if not self.backend.supports_media:
-                raise MediaError(f"the {self.backend.name} backend cannot take images or video"
-                                 + ("" if self.config.vision is not None else " (the model has no vision tower)"))
-            attached = attach_media(ids, media, self.config.vision, self.backend.encode_media, self.media_cache)
+        ids = self._prompt_ids(prompt, media)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (this engine has none); use stop_token_ids")
         if params.logprobs is not None and params.logprobs > self.config.vocab_size:
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary "
                              f"({self.config.vocab_size})")
+        attached = None
+        if media:  # last: encoding runs the vision tower, which a request refused above must not cost
+            if not self.backend.supports_media:
+                raise MediaError(f"the {self.backend.name} backend cannot take images or video"
+                                 + ("" if self.config.vision is not None else " (the model has no vision tower)"))
+            attached = attach_media(ids, media, self.config.vision, self.backend.encode_media, self.media_cache)
         rng = PositionalRandom(params.seed if params.seed is not None else self._rng.randrange(2**64))
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         req = Request(request_id, ids, params, rng, detokenizer,
@@ -192,19 +190,17 @@ class Engine:
         self._requests[request_id] = req
         self.scheduler.add(req)
 
-    def _check_media_fits(self, prompt: str | Sequence[int], media: Sequence[MediaItem]) -> None:
-        """Refuse, naming the media, a prompt that its image / video tokens push past the context."""
-        if isinstance(prompt, str) and self.tokenizer is None:
-            return  # _prompt_ids says a text prompt needs a tokenizer
-        n = len(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-        if n >= self.max_model_len:
-            unit = self.config.vision.merge_unit if self.config.vision is not None else 1
-            media_tokens = sum(m.num_tokens(unit) for m in media)
-            raise MediaError(f"prompt has {n} tokens, {media_tokens} of them for {len(media)} image/video item(s): "
-                             f"more than this engine's context allows ({self.max_model_len - 1} prompt tokens, "
-                             f"max_model_len {self.max_model_len}); use smaller images or fewer frames")
+    def _media_too_long(self, n: int, media: Sequence[MediaItem]) -> MediaError:
+        """The refusal, naming the media, of a prompt of ``n`` tokens that its image / video tokens push past the
+        context."""
+        unit = self.config.vision.merge_unit if self.config.vision is not None else 1
+        media_tokens = sum(m.num_tokens(unit) for m in media)
+        return MediaError(f"prompt has {n} tokens, {media_tokens} of them for {len(media)} image/video item(s): "
+                          f"more than this engine's context allows ({self.max_model_len - 1} prompt tokens, "
+                          f"max_model_len {self.max_model_len}); use smaller images or fewer frames")
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | Sequence[int], media: Sequence[MediaItem] | None = None) -> list[int]:
+        """The prompt's token ids, checked (tokenized once: a text prompt with images can be thousands of tokens)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer (this engine has none): pass token ids")
@@ -219,6 +215,8 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
+            if media:
+                raise self._media_too_long(len(ids), media)
             raise ValueError(f"prompt has {len(ids)} tokens; this engine allows at most {self.max_model_len - 1} "
                              f"(max_model_len {self.max_model_len} includes at least one generated token)")
         return ids

@@ -163,3 +163,46 @@ def test_the_cuda_graph_backend_runs_media_steps_eagerly(model):
     ids = _prompt(5, (IMAGE, 6), 3)
     eng = Engine(GraphedTorchBackend(model, pad_eagerly=True), page_size=4, num_pages=64)
     assert eng.generate([ids], GREEDY, media=[[IMG]])[0].token_ids == _reference(model, ids, [IMG], GREEDY.max_tokens)
+
+
+class _CountingTokenizer:
+    """Text prompts for the tokenizer-less test model: ``"t3 i6"`` is 3 random text tokens then 6 image
+    placeholders (``_prompt``); counts how often the engine tokenizes."""
+
+    def __init__(self):
+        self.encodes = 0
+
+    def encode(self, text):
+        self.encodes += 1
+        return _prompt(*[int(w[1:]) if w[0] == "t" else (IMAGE, int(w[1:])) for w in text.split()])
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def test_a_text_prompt_with_media_is_tokenized_once(model):
+    """A text prompt with images can be thousands of tokens: add_request encodes it once, also when it is refused
+    for its length (the refusal still names the media)."""
+    tok = _CountingTokenizer()
+    eng = Engine(TorchBackend(model), tok, page_size=4, num_pages=64, max_model_len=16)
+    eng.add_request("fits", "t3 i6 t2", GREEDY, media=[IMG])
+    assert tok.encodes == 1
+    with pytest.raises(MediaError, match=r"prompt has 18 tokens, 6 of them for 1 image/video item\(s\)"):
+        eng.add_request("long", "t7 i6 t5", GREEDY, media=[IMG])
+    assert tok.encodes == 2
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=2, stop=["x"]), "SamplingParams.stop needs a tokenizer"),
+    (SamplingParams(max_tokens=2, logprobs=10**6), r"SamplingParams.logprobs=1000000 exceeds the vocabulary"),
+])
+def test_a_request_refused_for_its_parameters_never_runs_the_vision_tower(model, params, message):
+    """Parameter checks come before media encoding: a refused request costs no vision forward and leaves nothing
+    in the media cache."""
+    eng = Engine(TorchBackend(model), page_size=4, num_pages=64)
+    calls = []
+    encode = eng.backend.encode_media
+    eng.backend.encode_media = lambda *a: calls.append(1) or encode(*a)
+    with pytest.raises(ValueError, match=message):
+        eng.add_request("x", _prompt(3, (IMAGE, 6), 2), params, media=[IMG])
+    assert calls == [] and eng.media_cache.misses == 0 and not eng.has_unfinished()
