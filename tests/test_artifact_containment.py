@@ -129,3 +129,15 @@ def test_flavour_files_must_be_checksummed_files_of_the_artifact(art, tmp_path):
     _edit(art, lambda m: m.update(flavours={"ort-contrib": {"model": {"source": "model.onnx"}}}))
     with pytest.raises(ArtifactError, match=r"flavours\['ort-contrib'\]\['model'\] must be a record with a 'file'"):
         load_artifact(art, verify_checksums=False)
+
+
+def test_unknown_dtype_of_a_pieced_tensor_is_one_clear_error(art):
+    """A parameter stored as pieces carries its own dtype; an unknown one is an ArtifactError naming the tensor
+    (it was a KeyError deep in the tensor-map check)."""
+    def pieced(m):
+        whole = m["tensors"]["model.norm.weight"]
+        m["tensors"]["model.norm.weight"] = {"dtype": "float33", "shape": whole["shape"],
+                                             "pieces": [{"index": [], **whole}]}
+    _edit(art, pieced)
+    with pytest.raises(ArtifactError, match=r"tensor 'model.norm.weight' has unknown dtype 'float33'"):
+        load_artifact(art, verify_checksums=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import BY_NAME
 from ..errors import ArtifactError
 from ..safetensors_io import TensorEntry
 
@@ -61,6 +62,9 @@ class ParamEntry:
                 PieceEntry(tuple(tuple(i) if isinstance(i, list) else int(i) for i in p["index"]),
                            TensorEntry.from_json(name, p))
                 for p in d["pieces"])
-            return cls(str(d["dtype"]), tuple(int(s) for s in d["shape"]), pieces)
+            entry = cls(str(d["dtype"]), tuple(int(s) for s in d["shape"]), pieces)
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"manifest.json: tensor {name!r} has a malformed piece list ({e!r})") from None
+        if entry.dtype not in BY_NAME:  # as TensorEntry.from_json checks each piece's
+            raise ArtifactError(f"manifest.json: tensor {name!r} has unknown dtype {entry.dtype!r}")
+        return entry
