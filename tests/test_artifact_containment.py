@@ -141,3 +141,21 @@ def test_unknown_dtype_of_a_pieced_tensor_is_one_clear_error(art):
     _edit(art, pieced)
     with pytest.raises(ArtifactError, match=r"tensor 'model.norm.weight' has unknown dtype 'float33'"):
         load_artifact(art, verify_checksums=False)
+
+
+def test_pieces_must_fill_their_slices(art):
+    """Pieces are copied into the parameter's slices; a piece smaller than its slice would broadcast silently and
+    a missing one would leave rows unset, so both are refused with the tensor named."""
+    whole = json.loads((art / "manifest.json").read_text())["tensors"]["model.norm.weight"]  # [hidden] float32
+
+    def pieced(index, shape):
+        def fn(m):
+            piece = {**whole, "shape": shape, "length": 4 * shape[0], "index": index}
+            m["tensors"]["model.norm.weight"] = {"dtype": whole["dtype"], "shape": whole["shape"], "pieces": [piece]}
+        return fn
+    _edit(art, pieced([[0, 64]], [1]))
+    with pytest.raises(ArtifactError, match=r"'model.norm.weight': piece \[\(0, 64\)\] has shape \[1\]"):
+        load_artifact(art, verify_checksums=False)
+    _edit(art, pieced([[0, 32]], [32]))
+    with pytest.raises(ArtifactError, match=r"'model.norm.weight': its pieces hold 32 of its 64 elements"):
+        load_artifact(art, verify_checksums=False)

@@ -7,6 +7,7 @@ tensor map, so one artifact runs on every backend (torch, ONNX Runtime, TensorRT
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,20 @@ def _check_tensor_map(m: Manifest, where: Path) -> None:
         dtypes = {entry.dtype} | {pc.entry.dtype for pc in entry.pieces}
         if dtypes != {BY_NAME[entry.dtype].name} or BY_NAME[entry.dtype].torch != p.dtype:
             raise ArtifactError(f"{where}: tensor {name!r} is stored as {sorted(dtypes)}, the model has {p.dtype}")
+        covered = 0
+        for pc in entry.pieces:  # on meta: copy_ would broadcast a smaller piece silently, or leave rows unset
+            try:
+                target = tuple(p[pc.torch_index()].shape)
+            except (IndexError, TypeError, ValueError):
+                target = None
+            else:
+                covered += math.prod(target)
+            if target != tuple(pc.entry.shape):
+                raise ArtifactError(f"{where}: tensor {name!r}: piece {list(pc.index)} has shape "
+                                    f"{list(pc.entry.shape)}, the parameter's slice there is "
+                                    f"{'out of range' if target is None else list(target)}")
+        if covered != p.numel():
+            raise ArtifactError(f"{where}: tensor {name!r}: its pieces hold {covered} of its {p.numel()} elements")
 
 
 def _check_graph_signatures(m: Manifest, where: Path) -> None:
