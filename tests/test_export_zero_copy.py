@@ -166,3 +166,20 @@ def test_verify_hashes_linked_shards_start_up_does_not(exported, tmp_path):
     load_artifact(copy, verify_checksums=False)  # start-up: size and header only, as before
     with pytest.raises(ArtifactError, match=r"sha256 does not match manifest.json \(shard corrupted or modified\)"):
         load_artifact(copy)
+
+
+def test_in_place_export_moves_the_manifest_last(tmp_path, monkeypatch):
+    """The manifest is the commit point of an in-place export: moved after every graph and weight file, so a kill
+    mid-move never leaves a manifest beside graphs it does not describe."""
+    from m3export.checkpoint.writer import write_checkpoint
+
+    root = write_checkpoint(tmp_path / "c", preset("tiny"), "original", "mxfp8", progress=False)
+    moved, replace = [], Path.replace
+
+    def recording(self, target):
+        if Path(target).parent == root:
+            moved.append(Path(target).name)
+        return replace(self, target)
+    monkeypatch.setattr(Path, "replace", recording)
+    export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)
+    assert "model.onnx" in moved and moved[-1] == "manifest.json"

@@ -171,7 +171,9 @@ def _export_in_place(source: str, force: bool, **opts) -> Path:
     _check_in_place_names(root, [WEIGHTS_FILE, MANIFEST], force)  # the cheap refusals before hours of work
     with os_errors_as(ArtifactError), staging(root, IN_PLACE_STAGING, ArtifactError) as tmp:
         _export_into(tmp, str(root), in_place=True, **opts)
-        produced = sorted(p.name for p in tmp.iterdir())
+        # the manifest last: it is what makes the directory an artifact, so no kill mid-move leaves one that
+        # lists graphs not moved yet (or an earlier export's graphs of the same size, unhashed at start-up)
+        produced = sorted((p.name for p in tmp.iterdir()), key=lambda n: (n == MANIFEST, n))
         _check_in_place_names(root, produced, force)
         moved: list[Path] = []
         try:
