@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..config import M3Config
-from .batch import Batch, write_pool
+from .batch import Batch, write_pool, write_pool_fp8
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope
@@ -42,21 +42,24 @@ class Indexer(nn.Module):
         ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(t, 1, self.head_dim)), cos, sin)
         return iq, ik[:, 0]
 
-    def queries_writing_keys(self, x, cos, sin, ik_cache, slots):
-        """Fused (CUDA kernels): index queries returned, index keys normed, rotated and written into the pool."""
+    def queries_writing_keys(self, x, cos, sin, ik_cache, slots, ik_scale=None):
+        """Fused (CUDA kernels): index queries returned, index keys normed, rotated and written into the pool
+        (quantised, with their scales into ``ik_scale``, for an FP8 pool)."""
         from m3export.plugins.kernels.qk_norm_rope_cache import norm_rope
 
         t = x.shape[0]
         n_q, n_k = self.index_q_norm, self.index_k_norm
         iq = norm_rope(self.index_q_proj(x).view(t, self.n_heads, self.head_dim), n_q.weight, n_q.eps, cos, sin)
-        norm_rope(self.index_k_proj(x).view(t, self.head_dim), n_k.weight, n_k.eps, cos, sin, ik_cache, slots)
+        norm_rope(self.index_k_proj(x).view(t, self.head_dim), n_k.weight, n_k.eps, cos, sin, ik_cache, slots,
+                  pool_scale=ik_scale)
         return iq
 
-    def select(self, iq: torch.Tensor, ik_cache: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def select(self, iq: torch.Tensor, ik_cache: torch.Tensor, batch: Batch, ik_scale=None) -> torch.Tensor:
         c = self.cfg
+        scale = () if ik_scale is None else (ik_scale,)
         return torch.ops.m3.lightning_indexer(
             iq, ik_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.positions,
-            c.index_block_size, c.index_topk_blocks, c.index_local_blocks, c.index_init_blocks,
+            c.index_block_size, c.index_topk_blocks, c.index_local_blocks, c.index_init_blocks, *scale,
         )
 
 
@@ -79,8 +82,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
                 cache: tuple[torch.Tensor, ...], inplace: bool):
-        """x [T, H] -> (out [T, H], updated cache tuple, selected blocks [T, Hkv, K] or None)."""
+        """x [T, H] -> (out [T, H], updated cache tuple, selected blocks [T, Hkv, K] or None).
+
+        ``cache`` is (k, v) on dense layers and (k, v, index_k) on sparse ones; with FP8 (E4M3) pools their fp32
+        scale pools follow in the same order: (k, v, k_scale, v_scale) / (k, v, index_k, k_scale, v_scale,
+        index_k_scale) (``m3export.ops.kv_fp8``)."""
         t = x.shape[0]
+        n = 2 if self.indexer is None else 3
+        if len(cache) not in (n, 2 * n) or (len(cache) == 2 * n) != (cache[0].dtype == torch.float8_e4m3fn):
+            raise ValueError(f"attention layer cache: expected {n} pools, or {n} float8_e4m3fn pools and their "
+                             f"{n} scale pools; got {len(cache)} of {cache[0].dtype}")
+        pools, scales = list(cache[:n]), list(cache[n:]) or [None] * n
         fused = _use_fused(x, inplace)
         if fused:  # one launch each for q and k + v: norm, rotation and cache write fused
             from m3export.plugins.kernels.qk_norm_rope_cache import norm_rope
@@ -88,24 +100,32 @@ class Attention(nn.Module):
             q = norm_rope(self.q_proj(x).view(t, self.n_heads, self.head_dim), self.q_norm.weight,
                           self.q_norm.eps, cos, sin)
             norm_rope(self.k_proj(x).view(t, self.n_kv, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos,
-                      sin, cache[0], batch.slot_mapping, self.v_proj(x).view(t, self.n_kv, self.head_dim), cache[1])
-            k_cache, v_cache = cache[0], cache[1]
+                      sin, pools[0], batch.slot_mapping, self.v_proj(x).view(t, self.n_kv, self.head_dim), pools[1],
+                      pool_scale=scales[0], v_pool_scale=scales[1])
         else:
             q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim)), cos, sin)
             k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.n_kv, self.head_dim)), cos, sin)
             v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-            k_cache = write_pool(cache[0], batch.slot_mapping, k, inplace)
-            v_cache = write_pool(cache[1], batch.slot_mapping, v, inplace)
-        args = (q, k_cache, v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.positions)
+            for i, rows in ((0, k), (1, v)):
+                pools[i], scales[i] = _write(pools[i], scales[i], batch.slot_mapping, rows, inplace)
+        fp8 = scales[0] is not None
+        kv_scales = (scales[0], scales[1]) if fp8 else ()
+        args = (q, pools[0], pools[1], batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.positions)
         if self.indexer is None:
-            o = torch.ops.m3.paged_attention(*args, self.scale)
-            return self.o_proj(o.reshape(t, -1)), (k_cache, v_cache), None
+            o = torch.ops.m3.paged_attention(*args, self.scale, *kv_scales)
+            return self.o_proj(o.reshape(t, -1)), tuple(pools + (scales if fp8 else [])), None
         if fused:
-            iq = self.indexer.queries_writing_keys(x, cos, sin, cache[2], batch.slot_mapping)
-            ik_cache = cache[2]
+            iq = self.indexer.queries_writing_keys(x, cos, sin, pools[2], batch.slot_mapping, scales[2])
         else:
             iq, ik = self.indexer.keys_and_queries(x, cos, sin)
-            ik_cache = write_pool(cache[2], batch.slot_mapping, ik, inplace)
-        sel = self.indexer.select(iq, ik_cache, batch)
-        o = torch.ops.m3.sparse_paged_attention(*args, sel, self.cfg.index_block_size, self.scale)
-        return self.o_proj(o.reshape(t, -1)), (k_cache, v_cache, ik_cache), sel
+            pools[2], scales[2] = _write(pools[2], scales[2], batch.slot_mapping, ik, inplace)
+        sel = self.indexer.select(iq, pools[2], batch, scales[2])
+        o = torch.ops.m3.sparse_paged_attention(*args, sel, self.cfg.index_block_size, self.scale, *kv_scales)
+        return self.o_proj(o.reshape(t, -1)), tuple(pools + (scales if fp8 else [])), sel
+
+
+def _write(pool, scale_pool, slots, values, inplace):
+    """One cache write: plain, or quantised with its scales when the pool is FP8."""
+    if scale_pool is None:
+        return write_pool(pool, slots, values, inplace), None
+    return write_pool_fp8(pool, scale_pool, slots, values, inplace)

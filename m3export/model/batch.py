@@ -138,3 +138,13 @@ def write_pool(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, in
     if inplace:
         return pool.index_put_(index, values)
     return pool.index_put(index, values)
+
+
+def write_pool_fp8(pool: torch.Tensor, scale_pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
+                   inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``write_pool`` for an FP8 (E4M3) pool: each row of ``values`` quantised with its own fp32 scale
+    (``m3export.ops.kv_fp8``), the bytes into ``pool`` and the scale into ``scale_pool`` at the same slots."""
+    from m3export.ops.kv_fp8 import quantize_rows
+
+    q, scale = quantize_rows(values)
+    return write_pool(pool, slots, q, inplace), write_pool(scale_pool, slots, scale, inplace)

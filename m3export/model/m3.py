@@ -60,17 +60,29 @@ class M3ForCausalLM(nn.Module):
                                       if cfg.vision is not None else None)
 
     # ------------------------------------------------------------------ caches
-    def cache_shapes(self, num_pages: int, page_size: int, layers: str = "main") -> list[tuple[tuple[int, ...], ...]]:
-        """Pool shapes per layer: K and V [pages, page, Hkv, D]; index keys [pages, page, D] on sparse layers."""
+    def cache_shapes(self, num_pages: int, page_size: int, layers: str = "main", scales: bool = False
+                     ) -> list[tuple[tuple[int, ...], ...]]:
+        """Pool shapes per layer: K and V [pages, page, Hkv, D]; index keys [pages, page, D] on sparse layers.
+        ``scales`` (FP8 pools): each pool's fp32 scale pool follows, its shape without the last dimension
+        (``m3export.ops.kv_fp8``)."""
         c = self.config
         kv = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
         ik = (num_pages, page_size, c.index_head_dim)
         sparse = [c.is_sparse_layer(i) for i in range(c.num_hidden_layers)] if layers == "main" else [True] * len(self.mtp)
-        return [(kv, kv, ik) if s else (kv, kv) for s in sparse]
+        pools = [(kv, kv, ik) if s else (kv, kv) for s in sparse]
+        return [p + tuple(x[:-1] for x in p) for p in pools] if scales else pools
 
     def allocate_caches(self, num_pages: int, page_size: int, dtype: torch.dtype, device, layers: str = "main"):
-        return [tuple(torch.zeros(s, dtype=dtype, device=device) for s in shapes)
-                for shapes in self.cache_shapes(num_pages, page_size, layers)]
+        """Zeroed pools of ``dtype``; for float8_e4m3fn also their float32 scale pools (see ``cache_shapes``)."""
+        from m3export.ops.kv_fp8 import FP8, SCALE_DTYPE
+
+        fp8 = dtype == FP8
+        out = []
+        for shapes in self.cache_shapes(num_pages, page_size, layers, scales=fp8):
+            n = len(shapes) // 2 if fp8 else len(shapes)
+            out.append(tuple(torch.zeros(s, dtype=dtype if i < n else SCALE_DTYPE, device=device)
+                             for i, s in enumerate(shapes)))
+        return out
 
     # ------------------------------------------------------------------ runtime path
     def step(self, input_ids: torch.Tensor, batch: Batch, caches: list, logits_indices: torch.Tensor | None = None,

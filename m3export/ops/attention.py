@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import torch
 
-from .paged import accumulation_dtype, gather_sequence, sequences
+from .kv_fp8 import check_pair
+from .paged import accumulation_dtype, gather_rows, sequences
 
 
 def _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, block_idx,
-            block_size):
+            block_size, k_scale=None, v_scale=None):
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
+    check_pair("k_cache", k_cache, k_scale)
+    check_pair("v_cache", v_cache, v_scale)
     out = torch.zeros((t, hq, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     acc = accumulation_dtype(q, k_cache, v_cache)
     for b, s, e, n in sequences(query_start_loc, seq_lens):
         if e == s:
             continue
-        k = gather_sequence(k_cache, block_tables[b], n).to(acc)  # [n, Hkv, D]
-        v = gather_sequence(v_cache, block_tables[b], n).to(acc)
+        k = gather_rows(k_cache, k_scale, block_tables[b], n, acc)  # [n, Hkv, D]
+        v = gather_rows(v_cache, v_scale, block_tables[b], n, acc)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,nhd->thn", q[s:e].to(acc), k) * scale
@@ -50,16 +53,23 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v_cache [pages, page, Hkv, D] -> [T, Hq, D]; key j visible to token t iff j <= pos[t]."""
-    return _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, None, 1)
+    """q [T, Hq, D], k/v_cache [pages, page, Hkv, D] -> [T, Hq, D]; key j visible to token t iff j <= pos[t].
+
+    FP8 pools (float8_e4m3fn) come with their fp32 scale pools ``k_scale`` / ``v_scale`` [pages, page, Hkv]:
+    every key and value is read as ``float(q) * scale`` (``ops/kv_fp8.py``)."""
+    return _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, None, 1,
+                   k_scale, v_scale)
 
 
 paged_attention = torch.library.custom_op("m3::paged_attention", paged_attention_reference, mutates_args=())
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale):
+def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, k_scale=None,
+      v_scale=None):
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
 
 
@@ -74,15 +84,18 @@ def sparse_paged_attention_reference(
     block_idx: torch.Tensor,
     block_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As paged_attention, but token t / head h sees only blocks ``block_idx[t, h // (Hq/Hkv)]`` (-1 = none)."""
     return _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale, block_idx,
-                   block_size)
+                   block_size, k_scale, v_scale)
 
 
 sparse_paged_attention = torch.library.custom_op("m3::sparse_paged_attention", sparse_paged_attention_reference, mutates_args=())
 
 
 @sparse_paged_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, block_idx, block_size, scale):
+def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, block_idx, block_size, scale,
+      k_scale=None, v_scale=None):
     return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))

@@ -42,6 +42,6 @@ def _register(op: str, reference, n_inputs: int) -> None:
     torch.library.register_autograd(op, backward, setup_context=setup_context)
 
 
-_register("m3::paged_attention", paged_attention_reference, 8)
-_register("m3::sparse_paged_attention", sparse_paged_attention_reference, 10)
+_register("m3::paged_attention", paged_attention_reference, 10)
+_register("m3::sparse_paged_attention", sparse_paged_attention_reference, 12)
 _register("m3::moe", moe_reference, 11)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .paged import accumulation_dtype, gather_sequence, sequences
+from .kv_fp8 import check_pair
+from .paged import accumulation_dtype, gather_rows, sequences
 
 
 def select_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, topk: int,
@@ -44,15 +45,20 @@ def lightning_indexer_reference(
     topk_blocks: int,
     local_blocks: int,
     init_blocks: int,
+    index_k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32."""
+    """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32.
+
+    An FP8 key pool comes with its fp32 scale pool ``index_k_scale`` [pages, page]: keys read as
+    ``float(q) * scale`` (``ops/kv_fp8.py``)."""
     t, h, _ = index_q.shape
+    check_pair("index_k_cache", index_k_cache, index_k_scale)
     out = torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
     acc = accumulation_dtype(index_q, index_k_cache)
     for b, s, e, n in sequences(query_start_loc, seq_lens):
         if e == s:
             continue
-        keys = gather_sequence(index_k_cache, block_tables[b], n).to(acc)  # [n, D]
+        keys = gather_rows(index_k_cache, index_k_scale, block_tables[b], n, acc)  # [n, D]
         pos = positions[s:e]
         scores = torch.einsum("thd,nd->thn", index_q[s:e].to(acc), keys)
         future = torch.arange(n, device=keys.device).view(1, 1, n) > pos.view(-1, 1, 1)
@@ -71,5 +77,5 @@ lightning_indexer = torch.library.custom_op("m3::lightning_indexer", lightning_i
 
 @lightning_indexer.register_fake
 def _(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size, topk_blocks,
-      local_blocks, init_blocks):
+      local_blocks, init_blocks, index_k_scale=None):
     return index_q.new_empty((index_q.shape[0], index_q.shape[1], topk_blocks), dtype=torch.int32)

@@ -15,7 +15,8 @@ def accumulation_dtype(*tensors: torch.Tensor) -> torch.dtype:
     float64 oracle (``m3export.ops.conformance``)."""
     out = torch.float32
     for t in tensors:
-        out = torch.promote_types(out, t.dtype)
+        if t.dtype != torch.float8_e4m3fn:  # FP8 cache pools are dequantised to fp32 (``ops/kv_fp8.py``)
+            out = torch.promote_types(out, t.dtype)
     return out
 
 
@@ -27,6 +28,18 @@ def gather_sequence(pool: torch.Tensor, block_table: torch.Tensor, length: int) 
         raise ValueError(f"sequence of {length} tokens needs {n_pages} pages; block table has {block_table.shape[0]}")
     pages = pool.index_select(0, block_table[:n_pages].long())
     return pages.reshape(n_pages * page, *pool.shape[2:])[:length]
+
+
+def gather_rows(pool: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, length: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """A sequence's rows of ``pool`` as ``dtype``; an FP8 pool is dequantised with its scale pool
+    (``float(q) * scale``, ``ops/kv_fp8.py``)."""
+    rows = gather_sequence(pool, block_table, length)
+    if scale is None:
+        return rows.to(dtype)
+    from .kv_fp8 import dequantize_rows
+
+    return dequantize_rows(rows, gather_sequence(scale, block_table, length), dtype)
 
 
 def sequences(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
