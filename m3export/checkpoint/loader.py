@@ -44,6 +44,12 @@ def build_empty(cfg: M3Config, dtype: torch.dtype, device, mxfp8: bool = False,
     """Allocate (uninitialised) parameters directly in their final dtype on ``device``; no fp32 detour."""
     with torch.device("meta"):
         model = M3ForCausalLM(cfg, mxfp8=mxfp8, num_mtp_modules=num_mtp_modules)
+    return materialize(model, dtype, device)
+
+
+def materialize(model: M3ForCausalLM, dtype: torch.dtype, device) -> M3ForCausalLM:
+    """A model built on ``meta`` -> uninitialised parameters in their final dtype on ``device`` (the router stays
+    fp32), rotary tables computed. A tensor-parallel shard (``m3export.parallel``) is built the same way."""
     for name, p in model.named_parameters():
         if p.dtype in FLOAT_TYPES and not keeps_fp32(name):
             p.data = torch.empty_like(p, dtype=dtype)
@@ -189,20 +195,23 @@ def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bo
         target.copy_(check_finite(_convert(ckpt, name, target.dtype, where), where))
 
 
-def _convert(ckpt: Checkpoint, name: str, want: torch.dtype, where: str) -> torch.Tensor:
+def _convert(ckpt: Checkpoint, name: str, want: torch.dtype, where: str, read=None) -> torch.Tensor:
+    """Tensor ``name`` ready to copy into a parameter of dtype ``want``; ``read(name)`` (default ``ckpt.get``)
+    fetches a tensor or, for a tensor-parallel rank, its slice (an MXFP8 scale sliced with its weight)."""
+    read = read or ckpt.get
     have = ckpt.tensors[name].torch_dtype
     if want in (torch.float8_e4m3fn, torch.uint8):
         if have != want:
             raise CheckpointError(f"{where} has dtype {have}, expected {want} (MXFP8 weight or scale)")
-        return ckpt.get(name)
+        return read(name)
     if have == torch.float8_e4m3fn:
         scale = name + "_scale_inv"
         if scale not in ckpt.tensors:
             raise CheckpointError(f"{where} is float8_e4m3fn but its scale {scale!r} is missing")
         try:
-            return mx.dequantize(ckpt.get(name), ckpt.get(scale), torch.float32)
+            return mx.dequantize(read(name), read(scale), torch.float32)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: {e}") from None
     if have not in FLOAT_TYPES:
         raise CheckpointError(f"{where} has dtype {have}, expected a floating-point weight")
-    return ckpt.get(name)
+    return read(name)

@@ -93,18 +93,33 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir / INDEX_FILE}: shards hold tensors the index does not list, e.g. "
                                   f"{unlisted[:3]}")
 
+    def _handle(self, file: str):
+        handle = self._open.get(file)
+        if handle is None:
+            try:
+                handle = safe_open(file, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+                raise CheckpointError(f"{file}: cannot open as safetensors ({e})") from None
+            self._open[file] = handle
+        return handle
+
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (memory-mapped; only this tensor's bytes are touched)."""
         info = self.tensors[name]
-        handle = self._open.get(info.file)
-        if handle is None:
-            try:
-                handle = safe_open(info.file, framework="pt")
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own types
-                raise CheckpointError(f"{info.file}: cannot open as safetensors ({e})") from None
-            self._open[info.file] = handle
         try:
-            return handle.get_tensor(name)
+            return self._handle(info.file).get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read ({e})") from None
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``start:stop`` of dimension ``dim`` of one tensor; only those bytes are copied out of the
+        memory map (a tensor-parallel rank's share, ``m3export.parallel``)."""
+        info = self.tensors[name]
+        if not (0 <= dim < len(info.shape) and 0 <= start <= stop <= info.shape[dim]):
+            raise CheckpointError(f"{info.file}: tensor {name!r} of shape {list(info.shape)} has no slice "
+                                  f"{start}:{stop} along dimension {dim}")
+        try:
+            return self._handle(info.file).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read ({e})") from None
 

@@ -31,11 +31,15 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_
     return idx, w / w.sum(dim=-1, keepdim=True)
 
 
-def _moe(x, router_weight, bias, expert, shared, top_k, routed_scaling_factor, alpha, limit):
-    """``expert(e)`` / ``shared()`` return (w13 [2I, H], w2 [H, I]) in the activation dtype."""
+def _moe(x, router_weight, bias, expert, shared, top_k, routed_scaling_factor, alpha, limit, owned=None):
+    """``expert(e)`` / ``shared()`` return (w13 [2I, H], w2 [H, I]) in the activation dtype. ``owned`` (a range of
+    expert ids; all when None) limits the routed sum to those experts: an expert-parallel rank's partial sum, the
+    routing itself still over every expert (``m3export.parallel``)."""
     idx, w = route(x, router_weight, bias, top_k)
     out = torch.zeros_like(x)
     for e in torch.unique(idx).tolist():
+        if owned is not None and e not in owned:
+            continue
         rows, slot = torch.nonzero(idx == e, as_tuple=True)
         w13, w2 = expert(e)
         y = swiglu_oai(x[rows] @ w13.t(), alpha, limit) @ w2.t()
