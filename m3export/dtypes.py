@@ -86,6 +86,9 @@ BY_ONNX = {d.onnx: d for d in DTYPES}
 
 #: The dtypes a model runs in (activations, caches and unquantised weights): ``--dtype`` choices everywhere.
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# ``--kv-cache-dtype`` choices (vLLM's name): ``auto`` = the model dtype; ``fp8`` = E4M3 pools with per-row fp32
+# scales (``m3export.ops.kv_fp8``, which maps these names to torch dtypes).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
 def by_name(name: str) -> DType:

@@ -125,7 +125,7 @@ class Engine:
         backend.allocate(num_pages, page_size)
         self.blocks = BlockManager(num_pages, page_size, enable_prefix_caching)
         if num_speculative_tokens and drafter is None:
-            drafter = MTPDrafter(backend, page_size, self._ensure_pages)
+            drafter = MTPDrafter(backend, page_size, self._ensure_pages, num_speculative_tokens)
         self.drafter = drafter if num_speculative_tokens else None
         lookahead = self.drafter.page_lookahead if self.drafter else 0
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, lookahead,
@@ -140,23 +140,26 @@ class Engine:
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def from_checkpoint(cls, path_or_preset: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                        enforce_eager: bool = False, **engine_kwargs) -> Engine:
+                        enforce_eager: bool = False, kv_cache_dtype: str | None = None, **engine_kwargs) -> Engine:
         """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend (decode
-        replayed from CUDA graphs on a CUDA device unless ``enforce_eager``)."""
+        replayed from CUDA graphs on a CUDA device unless ``enforce_eager``); ``kv_cache_dtype``: ``auto``,
+        ``bf16`` or ``fp8`` (vLLM's ``--kv-cache-dtype``)."""
         from m3export import load_model
         from .backends import make_torch_backend
 
         model = load_model(path_or_preset, device=device, dtype=dtype)
         tokenizer = find_tokenizer(path_or_preset, model.config)
-        return cls(make_torch_backend(model, enforce_eager), tokenizer, **engine_kwargs)
+        return cls(make_torch_backend(model, enforce_eager, kv_cache_dtype), tokenizer, **engine_kwargs)
 
     @classmethod
     def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",
                       dtype: torch.dtype | None = None, enforce_eager: bool = False, provider: str | None = None,
-                      **engine_kwargs) -> Engine:
+                      kv_cache_dtype: str | None = None, **engine_kwargs) -> Engine:
         """An exported artifact directory run by ``backend`` (torch, onnxruntime or tensorrt); ``provider``: the
-        onnxruntime backend's execution provider (``cpu``, ``cuda``, ... with options; default: from ``device``)."""
-        be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager, provider=provider)
+        onnxruntime backend's execution provider (``cpu``, ``cuda``, ... with options; default: from ``device``);
+        ``kv_cache_dtype``: ``auto``, ``bf16`` or ``fp8`` (``create_backend``)."""
+        be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager, provider=provider,
+                            kv_cache_dtype=kv_cache_dtype)
         return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
 
     # ------------------------------------------------------------------ requests

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..dtypes import MODEL_DTYPES
+from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
 from .arguments import bounded_int, check_device, check_text
@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     add_provider_argument(p, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="cache dtype of K/V and index keys (vLLM's flag): auto = the model dtype, bf16, or fp8 (E4M3 with a per-token fp32 scale, about 1.9x the tokens per byte; torch backend; an exported artifact's graphs keep their own cache dtype)")
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=bounded_int(2),
@@ -74,7 +76,8 @@ def _engine(args: argparse.Namespace):
         args.backend = default_backend(args.artifact) if str(args.device) == "cpu" else "torch"
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
-              "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager}
+              "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager,
+              "kv_cache_dtype": args.kv_cache_dtype}
     if args.provider is not None and args.backend != "onnxruntime":
         raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend onnxruntime")
     if source_kind(args.artifact) == ARTIFACT:

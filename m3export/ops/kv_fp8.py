@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dtypes import KV_CACHE_DTYPES
+
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 SCALE_DTYPE = torch.float32
@@ -36,8 +38,6 @@ E4M3_REL_STEP = 2.0**-3
 E4M3_HALF_ULP = 2.0**-4
 E4M3_SUBNORMAL_ABS = 2.0**-10  # half the subnormal spacing 2^-9, relative to the row's scale
 
-# ``--kv-cache-dtype`` choices (vLLM's name): ``auto`` is the model dtype.
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
 def is_fp8(pool: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import __version__
 from ..config import PRESETS
-from ..dtypes import BY_NAME, MODEL_DTYPES
+from ..dtypes import BY_NAME, KV_CACHE_DTYPES, MODEL_DTYPES
 from ..errors import M3Error
 from ..output_dir import check_replaceable, make_parent, os_errors_as, staging
 from ..sources import ARTIFACT, BACKENDS, CHECKPOINT, MANIFEST, PRESET, default_backend, source_kind
@@ -97,6 +97,9 @@ def parse_engine_args(items: list[str]) -> dict[str, Any]:
             value = text
         if key == "dtype" and value not in MODEL_DTYPES:
             raise RepositoryError(f"engine argument dtype={value!r}: expected one of {', '.join(MODEL_DTYPES)}")
+        if key == "kv_cache_dtype" and value not in KV_CACHE_DTYPES:
+            raise RepositoryError(f"engine argument kv_cache_dtype={value!r}: expected one of "
+                                  f"{', '.join(KV_CACHE_DTYPES)}")
         out[key] = value
     return out
 

@@ -11,22 +11,55 @@ from m3export.sources import BACKENDS
 from .base import Backend
 
 
-def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False) -> Backend:
+def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False, kv_cache_dtype: str | None = None
+                       ) -> Backend:
     """The torch backend for ``model``. On a CUDA device decode steps are replayed from CUDA graphs (hundreds of
-    small launches per step otherwise set its time at small batch) unless ``enforce_eager`` (vLLM's flag)."""
+    small launches per step otherwise set its time at small batch) unless ``enforce_eager`` (vLLM's flag).
+    ``kv_cache_dtype``: ``auto`` (None: the model dtype), ``bf16`` or ``fp8`` (E4M3 pools with per-row fp32
+    scales, ``m3export.ops.kv_fp8``)."""
+    from m3export.ops.kv_fp8 import resolve_cache_dtype
+
     from .torch_backend import TorchBackend
 
+    cache_dtype = resolve_cache_dtype(kv_cache_dtype, model.lm_head.weight.dtype)
     if not enforce_eager and next(model.parameters()).device.type == "cuda":
         from .cuda_graph import GraphedTorchBackend
 
-        return GraphedTorchBackend(model)
-    return TorchBackend(model)
+        return GraphedTorchBackend(model, cache_dtype)
+    return TorchBackend(model, cache_dtype)
+
+
+def check_exported_cache_dtype(backend: str, artifact: str | Path, kv_cache_dtype: str | None) -> None:
+    """Backends that run the exported graphs use the pools those graphs declare (the artifact's dtype, recorded
+    in manifest.json with every graph signature): asking for another cache dtype is one clear error."""
+    if kv_cache_dtype in (None, "auto"):
+        return
+    from m3export.errors import BackendUnavailable
+    from m3export.export.artifact import load_artifact
+    from m3export.dtypes import BY_NAME
+    from m3export.ops.kv_fp8 import FP8, resolve_cache_dtype
+
+    exported = BY_NAME[load_artifact(artifact, verify_checksums=False).manifest.dtype].torch
+    wanted = resolve_cache_dtype(kv_cache_dtype, exported)
+    if wanted == FP8:
+        raise BackendUnavailable(
+            f"--kv-cache-dtype fp8: the {backend} backend runs {artifact}'s exported graphs, whose caches are "
+            f"{exported}; ONNX has no Gather / ScatterND on float8 in any opset, so no artifact carries FP8 pools "
+            "yet: use --backend torch for an FP8 cache")
+    if wanted != exported:
+        raise BackendUnavailable(f"--kv-cache-dtype {kv_cache_dtype}: {artifact} was exported with {exported} "
+                                 f"caches and the {backend} backend runs those graphs as exported")
 
 
 def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                   enforce_eager: bool = False, provider: str | None = None) -> Backend:
+                   enforce_eager: bool = False, provider: str | None = None, kv_cache_dtype: str | None = None
+                   ) -> Backend:
     """The backend ``name`` running the exported artifact directory ``artifact``; ``provider`` (onnxruntime only)
-    is the execution provider, ``cpu``, ``cuda``, ... with options (``m3export.plugins.onnxruntime.providers``)."""
+    is the execution provider, ``cpu``, ``cuda``, ... with options (``m3export.plugins.onnxruntime.providers``);
+    ``kv_cache_dtype`` (``auto``/``bf16``/``fp8``): the cache pools' dtype, free on the torch backend, the
+    exported one elsewhere (``check_exported_cache_dtype``)."""
+    if name != "torch":
+        check_exported_cache_dtype(name, artifact, kv_cache_dtype)
     if provider is not None and name != "onnxruntime":
         raise ValueError(f"an execution provider ({provider!r}) is for the onnxruntime backend, not {name!r}")
     if name == "torch":
@@ -38,7 +71,7 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
             from m3export.plugins.kernels import use_on
 
             use_on(device)
-        return make_torch_backend(model, enforce_eager)
+        return make_torch_backend(model, enforce_eager, kv_cache_dtype)
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
 

@@ -10,6 +10,7 @@ import torch
 
 from m3export.model import M3ForCausalLM
 from m3export.model.batch import Batch
+from m3export.model.media import place_rows
 
 from .base import Backend
 
@@ -34,9 +35,10 @@ class TorchBackend(Backend):
         return len(self.model.mtp)
 
     def page_bytes(self, page_size: int) -> int:
-        shapes = self.model.cache_shapes(1, page_size, "main") + self.model.cache_shapes(1, page_size, "mtp")
-        elems = sum(torch.Size(s).numel() for layer in shapes for s in layer)
-        return elems * torch.empty((), dtype=self.dtype).element_size()
+        """Every pool's bytes for one page, the scale pools of an FP8 cache included (built on ``meta``)."""
+        pools = [p for layers in ("main", "mtp")
+                 for layer in self.model.allocate_caches(1, page_size, self.dtype, "meta", layers) for p in layer]
+        return sum(p.numel() * p.element_size() for p in pools)
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         m = self.model
@@ -51,7 +53,7 @@ class TorchBackend(Backend):
             if media is not None:  # image / video tokens over the placeholders' token embeddings
                 rows, values = media
                 e = self.model.model.embed_tokens(input_ids)
-                embeds = e.index_copy(0, rows.to(e.device), values.to(e.device, e.dtype))
+                embeds = place_rows(e, rows.to(e.device), values.to(e.device))
             out = self.model.step(input_ids, batch, self._caches, logits_indices, inplace=True, inputs_embeds=embeds)
         self._caches = out.caches
         return out.logits.float(), out.hidden
