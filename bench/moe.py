@@ -41,7 +41,9 @@ DECODE_SWEEP = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE
                 dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
                 dict(GEMV=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
                 dict(GEMV=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
-                dict(GEMV=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)]
+                dict(GEMV=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+                dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+                dict(GEMV=1, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)]
 PREFILL_SWEEP = [(64, None), (128, dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2))]
 
 
