@@ -21,23 +21,44 @@ from .mxfp8_linear import _e4m3_value, _scale_value, cast
 
 
 @triton.jit
-def _row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
+def _row_dot(x3, acc3, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
              MXFP8: tl.constexpr, DT: tl.constexpr):
-    """acc [BN] += W[rows, k0 : k0 + BLOCK_K] @ x (x: fp32 [BLOCK_K] of activation-dtype values)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    mask = n_ok[:, None] & (k[None, :] < K)
-    w = tl.load(w_rows[:, None] + k[None, :] * sw_k, mask=mask, other=0.0)
+    """acc3 [BN, BLOCK_K / 32, 32] += W[rows, k0 : k0 + BLOCK_K] * x (x3: fp32 [1, BLOCK_K / 32, 32]).
+
+    The products are accumulated element-wise and reduced once after the K loop (``_reduce``): a cross-lane
+    reduction per K step would cost more than the weight stream itself. The tile is loaded as [rows, groups of 32,
+    32] so each group's UE8M0 scale broadcasts over its 32 columns without a reshape.
+    MXFP8 with bf16 activations: E4M3 x 2^e has 4 significant bits, so rounding it to bf16 (what the reference
+    does) changes nothing for any magnitude >= 2^-126; the rounding is skipped there. fp16 keeps it (its
+    exponent range is narrower)."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, G)
+    j = tl.arange(0, 32)
+    k3 = k0 + g[None, :, None] * 32 + j[None, None, :]
+    mask = n_ok[:, None, None] & (k3 < K)
+    w = tl.load(w_rows[:, None, None] + k3 * sw_k, mask=mask, other=0.0)
     if MXFP8:
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=n_ok[:, None] & (g[None, :] < K // 32), other=127)
-        BN: tl.constexpr = w.shape[0]
-        w3 = tl.reshape(_e4m3_value(w), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
-        w3 = cast(w3, DT).to(tl.float32)
-        x3 = tl.reshape(x, (BLOCK_K // 32, 32))
-        acc += tl.sum(tl.sum(w3 * x3[None, :, :], axis=2), axis=1)
+        gg = k0 // 32 + g
+        s = tl.load(s_rows[:, None] + gg[None, :] * ss_k, mask=n_ok[:, None] & (gg[None, :] < K // 32), other=127)
+        w3 = _e4m3_value(w) * _scale_value(s)[:, :, None]
+        if DT != tl.bfloat16:
+            w3 = cast(w3, DT).to(tl.float32)
     else:
-        acc += tl.sum(cast(w, DT).to(tl.float32) * x[None, :], axis=1)
-    return acc
+        w3 = w.to(tl.float32)
+    return acc3 + w3 * x3
+
+
+@triton.jit
+def _reduce(acc3):
+    return tl.sum(tl.sum(acc3, axis=2), axis=1)
+
+
+@triton.jit
+def _x3(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations k0 .. k0 + BLOCK_K of one row as fp32 [1, BLOCK_K / 32, 32]."""
+    G: tl.constexpr = BLOCK_K // 32
+    k3 = k0 + tl.arange(0, G)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    return tl.load(x_row + k3, mask=k3 < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -62,13 +83,14 @@ def _gate_up_gemv(
     n_ok = n < I
     w_g = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
     s_g = s_ptr + e * ss_e + n.to(tl.int64) * ss_n
-    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tok.to(tl.int64) * sx_t + k, mask=k < H, other=0.0).to(tl.float32)
+        x = _x3(x_ptr + tok.to(tl.int64) * sx_t, k0, H, BLOCK_K)
         acc_g = _row_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
         acc_u = _row_dot(x, acc_u, w_g + I * sw_n, s_g + I * ss_n, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
+    acc_g = _reduce(acc_g)
+    acc_u = _reduce(acc_u)
     gate = tl.minimum(cast(acc_g, dt).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(cast(acc_u, dt).to(tl.float32), -limit), limit)
     act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
@@ -98,12 +120,11 @@ def _down_gemv(
     n_ok = n < H
     w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
     s_rows = s_ptr + e * ss_e + n.to(tl.int64) * ss_n
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(act_ptr + a.to(tl.int64) * sa_p + k, mask=k < I, other=0.0).to(tl.float32)
+        x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
         acc = _row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, dt)
-    y = cast(acc, dt).to(tl.float32)
+    y = cast(_reduce(acc), dt).to(tl.float32)
     if ROUTED:
         y = y * tl.load(route_w_ptr + a)
     tl.store(y_ptr + tok.to(tl.int64) * sy_t + slot * sy_s + n, cast(y, dt), mask=n_ok)
