@@ -33,6 +33,19 @@ def online_softmax_step(s, v, m_i, l_i, acc, PREC: tl.constexpr, INTERPRETED: tl
 
 
 @triton.jit
+def online_softmax_step_scaled(s, v, vs, m_i, l_i, acc, PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``online_softmax_step`` for FP8 values: v [N, Dv] holds the E4M3 values (widened), vs [N] their row
+    scales, folded into P's columns before the product (P V = (P diag(vs)) V8), so V is never rounded."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - ref[:, None])
+    alpha = tl.exp2(m_i - ref)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma((p * vs[None, :]).to(v.dtype), v, PREC, INTERPRETED)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)  # (token, query head) flattened: partials are [T * Hq, SPLITS, (DV)]

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of,
                      splits_for, tokens_per_tile)
+from ._fp8 import widen
 
 OP = "m3::lightning_indexer"
 
@@ -32,9 +33,9 @@ _MAX_SPLITS = 256
 
 @triton.jit
 def _index_scan(
-    q_ptr, k_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
-    num_seqs, sq_t, sq_h, sk_p, sk_r, sbt_b, so_t, so_h,
-    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    q_ptr, k_ptr, ks_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
+    num_seqs, sq_t, sq_h, sk_p, sk_r, sks_p, sks_r, sbt_b, so_t, so_h,
+    FP8: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
@@ -73,7 +74,12 @@ def _index_scan(
         page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_b + j // PAGE, mask=kmask, other=0).to(tl.int64)
         k = tl.load(k_ptr + page[:, None] * sk_p + (j % PAGE)[:, None] * sk_r + d[None, :],
                     mask=kmask[:, None] & (d[None, :] < D), other=0.0)
-        s = mma(q, tl.trans(k), PREC, INTERPRETED)
+        if FP8:  # E4M3 keys: the dot on the exact values, each key's scale on its score column
+            k = widen(k, q_ptr.dtype.element_ty)
+            ks = tl.load(ks_ptr + page * sks_p + (j % PAGE) * sks_r, mask=kmask, other=0.0)
+            s = mma(q, tl.trans(k), PREC, INTERPRETED) * ks[None, :]
+        else:
+            s = mma(q, tl.trans(k), PREC, INTERPRETED)
         s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
         bmax = tl.max(tl.reshape(s, (ROWS, NB_TILE, BS)), axis=2)
         c = it * NB_TILE + tl.arange(0, NB_TILE)
@@ -113,12 +119,17 @@ def forward(
     topk_blocks: int,
     local_blocks: int,
     init_blocks: int,
+    index_k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32."""
+    """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32.
+    An FP8 key pool comes with its fp32 scale pool [pages, page]."""
+    from m3export.ops.kv_fp8 import FP8, check_pair
+
     t, h, d = index_q.shape
     if index_k_cache.dim() != 3 or index_k_cache.shape[2] != d:
         raise ValueError(f"lightning_indexer: index_k_cache {tuple(index_k_cache.shape)} must be [pages, page, {d}]")
-    if index_k_cache.dtype != index_q.dtype:
+    check_pair("index_k_cache", index_k_cache, index_k_scale)
+    if index_k_cache.dtype != index_q.dtype and index_k_cache.dtype != FP8:
         raise ValueError(f"lightning_indexer: index_q is {index_q.dtype} but index_k_cache is {index_k_cache.dtype}")
     if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"lightning_indexer kernel: block_size {block_size} must be a power of two <= 256")
@@ -144,9 +155,11 @@ def forward(
         seq, start, end, slots = query_tiles(qsl, t, tokens)
     splits = splits_for(index_q.device, slots, _MAX_SPLITS)
     block_n = max(_BLOCK_N, block_size)
+    ks = index_k_scale.contiguous() if index_k_scale is not None else kc  # kc: never read (FP8 off)
     _index_scan[(slots, splits)](
-        q, kc, bt, pos, qsl, seq, start, end, scores, b,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), bt.stride(0), scores.stride(0), scores.stride(1),
+        q, kc, ks, bt, pos, qsl, seq, start, end, scores, b,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), bt.stride(0),
+        scores.stride(0), scores.stride(1), FP8=index_k_scale is not None,
         H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
         ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=4,
         num_stages=3,

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of,
                      splits_for, tokens_per_tile)
-from ._splitk import LOG2E, Partials, online_softmax_step
+from ._fp8 import widen
+from ._splitk import LOG2E, Partials, online_softmax_step, online_softmax_step_scaled
 
 OP = "m3::paged_attention"
 
@@ -30,10 +31,10 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
     out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
-    sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sbt_b, so_t, so_h, qk_scale,
-    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, sbt_b, so_t, so_h, qk_scale,
+    FP8: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -79,9 +80,19 @@ def _paged_attention(
                     mask=kmask[:, None] & (d[None, :] < D), other=0.0)
         v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
+        if FP8:  # E4M3 rows: the dot on the exact values, each key's scale on its score column
+            k = widen(k, q_ptr.dtype.element_ty)
+            v = widen(v, q_ptr.dtype.element_ty)
+            ks = tl.load(ks_ptr + page * sks_p + row * sks_r + g, mask=kmask, other=0.0)
+            vs = tl.load(vs_ptr + page * svs_p + row * svs_r + g, mask=kmask, other=0.0)
+            s = mma(q, tl.trans(k), PREC, INTERPRETED) * (ks * qk_scale)[None, :]
+        else:
+            s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
         s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
+        if FP8:
+            m_i, l_i, acc = online_softmax_step_scaled(s, v, vs, m_i, l_i, acc, PREC, INTERPRETED)
+        else:
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
 
     if SPLITS == 1:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
@@ -103,10 +114,13 @@ def forward(
     seq_lens: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v_cache [pages, page, Hkv, D] -> [T, Hq, Dv]; key j visible to token t iff j <= pos[t]."""
+    """q [T, Hq, D], k/v_cache [pages, page, Hkv, D] -> [T, Hq, Dv]; key j visible to token t iff j <= pos[t].
+    FP8 pools come with their fp32 scale pools [pages, page, Hkv]."""
     t, hq, d = q.shape
-    _check(q, k_cache, v_cache, "paged_attention")
+    _check(q, k_cache, v_cache, "paged_attention", k_scale, v_scale)
     hkv, dv, page = k_cache.shape[2], v_cache.shape[3], k_cache.shape[1]
     out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
     b = seq_lens.shape[0]
@@ -130,10 +144,12 @@ def forward(
     splits = splits_for(q.device, slots * hkv, most)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
+    ks, vs = scale_pools(k_scale, v_scale, kc)
     _paged_attention[(slots, hkv, splits)](
-        q, kc, vc, bt, pos, qsl, seq, start, end, out, *scratch, b,
+        q, kc, vc, ks, vs, bt, pos, qsl, seq, start, end, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
-        vc.stride(2), bt.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
+        vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), out.stride(0),
+        out.stride(1), scale * LOG2E, FP8=k_scale is not None,
         HQ=hq, G=group, G_PAD=g_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
         PAGE=page, TOKENS=tokens, ROWS=max(16, tokens * g_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=_BLOCK_N, SPLITS=splits, PREC=dot_precision(q.dtype),
         INTERPRETED=interpreted(q), num_warps=4, num_stages=2,
@@ -141,8 +157,19 @@ def forward(
     return parts.merge_into(out) if parts else out
 
 
-def _check(q, k_cache, v_cache, name):
+def scale_pools(k_scale, v_scale, k_cache):
+    """The scale pools as the kernels index them ([pages, page, Hkv], head stride 1), or placeholders."""
+    if k_scale is None:
+        return k_cache, k_cache  # never read (FP8 off)
+    return k_scale.contiguous(), v_scale.contiguous()
+
+
+def _check(q, k_cache, v_cache, name, k_scale=None, v_scale=None):
+    from m3export.ops.kv_fp8 import FP8, check_pair
+
     t, hq, d = q.shape
+    check_pair("k_cache", k_cache, k_scale)
+    check_pair("v_cache", v_cache, v_scale)
     if k_cache.dim() != 4 or k_cache.shape[3] != d:
         raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} must be [pages, page, Hkv, {d}]")
     if v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
@@ -150,5 +177,7 @@ def _check(q, k_cache, v_cache, name):
                          "in [pages, page, Hkv]")
     if hq % k_cache.shape[2]:
         raise ValueError(f"{name}: {hq} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    if k_cache.dtype == v_cache.dtype == FP8 and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"{name}: q, k_cache, v_cache dtypes differ ({q.dtype}, {k_cache.dtype}, {v_cache.dtype})")

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._batch import cdiv, interpreted, next_pow2
+from ._fp8 import encode_e4m3, row_scale
 
 
 @triton.jit
@@ -37,10 +38,11 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _norm_rope(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, pool_ptr, v_ptr, vpool_ptr, eps,
-    sx_t, sx_h, so_t, so_h, sc_t, sp_p, sp_r, sp_h, sv_t, sv_h, svp_p, svp_r, svp_h,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slots_ptr, pool_ptr, v_ptr, vpool_ptr, scale_ptr, vscale_ptr, eps,
+    sx_t, sx_h, so_t, so_h, sc_t, sp_p, sp_r, sp_h, sv_t, sv_h, svp_p, svp_r, svp_h, ss_p, ss_r, svs_p, svs_r,
     H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr,
     PAGE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_POOL: tl.constexpr, WITH_V: tl.constexpr,
+    FP8: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -72,21 +74,37 @@ def _norm_rope(
         slot = tl.load(slots_ptr + t).to(tl.int64)
         page = slot // PAGE
         r = slot % PAGE
-        tl.store(pool_ptr + page * sp_p + r * sp_r + h[:, None] * sp_h + d[None, :],
-                 out.to(pool_ptr.dtype.element_ty), mask=ok)
+        if FP8:  # E4M3 bytes (the pools arrive as uint8 views) + one fp32 scale per (token, head)
+            scale = row_scale(out, ok, INTERPRETED)
+            tl.store(pool_ptr + page * sp_p + r * sp_r + h[:, None] * sp_h + d[None, :],
+                     encode_e4m3(out, scale, INTERPRETED), mask=ok)
+            tl.store(scale_ptr + page * ss_p + r * ss_r + h, scale, mask=h < H)
+        else:
+            tl.store(pool_ptr + page * sp_p + r * sp_r + h[:, None] * sp_h + d[None, :],
+                     out.to(pool_ptr.dtype.element_ty), mask=ok)
         if WITH_V:
             v = tl.load(v_ptr + t.to(tl.int64) * sv_t + h[:, None] * sv_h + d[None, :], mask=ok, other=0.0)
-            tl.store(vpool_ptr + page * svp_p + r * svp_r + h[:, None] * svp_h + d[None, :],
-                     v.to(vpool_ptr.dtype.element_ty), mask=ok)
+            if FP8:
+                v = v.to(tl.float32)
+                vscale = row_scale(v, ok, INTERPRETED)
+                tl.store(vpool_ptr + page * svp_p + r * svp_r + h[:, None] * svp_h + d[None, :],
+                         encode_e4m3(v, vscale, INTERPRETED), mask=ok)
+                tl.store(vscale_ptr + page * svs_p + r * svs_r + h, vscale, mask=h < H)
+            else:
+                tl.store(vpool_ptr + page * svp_p + r * svp_r + h[:, None] * svp_h + d[None, :],
+                         v.to(vpool_ptr.dtype.element_ty), mask=ok)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
               pool: torch.Tensor | None = None, slots: torch.Tensor | None = None, v: torch.Tensor | None = None,
-              v_pool: torch.Tensor | None = None) -> torch.Tensor | None:
+              v_pool: torch.Tensor | None = None, pool_scale: torch.Tensor | None = None,
+              v_pool_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [T, H, D] (or [T, D] for the single index-key head) -> RMSNorm(1 + weight) then RoPE on the first
     ``2 * cos.shape[-1]`` columns. With ``pool`` ([pages, page, H, D] or [pages, page, D]) the result is written
     at ``slots`` [T] (slot = page * page_size + row) and nothing is returned; ``v`` / ``v_pool`` are then written
-    at the same slots unchanged. Without ``pool`` the result is returned. The pools are updated in place."""
+    at the same slots unchanged. Without ``pool`` the result is returned. The pools are updated in place.
+    FP8 (float8_e4m3fn) pools are written quantised per (token, head) row, each row's fp32 scale into
+    ``pool_scale`` / ``v_pool_scale`` (the pool's shape without D), as ``m3export.ops.kv_fp8.quantize_rows``."""
     single = x.dim() == 2
     xs = x.unsqueeze(1) if single else x
     t, h, d = xs.shape
@@ -109,15 +127,31 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     if v is not None:
         if v_pool is None or v.shape != xs.shape or v_pool.shape != pool.shape or v.stride(2) != 1:
             raise ValueError("norm_rope: v needs a v_pool shaped like the key pool and v shaped like x")
+    from m3export.ops.kv_fp8 import check_pair
+
+    fp8 = pool is not None and pool.dtype == torch.float8_e4m3fn
+    if pool is not None:
+        check_pair("pool", pool, pool_scale)
+        if v_pool is not None:
+            check_pair("v_pool", v_pool, v_pool_scale)
     pv = pv if pool is not None else dummy.unsqueeze(0)
     vv = v if v is not None else dummy
     vp = v_pool if v_pool is not None else pv
+    if fp8:  # bytes written by the kernel's own E4M3 rounding (``_fp8``); scales [pages, page, H]
+        pv, vp = pv.view(torch.uint8), vp.view(torch.uint8)
+        sc = pool_scale.view(pv.shape[:3])
+        vsc = v_pool_scale.view(pv.shape[:3]) if v_pool_scale is not None else sc
+    else:
+        sc = vsc = cos
+    sc_strides = (sc.stride(0), sc.stride(1)) if fp8 else (0, 0)
+    vsc_strides = (vsc.stride(0), vsc.stride(1)) if fp8 else (0, 0)
     _norm_rope[(t, cdiv(h, hb))](
         xs, weight, cos, sin, out if out is not None else dummy, slots if slots is not None else cos, pv, vv, vp,
-        eps, xs.stride(0), xs.stride(1), (out if out is not None else xs).stride(0),
+        sc, vsc, eps, xs.stride(0), xs.stride(1), (out if out is not None else xs).stride(0),
         (out if out is not None else xs).stride(1), cos.stride(0), pv.stride(0), pv.stride(1), pv.stride(2),
-        vv.stride(0), vv.stride(1), vp.stride(0), vp.stride(1), vp.stride(2),
+        vv.stride(0), vv.stride(1), vp.stride(0), vp.stride(1), vp.stride(2), *sc_strides, *vsc_strides,
         H=h, HB=hb, D=d, BLOCK_D=next_pow2(max(d, 2)), HALF=half, PAGE=pv.shape[1], WRITE_OUT=out is not None,
-        WRITE_POOL=pool is not None, WITH_V=v is not None, num_warps=4 if not interpreted(x) else 1,
+        WRITE_POOL=pool is not None, WITH_V=v is not None, FP8=fp8, INTERPRETED=interpreted(x),
+        num_warps=4 if not interpreted(x) else 1,
     )
     return None if pool is not None else out.view_as(x)

@@ -19,8 +19,9 @@ import triton.language as tl
 
 from ._batch import (dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of, splits_for,
                      tokens_per_tile)
-from ._splitk import LOG2E, Partials, online_softmax_step
-from .paged_attention import _check
+from ._fp8 import widen
+from ._splitk import LOG2E, Partials, online_softmax_step, online_softmax_step_scaled
+from .paged_attention import _check, scale_pools
 
 OP = "m3::sparse_paged_attention"
 
@@ -29,10 +30,10 @@ _BLOCK_N = 64
 
 @triton.jit
 def _sparse_paged_attention(
-    q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, sel_ptr,
-    out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
-    sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sbt_b, ss_t, ss_g, so_t, so_h, qk_scale,
-    HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+    sel_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
+    sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, sbt_b, ss_t, ss_g, so_t, so_h,
+    qk_scale, FP8: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -92,10 +93,20 @@ def _sparse_paged_attention(
                         mask=kmask[:, None] & (d[None, :] < D), other=0.0)
             v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
                         mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-            s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
+            if FP8:  # E4M3 rows: the dot on the exact values, each key's scale on its score column
+                k = widen(k, q_ptr.dtype.element_ty)
+                v = widen(v, q_ptr.dtype.element_ty)
+                ks = tl.load(ks_ptr + page * sks_p + row * sks_r + g, mask=kmask, other=0.0)
+                vs = tl.load(vs_ptr + page * svs_p + row * svs_r + g, mask=kmask, other=0.0)
+                s = mma(q, tl.trans(k), PREC, INTERPRETED) * (ks * qk_scale)[None, :]
+            else:
+                s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
             allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
             s = tl.where(allowed, s, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
+            if FP8:
+                m_i, l_i, acc = online_softmax_step_scaled(s, v, vs, m_i, l_i, acc, PREC, INTERPRETED)
+            else:
+                m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
 
     if SPLITS == 1:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
@@ -119,10 +130,13 @@ def forward(
     block_idx: torch.Tensor,
     block_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As paged_attention, but token t / head h sees only blocks ``block_idx[t, h // (Hq/Hkv)]`` (-1 = none)."""
+    """As paged_attention, but token t / head h sees only blocks ``block_idx[t, h // (Hq/Hkv)]`` (-1 = none).
+    FP8 pools come with their fp32 scale pools [pages, page, Hkv]."""
     t, hq, d = q.shape
-    _check(q, k_cache, v_cache, "sparse_paged_attention")
+    _check(q, k_cache, v_cache, "sparse_paged_attention", k_scale, v_scale)
     hkv, dv, page = k_cache.shape[2], v_cache.shape[3], k_cache.shape[1]
     if block_idx.dim() != 3 or block_idx.shape[:2] != (t, hkv):
         raise ValueError(f"sparse_paged_attention: block_idx {tuple(block_idx.shape)} must be [{t}, {hkv}, K]")
@@ -154,10 +168,12 @@ def forward(
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     block_n = min(_BLOCK_N, max(16, next_pow2(block_size)))
+    ks, vs = scale_pools(k_scale, v_scale, kc)
     _sparse_paged_attention[(slots, hkv, splits)](
-        q, kc, vc, bt, pos, qsl, tseq, tstart, tend, sel, out, *scratch, b,
+        q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
-        vc.stride(2), bt.stride(0), sel.stride(0), sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
+        vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), sel.stride(0),
+        sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E, FP8=k_scale is not None,
         HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=max(16, tokens * g_pad), D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv,
         BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk, K_PAD=next_pow2(max(topk, 2)),
         LOG2_SEQS=log2_ceil(b),

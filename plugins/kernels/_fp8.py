@@ -1,0 +1,62 @@
+"""The FP8 (E4M3) cache row format inside kernels: quantise a row on the write path, with its fp32 scale.
+
+Not a kernel module (it is not in ``KERNEL_MODULES``): the fused cache write (``qk_norm_rope_cache``) uses it and
+the attention / indexer kernels read what it writes (``float(q) * scale``). The format is
+``m3export.ops.kv_fp8`` (the reference): ``scale = amax / 448`` and ``q = e4m3(x / scale)`` rounded to nearest,
+ties to even, per row; both divisions correctly rounded (``div_rn``), as PyTorch's.
+
+The E4M3 byte is built by integer arithmetic on the fp32 bits and stored through a ``uint8`` view of the pool,
+not by a float -> float8 cast: Triton's CPU interpreter does not round that cast (31.4 became 16), so the
+interpreter-checked code and the GPU code are one and the same here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _div(a, b, INTERPRETED: tl.constexpr):
+    """a / b correctly rounded (Triton's ``/`` is an approximate division on NVIDIA GPUs)."""
+    if INTERPRETED:
+        return a / b
+    else:
+        return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def row_scale(x, keep, INTERPRETED: tl.constexpr):
+    """x [R, D] fp32 (``keep`` marks the real elements) -> per-row scale [R] = amax / 448 (0 for a zero row)."""
+    amax = tl.max(tl.where(keep, tl.abs(x), 0.0), axis=1)
+    return _div(amax, 448.0, INTERPRETED)
+
+
+@triton.jit
+def encode_e4m3(x, scale, INTERPRETED: tl.constexpr):
+    """x [R, D] fp32, scale [R] -> E4M3 bytes [R, D] uint8 of clamp(x / scale, +-448), RNE; 0 where scale is 0."""
+    ok = scale[:, None] > 0
+    y = _div(x, tl.where(ok, scale[:, None], 1.0), INTERPRETED)
+    y = tl.where(ok, tl.minimum(tl.maximum(y, -448.0), 448.0), 0.0)
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a = tl.abs(y)
+    abits = a.to(tl.uint32, bitcast=True)
+    # normal range (a >= 2^-6): keep 3 mantissa bits, round to nearest even at bit 20; a carry moves the exponent
+    r = abits + 0x7FFFF + ((abits >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # subnormal range (a < 2^-6): multiples of 2^-9; a * 512 < 8 rounds to an integer by adding 1.5 * 2^23
+    # (one correctly rounded fp32 addition); 8 is the first normal code, 0x08, so the two ranges meet
+    k = (a * 512.0 + 12582912.0) - 12582912.0
+    sub = k.to(tl.uint32)
+    code = tl.where(a >= 0.015625, normal, sub) | sign
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def widen(x, DTYPE: tl.constexpr):
+    """E4M3 values as ``DTYPE`` (the query's) for the tensor-core dot: exact, every E4M3 value is a bf16, fp16
+    and fp32 value; the row scales are applied to the dot's result (keys) or to P (values), never rounded in."""
+    return x.to(tl.float32).to(DTYPE)
