@@ -24,6 +24,7 @@ from torch import nn
 from ..dtypes import BY_NAME
 from ..model import Batch, M3ForCausalLM
 from ..model.batch import Segment, build_batch
+from ..model.media import place_rows
 from ..safetensors_io import TensorEntry
 from .functions import functions_for
 from .schemas import ONNX_OPSET
@@ -33,6 +34,11 @@ from .zero_copy import assemble
 
 BATCH_INPUTS = (*Batch.input_names(), "logits_indices")  # what every step graph takes besides tokens and pools
 POOLS = ("k_cache", "v_cache", "index_k_cache")  # per layer; dense layers have no index keys
+# A vision-language model's step graph (its first part) also takes media embeddings placed over the token
+# embeddings: rows [M] of the step's tokens take media_embeds [M, hidden]. Text-only steps feed M = 0, so a decode
+# step adds one ScatterND with no updates over its [T, hidden] embeddings (an inputs_embeds input instead would
+# carry [T, hidden] into every step, a separate embedding graph one more session run per step).
+MEDIA_INPUTS = ("media_rows", "media_embeds")
 ROOT = "m3"  # attribute under which the wrappers hold the model; stripped from initializer names
 IR_VERSION = 10
 # onnxscript's default rewrites minus those whose pattern has several output nodes: their matcher tries node
@@ -46,6 +52,7 @@ class StepGraph(nn.Module):
 
     The first part takes ``input_ids``, later parts the residual stream ``hidden_in``; the last part applies the
     final norm and lm_head (``logits``, ``hidden``), earlier ones hand on ``hidden_out``. Caches in and out, per layer.
+    With a vision tower the first part also takes ``MEDIA_INPUTS`` (after the pools).
     """
 
     def __init__(self, model: M3ForCausalLM, layers: range | None = None):
@@ -54,12 +61,16 @@ class StepGraph(nn.Module):
         n = model.config.num_hidden_layers
         self.layers = layers or range(n)
         self.first, self.last = self.layers.start == 0, self.layers.stop == n
+        self.media = self.first and model.config.vision is not None
         arity = [len(s) for s in model.cache_shapes(1, 1)]
         self.cache_arity = [arity[i] for i in self.layers]
 
     def forward(self, *inputs):
-        """Inputs in ``step_signature`` order: x, the batch, logits_indices (last part only), the pools."""
+        """Inputs in ``step_signature`` order: x, the batch, logits_indices (last part only), the pools, the media
+        rows and embeddings (first part of a vision-language model only)."""
         x, (batch, rest) = inputs[0], Batch.from_inputs(inputs[1:])
+        media_rows, media_embeds = rest[-2:] if self.media else (None, None)
+        rest = rest[:-2] if self.media else rest
         logits_indices, pools = (rest[0], rest[1:]) if self.last else (None, rest)
         caches, i = [], 0
         for n in self.cache_arity:
@@ -67,6 +78,8 @@ class StepGraph(nn.Module):
             i += n
         m = getattr(self, ROOT)
         h = m.model.embed_tokens(x) if self.first else x
+        if self.media:
+            h = place_rows(h, media_rows, media_embeds)
         h, caches, selections = m.run_layers(h, batch, caches, self.layers, inplace=False)
         pools_out = (p for layer in caches for p in layer)
         if not self.last:
@@ -116,6 +129,8 @@ def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSi
             aliases[f"{n}_out.{i}"] = f"{n}.{i}"
         if cfg.is_sparse_layer(i):
             sel.append(f"selection.{i}")
+    if first and cfg.vision is not None:
+        ins += MEDIA_INPUTS
     return GraphSignature(tuple(ins), tuple(outs + sel), aliases)
 
 
@@ -146,14 +161,14 @@ def _example(model: M3ForCausalLM, page_size: int, layers: str):
 
 # Symbolic dimensions of every graph input by name (pools are named "<pool>" or "<pool>.<layer>").
 INPUT_DIMS = {"input_ids": ("T",), "hidden_in": ("T",), "hidden": ("T",), "logits_indices": ("N",),
-              **Batch.input_dims(), **dict.fromkeys(POOLS, ("pages",))}
+              **Batch.input_dims(), **dict.fromkeys(POOLS, ("pages",)), **dict.fromkeys(MEDIA_INPUTS, ("M",))}
 
 
 def dynamic_shapes(names: tuple[str, ...]) -> tuple:
     """``torch.export`` dynamic shapes for a graph whose ``forward`` takes ``names`` in order, declared by name."""
     d = torch.export.Dim
     T, B, N, P, MP = d("T", min=1), d("B", min=1), d("N", min=1), d("pages", min=1), d("max_pages", min=1)
-    symbols = {"T": T, "B": B, "B+1": B + 1, "N": N, "pages": P, "max_pages": MP}
+    symbols = {"T": T, "B": B, "B+1": B + 1, "N": N, "pages": P, "max_pages": MP, "M": d("M", min=0)}
     return tuple({axis: symbols[s] for axis, s in enumerate(INPUT_DIMS[name.split(".")[0]])} for name in names)
 
 
@@ -168,7 +183,11 @@ def trace_step(model: M3ForCausalLM, page_size: int, layers: range | None = None
     x = ids if graph.first else torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype,
                                             device="meta")
     head = (logits_indices,) if graph.last else ()  # logits_indices belongs to the part with the head
-    return torch_to_onnx(graph, (x, *batch.inputs(), *head, *pools), step_signature(model, layers))
+    media = ()
+    if graph.media:  # 4 media rows (of T = 7): equal to no other dynamic dimension
+        media = (torch.tensor([1, 2, 3, 5]).to("meta"),
+                 torch.empty((4, model.config.hidden_size), dtype=pools[0].dtype, device="meta"))
+    return torch_to_onnx(graph, (x, *batch.inputs(), *head, *pools, *media), step_signature(model, layers))
 
 
 def trace_mtp(model: M3ForCausalLM, k: int, page_size: int) -> ir.Model:

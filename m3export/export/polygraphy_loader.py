@@ -49,7 +49,8 @@ def step_feeds(manifest: dict, graph: str, seed: int = SEED) -> dict[str, np.nda
         "slot_mapping": slots,
         "logits_indices": (np.cumsum(new) - 1).astype(np.int64),  # each sequence's last token
     }
-    dims = {"T": t, "B": len(new), "B + 1": len(new) + 1, "N": len(new), "pages": num_pages, "max_pages": max(need)}
+    dims = {"T": t, "B": len(new), "B + 1": len(new) + 1, "N": len(new), "pages": num_pages, "max_pages": max(need),
+            "M": 0}  # M: media rows of a vision-language step graph (none: a text step)
     feeds = {}
     for sig in manifest["graphs"][graph]["inputs"]:
         name, dtype = sig["name"], np.dtype(sig["dtype"])
@@ -58,7 +59,7 @@ def step_feeds(manifest: dict, graph: str, seed: int = SEED) -> dict[str, np.nda
             feeds[name] = batch[name]
         elif name == "hidden":
             feeds[name] = rng.standard_normal(shape).astype(dtype)
-        else:  # a cache pool: zeros (the step writes its own rows before reading them)
+        else:  # a cache pool (the step writes its own rows before reading them) or the empty media inputs
             feeds[name] = np.zeros(shape, dtype=dtype)
         if list(feeds[name].shape) != shape:
             raise ValueError(f"{graph}: input {name} built as {list(feeds[name].shape)}, graph wants {sig['shape']}")

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..dtypes import BY_NAME
 from ..model import M3ForCausalLM
 from ..model.batch import Segment, build_batch
+from ..model.media import place_rows
 from .artifact import Artifact, load_artifact, load_torch_model
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
@@ -147,6 +148,13 @@ def scenario(cfg, page_size: int, decode_steps: int) -> tuple[list[int], list[li
     return prompts, steps
 
 
+def _media_rows(num_tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator, first: bool):
+    """A vision-language step graph's media inputs: in the first (prefill) step every third token's embedding is
+    replaced by a random row (what placed image tokens look like to the graph), in later steps none."""
+    rows = torch.arange(1, num_tokens, 3) if first else torch.zeros(0, dtype=torch.int64)
+    return rows, torch.randn(rows.numel(), hidden, generator=gen).to(dtype)
+
+
 class _Pages:
     """A shuffled page assignment, so block tables are never the identity."""
 
@@ -220,8 +228,12 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
             report.tokens += ids.numel()
             report.exercised += int((batch.positions // cfg.index_block_size + 1 > cfg.index_topk_blocks).sum())
 
-            ref = model.step(ids, batch, caches, every)
-            got = main.run(batch.feeds(input_ids=ids, logits_indices=every))
+            media = _media_rows(ids.numel(), cfg.hidden_size, dtype, gen, first=report.steps == 0) \
+                if any(t.name == "media_rows" for t in main.graph.inputs) else None
+            embeds = None if media is None else place_rows(model.model.embed_tokens(ids), *media)
+            ref = model.step(ids, batch, caches, every, inputs_embeds=embeds)
+            extra = {} if media is None else {"media_rows": media[0], "media_embeds": media[1]}
+            got = main.run(batch.feeds(input_ids=ids, logits_indices=every, **extra))
             cmp.close("model:logits", got["logits"], ref.logits)
             cmp.close("model:hidden", got["hidden"], ref.hidden)
             for i, sel in zip(sparse, ref.selections):

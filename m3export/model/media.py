@@ -67,3 +67,9 @@ def place_tokens(embeds: torch.Tensor, input_ids: torch.Tensor, token_id: int, t
         raise MediaError(f"{what} placeholders and {what} tokens do not match: the prompt has {n} placeholder "
                          f"token(s) (id {token_id}) but the {what}s encode to {tokens.shape[0]}")
     return embeds.masked_scatter(mask[:, None], tokens.to(embeds.dtype))
+
+
+def place_rows(embeds: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """embeds [T, H] with rows ``rows`` [M] replaced by ``values`` [M, H]: a step's media tokens over its token
+    embeddings (the runtime knows the rows; one ScatterND in the exported step graph, a no-op for M = 0)."""
+    return embeds.index_put((rows,), values.to(embeds.dtype))

@@ -8,6 +8,10 @@ The execution provider decides where everything lives (``--provider``; ``Provide
 batches, pools and outputs are host tensors; on a CUDA-like EP they are device tensors bound in place, so a
 step's inputs, the pools and the outputs (the hidden state chained into the MTP graphs included) stay on the
 device between steps. CI runs the CPU EP; the GPU path is the same code and is unverified here.
+
+Images and video (a vision-language artifact): ``vision.onnx`` encodes each media item once (``encode_media``),
+and the step graph takes the media tokens of a step as ``media_rows`` / ``media_embeds`` (``MEDIA_INPUTS``),
+placed over the token embeddings; steps without media feed zero rows.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 import torch
 
 from m3export.dtypes import BY_NAME, MODEL_DTYPES
-from m3export.errors import BackendUnavailable
+from m3export.errors import BackendUnavailable, MediaError
 from m3export.model.batch import Batch
 
 from .base import Backend
@@ -86,6 +90,32 @@ class OnnxRuntimeBackend(Backend):
                      for k in range(artifact.manifest.mtp_modules)]
         for session in (self._main, *self._mtp):
             _check_signature(session, artifact.root)
+        names = {t.name for t in self._main.graph.inputs}
+        self._media_inputs = {"media_rows", "media_embeds"} <= names
+        self._vision = None  # vision.onnx's session, opened at the first media item
+
+    @property
+    def supports_media(self) -> bool:
+        """A vision-language artifact whose step graph takes media embeddings and which has ``vision.onnx``
+        (artifacts exported before the step graphs took media do not)."""
+        return self.config.vision is not None and self._media_inputs and "vision" in self.artifact.graphs
+
+    def encode_media(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """One media item through ``vision.onnx`` (one run per grid row) -> float32 [tokens, H] blocks."""
+        if not self.supports_media:
+            raise MediaError(f"{self.artifact.root}: this artifact cannot take images or video with the onnxruntime "
+                             "backend (no vision.onnx, or a step graph without media inputs: export it again)")
+        from m3export.export.vision_graph import run_vision_onnx
+
+        if self._vision is None:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.log_severity_level = 3  # errors only, as the step graphs' sessions
+            self._vision = ort.InferenceSession(str(self.artifact.path("vision")), sess_options=options,
+                                                providers=self.provider.session_providers())
+
+        return run_vision_onnx(self._vision, pixel_values.cpu(), grid_thw, self.config.vision.spatial_merge_size)
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None) -> OnnxRuntimeBackend:
@@ -119,8 +149,16 @@ class OnnxRuntimeBackend(Backend):
         out = session.run_torch(feeds)
         return out["logits"].float(), out[hidden_name]
 
-    def forward(self, input_ids, batch: Batch, logits_indices):
-        return self._run(self._main, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices)
+    def forward(self, input_ids, batch: Batch, logits_indices, media=None):
+        """``media``: (rows [M], embeddings [M, H]) of this step's media tokens (the engine's; see ``Backend``)."""
+        extra = {}
+        if self._media_inputs:
+            rows, values = media if media is not None else (torch.zeros(0, dtype=torch.int64),
+                                                            torch.zeros(0, self.config.hidden_size))
+            extra = {"media_rows": rows.to(torch.int64), "media_embeds": values.to(self.graph_dtype.torch)}
+        elif media is not None:
+            raise MediaError("this artifact's step graph takes no media embeddings (export it again)")
+        return self._run(self._main, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices, **extra)
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         return self._run(self._mtp[module], batch, "hidden_out", input_ids=input_ids, logits_indices=logits_indices,

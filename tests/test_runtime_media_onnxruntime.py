@@ -1,0 +1,99 @@
+"""Images and video on the onnxruntime backend: ``vision.onnx`` encodes each item, the step graph takes the media
+rows (``media_rows`` / ``media_embeds``), and a multimodal request equals the torch backend on the same artifact
+and the cache-free model recomputed at every token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3export.checkpoint.writer import write_checkpoint
+from m3export.config import preset
+from m3export.errors import MediaError
+from m3export.export.artifact import load_artifact, load_torch_model
+from m3export.export.exporter import export_artifact
+from m3export.model import M3ForCausalLM
+from m3export.model.batch import Segment, build_batch
+from m3export.runtime import Engine, SamplingParams
+from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+from m3export.runtime.backends.torch_backend import TorchBackend
+
+from .test_runtime_media import IMG, IMG2, VID, _prompt, _reference
+from .test_vision_model import IMAGE, VIDEO, VISION
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vl_artifact(tmp_path_factory):
+    """A tiny VL model with one MTP module, float32, pages of 4 tokens; weights scaled as in
+    ``test_runtime_media`` so that the media decide the greedy tokens."""
+    tmp = tmp_path_factory.mktemp("vl-ort")
+    torch.manual_seed(0)
+    model = M3ForCausalLM(preset("tiny").replace(num_mtp_modules=1, vision=VISION)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "layer_norm" in name and name.endswith("weight") else 0.0, 0.05 if "norm" in name
+                      else 0.3 if name.startswith(("vision_tower", "multi_modal_projector")) else 0.05)
+    write_checkpoint(tmp / "ckpt", model.config, "original", "fp32", model=model, progress=False,
+                     with_tokenizer=False)
+    return load_artifact(export_artifact(str(tmp / "ckpt"), tmp / "art", page_size=4, progress=False))
+
+
+@pytest.fixture(scope="module")
+def reference(vl_artifact):
+    return load_torch_model(vl_artifact)
+
+
+@pytest.mark.slow  # the VL export (~20 s alone on the 2-core CI machine) is this module's cost
+def test_a_media_step_equals_the_torch_backend_and_the_cache_free_model(vl_artifact, reference):
+    """One prefill step holding an image and a video: the vision graph's tokens, placed by the step graph, give the
+    torch backend's logits and the cache-free model's."""
+    ort, torch_be = OnnxRuntimeBackend(vl_artifact), TorchBackend(reference)
+    assert ort.supports_media
+    for be in (ort, torch_be):
+        be.allocate(16, 4)
+    ids = _prompt(5, (IMAGE, 6), 3, (VIDEO, 6), 4)
+    ids_t, batch = build_batch([Segment(list(range(7)), 0, ids)], 4)
+    every = torch.arange(len(ids))
+    rows = torch.tensor([i for i, t in enumerate(ids) if t in (IMAGE, VIDEO)])
+    got_blocks = ort.encode_media(IMG.pixel_values, IMG.grid_thw) + ort.encode_media(VID.pixel_values, VID.grid_thw)
+    want_blocks = torch_be.encode_media(IMG.pixel_values, IMG.grid_thw) + \
+        torch_be.encode_media(VID.pixel_values, VID.grid_thw)
+    for g, w in zip(got_blocks, want_blocks, strict=True):
+        # fp32 both sides; ONNX Runtime sums attention / LayerNorm in another order (~7e-7 measured).
+        assert float((g - w).abs().max() / w.abs().max()) <= 1e-5
+    lo, _ = ort.forward(ids_t, batch, every, media=(rows, torch.cat(got_blocks)))
+    lt, _ = torch_be.forward(ids_t, batch, every, media=(rows, torch.cat(want_blocks)))
+    with torch.no_grad():
+        lm = reference(torch.tensor([ids]), pixel_values=IMG.pixel_values, image_grid_thw=IMG.grid_thw,
+                       pixel_values_videos=VID.pixel_values, video_grid_thw=VID.grid_thw)[0]
+    # The fp32 bound of the other onnxruntime-vs-torch tests (test_runtime_onnxruntime): summation order only.
+    assert torch.allclose(lo, lt, atol=1e-4) and torch.allclose(lo, lm, atol=1e-4)
+    plain, _ = ort.forward(ids_t, batch, every)  # the same step without media: the placeholders' own embeddings
+    assert not torch.allclose(plain, lo, atol=1e-2)
+
+
+@pytest.mark.slow  # shares the VL export above
+def test_multimodal_generation_equals_torch_and_the_model(vl_artifact, reference):
+    """Chunked prefill across an image and a video (7 tokens per step), MTP drafts on, two requests batched."""
+    ids = _prompt(5, (IMAGE, 6), 3, (VIDEO, 6), 4)
+    short = _prompt(2, (IMAGE, 6), 1)
+    outs = {}
+    for name in ("onnxruntime", "torch"):
+        eng = Engine.from_artifact(vl_artifact.root, backend=name, num_pages=64, max_num_batched_tokens=7,
+                                   num_speculative_tokens=1)
+        outs[name] = [o.token_ids for o in eng.generate([ids, short], GREEDY, media=[[IMG, VID], [IMG2]])]
+        assert eng.blocks.num_free == eng.blocks.num_pages
+    want = [_reference(reference, ids, [IMG, VID], GREEDY.max_tokens),
+            _reference(reference, short, [IMG2], GREEDY.max_tokens)]
+    assert outs["onnxruntime"] == outs["torch"] == want
+    assert _reference(reference, short, [IMG], GREEDY.max_tokens) != want[1]  # the pixels decide the tokens
+
+
+def test_text_only_artifact_on_onnxruntime_refuses_media(tiny_artifact):
+    eng = Engine.from_artifact(tiny_artifact, backend="onnxruntime", num_pages=32)
+    assert not eng.backend.supports_media
+    with pytest.raises(MediaError, match=r"the onnxruntime backend cannot take images or video \(the model has no "
+                                         r"vision tower\)"):
+        eng.add_request("x", _prompt(3, (IMAGE, 6)), GREEDY, media=[IMG])
