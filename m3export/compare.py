@@ -5,6 +5,9 @@ steps feeding every backend the reference's greedy tokens (so a divergence in on
 of the next), then each MTP graph on the prefill positions with the reference's hidden states. Every backend
 starts from its own zeroed pools. Errors use ``m3export.export.verify.Stat`` (the one place errors are measured:
 max abs, max abs / max |reference|, non-finite values counted apart).
+
+``ARTIFACT`` may be an engine directory of ``m3export build``: the tensorrt backend runs its engines, the others
+the artifact its ``build.json`` names.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def _steps(vocab: int, page_size: int, decode_steps: int, seed: int):
 
 def compare_backends(artifact: str | Path, backends: list[str], decode_steps: int = 3, device: str = "cpu",
                      tolerance: float | None = None, seed: int = 0) -> CompareReport:
+    from .build.engine import BUILD_JSON, read_build
     from .export.artifact import load_artifact
     from .runtime.backends import create_backend
 
@@ -64,6 +68,10 @@ def compare_backends(artifact: str | Path, backends: list[str], decode_steps: in
         raise M3Error(f"--backends needs at least two backends to compare, got {backends}")
     if len(set(backends)) != len(backends):
         raise M3Error(f"--backends lists a backend twice: {backends}")
+    sources = {}  # backend -> what it opens
+    if (Path(artifact) / BUILD_JSON).is_file():  # an engine directory: the others run the artifact it was built from
+        sources["tensorrt"] = artifact
+        artifact = read_build(artifact).get("artifact") or artifact
     art = load_artifact(artifact, verify_checksums=False)
     cfg, page = art.config, art.page_size
     report = CompareReport(backends[0], tolerance if tolerance is not None else TOLERANCE.get(art.manifest.dtype,
@@ -75,7 +83,7 @@ def compare_backends(artifact: str | Path, backends: list[str], decode_steps: in
     ref_hidden = None
     for name in backends:
         try:
-            be = create_backend(name, artifact, device=device)
+            be = create_backend(name, sources.get(name, artifact), device=device)
         except M3Error as e:
             if name == backends[0]:
                 raise

@@ -25,3 +25,223 @@ def test_a_directory_without_engines_says_how_to_build_them(tmp_path):
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="expected one of torch, onnxruntime, tensorrt"):
         create_backend("tvm", ".")
+
+
+# ------------------------------------------------------------------ the binding plan (plain Python, no TensorRT)
+import json  # noqa: E402
+import math  # noqa: E402
+
+import torch  # noqa: E402
+
+from m3export.build.profiles import Limits, engine_metadata, profiles_for  # noqa: E402
+from m3export.errors import ArtifactError  # noqa: E402
+from m3export.export.manifest import GraphInfo, TensorSig  # noqa: E402
+from m3export.runtime.backends import tensorrt_backend as trb  # noqa: E402
+from m3export.runtime.backends import tensorrt_bindings as tb  # noqa: E402
+
+V, H, PAGE = 32, 16, 4
+
+
+def _graph() -> GraphInfo:
+    """The main graph's signature as export writes it (manifest.json), at small static dims."""
+    ins = (TensorSig("input_ids", "int64", ("T",)), TensorSig("positions", "int64", ("T",)),
+           TensorSig("query_start_loc", "int32", ("B + 1",)), TensorSig("seq_lens", "int32", ("B",)),
+           TensorSig("block_tables", "int32", ("B", "max_pages")), TensorSig("slot_mapping", "int64", ("T",)),
+           TensorSig("logits_indices", "int64", ("N",)), TensorSig("k_cache.0", "float32", ("pages", PAGE, 2, 8)),
+           TensorSig("index_k_cache.0", "float32", ("pages", PAGE, 8)))
+    outs = (TensorSig("logits", "float32", ("N", V)), TensorSig("hidden", "float32", ("T", H)),
+            TensorSig("k_cache_out.0", "float32", ("pages", PAGE, 2, 8)),
+            TensorSig("index_k_cache_out.0", "float32", ("pages", PAGE, 8)))
+    return GraphInfo("model.onnx", ins, outs, {"k_cache_out.0": "k_cache.0", "index_k_cache_out.0": "index_k_cache.0"})
+
+
+def _shapes(t=3, b=2, max_pages=2, n=2, pages=9):
+    return {"input_ids": (t,), "positions": (t,), "query_start_loc": (b + 1,), "seq_lens": (b,),
+            "block_tables": (b, max_pages), "slot_mapping": (t,), "logits_indices": (n,),
+            "k_cache.0": (pages, PAGE, 2, 8), "index_k_cache.0": (pages, PAGE, 8)}
+
+
+LIMITS = Limits(max_num_tokens=64, max_batch=8, max_model_len=40, page_size=PAGE)  # 10 pages a sequence, 81 a pool
+
+
+def _profiles():
+    """What build.json records and the engine reports (through a JSON round trip, as the runtime reads it)."""
+    meta = engine_metadata("10.13.0", (9, 0), "H200", LIMITS, {"model": profiles_for(_graph(), LIMITS)}, {}, {}, [])
+    return json.loads(json.dumps(meta))["profiles"]["model"]
+
+
+def test_profiles_by_token_count_decode_first():
+    profiles = _profiles()
+    assert [p["input_ids"] for p in profiles] == [[[1], [8], [8]], [[1], [64], [64]]]
+    assert all(p["block_tables"][2] == [8, 10] and p["k_cache.0"][2] == [81, PAGE, 2, 8] for p in profiles)
+    assert profiles_for(_graph(), Limits(8, 8, 40, PAGE)) == profiles_for(_graph(), Limits(8, 8, 40, PAGE))[:1]
+
+
+@pytest.mark.parametrize("shapes, want", [(_shapes(t=1, b=1, n=1), 0), (_shapes(t=8, b=8, n=8), 0),
+                                          (_shapes(t=9, b=2, n=2), 1), (_shapes(t=64, b=8, n=64, pages=81), 1)])
+def test_the_smallest_profile_that_holds_the_step_is_chosen(shapes, want):
+    assert tb.select_profile(_graph(), _profiles(), shapes, "e") == want
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (_shapes(t=65, n=1), r"input input_ids .* is 65, the engine was built for 1\.\.64 .*--max-num-tokens"),
+    (_shapes(b=9), r"input query_start_loc .* \(B \+ 1\) is 10, .* 2\.\.9 .*--max-batch"),
+    (_shapes(max_pages=11), r"input block_tables .* \(max_pages\) is 11, .* 1\.\.10 .*--max-model-len"),
+    (_shapes(pages=82), r"input k_cache.0 .* \(pages\) is 82, .* 1\.\.81 .*--num-pages"),
+])
+def test_a_step_beyond_every_profile_names_the_input_and_the_build_option(shapes, match):
+    with pytest.raises(tb.StepError, match=match):
+        tb.select_profile(_graph(), _profiles(), shapes, "e")
+
+
+def test_step_dims_and_output_shapes():
+    dims = tb.step_dims(_graph(), _shapes(t=5, b=3, max_pages=4, n=3, pages=20), "e")
+    assert dims == {"T": 5, "B": 3, "max_pages": 4, "N": 3, "pages": 20}
+    assert tb.output_shapes(_graph(), dims, "e") == {"logits": (3, V), "hidden": (5, H),
+                                                     "k_cache_out.0": (20, PAGE, 2, 8),
+                                                     "index_k_cache_out.0": (20, PAGE, 8)}
+    bounds = tb.dim_bounds(_graph(), _profiles(), "e")
+    assert bounds == {"T": 64, "N": 64, "B": 8, "max_pages": 10, "pages": 81}
+    assert tb.output_shapes(_graph(), bounds, "e")["logits"] == (64, V)  # the preallocated logits buffer
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(query_start_loc=(4,)), r"input seq_lens dim 'B' is 2, so B = 2, but another input has B = 3"),
+    (dict(k_cache=(9, PAGE, 2, 7)), r"input k_cache.0 has shape \[9, 4, 2, 7\], the graph takes"),
+    (dict(block_tables=(2,)), r"input block_tables has rank 1"),
+    (dict(extra=(1,)), r"unexpected inputs \['extra'\]"),
+    (dict(drop="seq_lens"), r"missing inputs \['seq_lens'\]"),
+])
+def test_step_feeds_are_checked_against_the_signature(change, match):
+    shapes = _shapes()
+    for k, v in change.items():
+        if k == "drop":
+            del shapes[v]
+        else:
+            shapes["k_cache.0" if k == "k_cache" else k] = v
+    with pytest.raises(tb.StepError, match=match):
+        tb.step_dims(_graph(), shapes, "e")
+
+
+def _engine_tensors(graph):
+    return [tb.EngineTensor(t.name, is_in, t.dtype, tuple(d if isinstance(d, int) else -1 for d in t.shape))
+            for is_in, sigs in ((True, graph.inputs), (False, graph.outputs)) for t in sigs]
+
+
+def test_engine_io_must_be_the_graph_signature():
+    g = _graph()
+    tensors = _engine_tensors(g)
+    tb.check_engine_io(g, list(reversed(tensors)), "e")  # order does not matter, names do
+    cases = [(tensors[:-1], "the engine has no output 'index_k_cache_out.0'"),
+             (tensors + [tb.EngineTensor("x", False, "float32", (1,))], r"tensors \['x'\] that model.onnx does not"),
+             ([tb.EngineTensor("logits", True, "float32", (-1, V)) if t.name == "logits" else t for t in tensors],
+              "'logits' is an input of the engine, an output of model.onnx"),
+             ([tb.EngineTensor("hidden", False, "float16", (-1, H)) if t.name == "hidden" else t for t in tensors],
+              "output 'hidden' is float16 in the engine, float32 in model.onnx"),
+             ([tb.EngineTensor("hidden", False, "float32", (-1, H + 1)) if t.name == "hidden" else t for t in tensors],
+              r"output 'hidden' has shape \[-1, 17\] in the engine, \['T', 16\] in model.onnx")]
+    for bad, match in cases:
+        with pytest.raises(ArtifactError, match=match):
+            tb.check_engine_io(g, bad, "e")
+
+
+def test_engine_profiles_must_be_the_recorded_ones():
+    recorded = _profiles()
+    engine = [{n: [tuple(s) for s in r] for n, r in p.items()} for p in recorded]  # what TensorRT reports
+    tb.check_profiles(engine, recorded, "e")
+    with pytest.raises(ArtifactError, match="not the ones build.json records"):
+        tb.check_profiles(engine[:1], recorded, "e")
+
+
+def test_ping_pong_pools_give_the_in_place_cache_writes():
+    """Three steps of an out-of-place cache write (what TensorRT runs for the graph's ScatterND: copy the pool read,
+    write the new rows) through PoolPair's bindings equal the same rows written in place into one pool."""
+    g = _graph()
+    made = []
+
+    def allocate(name, shape, dtype):
+        made.append((name, shape, dtype))
+        return torch.zeros(shape)
+
+    pools = tb.PoolPair(g, 9, allocate)
+    assert made == [("k_cache.0", (9, PAGE, 2, 8), "float32")] * 2 + [("index_k_cache.0", (9, PAGE, 8), "float32")] * 2
+    in_place = {n: torch.zeros(s) for n, s, _ in made[::2]}
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        slots = torch.randperm(9 * PAGE, generator=gen)[:5]
+        reads, writes = pools.bindings()
+        assert set(reads) == {"k_cache.0", "index_k_cache.0"} and set(writes) == {"k_cache_out.0",
+                                                                                "index_k_cache_out.0"}
+        assert all(writes[o].data_ptr() != reads[i].data_ptr() for i, o in tb.pool_pairs(g))
+        for inp, out in tb.pool_pairs(g):
+            rows = torch.randn((5, *reads[inp].shape[2:]), generator=gen)
+            writes[out].copy_(reads[inp])  # ScatterND out of place
+            writes[out].view(-1, *rows.shape[1:])[slots] = rows
+            in_place[inp].view(-1, *rows.shape[1:])[slots] = rows
+        pools.swap()
+        for inp, _ in tb.pool_pairs(g):
+            assert torch.equal(pools.current(inp), in_place[inp]), (step, inp)
+
+
+def test_feeds_that_must_be_copied_before_binding():
+    out = [(4096, 1024)]
+    assert not tb.needs_copy(8192, 512, out)
+    assert tb.needs_copy(8192 + 4, 512, out)  # misaligned (a slice of another tensor)
+    assert tb.needs_copy(4096 + 256, 256, out)  # inside an output buffer (an output fed back)
+    assert tb.needs_copy(3840, 512, out)  # straddles its start
+    assert not tb.needs_copy(3840, 256, out) and not tb.needs_copy(4096 + 4, 0, out)  # adjacent; empty
+
+
+def test_engine_graphs_and_files(tmp_path):
+    meta = {"engines": {"model": {"file": "model.engine", "bytes": 3}, "mtp1": {"file": "mtp1.engine", "bytes": 1}}}
+    assert trb.engine_graphs(meta, 2, "e") == ("model", [])  # mtp1 without mtp0 cannot chain
+    meta["engines"]["mtp0"] = {"file": "mtp0.engine", "bytes": 1}
+    assert trb.engine_graphs(meta, 2, "e") == ("model", ["mtp0", "mtp1"])
+    with pytest.raises(ArtifactError, match="lists no engine of graph 'model'"):
+        trb.engine_graphs({"engines": {}}, 1, "e")
+    with pytest.raises(ArtifactError, match="engine of graph 'model' is missing"):
+        trb.check_engine_file(tmp_path, meta["engines"]["model"], "model")
+    (tmp_path / "model.engine").write_bytes(b"ab")
+    with pytest.raises(ArtifactError, match="2 bytes, build.json records 3"):
+        trb.check_engine_file(tmp_path, meta["engines"]["model"], "model")
+    (tmp_path / "model.engine").write_bytes(b"abc")
+    assert trb.check_engine_file(tmp_path, meta["engines"]["model"], "model") == tmp_path / "model.engine"
+    with pytest.raises(ArtifactError, match="names no file in the directory"):
+        trb.check_engine_file(tmp_path, {"file": "../model.engine", "bytes": 3}, "model")
+
+
+def test_profiles_of_the_exported_graphs(tiny_artifact):
+    """The real signatures of the tiny export: every graph's profiles hold a decode and a prefill step."""
+    from m3export.export.artifact import load_artifact
+
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    limits = Limits.for_config(art.config, art.page_size, 32, 4, 64)
+    for name, graph in art.graphs.items():
+        if name == "vision":
+            continue
+        profiles = profiles_for(graph, limits)
+        pages = math.ceil(64 / art.page_size)
+        dims = dict(t=4, b=4, max_pages=pages, n=4, pages=limits.pool_pages)
+        shapes = {t.name: tb.resolve(t.shape, {"T": 4, "B": 4, "max_pages": pages, "N": 4,
+                                               "pages": limits.pool_pages}, "x") for t in graph.inputs}
+        assert tb.step_dims(graph, shapes, name) == {"T": 4, "B": 4, "max_pages": pages, "N": 4,
+                                                      "pages": limits.pool_pages}, dims
+        assert tb.select_profile(graph, profiles, shapes, name) == 0
+        shapes.update({n: tb.resolve(t.shape, {"T": 20, "B": 2, "max_pages": pages, "N": 2,
+                                               "pages": limits.pool_pages}, "x")
+                       for n, t in {t.name: t for t in graph.inputs}.items()})
+        assert tb.select_profile(graph, profiles, shapes, name) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TENSORRT, reason="TensorRT is not installed (its wheels download from NVIDIA's index, "
+                    "unreachable here; pip install 'm3export[trt]' on a GPU host)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tiny_engines_match_the_torch_backend(tiny_artifact, tmp_path):
+    """Build the tiny model's engines and run the same paged steps through them and the torch backend."""
+    from m3export.build.engine import build_engines
+    from m3export.compare import compare_backends
+
+    engines = build_engines(tiny_artifact, tmp_path / "engines", max_num_tokens=64, max_batch=4, max_model_len=64)
+    report = compare_backends(engines, ["torch", "tensorrt"], decode_steps=3, device="cuda")
+    assert report.passed, "\n".join(report.lines())

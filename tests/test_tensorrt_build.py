@@ -149,8 +149,11 @@ def test_limits_are_checked(tiny_artifact):
 
 
 def test_engines_for_another_gpu_or_tensorrt_are_refused():
-    meta = {"format": "m3export.engines", "tensorrt": "10.13.0", "compute_capability": [9, 0], "device": "H200"}
+    meta = {"format": "m3export.engines", "format_version": 2, "tensorrt": "10.13.0", "compute_capability": [9, 0],
+            "device": "H200"}
     check_engine(meta, "10.13.0", (9, 0), "e")
+    with pytest.raises(ArtifactError, match="build.json format_version 1, this runtime reads 2: rebuild"):
+        check_engine(dict(meta, format_version=1), "10.13.0", (9, 0), "e")
     with pytest.raises(BackendUnavailable, match=r"built for compute capability 9\.0 \(H200\), this GPU is 8\.9"):
         check_engine(meta, "10.13.0", (8, 9), "e")
     with pytest.raises(BackendUnavailable, match="built with TensorRT 10.13.0, this is TensorRT 11.0.0"):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ArtifactError
-from .profiles import Limits, check_engine, engine_metadata, profile_shapes  # noqa: F401  (check_engine: re-export)
+from .profiles import Limits, check_engine, engine_metadata, profiles_for  # noqa: F401  (check_engine: re-export)
 
 BUILD_JSON = "build.json"
 
@@ -114,11 +114,12 @@ def build_engines(artifact: str | Path, out: str | Path, max_num_tokens: int | N
         cache = config.create_timing_cache(cache_bytes)
         config.set_timing_cache(cache, ignore_mismatch=False)
         config.progress_monitor = _progress_monitor(trt)
-        profile = builder.create_optimization_profile()
-        shapes = profile_shapes(art.graphs[name], limits)
-        for inp, (lo, opt, hi) in shapes.items():
-            profile.set_shape(inp, lo, opt, hi)
-        config.add_optimization_profile(profile)
+        shapes = profiles_for(art.graphs[name], limits)  # index i here is TensorRT's profile i
+        for ranges in shapes:
+            profile = builder.create_optimization_profile()
+            for inp, (lo, opt, hi) in ranges.items():
+                profile.set_shape(inp, lo, opt, hi)
+            config.add_optimization_profile(profile)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise ArtifactError(f"{name}: TensorRT could not build the engine (see the log above)")

@@ -1,9 +1,13 @@
 """Optimisation profiles for an artifact's graphs and the metadata that ties an engine to its GPU and TensorRT.
 
 Every dynamic dimension of the graph signatures (``manifest.json``: ``T``, ``B``, ``B + 1``, ``N``, ``max_pages``,
-``pages``) gets (min, opt, max) from the build limits: tokens from 1 to ``max_num_tokens`` (opt: a decode batch of
-``max_batch`` tokens, the step a server runs most), sequences from 1 to ``max_batch``, block-table width and pool
-pages from ``max_model_len``. Static dimensions stay as exported.
+``pages``) gets (min, opt, max) from the build limits: sequences from 1 to ``max_batch``, block-table width and pool
+pages from ``max_model_len``, and tokens by profile. An engine has one optimisation profile per token range
+(:meth:`Limits.token_ranges`), smallest first: decode steps (at most ``max_batch`` tokens, tuned at ``max_batch``,
+the step a server runs most) and, when ``max_num_tokens`` is larger, every step up to ``max_num_tokens`` (tuned at
+a full prefill chunk). TensorRT picks kernels per profile, so decode steps do not run tactics timed for 2k-token
+chunks; the runtime selects, per step, the first profile that holds its shapes
+(``runtime/backends/tensorrt_bindings.py``). Static dimensions stay as exported.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import asdict, dataclass
 from ..errors import ArtifactError, BackendUnavailable
 
 DEFAULTS = {"max_num_tokens": 2048, "max_batch": 64, "max_model_len": 32768}
+FORMAT = "m3export.engines"
+FORMAT_VERSION = 2  # 2: a list of optimisation profiles per graph
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,20 @@ class Limits:
     def pool_pages(self) -> int:
         return self.num_pages or self.max_batch * self.pages_per_sequence + 1
 
-    def ranges(self) -> dict[str, tuple[int, int, int]]:
-        """(min, opt, max) of every named dynamic dimension."""
+    def token_ranges(self) -> list[tuple[int, int, int]]:
+        """(min, opt, max) tokens of each optimisation profile, smallest first (see the module docstring)."""
         decode = min(self.max_batch, self.max_num_tokens)
-        return {"T": (1, decode, self.max_num_tokens), "N": (1, decode, self.max_num_tokens),
-                "B": (1, min(self.max_batch, decode), self.max_batch),
+        out = [(1, decode, decode)]
+        if self.max_num_tokens > decode:
+            out.append((1, self.max_num_tokens, self.max_num_tokens))
+        return out
+
+    def ranges(self, tokens: tuple[int, int, int] | None = None) -> dict[str, tuple[int, int, int]]:
+        """(min, opt, max) of every named dynamic dimension, for the profile of ``tokens`` (default: the one of
+        every step, up to ``max_num_tokens``). Logits rows (``N``) range as tokens: at most one per token."""
+        tokens = tokens or self.token_ranges()[-1]
+        return {"T": tokens, "N": tokens,
+                "B": (1, min(self.max_batch, tokens[1]), self.max_batch),
                 "max_pages": (1, self.pages_per_sequence, self.pages_per_sequence),
                 "pages": (1, self.pool_pages, self.pool_pages)}
 
@@ -58,22 +73,32 @@ class Limits:
 _SUM = re.compile(r"^\s*(\w+)\s*([+-])\s*(\d+)\s*$")
 
 
+def split_dim(dim) -> tuple[str | None, int]:
+    """One dimension of a signature as (name, offset): ``7`` -> (None, 7), ``"B"`` -> ("B", 0), ``"B + 1"`` ->
+    ("B", 1); a string of another form is its own name."""
+    if isinstance(dim, int):
+        return None, dim
+    m = _SUM.match(str(dim))
+    if m:
+        return m[1], int(m[3]) * (1 if m[2] == "+" else -1)
+    return str(dim).strip(), 0
+
+
 def dim_range(dim, ranges: dict[str, tuple[int, int, int]], where: str) -> tuple[int, int, int]:
     """(min, opt, max) of one dimension of a signature: an int, a name, or ``name + k`` / ``name - k``."""
-    if isinstance(dim, int):
-        return dim, dim, dim
-    if dim in ranges:
-        return ranges[dim]
-    m = _SUM.match(str(dim))
-    if m and m[1] in ranges:
-        k = int(m[3]) * (1 if m[2] == "+" else -1)
-        return tuple(v + k for v in ranges[m[1]])
+    name, k = split_dim(dim)
+    if name is None:
+        return k, k, k
+    if name in ranges:
+        return tuple(v + k for v in ranges[name])
     raise ArtifactError(f"{where}: dimension {dim!r} has no build range (known: {', '.join(sorted(ranges))})")
 
 
-def profile_shapes(graph, limits: Limits) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-    """Input name -> (min shape, opt shape, max shape) for one graph signature (a manifest ``GraphInfo``)."""
-    ranges = limits.ranges()
+def profile_shapes(graph, limits: Limits, tokens: tuple[int, int, int] | None = None
+                   ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Input name -> (min shape, opt shape, max shape) for one graph signature (a manifest ``GraphInfo``), in the
+    profile of ``tokens`` (default: every step up to ``max_num_tokens``)."""
+    ranges = limits.ranges(tokens)
     out = {}
     for t in graph.inputs:
         dims = [dim_range(d, ranges, f"{graph.file}: input {t.name}") for d in t.shape]
@@ -81,19 +106,31 @@ def profile_shapes(graph, limits: Limits) -> dict[str, tuple[tuple[int, ...], tu
     return out
 
 
+def profiles_for(graph, limits: Limits) -> list[dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
+    """Every optimisation profile of one graph's engine, in the order they are added to the builder config (the
+    profile index TensorRT and the runtime use)."""
+    return [profile_shapes(graph, limits, tokens) for tokens in limits.token_ranges()]
+
+
 def engine_metadata(trt_version: str, compute_capability: tuple[int, int], device_name: str, limits: Limits,
                     profiles: dict, flavour: dict, engines: dict, plugins: list[str]) -> dict:
-    return {"format": "m3export.engines", "format_version": 1, "tensorrt": trt_version,
+    """``build.json``: ``profiles`` maps each graph to its list of profiles (index = TensorRT's profile index), each
+    mapping an input to its [min, opt, max] shapes."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "tensorrt": trt_version,
             "compute_capability": list(compute_capability), "device": device_name, "limits": asdict(limits),
-            "profiles": {g: {n: [list(s) for s in v] for n, v in p.items()} for g, p in profiles.items()},
+            "profiles": {g: [{n: [list(s) for s in v] for n, v in p.items()} for p in ps]
+                         for g, ps in profiles.items()},
             "flavour": flavour, "engines": engines, "plugins": plugins}
 
 
 def check_engine(meta: dict, trt_version: str, compute_capability: tuple[int, int], where: str) -> None:
     """Refuse an engine built for another GPU architecture or another TensorRT version (engines are neither
     portable across compute capabilities nor across TensorRT releases), saying what to do."""
-    if meta.get("format") != "m3export.engines":
+    if meta.get("format") != FORMAT:
         raise ArtifactError(f"{where}: not an m3export engine directory (no build.json written by 'm3export build')")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{where}: build.json format_version {meta.get('format_version')!r}, this runtime reads "
+                            f"{FORMAT_VERSION}: rebuild the engines with 'm3export build'")
     built_cc = tuple(meta.get("compute_capability", ()))
     if built_cc != tuple(compute_capability):
         raise BackendUnavailable(

@@ -41,7 +41,8 @@ def _trt():
     return trt, trtp
 
 
-def _dtype_maps(trt) -> tuple[dict, dict]:
+def dtype_maps(trt) -> tuple[dict, dict]:
+    """m3export.dtypes name -> TensorRT DataType, and back (the types plugin and engine I/O tensors may have)."""
     to_trt = {"float32": trt.float32, "float16": trt.float16, "bfloat16": trt.bfloat16, "int32": trt.int32,
               "int64": trt.int64, "uint8": trt.uint8, "float8_e4m3fn": trt.fp8}
     return to_trt, {v: k for k, v in to_trt.items()}
@@ -101,7 +102,7 @@ def register() -> list[str]:
     if _registered is not None:
         return _registered
     trt, trtp = _trt()
-    to_trt, from_trt = _dtype_maps(trt)
+    to_trt, from_trt = dtype_maps(trt)
     for p in PLUGINS.values():
         _register_one(p, trt, trtp, to_trt, from_trt)
     _registered = sorted(PLUGINS)
