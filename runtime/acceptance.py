@@ -15,14 +15,23 @@ with no drafts at all the one row is a plain sample.
 Each uniform is addressed by (seed, position, purpose) (``sampling.PositionalRandom``): the draft, its acceptance
 test and its residual resample at a position use three independent numbers, none of which depends on the tokens
 before the position, so the acceptance test is independent of the draft and of the context as the proof needs.
+
+``accept`` is the definition, one request at a time. ``decide`` is what the engine runs: every row of a step at
+once where the logits are, each row's candidates (its greedy or sampled token, whether its draft passes, its
+residual resample, and their log-probabilities) computed on the device and brought to the host in one copy;
+``emitted`` then walks a request's rows on the host exactly as ``accept`` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from .params import SamplingParams
-from .sampling import PositionalRandom, Purpose, draw, filtered_probs
+from .sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, draw, draw_rows, filtered_probs,
+                       filtered_probs_rows, penalise_rows)
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
@@ -66,8 +75,144 @@ def accept_sampled(target_probs: torch.Tensor, drafts: list[int], draft_probs: t
 
 
 def accept(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-           params: SamplingParams, rng: PositionalRandom, position: int) -> list[int]:
-    """``position``: where the token decided by the first row goes (the request's length before the step)."""
+           params: SamplingParams, rng: PositionalRandom, position: int, prompt: Sequence[int] = (),
+           output: Sequence[int] = ()) -> list[int]:
+    """``position``: where the token decided by the first row goes (the request's length before the step);
+    ``prompt`` / ``output``: the request's tokens before the step, for penalties (row i also counts drafts[:i])."""
+    if params.penalised:
+        output = list(output)
+        target_logits = torch.stack([apply_penalties(target_logits[i], params, prompt, output + drafts[:i])
+                                     for i in range(len(target_logits))])
     if params.greedy:
         return accept_greedy(target_logits, drafts)
     return accept_sampled(filtered_probs(target_logits, params), drafts, draft_probs, rng, position)
+
+
+# ---------------------------------------------------------------------------------------------- batched rows
+@dataclass(frozen=True)
+class Row:
+    """One logits row of a step: it decides the token at ``position`` of its request, verifying ``draft`` when
+    there is one (None: a plain sample, or the bonus after the last draft)."""
+
+    params: SamplingParams
+    rng: PositionalRandom
+    position: int
+    draft: int | None = None
+    draft_probs: torch.Tensor | None = None  # [V] the distribution ``draft`` was drawn from; None: one-hot
+    prompt: Sequence[int] = ()  # for penalties: the prompt ...
+    output: Sequence[int] = ()  # ... and the tokens generated before ``position`` (earlier drafts included)
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """A row's candidates, on the host. ``token``: the argmax (greedy) or the plain sample; ``accepted``: the
+    draft passes (greedy: it is the argmax); ``residual``: the resample if it does not (sampling only).
+    ``logprobs``: the raw model log-probability of each candidate and the row's best tokens, when asked for."""
+
+    token: int
+    accepted: bool
+    residual: int
+    candidate_logprobs: dict[int, float] | None = None
+    top: list[tuple[int, float]] | None = None
+
+    def logprobs(self, token: int, top_n: int) -> dict[int, float]:
+        """``sampling.token_logprobs`` of the emitted ``token`` (one of this row's candidates)."""
+        out = {token: self.candidate_logprobs[token]}
+        for i, v in self.top[:top_n]:
+            out.setdefault(i, v)
+        return out
+
+
+def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
+    """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are,
+    one device-to-host copy of [R, a few + 2 * top-N] numbers. Same tokens as ``accept`` for the same uniforms
+    (the batched functions are the one-row ones row-wise)."""
+    r = len(rows)
+    if logits.shape[0] != r:
+        raise ValueError(f"decide: {logits.shape[0]} logits rows for {r} rows")
+    if r == 0:
+        return []
+    dev = logits.device
+    x = logits.float()
+    if any(w.params.penalised for w in rows):
+        x = penalise_rows(x, RowParams([w.params for w in rows], dev), [w.prompt for w in rows],
+                          [w.output for w in rows])
+    drafts = torch.tensor([-1 if w.draft is None else w.draft for w in rows], dtype=torch.int64).to(dev)
+    token = x.argmax(-1)  # greedy rows; first index on ties, as torch.argmax
+    accepted = (token == drafts).double()
+    residual = torch.zeros_like(token)
+    rand = [i for i, w in enumerate(rows) if not w.params.greedy]
+    if rand:
+        sel = None if len(rand) == r else torch.tensor(rand, dtype=torch.int64).to(dev)
+        pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
+        sub = RowParams([rows[i].params for i in rand], dev)
+        probs = filtered_probs_rows(pick(x), sub)
+        u = torch.tensor([[w.rng.uniform(w.position, p) for p in (Purpose.SAMPLE, Purpose.ACCEPT, Purpose.RESIDUAL)]
+                          + [_draft_mass(w)] for w in (rows[i] for i in rand)], dtype=torch.float64).to(dev)
+        d = pick(drafts)
+        has = d >= 0
+        dd = d.clamp(min=0)[:, None]
+        p_t_of_d = probs.gather(-1, dd)[:, 0]
+        r_token = draw_rows(probs, u[:, 0])
+        r_accepted = has & (u[:, 1] * u[:, 3] < p_t_of_d)
+        one_hot = probs.scatter(-1, dd, 0.0)
+        with_probs = [j for j, i in enumerate(rand) if rows[i].draft_probs is not None]
+        resid = one_hot
+        if with_probs:  # residual max(0, p_t - p_d) for drafts drawn from a distribution
+            p_d = torch.zeros_like(probs)
+            p_d[with_probs] = torch.stack([rows[rand[j]].draft_probs for j in with_probs]).to(dev, probs.dtype)
+            has_pd = torch.zeros(len(rand), dtype=torch.bool)
+            has_pd[with_probs] = True
+            resid = torch.where(has_pd.to(dev)[:, None], (probs - p_d).clamp(min=0.0), one_hot)
+        # A zero residual means p_t == p_d up to rounding (rejection has probability 0): p_t is then right.
+        resid = torch.where((resid.sum(-1) > 0)[:, None], resid, probs)
+        r_residual = draw_rows(resid, u[:, 2])
+        if sel is None:
+            token, accepted, residual = r_token, r_accepted.double(), r_residual
+        else:
+            token, accepted, residual = (token.index_copy(0, sel, r_token),
+                                         accepted.index_copy(0, sel, r_accepted.double()),
+                                         residual.index_copy(0, sel, r_residual))
+    cols = [token.double(), accepted, residual.double()]
+    top_n = max((w.params.logprobs or 0 for w in rows), default=0)
+    want_lp = any(w.params.logprobs is not None for w in rows)
+    if want_lp:
+        lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
+        cand = torch.stack([token, drafts.clamp(min=0), residual], dim=-1)
+        cols += list(lp.gather(-1, cand).double().unbind(-1))
+        if top_n:
+            values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
+            cols += list(ids.double().unbind(-1)) + list(values.double().unbind(-1))
+    host = torch.stack(cols, dim=-1).cpu().tolist()  # the step's one device-to-host copy
+    out = []
+    for w, h in zip(rows, host):
+        tok, acc, res = int(h[0]), bool(h[1]), int(h[2])
+        cand_lp = top = None
+        if w.params.logprobs is not None:
+            cand_lp = {res: h[5], **({w.draft: h[4]} if w.draft is not None else {}), tok: h[3]}
+            n = len(h) - 6
+            top = [(int(i), v) for i, v in zip(h[6:6 + n // 2], h[6 + n // 2:])]
+        out.append(RowResult(tok, acc, res, cand_lp, top))
+    return out
+
+
+def _draft_mass(row: Row) -> float:
+    """p_d(draft): 1 for a greedy (one-hot) draft or no draft."""
+    if row.draft is None or row.draft_probs is None:
+        return 1.0
+    return float(row.draft_probs[row.draft])
+
+
+def emitted(rows: Sequence[Row], results: Sequence[RowResult]) -> list[int]:
+    """One request's rows (in order) -> the tokens they emit: ``accept``'s walk over the rows' candidates."""
+    out = []
+    for w, res in zip(rows, results):
+        if w.draft is None:
+            out.append(res.token)
+            break
+        if res.accepted:
+            out.append(w.draft)
+            continue
+        out.append(res.token if w.params.greedy else res.residual)
+        break
+    return out

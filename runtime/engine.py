@@ -24,7 +24,7 @@ from m3export.config import M3Config
 from m3export.errors import MediaError
 from m3export.model.batch import Segment, build_batch
 
-from .acceptance import accept
+from .acceptance import Row, RowResult, decide, emitted
 from .backends import Backend, create_backend
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -33,7 +33,7 @@ from .media import MediaCache, MediaItem, attach_media
 from .outputs import RequestOutput
 from .params import SamplingParams
 from .request import Request
-from .sampling import PositionalRandom, token_logprobs
+from .sampling import PositionalRandom
 from .scheduler import ScheduledRequest, Scheduler
 from .stats import EngineStats
 from .tokenizer import TextTokenizer, find_tokenizer
@@ -287,12 +287,13 @@ class Engine:
             return outputs
         t0 = time.perf_counter()
         logits, hidden = self._forward(plan.scheduled)
+        decided = self._decide(plan.scheduled, logits)
         jobs: list[DraftJob] = []
-        row = offset = 0
-        for s in plan.scheduled:
-            width, num_rows = s.num_new + len(s.drafts), (1 + len(s.drafts) if s.samples else 0)
-            job = self._settle(s, logits[row:row + num_rows], hidden[offset:offset + width])
-            row, offset = row + num_rows, offset + width
+        offset = 0
+        for s, rows in zip(plan.scheduled, decided):
+            width = s.num_new + len(s.drafts)
+            job = self._settle(s, rows, hidden[offset:offset + width])
+            offset += width
             if job is not None:
                 jobs.append(job)
         if self.drafter is not None:
@@ -335,54 +336,76 @@ class Engine:
             logits, hidden = self.backend.forward(ids, batch, index, media=media)
         else:
             logits, hidden = self.backend.forward(ids, batch, index)
-        return logits.float().cpu(), hidden
+        return logits, hidden
 
-    def _settle(self, s: ScheduledRequest, rows: torch.Tensor, hidden: torch.Tensor) -> DraftJob | None:
+    def _decide(self, scheduled: list[ScheduledRequest], logits: torch.Tensor
+                ) -> list[tuple[list[Row], list[RowResult]]]:
+        """Every sampled row of the step decided in one batched pass where the logits are (``acceptance.decide``:
+        only token ids and requested logprobs come to the host). Per scheduled request, its rows and their
+        results: 1 + len(s.drafts) rows verifying its first drafts, none for a prefill chunk that does not sample."""
+        rows: list[Row] = []
+        spans = []
+        for s in scheduled:
+            req, n = s.request, (1 + len(s.drafts) if s.samples else 0)
+            spans.append((len(rows), n))
+            penalised = req.params.penalised
+            for j in range(n):
+                draft = req.drafts[j] if j < len(req.drafts) else None
+                probs = req.draft_probs[j] if draft is not None and req.draft_probs is not None else None
+                rows.append(Row(req.params, req.rng, req.num_tokens + j, draft, probs,
+                                req.prompt_token_ids if penalised else (),
+                                req.output_token_ids + req.drafts[:j] if penalised else ()))
+        results = decide(logits, rows)
+        return [(rows[a:a + n], results[a:a + n]) for a, n in spans]
+
+    def _settle(self, s: ScheduledRequest, rows: tuple[list[Row], list[RowResult]], hidden: torch.Tensor
+                ) -> DraftJob | None:
         """Apply one request's share of the forward: advance its cached length, sample or verify, roll back
         rejected drafts. Returns the drafter's job for the positions kept, or None once the request finished."""
         req, start = s.request, s.request.num_computed
         if not s.samples:
             req.num_computed += s.num_new
             return DraftJob(req, start, hidden, 0)
-        emitted = self._next_tokens(req, s, rows)
+        tokens = self._next_tokens(req, rows)
         # Accepted drafts keep their K/V; a rejected one is past the cached length now, i.e. forgotten. When the
         # rows ran out before the drafts did and every row accepted, the round of drafts goes on: the remaining
         # drafts stay for the next step, and with none remaining the next step's one row is the round's bonus
         # token (computed alone, the step would have had a row after the last draft). Otherwise (a rejection, or
         # the bonus drawn) the round is over and the drafter proposes anew.
-        req.num_computed = start + s.num_new + len(emitted) - 1
-        round_goes_on = len(rows) <= len(req.drafts) and emitted == req.drafts[:len(rows)]
+        req.num_computed = start + s.num_new + len(tokens) - 1
+        num_rows = len(rows[0])
+        round_goes_on = num_rows <= len(req.drafts) and tokens == req.drafts[:num_rows]
         if round_goes_on:
-            req.drafts = req.drafts[len(rows):]
-            req.draft_probs = None if req.draft_probs is None or not req.drafts else req.draft_probs[len(rows):]
+            req.drafts = req.drafts[num_rows:]
+            req.draft_probs = None if req.draft_probs is None or not req.drafts else req.draft_probs[num_rows:]
         else:
             req.clear_drafts()
-        self._append(req, emitted, rows)
+        self._append(req, tokens, rows[1])
         if req.finished:
             return None
         return DraftJob(req, start, hidden[:req.num_computed - start], 0 if round_goes_on else self._num_drafts(req))
 
-    def _next_tokens(self, req: Request, s: ScheduledRequest, rows: torch.Tensor) -> list[int]:
+    def _next_tokens(self, req: Request, rows: tuple[list[Row], list[RowResult]]) -> list[int]:
         """The tokens the step's rows decide: with j = len(s.drafts) drafts computed, j + 1 rows verify the
         request's first j + 1 drafts (a bonus only when every draft was among them); with none, a plain sample."""
-        emitted = accept(rows, req.drafts, req.draft_probs, req.params, req.rng, req.num_tokens)
-        verified = min(len(rows), len(req.drafts))
+        tokens = emitted(*rows)
+        verified = min(len(rows[0]), len(req.drafts))
         if verified:
-            accepted = next((i for i, (a, b) in enumerate(zip(emitted, req.drafts[:verified])) if a != b),
-                            min(len(emitted), verified))
+            accepted = next((i for i, (a, b) in enumerate(zip(tokens, req.drafts[:verified])) if a != b),
+                            min(len(tokens), verified))
             self.stats.verify_steps += 1
             self.stats.draft_tokens += verified
             self.stats.accepted_tokens += accepted
-        return emitted
+        return tokens
 
-    def _append(self, req: Request, emitted: list[int], rows: torch.Tensor) -> None:
+    def _append(self, req: Request, emitted: list[int], results: list[RowResult]) -> None:
         """Add tokens one at a time so that a stop condition discards everything after it."""
         p = req.params
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_token_id))
         for i, tok in enumerate(emitted):
             req.append_token(tok)
             if req.logprobs is not None:
-                req.logprobs.append(token_logprobs(rows[i], tok, p.logprobs))
+                req.logprobs.append(results[i].logprobs(tok, p.logprobs))
             # A stop token ends the request without becoming text (it may be a special token that
             # skip_special_tokens=False would otherwise spell out).
             stopped = tok not in stop_ids and req.detokenizer.append(tok)

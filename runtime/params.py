@@ -36,7 +36,12 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     ``temperature=0`` is greedy (top_p / top_k / seed are then irrelevant). ``top_k=0`` and ``top_p=1`` switch
-    those filters off. ``seed`` gives the request its own random stream, so its samples do not depend on what
+    those filters off; ``min_p`` (0 = off) drops tokens less likely than ``min_p`` times the most likely one (after
+    temperature, before top-k / top-p, as in vLLM). Penalties (vLLM's definitions, applied to the logits before
+    everything else, greedy included): ``repetition_penalty`` divides the positive logits and multiplies the
+    negative ones of every token in the prompt or the output (1 = off); ``frequency_penalty`` subtracts itself
+    times the token's count in the output, ``presence_penalty`` itself once for a token the output holds (0 = off).
+    ``seed`` gives the request its own random stream, so its samples do not depend on what
     else is in the batch. ``logprobs=n`` returns, per generated token, the sampled token's log-probability under
     the model (before temperature / top-k / top-p) plus the ``n`` most likely tokens'.
     ``skip_special_tokens`` (default True, as in vLLM) drops the tokenizer's special tokens from the text; turn
@@ -46,6 +51,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
     stop: tuple[str, ...] | str = ()
@@ -61,6 +70,16 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p!r}")
+        for name, low, high in (("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+                                ("frequency_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
+                raise ValueError(f"SamplingParams.{name} must be in [{low}, {high}], got {v!r}")
+            object.__setattr__(self, name, float(v))
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be a finite number > 0, got {r!r}")
+        object.__setattr__(self, "repetition_penalty", float(r))
         for name in ("top_k", "max_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -90,3 +109,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty changes the logits (they then depend on the request's tokens so far)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

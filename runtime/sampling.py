@@ -5,13 +5,24 @@ the request's seed, the absolute position of the token it decides and what it is
 draft, a draft's acceptance test, a residual resample). No draw depends on how many draws came before it, so
 what a seeded request samples depends only on its own logits: not on the batch around it, not on drafts the
 scheduler could not fit this step, not on preemption and recompute. The same filtered distribution
-(temperature, then top-k, then top-p) serves plain sampling, drafting and speculative verification, which is
-what makes rejection sampling preserve it exactly.
+(penalties, temperature, min-p, top-k, then top-p) serves plain sampling, drafting and speculative verification,
+which is what makes rejection sampling preserve it exactly.
+
+Two forms of the same arithmetic live here. The one-row functions (``apply_penalties``, ``filtered_probs``,
+``draw``, ``sample``, ``token_logprobs``) are the definition, on whatever device the row is. The ``*_rows``
+functions do the same per-row operations batched over a step's rows where the logits are (the GPU), with no
+Python loop over rows or the vocabulary and no host synchronisation: the engine runs those
+(``acceptance.decide``) and only the chosen tokens and requested log-probabilities cross to the host. Each
+batched operation is the one-row operation applied row-wise (the same float64 ops in the same order; filters a
+row does not use are exact no-ops or selected away), so on one device both give the same tokens for the same
+uniforms; the tests hold them to that.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +69,30 @@ class PositionalRandom:
         return (h >> 11) * 2.0**-53
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int],
+                    output: Sequence[int]) -> torch.Tensor:
+    """logits [V] -> float32 logits after the request's penalties (vLLM's rules; see ``SamplingParams``).
+    ``output``: the tokens generated before the position decided (drafts verified before it included)."""
+    x = logits.float()
+    if not params.penalised:
+        return x
+    counts = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+    counts.index_put_((torch.tensor(list(output), dtype=torch.int64, device=x.device),),
+                      torch.ones(len(output), device=x.device), accumulate=True)
+    seen = counts > 0
+    seen[torch.tensor(list(prompt), dtype=torch.int64, device=x.device)] = True
+    rep, freq, pres = (torch.tensor(v, dtype=torch.float32, device=x.device)
+                       for v in (params.repetition_penalty, params.frequency_penalty, params.presence_penalty))
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - counts * freq - (counts > 0).float() * pres
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> the distribution the request samples from [..., V] (float64; not for greedy)."""
+    """logits [..., V] (penalties already applied) -> the distribution the request samples from [..., V]
+    (float64; not for greedy)."""
     x = logits.double() / params.temperature
+    if params.min_p > 0:  # p < min_p * p_max  <=>  x < max(x) + log(min_p)
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(params.min_p), float("-inf"))
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))  # ties at the k-th value are all kept: deterministic
@@ -82,8 +114,11 @@ def draw(probs: torch.Tensor, u: float) -> int:
     return min(idx, int(torch.nonzero(probs).max()))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, rng: PositionalRandom, position: int) -> int:
-    """logits [V] -> the token at ``position`` (argmax for temperature 0, first index on ties)."""
+def sample(logits: torch.Tensor, params: SamplingParams, rng: PositionalRandom, position: int,
+           prompt: Sequence[int] = (), output: Sequence[int] = ()) -> int:
+    """logits [V] -> the token at ``position`` (argmax for temperature 0, first index on ties); ``prompt`` /
+    ``output``: the request's tokens, for penalties."""
+    logits = apply_penalties(logits, params, prompt, output)
     if params.greedy:
         return int(torch.argmax(logits))
     return draw(filtered_probs(logits, params), rng.uniform(position, Purpose.SAMPLE))
@@ -98,3 +133,78 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
         for v, i in zip(values.tolist(), ids.tolist()):
             out.setdefault(i, v)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- batched rows
+class RowParams:
+    """The sampling parameters of a step's rows as device tensors, plus what the host knows about them (which
+    filters any row uses), so that no decision about the batch's shape reads the device."""
+
+    def __init__(self, params: Sequence[SamplingParams], device: torch.device):
+        self.params = list(params)
+        self.device = device
+        table = [[p.temperature or 1.0, p.top_k, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf,
+                  p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in self.params]
+        t = torch.tensor(table, dtype=torch.float64).to(device)  # one host-to-device copy
+        self.temperature, self.top_k, self.top_p, self.log_min_p = t[:, 0], t[:, 1].long(), t[:, 2], t[:, 3]
+        self.penalties = t[:, 4:7].float()  # repetition, frequency, presence (float32 like the logits)
+        self.any_min_p = any(p.min_p > 0 for p in self.params)
+        self.max_top_k = max((p.top_k for p in self.params), default=0)
+        self.any_top_p = any(p.top_p < 1.0 for p in self.params)
+
+
+def penalise_rows(logits: torch.Tensor, rows: RowParams, prompts: Sequence[Sequence[int]],
+                  outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logits [R, V] -> float32 logits after each row's penalties (``apply_penalties`` row-wise). The token
+    counts are built on the device from the rows' token ids (one copy of them); rows without penalties are
+    unchanged (their penalties are the identity: x / 1, x * 1, x - 0)."""
+    x = logits.float()
+    if not any(p.penalised for p in rows.params):
+        return x
+    r, v = x.shape
+    out_rows = [i for i, o in enumerate(outputs) for _ in o]
+    prompt_rows = [i for i, p in enumerate(prompts) for _ in p]
+    ids = torch.tensor([out_rows, [t for o in outputs for t in o], ], dtype=torch.int64).reshape(2, -1)
+    pids = torch.tensor([prompt_rows, [t for p in prompts for t in p]], dtype=torch.int64).reshape(2, -1)
+    ids, pids = ids.to(x.device), pids.to(x.device)
+    counts = torch.zeros(r, v, dtype=torch.float32, device=x.device)
+    counts.index_put_((ids[0], ids[1]), torch.ones(ids.shape[1], device=x.device), accumulate=True)
+    seen = counts > 0
+    seen[pids[0], pids[1]] = True
+    rep, freq, pres = (rows.penalties[:, i:i + 1] for i in range(3))
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - counts * freq - (counts > 0).float() * pres
+
+
+def filtered_probs_rows(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """logits [R, V] (penalised) -> each row's sampling distribution [R, V] float64 (``filtered_probs``
+    row-wise). Filters a row does not use are no-ops for it: a -inf threshold, or the unfiltered row selected."""
+    x = logits.double() / rows.temperature[:, None]
+    if rows.any_min_p:
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + rows.log_min_p[:, None], float("-inf"))
+    v = x.shape[-1]
+    if 0 < min(rows.max_top_k, v) and any(0 < p.top_k < v for p in rows.params):
+        k = rows.top_k.clamp(max=v)
+        top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
+        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.where(((k > 0) & (k < v))[:, None], kth, float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if rows.any_top_p:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        kept = probs.masked_fill(drop, 0.0)
+        kept = kept / kept.sum(-1, keepdim=True)
+        probs = torch.where((rows.top_p < 1.0)[:, None], kept, probs)
+    return probs
+
+
+def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] (need not be normalised) for the uniforms ``u`` [R] float64
+    (``draw`` row-wise) -> [R] int64 on the device."""
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, ids, -1).amax(-1)  # the last token with mass
+    return torch.minimum(idx, last)

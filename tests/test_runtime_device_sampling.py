@@ -1,0 +1,172 @@
+"""The batched sampler the engine runs (``acceptance.decide``) against the one-row definition (``accept``).
+
+Same uniforms, same device: the batched rows must give exactly the tokens of the one-row functions, for every
+mix of greedy / sampled rows, filters, penalties, drafts (one-hot and with a draft distribution) and logprobs.
+Random logits make ties (where the two could legitimately differ) have probability zero.
+"""
+
+import math
+
+import pytest
+import torch
+
+from m3export.runtime import SamplingParams
+from m3export.runtime.acceptance import Row, accept, decide, emitted
+from m3export.runtime.sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, filtered_probs,
+                                       filtered_probs_rows, penalise_rows, sample, token_logprobs)
+
+V = 97
+
+PARAMS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2),
+    SamplingParams(),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05),
+    SamplingParams(min_p=0.2),
+    SamplingParams(temperature=0.8, repetition_penalty=0.7, presence_penalty=1.5, top_k=V + 3),
+    SamplingParams(temperature=1.1, frequency_penalty=-1.0, top_p=0.5, logprobs=3),
+    SamplingParams(temperature=0, logprobs=0),
+]
+
+
+def _logits(seed, rows, scale=3.0):
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _history(seed, n):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, V, (n,), generator=g).tolist()
+
+
+def test_batched_filters_and_penalties_equal_the_one_row_definition():
+    logits = _logits(0, len(PARAMS))
+    prompts = [_history(i, 7) for i in range(len(PARAMS))]
+    outputs = [_history(50 + i, 5 + i) for i in range(len(PARAMS))]
+    rp = RowParams(PARAMS, logits.device)
+    pen = penalise_rows(logits, rp, prompts, outputs)
+    for i, p in enumerate(PARAMS):
+        assert torch.equal(pen[i], apply_penalties(logits[i], p, prompts[i], outputs[i])), p
+    rand = [i for i, p in enumerate(PARAMS) if not p.greedy]
+    probs = filtered_probs_rows(pen[rand], RowParams([PARAMS[i] for i in rand], logits.device))
+    for j, i in enumerate(rand):
+        assert torch.equal(probs[j], filtered_probs(pen[i], PARAMS[i])), PARAMS[i]
+
+
+def test_penalties_follow_their_definition():
+    """vLLM's rules, on hand-picked numbers: repetition divides positive / multiplies negative logits of seen
+    tokens (prompt or output), frequency subtracts per occurrence in the output, presence once."""
+    logits = torch.tensor([2.0, -2.0, 2.0, 1.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    got = apply_penalties(logits, p, prompt=[0, 1], output=[2, 2, 2, 4])
+    want = torch.tensor([2.0 / 2, -2.0 * 2, 2.0 / 2 - 3 * 0.25 - 0.5, 1.0, 0.5 / 2 - 0.25 - 0.5])
+    assert torch.allclose(got, want, atol=0, rtol=1e-6)  # float32 rounding of a few operations
+
+
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_best():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    p = filtered_probs(probs.log(), SamplingParams(min_p=0.2))  # 0.2 * 0.5 = 0.1: the 0.08 token goes
+    assert p[3] == 0 and (p[:3] > 0).all() and math.isclose(float(p.sum()), 1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decide_equals_accept_with_and_without_drafts(seed):
+    """Per request: 1 + k rows verifying k drafts (k = 0 .. 3), greedy and sampled, one-hot drafts and drafts
+    with a distribution; the tokens emitted and their logprobs must be accept()'s and token_logprobs()'."""
+    g = torch.Generator().manual_seed(seed)
+    rows, requests, all_logits = [], [], []
+    for i, p in enumerate(PARAMS):
+        k = (i + seed) % 4
+        logits = _logits(100 * seed + i, k + 1)
+        if p.greedy:  # drafts that the argmax accepts for a while, then one it rejects
+            best = logits.argmax(-1).tolist()
+            drafts = best[:k]
+            if k > 1 and (i + seed) % 2:
+                drafts[k - 1] = (drafts[k - 1] + 1) % V
+            draft_probs = None
+        else:  # drafts from a distribution near the target's, so that both acceptances and rejections occur
+            near = torch.stack([filtered_probs(logits[j] + 0.5 * torch.randn(V, generator=g), p)
+                                for j in range(k)]) if k else torch.zeros(0, V, dtype=torch.float64)
+            draft_probs = near if (i + seed) % 2 else None
+            drafts = [int(torch.multinomial(near[j], 1, generator=g)) for j in range(k)]
+        rng, pos = PositionalRandom(7 * seed + i), 11 + i
+        prompt, output = _history(i, 6), _history(60 + i, 3)
+        requests.append((p, rng, pos, drafts, draft_probs, logits, prompt, output, len(rows)))
+        for j in range(k + 1):
+            rows.append(Row(p, rng, pos + j, drafts[j] if j < k else None,
+                            None if draft_probs is None or j >= k else draft_probs[j], prompt,
+                            output + drafts[:j]))
+        all_logits.append(logits)
+    results = decide(torch.cat(all_logits), rows)
+    outcomes = {(w.draft is not None, r.accepted) for w, r in zip(rows, results) if not w.params.greedy}
+    assert outcomes == {(True, True), (True, False), (False, False)}  # accepted, rejected and plain rows seen
+    for p, rng, pos, drafts, draft_probs, logits, prompt, output, first in requests:
+        n = len(drafts) + 1
+        want = accept(logits, drafts, draft_probs, p, rng, pos, prompt, output)
+        got = emitted(rows[first:first + n], results[first:first + n])
+        assert got == want, (p, drafts)
+        if p.logprobs is not None:
+            for j, tok in enumerate(got):
+                ref = token_logprobs(logits[j], tok, p.logprobs)
+                lp = results[first + j].logprobs(tok, p.logprobs)
+                assert lp.keys() == ref.keys()
+                # log_softmax of the same float32 row, batched or not: equal up to float32 rounding.
+                assert all(math.isclose(lp[t], ref[t], rel_tol=1e-6, abs_tol=1e-6) for t in ref)
+
+
+def test_decide_plain_rows_equal_sample_over_many_positions():
+    """One row per position (no drafts): the batched draw is sample()'s for every position's uniform."""
+    p = SamplingParams(temperature=0.9, top_k=30, top_p=0.95)
+    logits = _logits(5, 64, scale=1.0)
+    rng = PositionalRandom(123)
+    results = decide(logits, [Row(p, rng, pos) for pos in range(64)])
+    assert [r.token for r in results] == [sample(logits[pos], p, rng, pos) for pos in range(64)]
+    assert len({r.token for r in results}) > 10  # really random: flat logits, many distinct tokens
+
+
+def test_decide_greedy_rows_are_argmax_and_rng_free():
+    logits = _logits(9, 8)
+    p = SamplingParams(temperature=0)
+    a = decide(logits, [Row(p, PositionalRandom(1), 0) for _ in range(8)])
+    b = decide(logits, [Row(p, PositionalRandom(2), 5) for _ in range(8)])
+    assert [r.token for r in a] == [r.token for r in b] == logits.argmax(-1).tolist()
+
+
+def test_decide_refuses_a_row_count_mismatch():
+    with pytest.raises(ValueError, match="2 logits rows for 1 rows"):
+        decide(_logits(0, 2), [Row(SamplingParams(), PositionalRandom(0), 0)])
+
+
+def test_decide_sampled_frequencies_follow_the_distribution():
+    """Statistical check of the batched path alone: 4000 rows of one distribution, each with its own uniform,
+    land on the tokens with the filtered probabilities (tolerance: 5 binomial standard deviations)."""
+    p = SamplingParams(temperature=1.0, top_k=4)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(4000, 1)
+    rng = PositionalRandom(99)
+    toks = torch.tensor([r.token for r in decide(logits, [Row(p, rng, i) for i in range(4000)])])
+    want = filtered_probs(logits[0], p)
+    freq = torch.bincount(toks, minlength=6).double() / 4000
+    sd = (want * (1 - want) / 4000).sqrt()
+    assert ((freq - want).abs() <= 5 * sd + 1e-12).all(), (freq, want)
+    assert (freq[4:] == 0).all()
+
+
+def test_uniform_purposes_are_the_ones_accept_uses():
+    """decide() must read SAMPLE / ACCEPT / RESIDUAL uniforms at the row's own position (a shifted position or a
+    swapped purpose would still be 'random' but break seed determinism across schedules)."""
+    p = SamplingParams()
+    logits = _logits(3, 1)
+    rng = PositionalRandom(5)
+    want = sample(logits[0], p, rng, 42)
+    assert decide(logits, [Row(p, rng, 42)])[0].token == want
+    assert rng.uniform(42, Purpose.SAMPLE) != rng.uniform(43, Purpose.SAMPLE)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("frequency_penalty", "1"),
+])
+def test_new_params_are_validated_by_name(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
