@@ -36,15 +36,54 @@ ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # Tile variants tried with MXFP8 weights when --sweep is on; MX_MODE 0 gathers each element's scale, 1 broadcasts
 # one scale per 32 columns, 2 is tl.dot_scaled; GEMV is the CUDA-core path of moe_gemv.py (one program per token and
 # expert). The best is reported next to the launcher's default, each with its own error against the oracle.
+# CUDA-core GEMV tiles that compile for sm_90 without register spills (scripts/compile_moe_kernels_sm90.py); also
+# swept for bf16 weights and for m3::mxfp8_linear at decode.
+GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+              dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+              dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+              dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=4),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4)]
 DECODE_SWEEP = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
                 dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=0),
                 dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
-                dict(GEMV=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-                dict(GEMV=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
-                dict(GEMV=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
-                dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
-                dict(GEMV=1, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)]
+                *GEMV_SWEEP]
 PREFILL_SWEEP = [(64, None), (128, dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2))]
+
+
+def linear_decode(bw: float, sweep: int) -> list:
+    """``m3::mxfp8_linear`` at decode rows for the attention projections' shapes (q 6144 -> 8192, o 8192 -> 6144):
+    the launcher's default against the CUDA-core GEMV tiles, each checked against the fp32 reference."""
+    from m3export.ops import mxfp8 as mx
+    from m3export.plugins.kernels import mxfp8_linear as klin
+
+    shapes = [(8192, 6144), (6144, 8192)] if not SMOKE else [(48, 64)]
+    rows = []
+    g = torch.Generator(device=DEV).manual_seed(3)
+    for n, k in shapes:
+        w, sc = mx.quantize(torch.randn(n, k, device=DEV, generator=g) * 0.02)
+        for m in (1, 8):
+            x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
+            want = mx.dequantize(w, sc).float() @ x.float().T
+            need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
+            tried = []
+            for cfg in [None] + (GEMV_SWEEP if sweep else []):
+                try:
+                    ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
+                    err = rel_err(klin.run_linear(x, w, sc, config=cfg), want.T)
+                except Exception as exc:
+                    print(f"  linear variant {cfg} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    continue
+                tried.append(dict(config=cfg, graph_ms=ms, rel_err=err))
+            default = tried[0]
+            best = min((v for v in tried if v["rel_err"] <= 1.5 * default["rel_err"]), key=lambda v: v["graph_ms"])
+            row = dict(shape=f"{n} x {k}", rows=m, bytes_needed=need, graph_ms=default["graph_ms"],
+                       best_graph_ms=best["graph_ms"], best_config=best["config"],
+                       frac_copy_bw=need / (default["graph_ms"] * 1e-3) / bw,
+                       best_frac_copy_bw=need / (best["graph_ms"] * 1e-3) / bw, rel_err_kernel=default["rel_err"],
+                       variants=tried)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def copy_bandwidth() -> float:
@@ -209,7 +248,7 @@ def main() -> int:
             ids, _ = moe_routing.route(x, layer.router, layer.bias, TOP_K)
             touched = int(torch.unique(ids).numel())
             need = touched * per + shared + layer.router.numel() * 4 + 2 * x.numel() * 2
-            variants = [None] + (DECODE_SWEEP if args.sweep and fmt == "mxfp8" else [])
+            variants = [None] + ((DECODE_SWEEP if fmt == "mxfp8" else GEMV_SWEEP) if args.sweep else [])
             want = oracle(fmt, x)
             tried = []
             for cfg in variants:
@@ -258,6 +297,8 @@ def main() -> int:
             res["prefill"].append(row)
             print(json.dumps(row), flush=True)
 
+    res["linear"] = linear_decode(bw, args.sweep) if "mxfp8" in formats else []
+
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -271,6 +312,10 @@ def main() -> int:
               f"{r['graph_ms'] * 1e3:>9.1f} {r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% "
               f"{r['eager_ms'] * 1e3:>9.1f} {r['reference_ms'] * 1e3:>8.0f} {r['rel_err_kernel']:>8.1e} "
               f"{r['rel_err_reference']:>8.1e}")
+    print(f"{'linear N x K':14} {'rows':>4} {'MB':>6} {'graph us':>9} {'best us':>8} {'%copy':>6} {'best config'}")
+    for r in res["linear"]:
+        print(f"{r['shape']:14} {r['rows']:>4} {r['bytes_needed'] / 1e6:>6.1f} {r['graph_ms'] * 1e3:>9.1f} "
+              f"{r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% {r['best_config']}")
     print(f"{'fmt':6} {'tokens':>6} {'ms':>8} {'TFLOP/s':>8} {'best':>8} {'err':>8}")
     for r in res["prefill"]:
         print(f"{r['format']:6} {r['tokens']:>6} {r['ms']:>8.2f} {r['tflops']:>8.0f} {r['best_tflops']:>8.0f} "

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from m3export.plugins.kernels import moe as moe_kernels
-from m3export.plugins.kernels import moe_gemv
+from m3export.plugins.kernels import gemv, moe_gemv
 from m3export.plugins.kernels import mxfp8_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -85,7 +85,8 @@ def variants(quick: bool):
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
-    for bn, bk in ((32, 128), (64, 128), (32, 256)) if not quick else ():
+    gemv_tiles = ((32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 3), (64, 256, 8, 3))
+    for bn, bk, gw, gs in gemv_tiles if not quick else ():
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
@@ -101,8 +102,12 @@ def variants(quick: bool):
             }
             for kind, (fn, sig) in sigs.items():
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk)
-                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w4 s3", fn, sig,
-                            consts, 4, 3))
+                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w{gw} s{gs}", fn,
+                            sig, consts, gw, gs))
+        sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
+               "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
+        out.append((f"{'linear/gemv':12} mxfp8 BN{bn:<3} BK{bk:<3} w{gw} s{gs}", gemv._linear_gemv, sig,
+                    dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk), gw, gs))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]

@@ -237,14 +237,15 @@ def test_moe_rejects_mismatched_weights():
 
 # ---------------------------------------------------------------------------------------------------- linear
 @cpu_only
-@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("mode", [0, 1, "gemv"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
 def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     w, s = mxfp8.quantize(torch.randn(n, k))
     s[0, 0] = 0  # the subnormal scale 2^-127 (one UE8M0 byte that cannot be built by an exponent shift)
     x = torch.randn(*lead, k).to(dt)
-    got = linear_kernel.run_linear(x, w, s, config={"MX_MODE": mode, "BLOCK_K": 64})
+    config = {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64} if mode == "gemv" else {"MX_MODE": mode, "BLOCK_K": 64}
+    got = linear_kernel.run_linear(x, w, s, config=config)
     want = ref.mxfp8_linear_reference(x, w, s)
     _close(got, want, ref.mxfp8_linear_reference(x.double(), w, s) if dt != torch.float32 else None)
 

@@ -17,48 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mxfp8_linear import _e4m3_value, _scale_value, cast
-
-
-@triton.jit
-def _row_dot(x3, acc3, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
-             MXFP8: tl.constexpr, DT: tl.constexpr):
-    """acc3 [BN, BLOCK_K / 32, 32] += W[rows, k0 : k0 + BLOCK_K] * x (x3: fp32 [1, BLOCK_K / 32, 32]).
-
-    The products are accumulated element-wise and reduced once after the K loop (``_reduce``): a cross-lane
-    reduction per K step would cost more than the weight stream itself. The tile is loaded as [rows, groups of 32,
-    32] so each group's UE8M0 scale broadcasts over its 32 columns without a reshape.
-    MXFP8 with bf16 activations: E4M3 x 2^e has 4 significant bits, so rounding it to bf16 (what the reference
-    does) changes nothing for any magnitude >= 2^-126; the rounding is skipped there. fp16 keeps it (its
-    exponent range is narrower)."""
-    G: tl.constexpr = BLOCK_K // 32
-    g = tl.arange(0, G)
-    j = tl.arange(0, 32)
-    k3 = k0 + g[None, :, None] * 32 + j[None, None, :]
-    mask = n_ok[:, None, None] & (k3 < K)
-    w = tl.load(w_rows[:, None, None] + k3 * sw_k, mask=mask, other=0.0)
-    if MXFP8:
-        gg = k0 // 32 + g
-        s = tl.load(s_rows[:, None] + gg[None, :] * ss_k, mask=n_ok[:, None] & (gg[None, :] < K // 32), other=127)
-        w3 = _e4m3_value(w) * _scale_value(s)[:, :, None]
-        if DT != tl.bfloat16:
-            w3 = cast(w3, DT).to(tl.float32)
-    else:
-        w3 = w.to(tl.float32)
-    return acc3 + w3 * x3
-
-
-@triton.jit
-def _reduce(acc3):
-    return tl.sum(tl.sum(acc3, axis=2), axis=1)
-
-
-@triton.jit
-def _x3(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Activations k0 .. k0 + BLOCK_K of one row as fp32 [1, BLOCK_K / 32, 32]."""
-    G: tl.constexpr = BLOCK_K // 32
-    k3 = k0 + tl.arange(0, G)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    return tl.load(x_row + k3, mask=k3 < K, other=0.0).to(tl.float32)
+from .gemv import reduce_rows as _reduce, row_dot as _row_dot, x_tile as _x3
+from .mxfp8_linear import cast
 
 
 @triton.jit

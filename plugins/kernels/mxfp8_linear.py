@@ -169,7 +169,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -
 def run_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: dict | None = None
                ) -> torch.Tensor:
     """The launcher; ``config`` overrides the tiles (benchmarks): BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages, MX_MODE."""
+    num_stages, MX_MODE, or ``GEMV`` (the CUDA-core path of ``gemv.py``) with BLOCK_N, BLOCK_K, num_warps,
+    num_stages."""
     check_mxfp8("mxfp8_linear weight", weight, weight_scale)
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -183,6 +184,11 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if m == 0:
         return y.reshape(*lead, n)
     cfg = tile_config(m, mx_mode2_available(x.dtype)) | (config or {})
+    if cfg.get("GEMV"):  # the CUDA-core decode path (gemv.py); imported here: gemv.py builds on this module
+        from .gemv import linear_gemv
+
+        linear_gemv(x2, weight, weight_scale, y, cfg)
+        return y.reshape(*lead, n)
     check_mx_mode(cfg["MX_MODE"], x.dtype)
     _mxfp8_linear[(cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]))](
         x2, weight, weight_scale, y, m, n,

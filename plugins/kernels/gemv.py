@@ -1,0 +1,87 @@
+"""CUDA-core GEMV for decode-sized batches: weight rows streamed once, dotted in registers, no tensor cores.
+
+At one to a few rows a 16-row tensor-core tile carries one useful row and feeding ``tl.dot`` costs a layout
+shuffle through shared memory for every weight tile; a GEMV is bound by the weight stream alone. The primitives
+here serve the MoE decode path (``moe_gemv.py``) and ``m3::mxfp8_linear`` at decode (``linear_gemv`` below, chosen
+by ``mxfp8_linear.tile_config`` only where the H200 measured it faster). Semantics are the references': weights
+(E4M3 x UE8M0, exactly) in the activation dtype, fp32 products and sums, the output rounded once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mxfp8_linear import _e4m3_value, _scale_value, cast
+
+
+@triton.jit
+def row_dot(x3, acc3, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLOCK_K: tl.constexpr,
+             MXFP8: tl.constexpr, DT: tl.constexpr):
+    """acc3 [BN, BLOCK_K / 32, 32] += W[rows, k0 : k0 + BLOCK_K] * x (x3: fp32 [1, BLOCK_K / 32, 32]).
+
+    The products are accumulated element-wise and reduced once after the K loop (``reduce_rows``): a cross-lane
+    reduction per K step would cost more than the weight stream itself. The tile is loaded as [rows, groups of 32,
+    32] so each group's UE8M0 scale broadcasts over its 32 columns without a reshape.
+    MXFP8 with bf16 activations: E4M3 x 2^e has 4 significant bits, so rounding it to bf16 (what the reference
+    does) changes nothing for any magnitude >= 2^-126; the rounding is skipped there. fp16 keeps it (its
+    exponent range is narrower)."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, G)
+    j = tl.arange(0, 32)
+    k3 = k0 + g[None, :, None] * 32 + j[None, None, :]
+    mask = n_ok[:, None, None] & (k3 < K)
+    w = tl.load(w_rows[:, None, None] + k3 * sw_k, mask=mask, other=0.0)
+    if MXFP8:
+        gg = k0 // 32 + g
+        s = tl.load(s_rows[:, None] + gg[None, :] * ss_k, mask=n_ok[:, None] & (gg[None, :] < K // 32), other=127)
+        w3 = _e4m3_value(w) * _scale_value(s)[:, :, None]
+        if DT != tl.bfloat16:
+            w3 = cast(w3, DT).to(tl.float32)
+    else:
+        w3 = w.to(tl.float32)
+    return acc3 + w3 * x3
+
+
+@triton.jit
+def reduce_rows(acc3):
+    return tl.sum(tl.sum(acc3, axis=2), axis=1)
+
+
+@triton.jit
+def x_tile(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations k0 .. k0 + BLOCK_K of one row as fp32 [1, BLOCK_K / 32, 32]."""
+    G: tl.constexpr = BLOCK_K // 32
+    k3 = k0 + tl.arange(0, G)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    return tl.load(x_row + k3, mask=k3 < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m, N,
+                 K: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (n-tile, row): y[row, tile] = x[row] @ W[tile]^T."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    dt = x_ptr.dtype.element_ty
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + n.to(tl.int64) * sw_n
+    s_rows = s_ptr + n.to(tl.int64) * ss_n
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = x_tile(x_ptr + row * sx_m, k0, K, BLOCK_K)
+        acc = row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K, BLOCK_K, MXFP8, dt)
+    tl.store(y_ptr + row * sy_m + n, cast(reduce_rows(acc), y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def linear_gemv(x2, weight, weight_scale, y, cfg: dict) -> None:
+    """y [M, N] = x2 [M, K] @ dequant(weight)^T, one program per (row, N tile)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    bn = cfg.get("BLOCK_N", 32)
+    _linear_gemv[(triton.cdiv(n, bn), m)](
+        x2, weight, weight_scale, y, x2.stride(0), weight.stride(0), weight.stride(1),
+        weight_scale.stride(0), weight_scale.stride(1), y.stride(0), n,
+        K=k, MXFP8=True, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", 128),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
