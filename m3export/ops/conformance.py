@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import OPS, mxfp8
+from . import OPS, kv_fp8, mxfp8
 from .indexer import lightning_indexer_reference
 from .paged import gather_sequence, sequences
 
@@ -135,16 +135,38 @@ class Case:
     build: Callable[[torch.Generator], tuple[list[torch.Tensor], dict]] = field(repr=False, compare=False)
     cpu: bool = True  # False: too large for the CPU implementations (runs on cuda only)
     interpret: bool = False  # in the Triton interpreter's subset (a few tiny cases per op; it is ~1000x slower)
+    fp8: bool = False  # the cache pools as E4M3 + per-row scales (FP8_POOLS), quantised from the T-rounded pools
 
     @property
     def id(self) -> str:
         return f"{self.op}/{self.name}"
 
     def inputs(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[list[torch.Tensor], dict]:
-        """The case's inputs with the activation inputs in ``dtype``, on ``device``."""
+        """The case's inputs with the activation inputs in ``dtype``, on ``device``. FP8 cases: each cache pool
+        quantised (``ops/kv_fp8.quantize_rows``) after that rounding, as the model's cache write does, and its
+        scale pool passed after the attributes (the ops' trailing optional inputs, in signature order)."""
         base, attrs = _built(self)
         cast = activation_inputs(self.op)
-        return [(t.to(dtype) if c else t).to(device) for t, c in zip(base, cast, strict=True)], attrs
+        inputs = [(t.to(dtype) if c else t) for t, c in zip(base, cast, strict=True)]
+        if self.fp8:
+            attrs = dict(attrs)
+            for i, name in FP8_POOLS[self.op].items():
+                inputs[i], attrs[name] = kv_fp8.quantize_rows(inputs[i])
+            attrs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in attrs.items()}
+        return [t.to(device) for t in inputs], attrs
+
+
+# Per op reading cache pools: input index of each pool -> the name of its scale input (FP8 cases).
+FP8_POOLS = {
+    "LightningIndexer": {1: "index_k_scale"},
+    "PagedAttention": {1: "k_scale", 2: "v_scale"},
+    "SparsePagedAttention": {1: "k_scale", 2: "v_scale"},
+}
+
+
+def scalar_attributes(attrs: dict) -> dict:
+    """The ONNX node attributes of a case (its scale pools are tensors, not attributes)."""
+    return {k: v for k, v in attrs.items() if not isinstance(v, torch.Tensor)}
 
 
 @functools.lru_cache(maxsize=4)
@@ -264,6 +286,18 @@ def _mxfp8_linear_case(lead, n, k, edge=False):
     return build
 
 
+def _zero_rows(build, pools):
+    """Every third row of the given pool inputs all zero: scale 0 in an FP8 cache, which must read back as 0
+    (a zero key scores 0, a zero value adds nothing), never 0/0."""
+    def zeroed(gen):
+        inputs, attrs = build(gen)
+        for i in pools:
+            flat = inputs[i].view(-1, *inputs[i].shape[2:])
+            flat[::3] = 0.0
+        return inputs, attrs
+    return zeroed
+
+
 # (context lengths, new tokens, page size, block size, top-k, local blocks, init blocks): the small paged shapes
 SMALL_SHAPES = {
     "prefill-selects": ([37], [37], 8, 4, 3, 1, 0),
@@ -300,8 +334,8 @@ def _attrs(block_size, topk, local, init):
 def _build_cases() -> dict[str, Case]:
     out: list[Case] = []
 
-    def add(name, op, tags, build, cpu=True):
-        out.append(Case(name, op, frozenset(tags), build, cpu))
+    def add(name, op, tags, build, cpu=True, fp8=False):
+        out.append(Case(name, op, frozenset(tags), build, cpu, fp8=fp8))
 
     for name, (ctx, new, page, bs, topk, local, init) in SMALL_SHAPES.items():
         attrs = _attrs(bs, topk, local, init)
@@ -342,6 +376,28 @@ def _build_cases() -> dict[str, Case]:
         add(f"6k-tiny-dims-{sel}", "SparsePagedAttention", {"long"},
             _sparse_case(ctx, new, page, LONG_TINY_INDEX, sel, **LONG_TINY_HEADS))
 
+    # FP8 caches (E4M3 + per-row scales): the same shapes and data kinds, pools quantised by Case.inputs
+    for name in ("decode-batch", "verify-multi-token", "mixed-prefill-decode"):
+        ctx, new, page, bs, topk, local, init = SMALL_SHAPES[name]
+        attrs = _attrs(bs, topk, local, init)
+        add(f"fp8-{name}", "LightningIndexer", {"small"}, _indexer_case(ctx, new, page, attrs), fp8=True)
+        add(f"fp8-{name}", "PagedAttention", {"small"}, _attention_case(ctx, new, page), fp8=True)
+        add(f"fp8-{name}-indexer", "SparsePagedAttention", {"small"},
+            _sparse_case(ctx, new, page, attrs, "indexer"), fp8=True)
+    ctx, new, page = ADVERSARIAL_BATCH["ctx"], ADVERSARIAL_BATCH["new"], ADVERSARIAL_BATCH["page"]
+    add("fp8-zero-rows-nan-tails", "LightningIndexer", small_adv,
+        _zero_rows(_indexer_case(ctx, new, page, adv_attrs, **adv), (1,)), fp8=True)
+    add("fp8-zero-rows-nan-tails", "PagedAttention", small_adv,
+        _zero_rows(_attention_case(ctx, new, page, **adv), (1, 2)), fp8=True)
+    add("fp8-zero-rows-nan-tails-random", "SparsePagedAttention", small_adv,
+        _zero_rows(_sparse_case(ctx, new, page, adv_attrs, "random", **adv), (1, 2)), fp8=True)
+    ctx, new, page = M3_SHAPES["page16"]
+    add("fp8-page16", "LightningIndexer", {"m3-shape"}, _indexer_case(ctx, new, page, M3_INDEX, h=4, d=128),
+        fp8=True)
+    add("fp8-page16", "PagedAttention", {"m3-shape"}, _attention_case(ctx, new, page, **M3_HEADS), fp8=True)
+    add("fp8-page16-indexer", "SparsePagedAttention", {"m3-shape"},
+        _sparse_case(ctx, new, page, M3_INDEX, "indexer", **M3_HEADS), fp8=True)
+
     for top_k, t in ((2, 9), (1, 1), (8, 5)):
         add(f"top{top_k}-{t}tok", "MoE", {"small"}, _moe_case(top_k, t))
     add("routing-ties", "MoE", small_adv, _moe_case(2, 16, tie=True))
@@ -377,6 +433,9 @@ INTERPRET_CASES = (
     "SparsePagedAttention/decode-batch-random", "SparsePagedAttention/verify-multi-token-indexer",
     "MoE/top1-1tok", "MoE/routing-ties", "MoEMXFP8/e4m3-edge-codes",
     "MXFP8Linear/rows7", "MXFP8Linear/e4m3-edge-codes",
+    "LightningIndexer/fp8-decode-batch", "LightningIndexer/fp8-zero-rows-nan-tails",
+    "PagedAttention/fp8-verify-multi-token", "PagedAttention/fp8-zero-rows-nan-tails",
+    "SparsePagedAttention/fp8-decode-batch-indexer",
 )
 
 
@@ -477,7 +536,10 @@ def compare(case: Case, dtype: torch.dtype, got: torch.Tensor, inputs: list[torc
         if got.dtype != torch.int32:
             v.failures.append(f"dtype {got.dtype}, expected torch.int32")
             return v
-        _compare_selection(got, want, upcast(inputs), attrs, v)
+        inputs64 = upcast(inputs)
+        if case.fp8:  # the near-tie rule on the scores of the keys as read: dequantised, exactly, in float64
+            inputs64[1] = kv_fp8.dequantize_rows(inputs[1], attrs["index_k_scale"], torch.float64)
+        _compare_selection(got, want, inputs64, scalar_attributes(attrs), v)
         return v
     if got.dtype != dtype:
         v.failures.append(f"dtype {got.dtype}, expected {dtype}")
@@ -636,6 +698,9 @@ class OnnxCpu(Implementation):
     def unavailable(self, case, dtype):
         if dtype == torch.bfloat16:
             return "ONNX Runtime's CPU execution provider has no bfloat16 MatMul/Gemm kernels (docs/ops.md §9)"
+        if case.fp8:
+            return ("the ONNX function bodies take no FP8 pools: no ONNX opset has Gather / ScatterND on float8 "
+                    "(docs/ops.md, FP8 cache)")
         return super().unavailable(case, dtype)
 
     def run(self, op, inputs, attrs):

@@ -103,8 +103,11 @@ def _sparse_paged_attention(
                 s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
             allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
             s = tl.where(allowed, s, float("-inf"))
-            if FP8:
+            if FP8 and q_ptr.dtype.element_ty != tl.float16:
                 m_i, l_i, acc = online_softmax_step_scaled(s, v, vs, m_i, l_i, acc, PREC, INTERPRETED)
+            elif FP8:  # fp16: P * scale could fall below fp16's normal range, so V is dequantised (2^-11) instead
+                v = (v.to(tl.float32) * vs[:, None]).to(tl.float16)
+                m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
             else:
                 m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
 
