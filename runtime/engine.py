@@ -329,7 +329,7 @@ class Engine:
                 first = offset + s.num_new - 1
                 logits_rows.extend(range(first, first + 1 + len(s.drafts)))
             offset += len(tokens)
-        ids, batch = build_batch(segments, self.page_size, self.backend.device)
+        ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
         index = torch.tensor(logits_rows, dtype=torch.int64, device=ids.device)
         if media_rows and sum(r.numel() for r in media_rows):
             media = (torch.cat(media_rows).to(ids.device), torch.cat(media_values))

@@ -7,7 +7,7 @@ import torch
 
 from m3export.model.batch import Batch
 from m3export.runtime import Engine, SamplingParams
-from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, step_shape
+from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, mtp_step_shape, step_shape
 from tests.runtime_fixtures import model, prompts, reference, tiny_model  # noqa: F401  (fixtures)
 
 PAGE = 4
@@ -32,6 +32,21 @@ def test_step_shape():
     assert shape([3, 2]) is None
     assert shape([4, 1]) is None  # 5 tokens over 2 sequences
     assert shape([2, 2], sampled=[1, 3]) is None  # a prefill chunk pair: only the last tokens sampled
+
+
+def test_mtp_step_shape():
+    buckets = (1, 2, 4)
+
+    def shape(counts, rows):
+        ids = torch.zeros(sum(counts), dtype=torch.int64)
+        batch = _batch([[i] for i in range(len(counts))], [0] * len(counts), counts)
+        return mtp_step_shape(ids, batch, torch.arange(rows), buckets)
+
+    assert shape([1, 1, 1], 3) == (4, True)  # a chain step: one draft position per request, logits for each
+    assert shape([1, 1], 0) == (2, False)  # a module only writing its cache
+    assert shape([1, 1], 1) is None  # logits for some rows only
+    assert shape([2, 1, 1], 3) is None  # a catch-up over several kept positions: eager
+    assert shape([1] * 5, 5) is None  # past the largest bucket
 
 
 def _batch(tables, starts, counts):
@@ -101,6 +116,36 @@ def test_padded_verify_step_equals_unpadded(model):
     torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("want_logits", [True, False])
+def test_padded_mtp_step_equals_unpadded(model, want_logits):
+    """An MTP chain step of 2 sequences padded to a bucket of 4 on the scratch page: same logits and output hidden
+    as the unpadded step, and the same entries in the module's cache (the scratch page aside)."""
+    be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(4,))
+    be.allocate(num_pages=6, page_size=PAGE)
+    g = torch.Generator().manual_seed(2)
+    tables = [[0, 1], [2]]
+    hidden = torch.randn(8, model.config.hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 256, (8,), generator=g)
+    be.mtp_forward(0, ids, hidden, _batch(tables, [0, 0], [5, 3]), torch.tensor([4, 7]))  # catch-up: eager
+    assert be.padded_mtp_steps == 0
+    saved = [c.clone() for c in be._mtp_caches[0]]
+    step = _batch(tables, [5, 3], [1, 1])
+    rows = torch.arange(2) if want_logits else torch.arange(0)
+    step_ids, step_hidden = torch.tensor([21, 22]), hidden[:2] * 0.5
+    logits, out = be.mtp_forward(0, step_ids, step_hidden, step, rows)
+    assert be.padded_mtp_steps == 1
+    padded_cache = [c[:6].clone() for c in be._mtp_caches[0]]
+    for c, k in zip(be._mtp_caches[0], saved):
+        c.copy_(k)
+    be.pad_eagerly = False
+    want_logits_, want_out = be.mtp_forward(0, step_ids, step_hidden, step, rows)
+    assert logits.shape == want_logits_.shape == (len(rows), model.config.vocab_size)
+    torch.testing.assert_close(logits, want_logits_, rtol=0, atol=1e-10)  # float64 model: rounding of blocking
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-10)
+    for p, u in zip(padded_cache, be._mtp_caches[0]):
+        torch.testing.assert_close(p, u[:6], rtol=0, atol=1e-12)
+
+
 def test_engine_on_padded_speculative_decode_matches_reference(model, reference):
     # k = 2 drafts: verification steps are (bucket, 3) shapes whenever every sequence drafts 2; the last steps
     # (fewer drafts near max_tokens) and the prefills run eagerly. Greedy output must equal full recomputation.
@@ -110,6 +155,8 @@ def test_engine_on_padded_speculative_decode_matches_reference(model, reference)
     outs = eng.generate(ps, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference(tuple(p), 8) for p in ps]
     assert eng.stats.verify_steps > 0
+    assert be.padded_mtp_steps > 0  # the drafter's chain steps ran in bucket shapes too
+    assert be.batch_device == torch.device("cpu")  # the engine hands this backend host batches
 
 
 def test_engine_on_padded_decode_matches_reference(model, reference):
@@ -137,6 +184,29 @@ def test_gpu_graphs_replay_the_same_tokens():
     graphed = Engine(be, page_size=PAGE, num_pages=64).generate(ps, params)
     assert be.use_graphs and be.replays > 0, "decode steps did not run from graphs"
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_mtp_graphs_replay_the_same_tokens():
+    """Speculative decoding (k = 2) with the verify steps and the MTP chain steps replayed from graphs gives the
+    eager tokens, greedy and seeded sampling alike (fp32 tiny model: graph and eager run the same kernels)."""
+    from m3export.plugins.kernels import kernels, register
+
+    missing = {"m3::paged_attention", "m3::sparse_paged_attention", "m3::lightning_indexer", "m3::moe"} - set(kernels())
+    if missing:
+        pytest.skip(f"no Triton kernel yet for {sorted(missing)}: the reference ops cannot be captured")
+    register()
+    m = tiny_model().float().cuda()
+    ps = prompts(3, seed=6)
+    for params in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True)):
+        kw = dict(page_size=PAGE, num_pages=64, num_speculative_tokens=2)
+        eager = Engine(GraphedTorchBackend(m, use_graphs=False), **kw).generate(ps, params)
+        be = GraphedTorchBackend(m, use_graphs=True)
+        graphed = Engine(be, **kw).generate(ps, params)
+        assert be.use_graphs and be.replays > 0 and be.mtp_replays > 0, "steps did not run from graphs"
+        assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
 
 
 @pytest.mark.gpu
@@ -171,4 +241,5 @@ def test_gpu_mini_kernels_and_graphs_generate_the_reference_tokens(k):
     be = GraphedTorchBackend(model, use_graphs=True)
     got = [o.token_ids for o in Engine(be, **kw).generate(ps, params)]
     assert be.use_graphs and be.replays > 0, "decode steps did not run from graphs"
+    assert k == 0 or be.mtp_replays > 0, "MTP chain steps did not run from graphs"
     assert got == want

@@ -25,6 +25,13 @@ class Backend(ABC):
     device: torch.device = torch.device("cpu")
 
     @property
+    def batch_device(self) -> torch.device:
+        """Where the engine builds a step's batch: ``device`` unless the backend copies batches into buffers of
+        its own (CUDA-graph inputs), which then takes them on the host: one host-to-device copy instead of two
+        copies, and the batch's layout readable without a device-to-host copy."""
+        return self.device
+
+    @property
     @abstractmethod
     def num_mtp_modules(self) -> int:
         """MTP modules with weights; 0 means the engine cannot speculate."""

@@ -5,8 +5,15 @@ A decode step launches hundreds of small kernels whose launch gaps, not their by
 (one new token per sequence, every token sampled: ``T == B == len(logits_indices)``) or an MTP verification step
 (the same number 1 + k of tokens in every sequence, all sampled), pads it to the smallest bucket (1, 2, 4, ..., 64)
 that holds it and replays that (bucket, tokens per sequence) graph; mixed or prefill steps, batches past the
-largest bucket, the MTP modules' own steps, and everything on a device without CUDA graphs run eagerly, exactly
-as ``TorchBackend``.
+largest bucket, and everything on a device without CUDA graphs run eagerly, exactly as ``TorchBackend``.
+The MTP modules' steps of one token per sequence (the drafter's chain steps, and catch-up steps where each
+request kept one position) are captured the same way per (module, bucket, whether logits are wanted): a chain
+of k drafts is k more launches per step otherwise, each as launch-bound as a decode step.
+
+The engine builds its batches on the host for this backend (``batch_device``): the graph's static inputs are
+filled by one host-to-device copy per field, and whether a verify step has the same number of tokens in every
+sequence is read from the host ``query_start_loc`` with no device-to-host copy. ``logits_indices`` is copied
+into the static inputs like the rest, so a replay computes exactly the rows asked for.
 
 Padding rows are the tokens of short sequences that live on one scratch page which the backend allocates
 beyond the pages the engine owns (the engine never addresses it), so they write and read nothing of any request.
@@ -35,11 +42,11 @@ def step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tens
                page_size: int) -> tuple[int, int] | None:
     """(bucket, tokens per sequence) for a step that can be replayed, else None.
 
-    Replayable: every sequence has the same number q of new tokens and every token's logits are wanted: plain
-    decode (q = 1) and MTP verification of k drafts (q = 1 + k). A verify step's uniformity is read from
-    ``query_start_loc`` (one tiny device-to-host copy; the engine has already synchronised on the previous step's
-    logits); a decode step is recognised from shapes alone. Padding sequences hold their q tokens in one scratch
-    page, so q may not exceed a page.
+    Replayable: every sequence has the same number q of new tokens and as many logits rows as tokens are wanted:
+    plain decode (q = 1) and MTP verification of k drafts (q = 1 + k). A decode step is recognised from shapes
+    alone; a verify step's uniformity is read from ``query_start_loc``, free when the batch is on the host (the
+    engine builds it there for this backend), one tiny device-to-host copy otherwise. Padding sequences hold
+    their q tokens in one scratch page, so q may not exceed a page.
     """
     t, b, n = input_ids.shape[0], batch.seq_lens.shape[0], logits_indices.shape[0]
     if b == 0 or t % b or n != t:
@@ -48,12 +55,21 @@ def step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tens
     bucket = next((c for c in buckets if c >= b), None)
     if bucket is None or q > page_size:
         return None
-    if q > 1:
-        expected = torch.arange(0, t + 1, q, dtype=batch.query_start_loc.dtype)
-        if not torch.equal(batch.query_start_loc.cpu(), expected) or not torch.equal(
-                logits_indices.cpu(), torch.arange(t, dtype=logits_indices.dtype)):
-            return None
+    if q > 1 and not torch.equal(batch.query_start_loc.cpu(),
+                                 torch.arange(0, t + 1, q, dtype=batch.query_start_loc.dtype)):
+        return None
     return bucket, q
+
+
+def mtp_step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
+                   buckets: tuple[int, ...]) -> tuple[int, bool] | None:
+    """(bucket, logits wanted) for an MTP module step that can be replayed, else None: one token per sequence
+    (shapes alone: T == B), and logits for every row or for none (a module only keeping its cache current)."""
+    t, b, n = input_ids.shape[0], batch.seq_lens.shape[0], logits_indices.shape[0]
+    if b == 0 or t != b or n not in (0, t):
+        return None
+    bucket = next((c for c in buckets if c >= b), None)
+    return None if bucket is None else (bucket, n > 0)
 
 
 class DecodeInputs:
@@ -62,9 +78,12 @@ class DecodeInputs:
     Real sequences fill the first B slots; padding sequences have q tokens at positions 0 .. q-1 of the scratch page.
     """
 
-    def __init__(self, bucket: int, q: int, table_width: int, scratch_page: int, page_size: int, device):
+    def __init__(self, bucket: int, q: int, table_width: int, scratch_page: int, page_size: int, device,
+                 hidden: tuple[int, torch.dtype] | None = None):
+        """``hidden`` = (size, dtype): also a [rows, size] input (an MTP module's incoming hidden states)."""
         self.bucket, self.q = bucket, q
         rows = bucket * q
+        self.hidden = None if hidden is None else torch.zeros(rows, hidden[0], dtype=hidden[1], device=device)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)
         self.batch = Batch(
@@ -75,18 +94,28 @@ class DecodeInputs:
             slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
         )
         offsets = torch.arange(q, device=device).repeat(bucket)
+        self._pad_rows = torch.arange(rows, dtype=torch.int64, device=device)
         self._pad_positions = offsets
         self._pad_slots = scratch_page * page_size + offsets
         self._scratch_page = scratch_page
 
-    def fill(self, input_ids: torch.Tensor, batch: Batch) -> None:
-        """Copy a step of B <= bucket sequences of q tokens each in; the rest becomes scratch-page padding."""
+    def fill(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
+             hidden: torch.Tensor | None = None) -> None:
+        """Copy a step of B <= bucket sequences of q tokens each in (from the host or the device); the rest becomes
+        scratch-page padding. ``logits_indices``: as many rows as tokens, or none (then nothing is copied)."""
         t, b, w = input_ids.shape[0], batch.seq_lens.shape[0], batch.block_tables.shape[1]
         s = self.batch
         if w > s.block_tables.shape[1]:
             raise ValueError(f"block table of {w} pages is wider than the captured {s.block_tables.shape[1]}")
         self.input_ids[:t].copy_(input_ids)
         self.input_ids[t:].zero_()
+        n = logits_indices.shape[0]
+        if n:
+            self.logits_indices[:n].copy_(logits_indices)
+            self.logits_indices[n:].copy_(self._pad_rows[n:])
+        if self.hidden is not None:
+            self.hidden[:t].copy_(hidden)
+            self.hidden[t:].zero_()
         s.positions[:t].copy_(batch.positions)
         s.positions[t:].copy_(self._pad_positions[t:])
         s.seq_lens[:b].copy_(batch.seq_lens)
@@ -117,6 +146,8 @@ class GraphedTorchBackend(TorchBackend):
         self._inputs: dict[tuple[int, int], DecodeInputs] = {}
         self._pool = None
         self.replays = 0  # decode steps served from a graph (for benchmarks and tests)
+        self.mtp_replays = 0  # MTP module steps served from a graph
+        self.padded_mtp_steps = 0  # MTP module steps run in a bucket shape (graph or pad_eagerly)
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         super().allocate(num_pages + 1, page_size)  # page num_pages: scratch for padding rows
@@ -126,50 +157,101 @@ class GraphedTorchBackend(TorchBackend):
         self._graphs.clear()
         self._inputs.clear()
 
-    def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple[int, int]) -> DecodeInputs:
-        """The static inputs of shape ``key`` = (bucket, q) filled with this step (also what eager padding runs)."""
+    @property
+    def batch_device(self) -> torch.device:
+        """Batches are copied into the graphs' static inputs: the engine builds them on the host (see the module
+        docstring); an eager step moves them itself."""
+        return torch.device("cpu") if self.use_graphs or self.pad_eagerly else self.device
+
+    def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple, logits_indices: torch.Tensor,
+                      hidden: torch.Tensor | None = None) -> DecodeInputs:
+        """The static inputs of shape ``key`` = (bucket, q) or ("mtp", module, bucket, logits wanted) filled with
+        this step (also what eager padding runs)."""
         if key not in self._inputs:
-            self._inputs[key] = DecodeInputs(*key, self._table_width, self._scratch_page, self._page_size,
-                                             self.device)
+            bucket, q = (key[2], 1) if key[0] == "mtp" else key
+            extra = None if hidden is None else (hidden.shape[-1], hidden.dtype)
+            self._inputs[key] = DecodeInputs(bucket, q, self._table_width, self._scratch_page, self._page_size,
+                                             self.device, extra)
         inputs = self._inputs[key]
-        inputs.fill(input_ids, batch)
+        inputs.fill(input_ids, batch, logits_indices, hidden)
         return inputs
+
+    def _on_device(self, input_ids, batch: Batch, logits_indices):
+        return input_ids.to(self.device), batch.to(self.device), logits_indices.to(self.device)
 
     def forward(self, input_ids, batch: Batch, logits_indices, media=None):
         if self._caches is None:
             raise RuntimeError("GraphedTorchBackend.forward before allocate()")
         if media is not None or not (self.use_graphs or self.pad_eagerly):
             # A step that places image / video embeddings is a prefill step: eager, as TorchBackend runs it.
-            return super().forward(input_ids, batch, logits_indices, media=media)
+            return super().forward(*self._on_device(input_ids, batch, logits_indices), media=media)
         key = step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
         if key is None:
-            return super().forward(input_ids, batch, logits_indices)
+            return super().forward(*self._on_device(input_ids, batch, logits_indices))
         t = input_ids.shape[0]
-        inputs = self.padded_inputs(input_ids, batch, key)
-        if self.pad_eagerly:
-            with torch.inference_mode():
-                out = self.model.step(inputs.input_ids, inputs.batch, self._caches, inputs.logits_indices,
-                                      inplace=True)
-            return out.logits[:t].float(), out.hidden[:t]
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = self._capture(inputs)
-            except Exception as exc:  # an op that synchronises with the host cannot be captured
-                log.warning("CUDA-graph capture of decode shape %s failed (%s: %s); decoding eagerly", key,
-                            type(exc).__name__, str(exc)[:200])
-                self.use_graphs = False
-                torch.cuda.synchronize(self.device)
-                return super().forward(input_ids, batch, logits_indices)
-        graph, logits, hidden = self._graphs[key]
-        graph.replay()
-        self.replays += 1
-        return logits[:t].float().clone(), hidden[:t].clone()
+        inputs = self.padded_inputs(input_ids, batch, key, logits_indices)
 
-    def _capture(self, inputs: DecodeInputs):
         def step():
             out = self.model.step(inputs.input_ids, inputs.batch, self._caches, inputs.logits_indices, inplace=True)
             return out.logits, out.hidden
 
+        outs = self._run(key, step)
+        if outs is None:  # capture failed: graphs are off now
+            return super().forward(*self._on_device(input_ids, batch, logits_indices))
+        if not self.pad_eagerly:
+            self.replays += 1
+        logits, hidden = outs
+        return logits[:t].float().clone(), hidden[:t].clone()  # a graph's outputs are rewritten by its next replay
+
+    def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
+        if self._mtp_caches is None:
+            raise RuntimeError("GraphedTorchBackend.mtp_forward before allocate()")
+        shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets) \
+            if self.use_graphs or self.pad_eagerly else None
+        if shape is None:
+            ids, b, li = self._on_device(input_ids, batch, logits_indices)
+            return super().mtp_forward(module, ids, hidden.to(self.device), b, li)
+        key = ("mtp", module, *shape)
+        t = input_ids.shape[0]
+        inputs = self.padded_inputs(input_ids, batch, key, logits_indices, hidden)
+        rows = inputs.logits_indices if shape[1] else inputs.logits_indices[:0]
+
+        def step():
+            logits, out, _, _ = self.model.mtp_step(module, inputs.input_ids, inputs.hidden, inputs.batch,
+                                                    self._mtp_caches[module], rows, inplace=True)
+            return logits, out
+
+        outs = self._run(key, step)
+        if outs is None:
+            ids, b, li = self._on_device(input_ids, batch, logits_indices)
+            return super().mtp_forward(module, ids, hidden.to(self.device), b, li)
+        self.padded_mtp_steps += 1
+        if not self.pad_eagerly:
+            self.mtp_replays += 1
+        logits, out = outs
+        return logits[:logits_indices.shape[0]].float().clone(), out[:t].clone()
+
+    def _run(self, key: tuple, step) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``step`` on the static inputs: eagerly (``pad_eagerly``) or replayed from its graph, captured on first
+        use; a graph's outputs are its own buffers (callers copy what they keep). None when the capture failed,
+        which turns graphs off."""
+        if self.pad_eagerly:
+            with torch.inference_mode():
+                return step()
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = self._capture(step)
+            except Exception as exc:  # an op that synchronises with the host cannot be captured
+                log.warning("CUDA-graph capture of step shape %s failed (%s: %s); running eagerly", key,
+                            type(exc).__name__, str(exc)[:200])
+                self.use_graphs = False
+                torch.cuda.synchronize(self.device)
+                return None
+        graph, outs = self._graphs[key]
+        graph.replay()
+        return outs
+
+    def _capture(self, step):
         with torch.inference_mode():
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -180,5 +262,5 @@ class GraphedTorchBackend(TorchBackend):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits, hidden = step()
-        return graph, logits, hidden
+                outs = step()
+        return graph, outs
