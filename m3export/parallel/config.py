@@ -43,12 +43,9 @@ class ParallelConfig:
             return self
         mxfp8 = cfg.quantization is not None if mxfp8 is None else mxfp8
         split = [("num_attention_heads", cfg.num_attention_heads, "query heads"),
-                 ("num_key_value_heads", cfg.num_key_value_heads, "KV heads (each rank an equal share)"),
                  ("vocab_size", cfg.vocab_size, "lm_head rows (vocab parallel)"),
                  ("dense_intermediate_size", cfg.dense_intermediate_size, "dense MLP columns"),
                  ("shared_intermediate_size", cfg.shared_intermediate_size, "shared expert columns")]
-        if cfg.has_sparse_layers:
-            split.append(("index_n_heads", cfg.index_n_heads, "index heads (they follow the KV heads)"))
         if self.expert_parallel:
             split.append(("num_local_experts", cfg.num_local_experts, "routed experts (expert parallel)"))
         else:
@@ -57,6 +54,11 @@ class ParallelConfig:
             if value % tp:
                 raise ConfigError(f"tensor_parallel_size {tp} does not divide {name} ({value}): the {what} are "
                                   f"split evenly across the ranks")
+        kv = cfg.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ConfigError(f"tensor_parallel_size {tp} neither divides nor is a multiple of num_key_value_heads "
+                              f"({kv}): each rank holds an equal share of the KV heads, or one KV head replicated "
+                              f"on tensor_parallel_size / num_key_value_heads ranks")
         if mxfp8:
             widths = [("num_attention_heads * head_dim / tensor_parallel_size (o_proj input per rank)",
                        cfg.num_attention_heads * cfg.head_dim // tp),
@@ -83,14 +85,20 @@ class ParallelConfig:
         if tp == 1:
             return cfg
         changes = dict(num_attention_heads=cfg.num_attention_heads // tp,
-                       num_key_value_heads=cfg.num_key_value_heads // tp,
+                       num_key_value_heads=self.kv_heads_per_rank(cfg),
                        dense_intermediate_size=cfg.dense_intermediate_size // tp,
                        shared_intermediate_size=cfg.shared_intermediate_size // tp)
-        if cfg.has_sparse_layers:
-            changes["index_n_heads"] = cfg.index_n_heads // tp
+        if cfg.has_sparse_layers:  # index head r selects for KV head r (the config checks the counts are equal)
+            changes["index_n_heads"] = self.kv_heads_per_rank(cfg)
         if not self.expert_parallel:
             changes["intermediate_size"] = cfg.intermediate_size // tp
         return dataclasses.replace(cfg, **changes).validate()
+
+    def kv_heads_per_rank(self, cfg: M3Config) -> int:
+        """KV heads a rank holds: its share, or 1 when there are more ranks than KV heads (as vLLM, each KV head
+        is then replicated on ``tensor_parallel_size / num_key_value_heads`` ranks: the release's 4 KV heads at
+        TP8 give pairs of ranks one KV head each, with 8 distinct query heads per rank)."""
+        return max(1, cfg.num_key_value_heads // self.tensor_parallel_size)
 
     def experts_per_rank(self, cfg: M3Config) -> int:
         return cfg.num_local_experts // self.tensor_parallel_size if self.expert_parallel else cfg.num_local_experts

@@ -119,6 +119,10 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
         _stream_slices(ckpt, plan, model, shards, full, stats, progress)
     stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     model.load_stats = stats
+    if str(device).startswith("cuda"):  # as m3export.load_model: the ops run the Triton kernels on CUDA
+        from m3export.plugins.kernels import use_on
+
+        use_on(device)
     return model.requires_grad_(False).eval()
 
 

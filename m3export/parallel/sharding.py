@@ -66,6 +66,15 @@ def _halves(rank: int, tp: int, inter: int) -> tuple[tuple[int, int], ...]:
     return (lo, hi), (inter + lo, inter + hi)
 
 
+def _kv_heads(rank: int, tp: int, kv: int) -> tuple[int, int]:
+    """KV heads of ``rank``: an equal contiguous share, or, with more ranks than KV heads, the one KV head whose
+    query heads the rank holds (replicated on ``tp / kv`` consecutive ranks)."""
+    if tp <= kv:
+        return _block(rank, tp, kv)
+    head = rank // (tp // kv)
+    return head, head + 1
+
+
 # Parameter name (layer part) -> how it is split. Names are the model's (``model.named_parameters()``), which are
 # the same on every rank; MTP modules' ``transformer_layer`` is a decoder layer like the others.
 _LAYER = re.compile(r"(?:model\.layers\.\d+|mtp\.\d+\.transformer_layer)\.(.+)")
@@ -93,7 +102,7 @@ def _weight_shard(name: str, cfg: M3Config, parallel: ParallelConfig, rank: int)
         return Shard(), 0
     rest = m[1]
     q_lo, q_hi = _block(rank, tp, cfg.num_attention_heads)
-    kv_lo, kv_hi = _block(rank, tp, cfg.num_key_value_heads)
+    kv_lo, kv_hi = _kv_heads(rank, tp, cfg.num_key_value_heads)
     if rest == "self_attn.q_proj.weight":  # column parallel by query head (rank's heads serve its KV heads)
         return Shard(0, ((q_lo * d, q_hi * d),)), 2
     if rest in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
