@@ -234,3 +234,19 @@ def test_manifest_flavours_are_validated(tiny_artifact, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ArtifactError, match="field 'flavours' must map a flavour name to its graphs"):
         load_artifact(bad, verify_checksums=False)
+
+
+def test_flavour_refuses_inputs_the_plugins_do_not_take():
+    """An FP8-cache node (scale pools as trailing inputs) is refused by name; omitted optional inputs ("") go."""
+    names = ["q", "k_cache", "v_cache", "block_tables", "query_start_loc", "seq_lens", "positions"]
+
+    def model(inputs):
+        node = helper.make_node("PagedAttention", inputs, ["out"], name="attn.0", domain="m3", scale=0.1)
+        return helper.make_model(helper.make_graph([node], "g", [], []))
+
+    with pytest.raises(ArtifactError, match=r"node attn.0: m3::PagedAttention has 9 inputs, its TensorRT plugin "
+                                            r"takes 7 .* no FP8 cache"):
+        flavour_graph(model(names + ["k_scale", "v_scale"]), 100)
+    out, _ = flavour_graph(model(names + ["", ""]), 100)
+    (node,) = out.graph.node
+    assert list(node.input) == names and _attrs(node)["plugin_namespace"] == b"m3"

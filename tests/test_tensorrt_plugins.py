@@ -35,7 +35,9 @@ def _reference(op, inputs, attrs):
     return cf.reference_function(op)(*inputs, *attrs.values())
 
 
-CPU_CASES = [c for c in cf.CASES.values() if c.cpu and ("small" in c.tags or "adversarial" in c.tags)]
+# FP8-cache cases pass scale pools the plugins do not take yet (the TensorRT flavour refuses such nodes)
+CPU_CASES = [c for c in cf.CASES.values() if c.cpu and ("small" in c.tags or "adversarial" in c.tags)
+             and not getattr(c, "fp8", False)]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.id)

@@ -78,6 +78,7 @@ def _moe_nodes(node: onnx.NodeProto) -> list[onnx.NodeProto]:
 
 def flavour_graph(model: onnx.ModelProto, max_model_len: int) -> tuple[onnx.ModelProto, dict]:
     """A copy of ``model`` with plugin nodes; returns it and a record of what was rewritten (for the manifest)."""
+    from m3export.plugins.tensorrt.shapes import OP_PLUGINS
     from m3export.plugins.tensorrt.steps import STEPS, max_blocks
 
     if max_model_len < 1:
@@ -93,6 +94,19 @@ def flavour_graph(model: onnx.ModelProto, max_model_len: int) -> tuple[onnx.Mode
             continue
         if node.op_type not in STEPS:
             raise ArtifactError(f"node {node.name or node.op_type}: m3::{node.op_type} has no TensorRT plugin")
+        takes = OP_PLUGINS[node.op_type].inputs
+        given = len(node.input)
+        while given and not node.input[given - 1]:  # omitted optional inputs ("") at the end
+            given -= 1
+        if given > len(takes):  # e.g. the FP8 cache's scale pools, optional trailing inputs
+            raise ArtifactError(f"node {node.name or node.op_type}: m3::{node.op_type} has {given} inputs, its "
+                                f"TensorRT plugin takes {len(takes)} ({', '.join(takes)}); the plugins read no FP8 "
+                                "cache (scale inputs) yet")
+        if given < len(node.input):
+            trimmed = onnx.NodeProto()
+            trimmed.CopyFrom(node)
+            del trimmed.input[given:]
+            node = trimmed
         steps = STEPS[node.op_type]
         if node.op_type == "LightningIndexer":
             a = _attrs(node)

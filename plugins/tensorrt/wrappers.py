@@ -3,9 +3,10 @@ bodies (Triton inlines the call: the same kernel code, compiled once more with T
 
 Each wrapper takes ``(input pointers..., int32 extras..., output pointers...)`` (see ``aot.py``) and passes the
 kernel everything else as compile-time constants: strides of contiguous tensors, the one-token-per-program tiling
-(``TOKENS`` 1, no tile map), a single context split (no split-K scratch, no merge launch) and
-``INTERPRETED`` False. Unused pointer slots of the kernel (tile map, split-K scratch) get a pointer the kernel
-never reads in that configuration, as the torch launchers do.
+(``TOKENS`` 1, no tile map), a single context split (no split-K scratch, no merge launch), bf16 / fp16 / fp32
+caches (``FP8`` False: the FP8 cache's scale pools are not plugin inputs yet) and ``INTERPRETED`` False. Unused
+pointer slots of the kernel (tile map, split-K scratch, cache scales) get a pointer the kernel never reads in that
+configuration, as the torch launchers do.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ def m3_paged_attention(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, pos_p
                        PAGE: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
                        PREC: tl.constexpr, QK_SCALE: tl.constexpr):
     pa._paged_attention(
-        q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, out_ptr, out_ptr,
-        out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV, max_pages,
-        HQ * DV, DV, QK_SCALE, HQ, G, G_PAD, D, BLOCK_D, DV, BLOCK_DV, PAGE, 1, ROWS, LOG2_SEQS, BLOCK_N, 1,
-        PREC, False)
+        q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, out_ptr,
+        out_ptr, out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV, 0, 0, 0,
+        0, max_pages, HQ * DV, DV, QK_SCALE, False, HQ, G, G_PAD, D, BLOCK_D, DV, BLOCK_DV, PAGE, 1, ROWS,
+        LOG2_SEQS, BLOCK_N, 1, PREC, False)
 
 @triton.jit
 def m3_sparse_paged_attention(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, pos_ptr, sel_ptr, num_seqs,
@@ -42,10 +43,10 @@ def m3_sparse_paged_attention(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr
                               K_PAD: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
                               BLOCK_N: tl.constexpr, PREC: tl.constexpr, QK_SCALE: tl.constexpr):
     spa._sparse_paged_attention(
-        q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, sel_ptr, out_ptr, out_ptr,
-        out_ptr, out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV,
-        max_pages, HKV * K, K, HQ * DV, DV, QK_SCALE, HQ, G, G_PAD, 1, ROWS, D, BLOCK_D, DV, BLOCK_DV, PAGE, BS,
-        K, K_PAD, LOG2_SEQS, BLOCK_N, 1, PREC, False)
+        q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, sel_ptr, out_ptr,
+        out_ptr, out_ptr, out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV,
+        0, 0, 0, 0, max_pages, HKV * K, K, HQ * DV, DV, QK_SCALE, False, HQ, G, G_PAD, 1, ROWS, D, BLOCK_D, DV,
+        BLOCK_DV, PAGE, BS, K, K_PAD, LOG2_SEQS, BLOCK_N, 1, PREC, False)
 
 @triton.jit
 def m3_lightning_indexer_scan(q_ptr, k_ptr, bt_ptr, qsl_ptr, pos_ptr, num_seqs, max_pages, num_blocks,
@@ -53,9 +54,9 @@ def m3_lightning_indexer_scan(q_ptr, k_ptr, bt_ptr, qsl_ptr, pos_ptr, num_seqs, 
                               BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
                               LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                               PREC: tl.constexpr):
-    li._index_scan(q_ptr, k_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, num_seqs, H * D, D,
-                   PAGE * D, D, max_pages, H * num_blocks, num_blocks, H, H_PAD, D, BLOCK_D, PAGE, BS, 1, ROWS,
-                   LOG2_SEQS, BLOCK_N, SPLITS, PREC, False)
+    li._index_scan(q_ptr, k_ptr, k_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, num_seqs, H * D,
+                   D, PAGE * D, D, 0, 0, max_pages, H * num_blocks, num_blocks, False, H, H_PAD, D, BLOCK_D, PAGE,
+                   BS, 1, ROWS, LOG2_SEQS, BLOCK_N, SPLITS, PREC, False)
 
 @triton.jit
 def m3_lightning_indexer_topk(scores_ptr, pos_ptr, num_blocks, out_ptr, H: tl.constexpr, NB: tl.constexpr,
