@@ -74,14 +74,16 @@ class LLM:
         """``prompts``: a string, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``, or a list
         of those; ``sampling_params``: one SamplingParams for all, or one per prompt. A dict may carry
         ``"multi_modal_data": {"image": images, "video": videos}`` (one or a list each: PIL images, uint8 arrays or
-        encoded bytes; videos as [T, H, W, C] frames), placed at the prompt's ``]<]image[>[`` / ``]<]video[>[``."""
+        encoded bytes; videos as [T, H, W, C] frames or a video file's bytes), placed at the prompt's
+        ``]<]image[>[`` / ``]<]video[>[`` and preprocessed as the model directory's preprocessor configs say."""
         items = _prompt_list(prompts)
         prompts_in, media = [], []
         for (p, _), data in zip(items, _multi_modal(prompts, len(items))):
             if data:
-                from .serve.media import prepare_media
+                from .serve.media import media_settings, prepare_media
 
-                p, m = prepare_media(self.engine.config, p, _as_list(data.get("image")), _as_list(data.get("video")))
+                p, m = prepare_media(self.engine.config, p, _as_list(data.get("image")), _as_list(data.get("video")),
+                                     settings=media_settings(self.engine))
                 media.append(m)
             else:
                 media.append(None)

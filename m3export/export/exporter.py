@@ -26,6 +26,7 @@ from ..dtypes import BY_NAME, MODEL_DTYPES, of_torch
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
 from ..output_dir import check_free_space, check_replaceable, make_parent, os_errors_as, staging, staging_prefix
+from ..preprocess.settings import FILES as PREPROCESSOR_FILES
 from ..ops import DOMAIN, OPS, OPSET_VERSION
 from ..ops import mxfp8 as mx
 from ..safetensors_io import nbytes, write_safetensors
@@ -41,6 +42,7 @@ from .zero_copy import plan as zero_copy_plan
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
+# PREPROCESSOR_FILES are copied beside the graphs too: the servers preprocess images / video as they say
 WEIGHT_FORMATS = ("mxfp8", "bf16")
 AUTO = "auto"  # --dtype: in place, the checkpoint's own dtype; otherwise float32 (what ONNX Runtime's CPU EP runs)
 IN_PLACE_STAGING = "m3export"  # in place, files are staged in ROOT/.m3export.partial-*
@@ -89,10 +91,11 @@ def _tools() -> dict[str, str]:
 
 
 def _tokenizer_files(source: str, cfg: M3Config, tmp: Path) -> None:
-    """Copy the checkpoint's tokenizer files; a preset gets the byte-level tokenizer its config implies."""
+    """Copy the checkpoint's tokenizer (and preprocessor) files; a preset gets the byte-level tokenizer its config
+    implies."""
     src = Path(source)
     if not is_preset(source):
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, *PREPROCESSOR_FILES):
             if (src / name).is_file():
                 shutil.copyfile(src / name, tmp / name)
         return

@@ -13,6 +13,7 @@ Each step is the one ``transformers``' ``MiniMaxM3VLImageProcessor`` takes, writ
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from dataclasses import dataclass
@@ -55,8 +56,9 @@ class ImageSettings:
                    merge_size=vision.spatial_merge_size, **overrides)
 
     @classmethod
-    def from_preprocessor_config(cls, raw: dict[str, Any]) -> "ImageSettings":
-        """``preprocessor_config.json`` as the release ships it (``size`` or ``min_pixels`` / ``max_pixels``)."""
+    def from_preprocessor_config(cls, raw: dict[str, Any], base: "ImageSettings | None" = None) -> "ImageSettings":
+        """``preprocessor_config.json`` as the release ships it (``size`` or ``min_pixels`` / ``max_pixels``) over
+        ``base`` (default: the processor's defaults). Unchecked: ``MediaSettings.from_directory`` checks files."""
         size = raw.get("size") or {}
         kw: dict[str, Any] = {}
         if isinstance(size, dict):
@@ -71,7 +73,7 @@ class ImageSettings:
         for name in ("image_mean", "image_std"):
             if name in raw:
                 kw[name] = tuple(raw[name])
-        return cls(**kw)
+        return dataclasses.replace(base or cls(), **kw)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
@@ -114,9 +116,13 @@ def decode_image(data: bytes, what: str = "image") -> Any:
         raise MediaError(f"{what}: cannot decode the image bytes ({e})") from None
 
 
-def decode_data_url(url: str, what: str = "image_url") -> bytes:
-    """``data:image/<type>;base64,<payload>`` -> the encoded image bytes. Nothing is fetched: any other URL
-    (http, https, file, ...) is refused with a clear error."""
+_ARTICLE = {"image": "an image", "video": "a video"}
+
+
+def decode_data_url(url: str, what: str = "image_url", kinds: tuple[str, ...] = ("image",)) -> bytes:
+    """``data:image/<type>;base64,<payload>`` -> the encoded image bytes (``kinds``: the MIME types accepted,
+    e.g. ``("video", "image")`` for a video_url, where an animated GIF is a video). Nothing is fetched: any other
+    URL (http, https, file, ...) is refused with a clear error."""
     import base64
     import binascii
 
@@ -126,8 +132,9 @@ def decode_data_url(url: str, what: str = "image_url") -> bytes:
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
         raise MediaError(f"{what}: expected data:<mime>;base64,<data>, got a data: URL without a base64 payload")
-    if header and not header.startswith("image/"):
-        raise MediaError(f"{what}: the data: URL holds {header.split(';')[0]!r}, not an image")
+    if header and not header.startswith(tuple(f"{k}/" for k in kinds)):
+        wanted = " or ".join(_ARTICLE.get(k, k) for k in kinds)
+        raise MediaError(f"{what}: the data: URL holds {header.split(';')[0]!r}, not {wanted}")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:

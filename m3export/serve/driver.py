@@ -6,15 +6,21 @@ so the engine needs no locks: it admits new requests between steps, aborts those
 routes every step's outputs to their senders. A failure is confined to the request it belongs to: a bad
 prompt fails that request, a client that vanished is aborted, and an exception inside ``step()`` fails the
 requests in flight while the thread keeps serving the next ones.
+
+Images and video are decoded and preprocessed on a small thread pool before a request reaches the engine thread,
+so a large image or a long video never stalls the steps of the streams in flight (the vision tower itself then
+runs once per item inside ``Engine.add_request``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,10 +61,11 @@ _STOP = object()
 
 class EngineDriver:
     """``cancel_poll_s`` bounds how often each sender is asked whether its client left (an IPC round trip in
-    Triton); ``idle_wait_s`` is how long the idle thread sleeps between checks for shutdown."""
+    Triton); ``idle_wait_s`` is how long the idle thread sleeps between checks for shutdown; ``media_workers``
+    threads decode and preprocess requests' images and video."""
 
     def __init__(self, engine, metrics: Metrics | None = None, *, name: str = "m3", cancel_poll_s: float = 0.05,
-                 idle_wait_s: float = 0.5):
+                 idle_wait_s: float = 0.5, media_workers: int = 2):
         self.engine = engine
         self.metrics = metrics or _NoMetrics()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -69,6 +76,7 @@ class EngineDriver:
         self._idle_wait_s = idle_wait_s
         self._last_poll = 0.0
         self._stopping = False
+        self._media = ThreadPoolExecutor(media_workers, thread_name_prefix=f"{name}-media")
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -77,11 +85,36 @@ class EngineDriver:
         if self._stopping:
             sink.fail("the model is unloading; retry on another instance")
             return
+        if request.images or request.videos:
+            self._media.submit(self._prepare, request, sink)
+            return
         self._inbox.put((request, sink))
+
+    def _prepare(self, request: GenerateRequest, sink: Sink) -> None:
+        """On a media thread: decode and preprocess the request's images / video, expand its prompt's markers,
+        then hand it to the engine thread; bad media fail this request only."""
+        from .media import media_settings, prepare_media
+
+        if self._stopping:
+            _quietly(sink.fail, "the model is unloading; retry on another instance")
+            return
+        try:
+            prompt, items = prepare_media(self.engine.config, request.prompt, request.images, request.videos,
+                                          settings=media_settings(self.engine))
+        except ValueError as e:  # MediaError: the client's media
+            _quietly(sink.fail, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - a bug on one request's media must not reach the others
+            log.exception("preparing the media of %s failed", request.client_id or "a request")
+            _quietly(sink.fail, f"internal error while preparing the media: {type(e).__name__}: {e}")
+            return
+        self._inbox.put((dataclasses.replace(request, prompt=prompt, images=(), videos=(),
+                                             media=(*request.media, *items)), sink))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still in flight get an error instead of hanging their clients."""
         self._stopping = True
+        self._media.shutdown(wait=True)  # requests still queued there are failed by _prepare (stopping)
         self._inbox.put(_STOP)
         self._thread.join(timeout)
         leftovers = list(self._active.values())
@@ -137,12 +170,7 @@ class EngineDriver:
     def _add(self, request: GenerateRequest, sink: Sink) -> None:
         rid = f"{self._name}-{next(self._ids)}"
         try:
-            prompt, media = request.prompt, list(request.media)
-            if request.images:  # decoded and preprocessed here, where the engine's config is known
-                from .media import prepare_images
-
-                prompt, images = prepare_images(self.engine.config, prompt, request.images)
-                media += images
+            prompt, media = request.prompt, list(request.media)  # images / video: prepared by _prepare
             if media:
                 self.engine.add_request(rid, prompt, sampling_params(request), media=media)
             else:

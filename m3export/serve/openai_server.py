@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +39,10 @@ from starlette.exceptions import HTTPException
 
 from ..errors import MediaError
 from ..preprocess import decode_data_url
-from ..preprocess.prompt import IMAGE_TOKEN
+from ..preprocess.prompt import IMAGE_TOKEN, VIDEO_TOKEN
 from .chat_template import ChatTemplate, ChatTemplateError, template_kwargs
 from .driver import EngineDriver
-from .media import prepare_images
+from .media import media_settings, prepare_media
 from .openai_metrics import CONTENT_TYPE, ServerMetrics
 from .openai_protocol import ChatRequest, CompletionRequest, NamedToolChoice, error_body
 from .protocol import Chunk, GenerateRequest, RequestError, sampling_kwargs, sampling_params
@@ -96,7 +97,7 @@ class _Prompt:
     ids: list[int]
     text: str | None  # for echo, and for chat: the rendered prompt
     sampling: dict[str, Any]
-    media: tuple = ()  # images (runtime MediaItem) whose placeholders ``ids`` already holds
+    media: tuple = ()  # images / videos (runtime MediaItem) whose placeholders ``ids`` already holds
 
 
 @dataclass
@@ -135,6 +136,8 @@ class OpenAIServer:
         self._disconnect_poll_s = disconnect_poll_s
         self._cancel_poll_s = cancel_poll_s
         self.driver: EngineDriver | None = None
+        # chat prompts with images / video are decoded, preprocessed and tokenized here, off the event loop
+        self._media_pool = ThreadPoolExecutor(2, thread_name_prefix="openai-media")
         self.created = int(time.time())
         tok = engine.tokenizer
         specials = tok.special_tokens() if tok is not None and hasattr(tok, "special_tokens") else frozenset()
@@ -151,6 +154,7 @@ class OpenAIServer:
         if self.driver is not None:
             self.driver.close()
             self.driver = None
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
@@ -453,10 +457,10 @@ class OpenAIServer:
             raise ApiError("tool_choice 'required' needs tools", 400, "tool_choice")
         parse_tools = self.tool_call_parser and tools is not None and choice != "none"
         forced = self._forced_call(body, parse_tools)
-        images: list[bytes] = []
+        parts: list[tuple[str, bytes]] = []
         try:
             kwargs = template_kwargs(body.chat_template_kwargs)
-            messages = _template_messages(body.messages, images)
+            messages = _template_messages(body.messages, parts)
             text = self.chat_template.render(messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
                                              **kwargs)
             if forced and starts_in_reasoning(text):  # the call must not land inside a pre-opened think block
@@ -468,9 +472,11 @@ class OpenAIServer:
         except ChatTemplateError as e:
             raise ApiError(str(e), 400, "messages") from None
         media: tuple = ()
-        if images:  # markers -> one placeholder per image token, before tokenizing
+        if parts:  # markers -> one placeholder per image / video token, before tokenizing
             try:
-                expanded, items = prepare_images(self.engine.config, text, images)
+                expanded, items = prepare_media(self.engine.config, text, [b for k, b in parts if k == "image"],
+                                                [b for k, b in parts if k == "video"],
+                                                settings=media_settings(self.engine))
             except MediaError as e:
                 raise ApiError(str(e), 400, "messages") from None
             ids, media = self._tokenize(expanded), tuple(items)
@@ -592,7 +598,11 @@ class OpenAIServer:
 
     async def _chat(self, body: ChatRequest, request):
         self._check_model(body.model)
-        prompt, state = self._chat_prompt(body)
+        if _has_media(body.messages):  # decoding and preprocessing take long: not on the event loop
+            prompt, state = await asyncio.get_running_loop().run_in_executor(self._media_pool, self._chat_prompt,
+                                                                             body)
+        else:
+            prompt, state = self._chat_prompt(body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = _Usage(prompt_tokens=len(prompt.ids))
 
@@ -673,10 +683,19 @@ def _sum_usage(usage: list[_Usage]) -> dict:
     return _Usage(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage)).as_dict()
 
 
-def _template_messages(messages: list[dict], images: list[bytes] | None = None) -> list[dict]:
+MEDIA_PARTS = {"image_url": ("image", IMAGE_TOKEN, ("image",)),
+               "video_url": ("video", VIDEO_TOKEN, ("video", "image"))}  # an animated GIF / WebP is a video too
+
+
+def _has_media(messages: list[dict]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and
+               any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in m["content"]) for m in messages)
+
+
+def _template_messages(messages: list[dict], media: list[tuple[str, bytes]] | None = None) -> list[dict]:
     """OpenAI messages -> what chat templates read: text parts joined into one string, tool-call arguments
-    parsed from their JSON string (templates iterate over them). ``image_url`` parts (data: URLs only) become the
-    image marker in the text, their bytes appended to ``images``."""
+    parsed from their JSON string (templates iterate over them). ``image_url`` / ``video_url`` parts (vLLM's
+    shape; data: URLs only) become the image / video marker in the text, (kind, bytes) appended to ``media``."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
@@ -686,18 +705,20 @@ def _template_messages(messages: list[dict], images: list[bytes] | None = None) 
         if isinstance(content, list):
             texts = []
             for part in content:
-                if images is not None and isinstance(part, dict) and part.get("type") == "image_url":
-                    url = part.get("image_url")
+                kind = part.get("type") if isinstance(part, dict) else None
+                if media is not None and kind in MEDIA_PARTS:
+                    what, marker, mime = MEDIA_PARTS[kind]
+                    url = part.get(kind)
                     url = url.get("url") if isinstance(url, dict) else url
                     try:
-                        images.append(decode_data_url(url, f"messages[{i}].content image_url"))
+                        media.append((what, decode_data_url(url, f"messages[{i}].content {kind}", mime)))
                     except MediaError as e:
                         raise ApiError(str(e), 400, "messages") from None
-                    texts.append(IMAGE_TOKEN)
+                    texts.append(marker)
                     continue
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ApiError(f"messages[{i}].content: only text and image_url parts are supported, "
+                    raise ApiError(f"messages[{i}].content: only text, image_url and video_url parts are supported, "
                                    f"got {kind!r}", 400,
                                    "messages")
                 texts.append(part["text"])

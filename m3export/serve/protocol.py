@@ -46,6 +46,10 @@ INPUTS = (
     # Images, as Triton's vLLM backend takes them: one element per image, base64 text or the encoded bytes; the
     # text prompt marks where each goes with ]<]image[>[ (m3export.serve.media).
     TensorSpec("image", "TYPE_STRING", (-1,), optional=True),
+    # Videos (the vLLM backend has none): one element per video, a video file as base64 text or bytes (GIF / APNG /
+    # WebP through Pillow, MP4 / WebM / ... through PyAV), or its frames as a JSON array of base64 images; the
+    # prompt marks each with ]<]video[>[.
+    TensorSpec("video", "TYPE_STRING", (-1,), optional=True),
 )
 # Optional outputs, each sent only when its return_<name> input is true (types as in the vLLM backend).
 OPTIONAL_OUTPUTS = (
@@ -116,6 +120,7 @@ class GenerateRequest:
     client_id: str = ""  # the client's request id, for log lines only
     returns: frozenset[str] = frozenset()  # optional outputs asked for (names in OPTIONAL_OUTPUTS)
     images: tuple[bytes, ...] = ()  # encoded images, prepared by the driver (m3export.serve.media)
+    videos: tuple = ()  # encoded video files (bytes) or frame lists (encoded images), prepared likewise
     media: tuple = ()  # already prepared media items (runtime MediaItem), the prompt already expanded
 
 
@@ -269,7 +274,15 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | Mapping[st
             images = tuple(image_bytes(e) for e in np.asarray(inputs["image"], dtype=object).reshape(-1))
         except ValueError as e:
             raise RequestError(f"input 'image': {e}") from None
-    return GenerateRequest(prompt, sampling, stream, exclude, client_id, returns, images)
+    videos = ()
+    if "video" in inputs:
+        from .media import video_element
+
+        try:
+            videos = tuple(video_element(e) for e in np.asarray(inputs["video"], dtype=object).reshape(-1))
+        except ValueError as e:
+            raise RequestError(f"input 'video': {e}") from None
+    return GenerateRequest(prompt, sampling, stream, exclude, client_id, returns, images, videos=videos)
 
 
 def sampling_params(request: GenerateRequest):

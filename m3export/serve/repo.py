@@ -231,8 +231,14 @@ def load_engine(parameters: dict[str, str], version_dir: Path):
     path = Path(location) if Path(location).is_absolute() else version_dir / location
     if not path.is_dir():
         raise RepositoryError(f"{path}: the {kind} this model serves is missing (moved or deleted?)")
-    if kind == CHECKPOINT:
-        return Engine.from_checkpoint(path, **kwargs)
-    if kind == ARTIFACT:
-        return Engine.from_artifact(path, backend=backend, **kwargs)
-    raise RepositoryError(f"config.pbtxt: unknown source_kind {kind!r} (expected preset, checkpoint or artifact)")
+    if kind not in (CHECKPOINT, ARTIFACT):
+        raise RepositoryError(f"config.pbtxt: unknown source_kind {kind!r} (expected preset, checkpoint or "
+                              "artifact)")
+    engine = Engine.from_checkpoint(path, **kwargs) if kind == CHECKPOINT else \
+        Engine.from_artifact(path, backend=backend, **kwargs)
+    # the directory's preprocessor_config.json / video_preprocessor_config.json, read by the serving paths
+    # (m3export.serve.media.media_settings); a bad file stops the load with the file and field named
+    from ..preprocess.settings import MediaSettings
+
+    engine.media_settings = MediaSettings.from_directory(path, engine.config.vision)
+    return engine
