@@ -7,7 +7,10 @@ and projector; LayerNorm, GELU and softmax are not counted).
 
   python bench/vision_encoder.py                                      # CPU, fp32: table + bench/results/vision_encoder_cpu.json
   python bench/vision_encoder.py --device cuda --dtype bfloat16       # the H200: bench/results/vision_encoder_cuda.json
-  python bench/vision_encoder.py --layers 2 --grids 8x8               # quick script check
+  python bench/vision_encoder.py --layers 2 --grids 8x8,2x8x8 --dtype bfloat16   # quick script check (CPU)
+
+Grids are ``HxW`` (an image) or ``TxHxW`` (a video chunk of T temporal patches, one attention segment). On CUDA the
+default grids reach 64 x 64 patches (an 896 x 896 image, 4096 patches) and a 4-temporal-patch 32 x 32 video chunk.
 """
 
 from __future__ import annotations
@@ -73,22 +76,33 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--layers", type=int, default=VisionConfig.num_hidden_layers)
-    ap.add_argument("--grids", default="16x16,32x32", help="patch grids (h x w) of the images, comma separated")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--grids", default=None, help="patch grids HxW (image) or TxHxW (video chunk), comma separated "
+                    "(default: 16x16,32x32 on CPU; 16x16,32x32,64x64,4x32x32 on CUDA)")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per grid, median reported (default: 2 on CPU, "
+                    "10 on CUDA)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible to torch")
+    cuda = args.device == "cuda"
+    grids = args.grids or ("16x16,32x32,64x64,4x32x32" if cuda else "16x16,32x32")
+    reps = args.reps or (10 if cuda else 2)
     cfg = VisionConfig(num_hidden_layers=args.layers)
     dtype = getattr(torch, args.dtype)
     enc = build(cfg, args.device, dtype)
     rows = []
-    for spec in args.grids.split(","):
-        h, w = (int(x) for x in spec.split("x"))
-        pos = vision_position_ids(1, h, w, cfg.spatial_merge_size, args.device)
-        pixels = torch.randn(h * w, cfg.patch_dim, device=args.device)
+    for spec in grids.split(","):
+        dims = [int(x) for x in spec.split("x")]
+        if len(dims) not in (2, 3) or min(dims) < 1 or any(d % cfg.spatial_merge_size for d in dims[-2:]):
+            raise SystemExit(f"--grids: {spec!r} is not HxW or TxHxW with H and W multiples of "
+                             f"{cfg.spatial_merge_size}")
+        t, h, w = dims if len(dims) == 3 else [1, *dims]
+        pos = vision_position_ids(t, h, w, cfg.spatial_merge_size, args.device)
+        pixels = torch.randn(t * h * w, cfg.patch_dim, device=args.device)
         with torch.inference_mode():
-            sec = timed(lambda: enc(pixels, pos), args.device, args.reps)
-        n = h * w
-        rows.append({"grid": [1, h, w], "image_px": [h * cfg.patch_size, w * cfg.patch_size], "patches": n,
+            sec = timed(lambda: enc(pixels, pos), args.device, reps)
+        n = t * h * w
+        rows.append({"grid": [t, h, w], "image_px": [h * cfg.patch_size, w * cfg.patch_size], "patches": n,
                      "tokens": n // cfg.merge_unit, "seconds": sec, "patches_per_s": n / sec,
                      "tokens_per_s": n / cfg.merge_unit / sec, "gflop_per_s": flops(cfg, n) / sec / 1e9})
     print(f"vision encoder, {cfg.num_hidden_layers} layers x {cfg.hidden_size} wide, projector -> {TEXT_HIDDEN}, "
@@ -96,7 +110,7 @@ def main() -> None:
     print(f"{'grid':>10s} {'image px':>11s} {'patches':>8s} {'seconds':>9s} {'patches/s':>10s} {'tokens/s':>9s} "
           f"{'GFLOP/s':>8s}")
     for r in rows:
-        print(f"{'x'.join(map(str, r['grid'][1:])):>10s} {'x'.join(map(str, r['image_px'])):>11s} {r['patches']:8d} "
+        print(f"{'x'.join(map(str, r['grid'][1:] if r['grid'][0] == 1 else r['grid'])):>10s} {'x'.join(map(str, r['image_px'])):>11s} {r['patches']:8d} "
               f"{r['seconds']:9.3f} {r['patches_per_s']:10.1f} {r['tokens_per_s']:9.1f} {r['gflop_per_s']:8.1f}")
     out = args.out or Path(__file__).parent / "results" / f"vision_encoder_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +118,8 @@ def main() -> None:
     # The CPU machine is shared: the load average says how much of it the run had.
     out.write_text(json.dumps({"device": device_name, "dtype": args.dtype, "threads": torch.get_num_threads(),
                                "load_average_1m": os.getloadavg()[0],
-                               "torch": torch.__version__, "layers": cfg.num_hidden_layers, "rows": rows},
+                               "torch": torch.__version__, "layers": cfg.num_hidden_layers, "reps": reps,
+                               "rows": rows},
                               indent=1) + "\n")
     print(f"wrote {out}")
 
