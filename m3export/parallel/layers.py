@@ -9,7 +9,9 @@ so parameter names, the checkpoint mapping and the ops' calls are unchanged; onl
   slices gives the rank's partial sum of ``routed * scaling + shared``; one all-reduce.
 - ``ExpertParallelMoE``: the rank owns whole experts ``[first, first + n)``; the router (replicated, fp32) scores
   every expert on every rank, so each rank computes the same top-k and adds only its own experts' contributions;
-  the shared expert is tensor parallel; one all-reduce of the partial sums combines them.
+  the shared expert is tensor parallel; one all-reduce of the partial sums combines them. ``m3::moe`` takes the
+  whole expert stack, so this one calls the reference's loop restricted to its experts (CPU) or the MoE kernels'
+  launcher with ``owned`` (CUDA); the op itself is unchanged.
 - ``VocabParallelLMHead``: each rank scores its rows of the vocabulary, all-gather along the vocabulary.
 
 Collectives use ``torch.distributed`` on ``group`` (None: the default group); NCCL on GPUs, gloo on CPU.
@@ -81,6 +83,15 @@ class ExpertParallelMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ex, sh, lo, dt = self.cfg, self.experts, self.shared_experts, self.owned.start, x.dtype
+        if _kernels_active(x):  # the m3::moe kernels, told which experts are this rank's (no host sync)
+            from m3export.plugins.kernels.moe import run_moe
+
+            scales = ((ex.w13_scale_inv, ex.w2_scale_inv, sh.gate_up_proj.weight_scale_inv,
+                       sh.down_proj.weight_scale_inv) if ex.mxfp8 else (None,) * 4)
+            out = run_moe(x, self.gate.weight, self.gate.e_score_correction_bias, ex.w13, ex.w2,
+                          sh.gate_up_proj.weight, sh.down_proj.weight, c.num_experts_per_tok, c.routed_scaling_factor,
+                          c.swiglu_alpha, c.swiglu_limit, scales=scales, owned=(lo, len(self.owned)))
+            return all_reduce(out, self.group)
         if ex.mxfp8:
             def expert(e):
                 return (mx.dequantize(ex.w13[e - lo], ex.w13_scale_inv[e - lo], dt),
@@ -98,6 +109,18 @@ class ExpertParallelMoE(MoE):
         out = _moe(x, self.gate.weight, self.gate.e_score_correction_bias, expert, shared, c.num_experts_per_tok,
                    c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit, owned=self.owned)
         return all_reduce(out, self.group)
+
+
+def _kernels_active(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run the ops for ``x`` (CUDA, registered, not inside ``references()``); the
+    expert-parallel MoE then calls their launcher directly, else the reference loop over the rank's experts."""
+    if not x.is_cuda:
+        return False
+    try:
+        from m3export.plugins.kernels import active
+    except ImportError:
+        return False
+    return active()
 
 
 class VocabParallelLMHead(nn.Linear):

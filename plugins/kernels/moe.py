@@ -22,6 +22,8 @@ in expert order; this sums them in fp32 (more accurate by a few roundings in bf1
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -208,17 +210,26 @@ def forward(x: torch.Tensor, router_weight: torch.Tensor, e_score_correction_bia
 
 
 def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, routed_scaling_factor, swiglu_alpha,
-            swiglu_limit, scales=(None, None, None, None), config: dict | None = None) -> torch.Tensor:
+            swiglu_limit, scales=(None, None, None, None), config: dict | None = None,
+            owned: tuple[int, int] | None = None) -> torch.Tensor:
     """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
     ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config, or ``GEMV`` with
-    BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``)."""
+    BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``).
+
+    ``owned`` = (first, count): expert parallelism (``m3export.parallel``). The router scores every expert;
+    ``w13`` / ``w2`` hold only experts first .. first + count - 1, and only the assignments to them are computed
+    (the others go to a block range whose programs return at once, their output slots stay zero), so the result
+    is this rank's partial sum; no host synchronisation, so it can be captured in a CUDA graph."""
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [T, H], got shape {tuple(x.shape)}")
     t, h = x.shape
     e, two_i = w13.shape[0], w13.shape[1]
     i = two_i // 2
     i_s = shared_w13.shape[0] // 2
-    for name, got, want in (("router_weight", router_weight.shape, (e, h)), ("w13", w13.shape, (e, 2 * i, h)),
+    e_routed = e if owned is None else router_weight.shape[0]
+    if owned is not None and not (owned[1] == e and 0 <= owned[0] and owned[0] + e <= e_routed):
+        raise ValueError(f"moe: owned experts {owned} do not match w13's {e} experts of the router's {e_routed}")
+    for name, got, want in (("router_weight", router_weight.shape, (e_routed, h)), ("w13", w13.shape, (e, 2 * i, h)),
                             ("w2", w2.shape, (e, h, i)), ("shared_w13", shared_w13.shape, (2 * i_s, h)),
                             ("shared_w2", shared_w2.shape, (h, i_s))):
         if tuple(got) != tuple(want):
@@ -233,6 +244,11 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         return out
     ids, route_w = route(x, router_weight, bias, top_k)
     n = t * top_k
+    if owned is not None:
+        if (config or {}).get("GEMV"):
+            raise ValueError("moe: the GEMV decode path does not take owned experts (expert parallelism)")
+        local = ids.long() - owned[0]
+        ids = torch.where((local >= 0) & (local < e), local, e).to(ids.dtype)  # not ours: expert e, skipped
     if (config or {}).get("GEMV"):  # the CUDA-core decode path (moe_gemv.py): no permutation, no padding
         routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
         shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
@@ -243,7 +259,12 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
                         float(swiglu_alpha), float(swiglu_limit), config)
         return _combine_launch(y, out, routed_scaling_factor, h, top_k)
     bm = (config or {}).get("BLOCK_M") or block_m_for(n, e)
-    blocks: ExpertBlocks = group_by_expert(ids, e, bm)
+    if owned is None:
+        blocks: ExpertBlocks = group_by_expert(ids, e, bm)
+    else:
+        blocks = group_by_expert(ids, e + 1, bm)
+        blocks = dataclasses.replace(blocks, block_expert=torch.where(blocks.block_expert == e, -1,
+                                                                      blocks.block_expert))
     mode2 = mx_mode2_available(x.dtype)
     if scales[0] is None:  # bf16 weights: the MXFP8 path is irrelevant; one compiled variant per tile
         config = {**(config or {}), "MX_MODE": 0}
@@ -258,7 +279,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
     act = torch.empty((blocks.rows.shape[0], i), dtype=dt, device=dev)
     act_s = torch.empty((t, i_s), dtype=dt, device=dev)
-    y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
+    y = (torch.empty if owned is None else torch.zeros)((t, top_k + 1, h), dtype=dt, device=dev)
     alpha, limit = float(swiglu_alpha), float(swiglu_limit)
 
     _launch_gate_up(x, routed13, act, blocks, n, alpha, limit, h, i, top_k, bm, cfg, f32, prec)
