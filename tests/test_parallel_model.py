@@ -28,10 +28,12 @@ from m3export.embedded import default_model
 from m3export.model.batch import Segment, build_batch
 from m3export.parallel import ParallelConfig, load_model_shard, shard_of
 from m3export.parallel.spawn import NVLINK_MULTICAST_OFF, run_ranks
+from m3export.runtime.backends.torch_backend import TorchBackend
 from m3export.safetensors_io import nbytes, read_header
 
 LOGIT_RTOL = 1e-4
 DECODE_STEPS = 16
+PAGE = 16
 TP2 = ParallelConfig(2)
 TP2_EP = ParallelConfig(2, expert_parallel=True)
 
@@ -104,7 +106,8 @@ def rank_worker(rank: int, world: int, out_dir: str, plan: list, device: str) ->
         with torch.inference_mode():
             res = greedy(model, prompts_for(model.config.vocab_size, tuple(lengths)), steps)
         tensors.update({f"{name}/{k}": v for k, v in res.items()})
-        stats[name] = {**model.load_stats.to_dict(), "kv_heads": model.config.num_key_value_heads}
+        stats[name] = {**model.load_stats.to_dict(), "kv_heads": model.config.num_key_value_heads,
+                       "page_bytes": TorchBackend(model).page_bytes(PAGE)}
     save_file(tensors, f"{out_dir}/rank{rank}.safetensors")
     Path(f"{out_dir}/rank{rank}.json").write_text(json.dumps(stats))
 
@@ -186,12 +189,18 @@ def test_sharded_checkpoint_equals_single_process(ckpt_ranks, ckpts, name, tag):
 
 
 def test_caches_hold_only_the_ranks_kv_heads(model_ranks):
+    """The pools the step used, and what the torch backend sizes a page at: K and V of the rank's KV heads on
+    every layer (MTP included), plus the replicated index keys on sparse layers; fp32 caches."""
     ranks, stats = model_ranks
     tiny = preset("tiny")
+    kv_local = tiny.num_key_value_heads // 2
+    layers = [tiny.is_sparse_layer(i) for i in range(tiny.num_hidden_layers)] + [True] * tiny.num_mtp_modules
+    want = sum(PAGE * (2 * kv_local * tiny.head_dim + (tiny.index_head_dim if sparse else 0)) * 4 for sparse in layers)
     for r in range(2):
         pages, page, heads, dim = ranks[r]["tiny-tp2/kv_cache_shape"].tolist()
-        assert (heads, dim) == (tiny.num_key_value_heads // 2, tiny.head_dim)
-        assert stats[r]["tiny-tp2"]["kv_heads"] == tiny.num_key_value_heads // 2
+        assert (heads, dim) == (kv_local, tiny.head_dim)
+        assert stats[r]["tiny-tp2"]["kv_heads"] == kv_local
+        assert stats[r]["tiny-tp2"]["page_bytes"] == want
 
 
 # Checkpoint tensors a rank reads a 1/tp slice of (or, expert parallel, 1/tp of the experts): named here from the
@@ -212,7 +221,7 @@ def test_each_rank_reads_only_its_slices(ckpt_ranks, ckpts, name, tag):
     assert split > 0.5 * (split + whole)  # the split tensors are most of the model: the check has teeth
     for r in range(2):
         assert stats[r][f"{name}-{tag}"]["bytes_read"] == split // 2 + whole, (r, split, whole)
-        assert stats[r][f"{name}-{tag}"]["peak_rss_bytes"] > 0
+        assert stats[r][f"{name}-{tag}"]["peak_rss_bytes"] >= stats[r][f"{name}-{tag}"]["anon_rss_bytes"] > 0
 
 
 # ---------------------------------------------------------------------------------------------- one process

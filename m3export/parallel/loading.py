@@ -35,15 +35,34 @@ from .sharding import SCALE, Shard, shard_of
 
 @dataclass
 class LoadStats:
-    """What one rank's load read: checkpoint bytes copied out of the shards (slices counted by their own size),
-    the number of tensor reads, and the process's peak resident memory (``ru_maxrss``) after loading."""
+    """What one rank's load read and held: checkpoint bytes copied out of the shards (slices counted by their own
+    size) and the number of reads; the process's peak resident memory (``ru_maxrss``: includes the interpreter
+    and torch, and the page cache of the memory-mapped shards it touched) and, after loading with the shards
+    closed, its anonymous resident memory (the shard's host-side tensors plus the baseline, no file pages)."""
 
     bytes_read: int = 0
     reads: int = 0
     peak_rss_bytes: int = 0
+    anon_rss_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def measure_memory(self) -> None:
+        self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        self.anon_rss_bytes = _status_kib("RssAnon") * 1024
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field in KiB (0 where there is no procfs)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def build_shard(cfg: M3Config, parallel: ParallelConfig, rank: int, dtype: torch.dtype, device, mxfp8: bool = False,
@@ -117,7 +136,8 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
                                  "path": str(ckpt.dir)}
         shards = _check_shapes(model, full, cfg, parallel, rank)
         _stream_slices(ckpt, plan, model, shards, full, stats, progress)
-    stats.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ckpt.close()
+    stats.measure_memory()
     model.load_stats = stats
     if str(device).startswith("cuda"):  # as m3export.load_model: the ops run the Triton kernels on CUDA
         from m3export.plugins.kernels import use_on
