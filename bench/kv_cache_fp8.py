@@ -113,6 +113,41 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.sort(-1).values == b.sort(-1).values).all(-1)
 
 
+def compare(model, cfg, cache, prompts, ref_tokens, ref_forced, layers, page: int, n: int) -> dict:
+    """Greedy, logit and selection agreement of ``cache`` with the reference cache's runs."""
+    tokens = greedy(model, cache, prompts, n, page)
+    prefix, match = [], []
+    for a, b in zip(ref_tokens, tokens):
+        same = [x == y for x, y in zip(a, b)]
+        prefix.append((same + [False]).index(False) / len(a))
+        match.append(sum(same) / len(a))
+    row_max, num, den = [], 0.0, 0.0
+    agree = torch.zeros(len(layers), dtype=torch.float64)
+    counted = 0
+    for p, cont, (ref_logits, ref_sel) in zip(prompts, ref_tokens, ref_forced):
+        ids = p + cont
+        logits, sel = teacher_forced(model, cache, ids, len(cont) + 1, page)
+        diff = (logits - ref_logits).abs()
+        row_max.extend((diff.amax(-1) / ref_logits.abs().amax(-1)).tolist())
+        num += diff.mean().item()
+        den += ref_logits.abs().mean().item()
+        choose = choosing_tokens(cfg, len(ids)).to(logits.device)
+        if choose.any():
+            for i, (a, b) in enumerate(zip(ref_sel, sel)):
+                agree[i] += same_sets(a[choose], b[choose]).double().mean().item()
+            counted += 1
+    selection = (agree / max(counted, 1)).tolist()
+    return {
+        "logits": {"max_rel_max": max(row_max), "max_rel_mean": sum(row_max) / len(row_max), "mean_rel": num / den,
+                   "positions": len(row_max)},
+        "selection_agreement": {**dict(zip(map(str, layers), selection)),
+                                "mean": sum(selection) / len(selection) if counted else float("nan"),
+                                "prompts_where_the_indexer_chooses": counted},
+        "greedy": {"identical_sequences": sum(m == 1.0 for m in match) / len(match),
+                   "common_prefix_fraction": sum(prefix) / len(prefix), "token_match": sum(match) / len(match)},
+    }
+
+
 def main() -> int:
     from m3export.dtypes import BY_NAME
     from m3export.embedded import default_model
@@ -147,59 +182,34 @@ def main() -> int:
           f"{args.tokens} greedy tokens, page {page} (loaded in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
 
     ref_tokens = greedy(model, dtype, prompts, args.tokens, page)
-    fp8_tokens = greedy(model, FP8, prompts, args.tokens, page)
-    prefix, match = [], []
-    for a, b in zip(ref_tokens, fp8_tokens):
-        same = [x == y for x, y in zip(a, b)]
-        prefix.append((same + [False]).index(False) / len(a))
-        match.append(sum(same) / len(a))
-
-    row_max, row_mean_num, row_mean_den = [], 0.0, 0.0
+    ref_forced = [teacher_forced(model, dtype, p + cont, len(cont) + 1, page) for p, cont in zip(prompts, ref_tokens)]
     layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_layer(i)]
-    agree = torch.zeros(len(layers), dtype=torch.float64)
-    counted = 0
-    for p, cont in zip(prompts, ref_tokens):
-        ids = p + cont
-        rows = len(cont) + 1
-        ref_logits, ref_sel = teacher_forced(model, dtype, ids, rows, page)
-        fp8_logits, fp8_sel = teacher_forced(model, FP8, ids, rows, page)
-        diff = (fp8_logits - ref_logits).abs()
-        row_max.extend((diff.amax(-1) / ref_logits.abs().amax(-1)).tolist())
-        row_mean_num += diff.mean().item()
-        row_mean_den += ref_logits.abs().mean().item()
-        choose = choosing_tokens(cfg, len(ids)).to(ref_logits.device)
-        if choose.any():
-            for i, (a, b) in enumerate(zip(ref_sel, fp8_sel)):
-                agree[i] += same_sets(a[choose], b[choose]).double().mean().item()
-            counted += 1
-    selection = (agree / counted).tolist() if counted else []
+    # fp8 against the model-dtype cache; with an fp32 model, the bf16 cache too, as a yardstick
+    caches = {"fp8": FP8, **({"bf16": torch.bfloat16} if dtype == torch.float32 else {})}
+    measured = {name: compare(model, cfg, cache, prompts, ref_tokens, ref_forced, layers, page, args.tokens)
+                for name, cache in caches.items()}
 
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "model": model_name, "device": args.device, "model_dtype": str(dtype).removeprefix("torch."),
-        "cache": "fp8 (E4M3, one fp32 scale per token per KV head / per token for index keys)",
+        "fp8_cache": "E4M3, one fp32 scale per token per KV head (K, V) / per token (index keys)",
         "torch": torch.__version__, "prompts": len(prompts), "prompt_len": length, "greedy_tokens": args.tokens,
         "page_size": page, "index_block_size": cfg.index_block_size, "index_topk_blocks": cfg.index_topk_blocks,
-        "logits": {"max_rel_max": max(row_max), "max_rel_mean": sum(row_max) / len(row_max),
-                   "mean_rel": row_mean_num / row_mean_den, "positions": len(row_max)},
-        "selection_agreement": {"per_sparse_layer": dict(zip(map(str, layers), selection)),
-                                "mean": sum(selection) / len(selection) if selection else None,
-                                "prompts_where_the_indexer_chooses": counted},
-        "greedy": {"identical_sequences": sum(m == 1.0 for m in match) / len(match),
-                   "common_prefix_fraction": sum(prefix) / len(prefix), "token_match": sum(match) / len(match)},
+        "against": f"the {str(dtype).removeprefix('torch.')} cache", **measured,
     }
-    print(f"\nFP8 cache vs {res['model_dtype']} cache, {model_name} on {args.device}")
-    print(f"{'metric':<46} {'value':>10}")
-    rows = [("logits: max |d| / max |ref|, worst position", res["logits"]["max_rel_max"]),
-            ("logits: max |d| / max |ref|, mean over positions", res["logits"]["max_rel_mean"]),
-            ("logits: mean |d| / mean |ref|", res["logits"]["mean_rel"]),
-            *((f"selection sets equal, layer {k}", v) for k, v in res["selection_agreement"]["per_sparse_layer"].items()),
-            ("greedy: identical sequences", res["greedy"]["identical_sequences"]),
-            (f"greedy: common prefix / {args.tokens}", res["greedy"]["common_prefix_fraction"]),
-            ("greedy: tokens equal position-wise", res["greedy"]["token_match"])]
-    for name, value in rows:
-        print(f"{name:<46} {value:>10.4g}")
+    names = list(measured)
+    print(f"\ncache vs the {res['model_dtype']} cache, {model_name} on {args.device}")
+    print(f"{'metric':<50}" + "".join(f"{n:>10}" for n in names))
+    table = [("logits: max |d| / max |ref|, worst position", ("logits", "max_rel_max")),
+             ("logits: max |d| / max |ref|, mean over positions", ("logits", "max_rel_mean")),
+             ("logits: mean |d| / mean |ref|", ("logits", "mean_rel")),
+             *((f"selection sets equal, layer {i}", ("selection_agreement", str(i))) for i in layers),
+             ("greedy: identical sequences", ("greedy", "identical_sequences")),
+             (f"greedy: common prefix / {args.tokens}", ("greedy", "common_prefix_fraction")),
+             ("greedy: tokens equal position-wise", ("greedy", "token_match"))]
+    for label, (group, key) in table:
+        print(f"{label:<50}" + "".join(f"{measured[n][group][key]:>10.4g}" for n in names))
     out = Path(args.json) if args.json else RESULTS / f"kv_cache_fp8_{Path(model_name).name}_{args.device.split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
