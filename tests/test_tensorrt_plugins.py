@@ -292,3 +292,36 @@ def test_driver_launch_passes_exactly_tensorrt_arguments_then_null_scratch():
     dk.launch([T(0x1000), T(0x2000)], [T(0x3000)])
     assert seen["args"] == [0x1000, 0x2000, 7, -3, 0x3000, 0, 0]
     assert seen["grid"] == (5, 2, 1) and seen["block"] == (128, 1, 1, 1024)
+
+
+def test_symbolic_extents_evaluate_to_the_concrete_launch():
+    """What the H200 test relies on: the formulas ``kernels.json`` records (the ShapeExprs ``aot_impl`` returns),
+    evaluated on a step's dimensions, are the grid and extras the plan computes from that step's concrete shapes,
+    with the same kernel constants; ``bind_dims`` reads the dimensions off the inputs."""
+    from m3export.config import preset
+    from m3export.plugins.tensorrt.compile import plugin_instances
+    from m3export.plugins.tensorrt.launch import bind_dims, concrete, evaluate
+
+    values = {"T": 7, "B": 3, "max_pages": 5, "pages": 40, "num_blocks": 9}
+    seen = set()
+    for plugin, inputs, attrs in plugin_instances(preset("mini"), "bfloat16", 16, 4096):
+        compiled_for = [{"shape": shapes.describe(t.shape), "dtype": t.dtype} for t in inputs]
+        step = [TensorInfo(tuple(evaluate(d, values) for d in c["shape"]), c["dtype"]) for c in compiled_for]
+        dims = bind_dims(compiled_for, step, plugin)
+        assert dims and all(values[k] == v for k, v in dims.items())
+        for tactic in aot.PLANNERS[plugin][1]:
+            sym, conc = aot.plan(plugin, inputs, attrs, tactic), aot.plan(plugin, step, attrs, tactic)
+            assert (conc.constexprs, conc.signature) == (sym.constexprs, sym.signature), plugin
+            assert [evaluate(g, dims) for g in shapes.describe(sym.grid)] == list(concrete(conc.grid)), plugin
+            assert [evaluate(x, dims) for x in shapes.describe(sym.extra_args)] == list(concrete(conc.extra_args))
+            seen.add(plugin)
+    assert seen == set(aot.PLANNERS)
+    q = [{"shape": ["T", 64, 128], "dtype": "bfloat16"}, {"shape": ["(T+1)"], "dtype": "int32"}]
+    with pytest.raises(ValueError, match=r"input 0 is float16 \[3, 64, 128\], the kernel was compiled for bfloat16"):
+        bind_dims(q, [TensorInfo((3, 64, 128), "float16"), TensorInfo((4,), "int32")], "x")
+    with pytest.raises(ValueError, match=r"input 0 dimension 1 is 32, the kernel was compiled for 64"):
+        bind_dims(q, [TensorInfo((3, 32, 128), "bfloat16"), TensorInfo((4,), "int32")], "x")
+    with pytest.raises(ValueError, match=r"input 1 dimension 0 is 5, the kernel was compiled for \(T\+1\) = 4"):
+        bind_dims(q, [TensorInfo((3, 64, 128), "bfloat16"), TensorInfo((5,), "int32")], "x")
+    with pytest.raises(ValueError, match="only names, ints and"):
+        evaluate("__import__('os')", {})

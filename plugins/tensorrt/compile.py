@@ -8,6 +8,7 @@ interpreter's code paths would be compiled otherwise).
 
   python -m m3export.plugins.tensorrt.compile --out build/aot                 # mini dims, bf16, pages of 16
   python -m m3export.plugins.tensorrt.compile --out build/aot --preset full --dtype float32 --page-size 64
+  python -m m3export.plugins.tensorrt.compile --out build/aot64 --page-size 64 --plugins PagedAttention
 """
 
 from __future__ import annotations
@@ -70,13 +71,20 @@ def plugin_instances(cfg, dtype: str, page_size: int, max_model_len: int) -> lis
 
 
 def compile_all(cfg, dtype: str, page_size: int, max_model_len: int, out: Path | None, arch: int = aot.SM90,
-                log=print) -> list[dict]:
+                log=print, plugins: set[str] | None = None) -> list[dict]:
+    """Compile every kernel (or those of ``plugins``) from symbolic inputs, as ``aot_impl`` does under TensorRT
+    (dimensions that vary between steps are symbols; the rest are the engine's constants)."""
     import triton
 
     if triton.knobs.runtime.interpret:
         raise RuntimeError("TRITON_INTERPRET is set: unset it to compile the kernels for the GPU")
+    unknown = sorted(set(plugins or ()) - set(aot.PLANNERS))
+    if unknown:
+        raise RuntimeError(f"no AOT kernel for plugins {unknown} (known: {', '.join(sorted(aot.PLANNERS))})")
     report = []
     for plugin, inputs, attrs in plugin_instances(cfg, dtype, page_size, max_model_len):
+        if plugins is not None and plugin not in plugins:
+            continue
         for tactic in aot.PLANNERS[plugin][1]:
             plan = aot.plan(plugin, inputs, attrs, tactic)
             k = aot.compile_plan(plan, arch)
@@ -84,6 +92,7 @@ def compile_all(cfg, dtype: str, page_size: int, max_model_len: int, out: Path |
                      "shared_mem": k.shared_mem, "grid": describe(plan.grid), "extra_args": describe(plan.extra_args),
                      "num_inputs": plan.num_inputs, "num_extras": plan.num_extras,
                      "num_outputs": plan.num_outputs, "params": list(k.params), "hidden_params": k.hidden_params,
+                     "inputs": [{"shape": describe(t.shape), "dtype": t.dtype} for t in inputs], "attrs": attrs,
                      "signature": plan.signature, "constexprs": {c: v for c, v in plan.constexprs.items()},
                      **k.metadata}
             if out is not None:
@@ -107,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=131072, help="bounds the indexer top-k's block axis")
     ap.add_argument("--arch", type=int, default=aot.SM90, help="compute capability x 10 (default 90: H100/H200)")
+    ap.add_argument("--plugins", default=None, help="comma-separated plugins to compile (default: every one)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    only = set(args.plugins.split(",")) if args.plugins else None
     try:
-        report = compile_all(preset(args.preset), args.dtype, args.page_size, args.max_model_len, args.out, args.arch)
+        report = compile_all(preset(args.preset), args.dtype, args.page_size, args.max_model_len, args.out, args.arch,
+                             plugins=only)
     except (aot.LaunchConventionError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -10,12 +10,19 @@
   TensorRT arguments followed by null pointers for Triton's hidden scratch parameters (what TensorRT pads them
   with; ``aot.launch_convention`` proves the kernel never reads them). No Triton launcher and no torch op touches
   the launch, so a wrong argument order or a missing parameter shows up as wrong numbers or a launch error.
+  :meth:`DriverKernel.from_artifact` loads it from the files ``compile.py`` writes (``kernels.json`` + PTX).
+* :func:`bind_dims` and :func:`evaluate`: the values of the symbolic dimensions a kernel was compiled for (``T``,
+  ``B``, ``pages`` ...) read off a step's inputs, and the grid / extra-argument formulas of ``kernels.json``
+  evaluated on them: what TensorRT computes from the ShapeExprs ``aot_impl`` returned.
 """
 
 from __future__ import annotations
 
+import ast
 import ctypes
-from typing import Sequence
+import operator
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from .aot import AotKernel, KernelPlan
 from .shapes import TensorInfo
@@ -52,6 +59,54 @@ def run_wrapper(plan: KernelPlan, inputs: Sequence, outputs: Sequence) -> None:
                       num_stages=plan.num_stages)
 
 
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def evaluate(expr, values: Mapping[str, int]) -> int:
+    """An int, or a formula as ``shapes.describe`` writes it (names, ints, ``+ - * //``), on dimension values."""
+    if isinstance(expr, int) and not isinstance(expr, bool):
+        return expr
+    if not isinstance(expr, str):
+        raise ValueError(f"formula {expr!r}: not an int or a string")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in values:
+                raise ValueError(f"formula {expr!r}: dimension {node.id} has no value (known: {sorted(values)})")
+            return int(values[node.id])
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(f"formula {expr!r}: only names, ints and + - * // are allowed")
+
+    return ev(ast.parse(expr, mode="eval"))
+
+
+def bind_dims(compiled_for: Sequence[dict], infos: Sequence[TensorInfo], where: str) -> dict[str, int]:
+    """The value of each named dimension of a kernel's inputs (``kernels.json``'s ``inputs``: shapes of ints,
+    names and formulas) in a step with inputs ``infos``; ValueError naming the input whose dtype, rank or fixed
+    dimensions are not what the kernel was compiled for."""
+    if len(compiled_for) != len(infos):
+        raise ValueError(f"{where}: {len(infos)} inputs, the kernel was compiled for {len(compiled_for)}")
+    values: dict[str, int] = {}
+    for i, (c, t) in enumerate(zip(compiled_for, infos)):
+        if c["dtype"] != t.dtype or len(c["shape"]) != len(t.shape):
+            raise ValueError(f"{where}: input {i} is {t.dtype} {list(t.shape)}, the kernel was compiled for "
+                             f"{c['dtype']} {c['shape']}")
+        for d, n in zip(c["shape"], t.shape):
+            if isinstance(d, str) and d.isidentifier() and values.setdefault(d, int(n)) != n:
+                raise ValueError(f"{where}: input {i} has {d} = {n}, an earlier input {values[d]}")
+    for i, (c, t) in enumerate(zip(compiled_for, infos)):
+        for j, (d, n) in enumerate(zip(c["shape"], t.shape)):
+            if evaluate(d, values) != n:
+                raise ValueError(f"{where}: input {i} dimension {j} is {n}, the kernel was compiled for {d} = "
+                                 f"{evaluate(d, values)}")
+    return values
+
+
 class CudaError(RuntimeError):
     pass
 
@@ -79,16 +134,30 @@ class DriverKernel:
             self.cuda.cuGetErrorName(code, ctypes.byref(name))
             raise CudaError(f"{self.kernel.name}: {what} failed with {name.value.decode() if name.value else code}")
 
-    def launch(self, inputs: Sequence, outputs: Sequence, stream: int = 0) -> None:
-        """inputs / outputs: CUDA torch tensors (contiguous). Extras from the plan, then hidden null pointers."""
+    @classmethod
+    def from_artifact(cls, entry: dict, directory: str | Path, plan: KernelPlan | None = None,
+                      use_cubin: bool = False) -> "DriverKernel":
+        """The kernel of one ``kernels.json`` entry, loaded from its PTX (or cubin) file in ``directory``;
+        ``plan`` (a ``KernelPlan``) supplies the argument counts and, unless overridden at launch, grid and extras."""
+        directory = Path(directory)
+        kernel = AotKernel(plan=plan, name=entry["name"], ptx=(directory / entry["ptx"]).read_text(),
+                           cubin=(directory / entry["cubin"]).read_bytes(), shared_mem=int(entry["shared_mem"]),
+                           block=tuple(entry["block"]), params=tuple(entry["params"]),
+                           hidden_params=int(entry["hidden_params"]), metadata=dict(entry))
+        return cls(kernel, use_cubin)
+
+    def launch(self, inputs: Sequence, outputs: Sequence, stream: int = 0, grid: Sequence[int] | None = None,
+               extras: Sequence[int] | None = None) -> None:
+        """inputs / outputs: CUDA torch tensors (contiguous). Extras (default: the plan's), then hidden null
+        pointers. ``grid`` / ``extras``: as TensorRT computes them (``evaluate`` on ``kernels.json``)."""
         plan = self.kernel.plan
-        grid = concrete(plan.grid)
+        grid = concrete(plan.grid if grid is None else grid)
         if 0 in grid:
             return
         values = []
         for t in inputs:
             values.append(ctypes.c_void_p(t.data_ptr()))
-        values += [ctypes.c_int32(v) for v in concrete(plan.extra_args)]
+        values += [ctypes.c_int32(v) for v in concrete(plan.extra_args if extras is None else extras)]
         for t in outputs:
             values.append(ctypes.c_void_p(t.data_ptr()))
         values += [ctypes.c_void_p(0) for _ in range(self.kernel.hidden_params)]

@@ -12,7 +12,7 @@ torch glue between launches).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import aot
 from .shapes import PLUGINS, TensorInfo
@@ -39,12 +39,15 @@ def _tactic(plugin: str, wanted: int) -> int:
     return wanted if wanted in tactics else tactics[0]
 
 
-def run_plugin_steps(op: str, inputs: Sequence, attrs: dict, compiled: bool = False, cache: dict | None = None):
+def run_plugin_steps(op: str, inputs: Sequence, attrs: dict, compiled: bool = False, cache: dict | None = None,
+                     launcher: Callable | None = None):
     """Run ``op`` as its chain of plugin kernels on torch tensors; ``attrs`` may carry ``_tactic`` and
     ``_max_blocks`` (default: the batch's block count plus slack, to exercise the compiled bound).
 
     ``compiled`` False launches the wrappers through Triton's launcher (interpreter on CPU, JIT on GPU); True
-    compiles the AOT artifact (PTX) and launches it through the CUDA driver (``launch.DriverKernel``)."""
+    compiles the AOT artifact (PTX) and launches it through the CUDA driver (``launch.DriverKernel``).
+    ``launcher(plan, inputs, outputs)``, when given, makes every launch instead (the H200 test: the artifacts
+    ``compile.py`` wrote, launched with the formulas of ``kernels.json``)."""
     import torch
 
     from .launch import DriverKernel, run_wrapper, tensor_infos
@@ -65,7 +68,9 @@ def run_plugin_steps(op: str, inputs: Sequence, attrs: dict, compiled: bool = Fa
         # an aliased output is its input's buffer (TensorRT: TensorDesc.aliased()), written in place
         outs = [(alias or {}).get(i) if (alias or {}).get(i) is not None else
                 torch.empty(o.shape, dtype=_torch_dtype(o.dtype), device=device) for i, o in enumerate(outs_info)]
-        if compiled:
+        if launcher is not None:
+            launcher(plan, ins, outs)
+        elif compiled:
             key = (plugin, repr(sorted(plan.constexprs.items())), tuple(plan.signature.values()))
             kernel = (cache if cache is not None else {}).get(key)
             if kernel is None:
