@@ -7,24 +7,31 @@ for drafts only when the request holds none: drafts a step could not verify (pag
 the request and are verified by later steps, never redrafted. The scheduler reserves the pages that the chain
 below writes before the step runs, so a drafter always delivers every draft it was asked for.
 
-MTP drafting, per step and batched over requests:
-1. Catch-up: every MTP module runs over the newly kept positions t with token x_{t+1} and target hidden h_t,
-   so each module's own cache holds a well-defined entry for every position of the sequence. Running all
-   modules (not only the first) matters for seeded sampling: a module that attended to stale pool rows would
-   draft differently depending on what other requests left there, and drafts consume the request's random
+MTP drafting, per step and batched over requests. Which entries each module's cache must hold:
+1. Catch-up: every module that ever drafts (module m drafts step s when s % num_modules == m, s < k) gets an
+   entry at each newly kept position t, from token x_{t+1} and target hidden h_t, so its cache holds a
+   well-defined entry for every position of the sequence. A module that attended to stale pool rows would draft
+   differently depending on what other requests left there, and sampled drafts consume the request's random
    stream. At the last position (token = the token just produced) module 0's logits give draft 1.
 2. Chain: draft s + 1 comes from module ``s % num_modules`` at the next position, fed draft s and the previous
    module output. These entries sit past the request's ``num_mtp_computed``: no later step reads them as
-   context, and the next catch-up overwrites them, which is the rollback of the MTP caches. With several
-   modules, a module that a later chain step uses is also run at the earlier chain positions, for the same
-   reason as in 1.: its attention must never reach a row this request did not write in this round.
+   context, and the next catch-up overwrites them, which is the rollback of the MTP caches. A module that a later
+   chain step uses also gets an entry at every earlier chain position (same inputs as the module that drafted
+   there), for the same reason as in 1.: its attention must never reach a row this request did not write.
+
+Cost: each module's pending entries (its catch-up, then the chain positions since it last ran) are written by
+its next call, as one run of positions per request, so a round of k drafts is k module calls (a module with no
+draft to make in the round writes its catch-up in one call at the end), not one call per module per position:
+for k = 2 with two modules, module 0 over the kept positions and module 1 over the kept positions plus the
+first chain position. Greedy drafts are one argmax over the batch; only sampled drafts go through the filtered
+distribution, one request at a time.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,102 +63,131 @@ class Drafter(ABC):
         """Update drafter state for each job and set ``request.drafts`` / ``request.draft_probs``."""
 
 
-def _propose(req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """The next draft token (argmax for greedy requests, else drawn from the filtered distribution) and its p_d.
-    Its uniform is the one for the position it drafts (after the request's tokens and drafts so far), so a
-    position redrafted from the same context gets the same draft. On the CPU, like target sampling."""
-    logits = logits.float().cpu()
-    if req.params.greedy:
-        return int(torch.argmax(logits)), None
-    probs = filtered_probs(logits, req.params)
-    return draw(probs, req.rng.uniform(req.num_tokens + len(req.drafts), Purpose.DRAFT)), probs
+def _propose(reqs: list[Request], logits: torch.Tensor) -> None:
+    """Append each request's next draft (logits row i is request i's): argmax for greedy requests, in one call
+    over the rows on the logits' device; sampled requests draw from their filtered distribution, with the uniform
+    for the position drafted (after the request's tokens and drafts so far), so a position redrafted from the same
+    context gets the same draft, and record its distribution in ``draft_probs``."""
+    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    if greedy:
+        rows = logits if len(greedy) == len(reqs) else logits[greedy]
+        for i, tok in zip(greedy, torch.argmax(rows, dim=-1).tolist()):
+            reqs[i].drafts.append(tok)
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if sampled:
+        rows = logits[sampled].float().cpu()  # like target sampling: on the CPU, float64 distributions
+        for i, row in zip(sampled, rows):
+            r = reqs[i]
+            probs = filtered_probs(row, r.params)
+            r.drafts.append(draw(probs, r.rng.uniform(r.num_tokens + len(r.drafts), Purpose.DRAFT)))
+            r.draft_probs = probs[None] if r.draft_probs is None else torch.cat([r.draft_probs, probs[None]])
+
+
+@dataclass
+class _Run:
+    """Entries one module still has to write for one request: consecutive positions from ``start``."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)  # x_{t+1} (or the draft) at each position t
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] pieces, h_t (or a module output)
+
+    def extend(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        self.tokens.extend(tokens)
+        self.hidden.append(hidden)
 
 
 class MTPDrafter(Drafter):
     page_lookahead = 1
 
-    def __init__(self, backend: Backend, page_size: int, ensure_pages: Callable[[Request, int], bool]):
+    def __init__(self, backend: Backend, page_size: int, ensure_pages: Callable[[Request, int], bool],
+                 num_speculative_tokens: int | None = None):
+        """``num_speculative_tokens``: the most drafts any job asks for (the engine's k); modules that no chain
+        of that length uses (module 1 when k = 1) are never run. None: every module is kept up to date."""
         if backend.num_mtp_modules < 1:
             raise ValueError("MTPDrafter needs a backend with at least one MTP module")
         self.backend = backend
         self.page_size = page_size
         self.ensure_pages = ensure_pages
-        self.device = backend.device
+        self.num_modules = backend.num_mtp_modules
+        self.max_drafts = num_speculative_tokens
+        self.modules_used = self.num_modules if num_speculative_tokens is None else \
+            max(1, min(self.num_modules, num_speculative_tokens))
 
     def cached_len(self, req: Request) -> int:
         return req.num_mtp_computed
 
     def run(self, jobs: list[DraftJob]) -> None:
-        if not jobs:
-            return
         for j in jobs:
-            if j.request.num_mtp_computed != j.start:
-                raise RuntimeError(f"request {j.request.request_id}: MTP cache covers {j.request.num_mtp_computed} "
-                                   f"positions but the target step started at {j.start}")
-        last_logits, last_hidden = self._catch_up(jobs)
-        drafting = [(j, last_logits[i], last_hidden[i]) for i, j in enumerate(jobs) if j.num_drafts > 0]
-        for j, logits, _ in drafting:
-            j.request.drafts = []
-            tok, probs = _propose(j.request, logits)
-            j.request.drafts = [tok]
-            j.request.draft_probs = None if probs is None else probs[None]
-        self._chain([(j, h) for j, _, h in drafting])
-
-    def _catch_up(self, jobs: list[DraftJob]) -> tuple[torch.Tensor, torch.Tensor]:
-        """All modules over the kept positions; returns module 0's logits and output at each job's last one."""
-        segments = []
-        for j in jobs:
+            r = j.request
+            if r.num_mtp_computed != j.start:
+                raise RuntimeError(f"request {r.request_id}: MTP cache covers {r.num_mtp_computed} positions but "
+                                   f"the target step started at {j.start}")
+            if self.max_drafts is not None and j.num_drafts > self.max_drafts:
+                raise ValueError(f"request {r.request_id}: {j.num_drafts} drafts asked of an MTP drafter built "
+                                 f"for at most {self.max_drafts}")
+        # pending[m][i]: what module m must still write for job i, first its catch-up.
+        pending: list[dict[int, _Run]] = [{} for _ in range(self.modules_used)]
+        for i, j in enumerate(jobs):
             r, n = j.request, len(j.hidden)
-            segments.append(Segment(r.pages, j.start, r.tokens[j.start + 1:j.start + n + 1]))
-        ids, batch = build_batch(segments, self.page_size, self.device)
-        hidden = torch.cat([j.hidden for j in jobs])
-        last = batch.query_start_loc[1:].long() - 1
-        logits = out = None
-        for m in range(self.backend.num_mtp_modules):
-            index = last if m == 0 else last[:0]
-            lg, o = self.backend.mtp_forward(m, ids, hidden, batch, index)
-            if m == 0:
-                logits, out = lg, o.index_select(0, last)
-        for j in jobs:
-            j.request.num_mtp_computed = j.start + len(j.hidden)
-        return logits, out
-
-    def _chain(self, active: list[tuple[DraftJob, torch.Tensor]]) -> None:
-        modules = self.backend.num_mtp_modules
-        step = 1
-        while True:
-            # Draft step s runs at position (last kept) + s, which needs a page.
-            active = [(j, h) for j, h in active if j.num_drafts > step
-                      and self.ensure_pages(j.request, j.request.num_mtp_computed + step)]
-            if not active:
-                return
-            segments = [Segment(j.request.pages, j.request.num_mtp_computed - 1 + step, [j.request.drafts[-1]])
-                        for j, _ in active]
-            ids, batch = build_batch(segments, self.page_size, self.device)
-            hidden = torch.stack([h for _, h in active])
-            rows = torch.arange(len(active), device=ids.device)
-            logits, out = self.backend.mtp_forward(step % modules, ids, hidden, batch, rows)
-            self._fill_gaps(step, active, ids, hidden, batch)
-            for i, (j, _) in enumerate(active):
-                r = j.request
-                tok, probs = _propose(r, logits[i])
-                r.drafts.append(tok)
-                if probs is not None:
-                    r.draft_probs = torch.cat([r.draft_probs, probs[None]])
-            active = [(j, out[i]) for i, (j, _) in enumerate(active)]
-            step += 1
-
-    def _fill_gaps(self, step: int, active, ids, hidden, batch) -> None:
-        """With several modules, a module used at a later chain step attends over this step's position too:
-        write its entry there as well, so it never reads a row another request (or another round) left."""
-        modules = self.backend.num_mtp_modules
-        if modules == 1:
+            if n:
+                for runs in pending:
+                    runs[i] = _Run(j.start)
+                    runs[i].extend(r.tokens[j.start + 1:j.start + n + 1], j.hidden)
+            r.num_mtp_computed = j.start + n
+        if not pending[0]:
             return
-        empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
-        for m in range(modules):
-            if m == step % modules:
-                continue
-            if any(s % modules == m for j, _ in active for s in range(step + 1, j.num_drafts)):
-                # Every active row is written (rows that never use module m again get a harmless entry past
-                # their cached length): one batched call instead of a sub-batch per module.
-                self.backend.mtp_forward(m, ids, hidden, batch, empty)
+        # A backend that replays one-position steps from graphs gets each module's entries as soon as they are
+        # known (every chain call then has one position per request); any other gets them merged (see above).
+        single = self.backend.replays_single_position_mtp_steps
+        drafting = [i for i, j in enumerate(jobs) if j.num_drafts > 0 and i in pending[0]]
+        for i in drafting:
+            jobs[i].request.clear_drafts()
+        module, step = 0, 0
+        while True:
+            logits, out = self._write(module, jobs, pending[module], drafting)
+            if single:
+                for m, runs in enumerate(pending):
+                    if runs:
+                        self._write(m, jobs, runs, [])
+            _propose([jobs[i].request for i in drafting], logits)
+            chain_hidden = dict(zip(drafting, out))
+            step += 1
+            # Draft step s runs at position (last kept) + s, which needs a page.
+            drafting = [i for i in drafting if jobs[i].num_drafts > step
+                        and self.ensure_pages(jobs[i].request, jobs[i].request.num_mtp_computed + step)]
+            if not drafting:
+                break
+            module = step % self.num_modules
+            for i in drafting:
+                r = jobs[i].request
+                pos, entry = r.num_mtp_computed - 1 + step, chain_hidden[i][None]
+                for m, runs in enumerate(pending):
+                    if m == module or any(s % self.num_modules == m for s in range(step + 1, jobs[i].num_drafts)):
+                        runs.setdefault(i, _Run(pos)).extend([r.drafts[-1]], entry)
+        # Modules that draft nothing more this round still owe their catch-up; chain entries that no later step
+        # reads are dropped.
+        for m, runs in enumerate(pending):
+            for i, run in list(runs.items()):
+                keep = jobs[i].request.num_mtp_computed - run.start
+                if keep <= 0:
+                    del runs[i]
+                elif keep < len(run.tokens):
+                    runs[i] = _Run(run.start, run.tokens[:keep], [torch.cat(run.hidden)[:keep]])
+            if runs:
+                self._write(m, jobs, runs, [])
+
+    def _write(self, module: int, jobs: list[DraftJob], runs: dict[int, _Run], want: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call of ``module`` over every pending run (which it then clears); returns its logits and output
+        hidden at the last entry of each job in ``want`` (in that order)."""
+        order = sorted(runs)
+        segments = [Segment(jobs[i].request.pages, runs[i].start, runs[i].tokens) for i in order]
+        ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
+        pieces = [h for i in order for h in runs[i].hidden]
+        hidden = torch.cat([p.to(pieces[0].dtype) for p in pieces])
+        ends = batch.query_start_loc[1:].long() - 1
+        row = {i: b for b, i in enumerate(order)}
+        last = ends[[row[i] for i in want]] if want else ends[:0]
+        logits, out = self.backend.mtp_forward(module, ids, hidden, batch, last)
+        runs.clear()
+        return logits, out.index_select(0, last.to(out.device))

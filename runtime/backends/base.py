@@ -32,6 +32,12 @@ class Backend(ABC):
         return self.device
 
     @property
+    def replays_single_position_mtp_steps(self) -> bool:
+        """MTP module steps of one position per request are replayed (CUDA graphs), so the drafter keeps its calls
+        to that shape; otherwise it merges each module's pending positions into one call (fewer, longer calls)."""
+        return False
+
+    @property
     @abstractmethod
     def num_mtp_modules(self) -> int:
         """MTP modules with weights; 0 means the engine cannot speculate."""

@@ -163,6 +163,10 @@ class GraphedTorchBackend(TorchBackend):
         docstring); an eager step moves them itself."""
         return torch.device("cpu") if self.use_graphs or self.pad_eagerly else self.device
 
+    @property
+    def replays_single_position_mtp_steps(self) -> bool:
+        return self.use_graphs or self.pad_eagerly
+
     def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple, logits_indices: torch.Tensor,
                       hidden: torch.Tensor | None = None) -> DecodeInputs:
         """The static inputs of shape ``key`` = (bucket, q) or ("mtp", module, bucket, logits wanted) filled with
