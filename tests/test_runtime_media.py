@@ -19,16 +19,20 @@ from .test_vision_model import IMAGE, VIDEO, VISION
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model():
-    """float64 (as the other runtime tests): argmax comparisons must not hinge on fp32 rounding."""
-    torch.manual_seed(0)
-    m = M3ForCausalLM(preset("tiny").replace(num_mtp_modules=0, vision=VISION)).eval()
+def media_weights(m: M3ForCausalLM) -> M3ForCausalLM:
+    """Random weights under which the media decide the greedy tokens (a strong tower and projector)."""
     with torch.no_grad():
         for name, p in m.named_parameters():
             p.normal_(1.0 if "layer_norm" in name and name.endswith("weight") else 0.0, 0.05 if "norm" in name
                       else 0.3 if name.startswith(("vision_tower", "multi_modal_projector")) else 0.05)
-    return m.double()
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    """float64 (as the other runtime tests): argmax comparisons must not hinge on fp32 rounding."""
+    torch.manual_seed(0)
+    return media_weights(M3ForCausalLM(preset("tiny").replace(num_mtp_modules=0, vision=VISION)).eval()).double()
 
 
 def _item(kind, grid, seed):

@@ -4,6 +4,8 @@ and the cache-free model recomputed at every token."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,14 +16,16 @@ from m3export.export.artifact import load_artifact, load_torch_model
 from m3export.export.exporter import export_artifact
 from m3export.model import M3ForCausalLM
 from m3export.model.batch import Segment, build_batch
+from m3export.preprocess.settings import PREPROCESSOR_CONFIG, MediaSettings
 from m3export.runtime import Engine, SamplingParams
 from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 from m3export.runtime.backends.torch_backend import TorchBackend
 
-from .test_runtime_media import IMG, IMG2, VID, _prompt, _reference
+from .test_runtime_media import IMG, IMG2, VID, _prompt, _reference, media_weights
 from .test_vision_model import IMAGE, VIDEO, VISION
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PREPROCESSING = {"max_pixels": 32 * 32, "image_mean": [0.5, 0.5, 0.5]}
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +34,10 @@ def vl_artifact(tmp_path_factory):
     ``test_runtime_media`` so that the media decide the greedy tokens."""
     tmp = tmp_path_factory.mktemp("vl-ort")
     torch.manual_seed(0)
-    model = M3ForCausalLM(preset("tiny").replace(num_mtp_modules=1, vision=VISION)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "layer_norm" in name and name.endswith("weight") else 0.0, 0.05 if "norm" in name
-                      else 0.3 if name.startswith(("vision_tower", "multi_modal_projector")) else 0.05)
+    model = media_weights(M3ForCausalLM(preset("tiny").replace(num_mtp_modules=1, vision=VISION)).eval())
     write_checkpoint(tmp / "ckpt", model.config, "original", "fp32", model=model, progress=False,
                      with_tokenizer=False)
+    (tmp / "ckpt" / PREPROCESSOR_CONFIG).write_text(json.dumps(PREPROCESSING))  # export copies it beside the graphs
     return load_artifact(export_artifact(str(tmp / "ckpt"), tmp / "art", page_size=4, progress=False))
 
 
@@ -89,6 +90,26 @@ def test_multimodal_generation_equals_torch_and_the_model(vl_artifact, reference
             _reference(reference, short, [IMG2], GREEDY.max_tokens)]
     assert outs["onnxruntime"] == outs["torch"] == want
     assert _reference(reference, short, [IMG], GREEDY.max_tokens) != want[1]  # the pixels decide the tokens
+
+
+@pytest.mark.slow  # shares the VL export above
+def test_the_artifact_keeps_the_checkpoints_preprocessing(vl_artifact):
+    s = MediaSettings.from_directory(vl_artifact.root, VISION)
+    assert (s.image.max_pixels, s.image.image_mean) == (32 * 32, (0.5, 0.5, 0.5))
+
+
+@pytest.mark.gpu
+def test_cuda_provider_multimodal_generation_equals_torch(vl_artifact, reference):
+    """The same request with vision.onnx and the step graph on the CUDA execution provider."""
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    ids = _prompt(5, (IMAGE, 6), 3, (VIDEO, 6), 4)
+    eng = Engine.from_artifact(vl_artifact.root, backend="onnxruntime", device="cuda", num_pages=64,
+                               max_num_batched_tokens=7)
+    got = eng.generate([ids], GREEDY, media=[[IMG, VID]])[0].token_ids
+    assert got == _reference(reference, ids, [IMG, VID], GREEDY.max_tokens)
 
 
 def test_text_only_artifact_on_onnxruntime_refuses_media(tiny_artifact):

@@ -266,23 +266,20 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: str | Mapping[st
         sampling.update(sampling_kwargs(raw, "sampling_parameters"))
     if returns & {"logprobs", "cumulative_logprob"} and sampling.get("logprobs") is None:
         sampling["logprobs"] = 0  # the sampled tokens' own logprobs, nothing more
-    images = ()
-    if "image" in inputs:
-        from .media import image_bytes
+    from .media import image_bytes, video_element
 
-        try:
-            images = tuple(image_bytes(e) for e in np.asarray(inputs["image"], dtype=object).reshape(-1))
-        except ValueError as e:
-            raise RequestError(f"input 'image': {e}") from None
-    videos = ()
-    if "video" in inputs:
-        from .media import video_element
-
-        try:
-            videos = tuple(video_element(e) for e in np.asarray(inputs["video"], dtype=object).reshape(-1))
-        except ValueError as e:
-            raise RequestError(f"input 'video': {e}") from None
+    images, videos = _elements(inputs, "image", image_bytes), _elements(inputs, "video", video_element)
     return GenerateRequest(prompt, sampling, stream, exclude, client_id, returns, images, videos=videos)
+
+
+def _elements(inputs: dict[str, np.ndarray], name: str, parse) -> tuple:
+    """The elements of an optional media input (``image``, ``video``), each parsed; () when absent."""
+    if name not in inputs:
+        return ()
+    try:
+        return tuple(parse(e) for e in np.asarray(inputs[name], dtype=object).reshape(-1))
+    except ValueError as e:
+        raise RequestError(f"input {name!r}: {e}") from None
 
 
 def sampling_params(request: GenerateRequest):
