@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
+
 SMOKE = False
 
 
@@ -213,7 +216,7 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_h200.json"))
+    ap.add_argument("--json", default=str(RESULTS / "decode_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, Triton interpreter")
     args = ap.parse_args()
     if args.smoke:
@@ -316,25 +319,16 @@ def main() -> int:
         if not SMOKE:
             torch.cuda.empty_cache()
 
-    # (c') one long prompt prefilled in chunks through the engine
-    from m3export.runtime import Engine, SamplingParams
+    # (c') one long prompt prefilled in chunks through the engine (bench/long_prefill.py measures several lengths)
+    from long_prefill import prefill_once
 
     n_prompt, chunk = (200, 64) if SMOKE else (args.prefill_tokens, args.prefill_chunk)
     try:
-        be = GraphedTorchBackend(model, use_graphs=not SMOKE, max_model_len=n_prompt + 8)
-        eng = Engine(be, page_size=page, num_pages=-(-(n_prompt + 8) // page) + 1, max_model_len=n_prompt + 8,
-                     max_num_seqs=1, max_num_batched_tokens=chunk)
-        prompt = torch.randint(0, cfg.vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(3)).tolist()
-        t = time.perf_counter()
-        eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        if not SMOKE:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t
-        res["prefill"] = dict(tokens=n_prompt, chunk=chunk, seconds=elapsed, tokens_per_s=n_prompt / elapsed)
+        res["prefill"] = prefill_once(model, n_prompt, chunk, page, graphs=not SMOKE)
     except Exception as exc:  # out of memory or a kernel that does not take this shape: reported
         res["prefill"] = dict(tokens=n_prompt, chunk=chunk, error=f"{type(exc).__name__}: {exc}"[:300])
     print(json.dumps(res["prefill"]), flush=True)
-    be = eng = None
+    be = None
 
     # (d) transformers' own model on the same config, after ours is freed (it holds its own bf16 weights)
     hf_shapes = [tuple(int(v) for v in s.split("x")) for s in args.transformers_shapes.split(",") if s]
@@ -364,11 +358,7 @@ def main() -> int:
         res["transformers"].append(row)
         print(json.dumps(row), flush=True)
 
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    write_results(res, args.json)
     print(f"\ndecode step, {res['preset']} with {cfg.num_local_experts} experts, {args.weights} weights; "
           f"copy {bw / 1e12:.2f} TB/s")
     print(f"{'batch':>5} {'context':>7} {'MB':>7} {'roof ms':>8} {'ref ms':>8} {'kern ms':>8} {'graph ms':>8} "

@@ -1,40 +1,66 @@
-"""The engine's own per-step host work: scheduling, batch building, sampling and output, with a backend that
-computes nothing.
+"""The engine's own per-step work around the model, split by phase, with a backend that computes nothing.
 
-A decode step on the GPU costs the device time (``bench/decode.py``) plus what the engine does on the host around
-``Backend.forward``. This drives ``Engine`` with a backend that returns zero logits of the real vocabulary size
-instantly (greedy sampling then scans all 200,064 logits of every row, as it does in production; the device-to-host
-copy of the logits that a GPU backend adds is not included), so the time per step is host work only: the number to add to a graphed device step, and the budget to keep under it.
+A decode step costs the device time of the model (``bench/decode.py``) plus what the engine does around
+``Backend.forward``. This drives ``Engine`` with a backend that returns fixed random logits of the real vocabulary
+(200,064) instantly, on ``--device`` (on a GPU the logits stay there, as a GPU backend leaves them, so sampling
+runs on the device and its one device-to-host copy is included), and times each phase of every decode step:
 
-  python bench/engine_host.py                    # batch 1 / 8 / 64, M3's vocabulary; bench/results/engine_host.json
+* ``schedule``: ``Scheduler.schedule`` (which requests, how many tokens, pages);
+* ``build_batch``: the flattened paged batch from the scheduled work (``m3export.model.batch.build_batch``);
+* ``backend``: ``Backend.forward`` (here: returning the fixed tensors; on a real model, the device step);
+* ``sample``: every sampled row decided (``acceptance.decide``: penalties, filters, draws, logprobs where the
+  logits are, then the copy of the chosen ids to the host);
+* ``detokenize``: incremental detokenization and stop strings (only with ``--tokenizer``: without one the
+  engine works on ids and this is ~0);
+* ``other``: the rest of ``Engine.step`` (bookkeeping, outputs).
+
+Per batch size and sampling mode (greedy; sampled with temperature / top-k / top-p and a seed; greedy with 5
+logprobs) it reports microseconds per step per phase. On a GPU every phase ends with a synchronisation so device
+work is charged to the phase that launched it (this adds a few microseconds per phase).
+
+  python bench/engine_host.py                          # CPU: batch 1 / 8 / 64; bench/results/engine_host_cpu.json
+  python bench/engine_host.py --device cuda            # on the H200: bench/results/engine_host_cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from m3export.config import preset
-from m3export.runtime import Engine, SamplingParams
-from m3export.runtime.backends.base import Backend
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: m3export
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: results_file
+from results_file import RESULTS, write_results  # noqa: E402
+
+from m3export.config import preset  # noqa: E402
+from m3export.runtime import Engine, SamplingParams  # noqa: E402
+from m3export.runtime.backends.base import Backend  # noqa: E402
+
+PHASES = ("schedule", "build_batch", "backend", "sample", "detokenize")
+MODES = {
+    "greedy": lambda i: SamplingParams(temperature=0),
+    "sampled": lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i),
+    "logprobs": lambda i: SamplingParams(temperature=0, logprobs=5),
+}
 
 
 class NoComputeBackend(Backend):
-    """Fixed random logits and zero hidden states of the right shapes, made once; no pools (the engine only
-    addresses pages). Random, not zero, logits: the sampler's scan should see real data."""
+    """Fixed random logits and zero hidden states of the right shapes on ``device``, made once; no pools (the
+    engine only addresses pages). Random, not zero, logits: the sampler should see real data."""
 
     name = "no-compute"
 
-    def __init__(self, cfg, max_rows: int):
+    def __init__(self, cfg, max_rows: int, device: torch.device):
         self.config = cfg
-        self.forward_time = 0.0
-        self._logits = torch.randn(max_rows, cfg.vocab_size, generator=torch.Generator().manual_seed(0))
-        self._hidden = torch.zeros(max_rows, cfg.hidden_size)
+        self.device = device
+        g = torch.Generator().manual_seed(0)
+        self._logits = torch.randn(max_rows, cfg.vocab_size, generator=g).to(device)
+        self._hidden = torch.zeros(max_rows, cfg.hidden_size, device=device)
 
     @property
     def num_mtp_modules(self) -> int:
@@ -47,52 +73,118 @@ class NoComputeBackend(Backend):
         pass
 
     def forward(self, input_ids, batch, logits_indices):
-        t = time.perf_counter()
-        out = self._logits[:logits_indices.shape[0]], self._hidden[:input_ids.shape[0]]
-        self.forward_time += time.perf_counter() - t
-        return out
+        return self._logits[:logits_indices.shape[0]], self._hidden[:input_ids.shape[0]]
 
     def mtp_forward(self, module, input_ids, hidden, batch, logits_indices):
         raise RuntimeError("no MTP modules")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "engine_host.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    cfg = preset("full")  # the release's vocabulary (200,064) and eos ids; no weights are built
-    rows = []
-    for b in [int(v) for v in args.batches.split(",")]:
-        be = NoComputeBackend(cfg, max(b * args.prompt_len, b))
-        eng = Engine(be, page_size=64, num_pages=b * (-(-(args.prompt_len + args.new_tokens) // 64) + 1),
-                     max_num_seqs=b, max_num_batched_tokens=max(512, b * args.prompt_len))
-        prompts = [[(7 * i + j) % 1000 + 1 for j in range(args.prompt_len)] for i in range(b)]
-        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, params)
-        eng.step()  # the prefill step (all prompts fit one step)
-        be.forward_time, steps = 0.0, 0
+class PhaseTimers:
+    """Seconds spent in each phase: the functions of a phase are wrapped (on the objects the engine calls them
+    through) for as long as ``timing()`` is active."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def _wrap(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.seconds[phase] += time.perf_counter() - t
+        return timed
+
+    @contextmanager
+    def timing(self, eng: Engine):
+        import m3export.runtime.engine as engine_module
+        from m3export.runtime.detokenizer import IncrementalDetokenizer
+
+        patches = [(eng.scheduler, "schedule", "schedule"), (engine_module, "build_batch", "build_batch"),
+                   (eng.backend, "forward", "backend"), (engine_module, "decide", "sample"),
+                   (IncrementalDetokenizer, "append", "detokenize"), (IncrementalDetokenizer, "release", "detokenize")]
+        saved = [(obj, name, obj.__dict__.get(name) if isinstance(obj, type) else getattr(obj, name))
+                 for obj, name, _ in patches]
+        for obj, name, phase in patches:
+            setattr(obj, name, self._wrap(phase, getattr(obj, name)))
+        try:
+            yield self
+        finally:
+            for obj, name, original in saved:
+                if isinstance(obj, type) or name in ("build_batch", "decide"):
+                    setattr(obj, name, original)
+                else:
+                    delattr(obj, name)  # the instance attribute goes; the method shows through again
+
+
+def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer) -> dict:
+    be = NoComputeBackend(cfg, max(batch * prompt_len, batch), device)
+    page = 64
+    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 1),
+                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len))
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
+        params = dataclasses.replace(MODES[mode](i), max_tokens=new_tokens, ignore_eos=True)
+        eng.add_request(f"r{i}", prompt, params)
+    eng.step()  # the prefill step (all prompts fit one step), and every kernel / allocation warmed up
+    timers = PhaseTimers(device)
+    steps = 0
+    with timers.timing(eng):
         t = time.perf_counter()
         while eng.has_unfinished():
             eng.step()
             steps += 1
         total = time.perf_counter() - t
-        host_us = (total - be.forward_time) / steps * 1e6
-        rows.append(dict(batch=b, decode_steps=steps, host_us_per_step=host_us,
-                         host_us_per_token=host_us / b))
-        print(json.dumps(rows[-1]), flush=True)
-    res = {"vocab": cfg.vocab_size, "threads": 1, "rows": rows}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"\nengine host work per decode step (vocabulary {cfg.vocab_size}, greedy, one thread)")
-    print(f"{'batch':>5} {'us/step':>9} {'us/token':>9}")
+    per = {k: v / steps * 1e6 for k, v in timers.seconds.items()}
+    per["other"] = total / steps * 1e6 - sum(per.values())
+    host = total / steps * 1e6 - per["backend"]
+    return dict(batch=batch, mode=mode, decode_steps=steps, us_per_step=per, engine_us_per_step=host,
+                engine_us_per_token=host / batch)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"any of {', '.join(MODES)}")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json of M3's vocabulary, to time detokenizing")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--json", default=None, help="default bench/results/engine_host_<device type>.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench/engine_host.py --device cuda needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    cfg = preset("full")  # the release's vocabulary (200,064) and eos ids; no weights are built
+    tokenizer = None
+    if args.tokenizer:
+        from m3export.runtime.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer.from_file(args.tokenizer)
+    rows = []
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"--modes: unknown mode {mode!r} (expected {', '.join(MODES)})")
+        for b in [int(v) for v in args.batches.split(",")]:
+            rows.append(run(cfg, device, b, mode, args.prompt_len, args.new_tokens, tokenizer))
+            print(rows[-1], flush=True)
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "vocab": cfg.vocab_size, "threads": args.threads,
+           "tokenizer": args.tokenizer, "rows": rows}
+    out = write_results(res, args.json or RESULTS / f"engine_host_{device.type}.json")
+    print(f"\nengine work per decode step, microseconds (vocabulary {cfg.vocab_size}, {res['device']}, "
+          f"{args.threads} thread(s)); {out}")
+    cols = PHASES + ("other",)
+    print(f"{'mode':>8} {'batch':>5} " + " ".join(f"{c:>11}" for c in cols) + f" {'engine':>8} {'per tok':>8}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['host_us_per_step']:>9.0f} {r['host_us_per_token']:>9.1f}")
+        print(f"{r['mode']:>8} {r['batch']:>5} " + " ".join(f"{r['us_per_step'][c]:>11.0f}" for c in cols)
+              + f" {r['engine_us_per_step']:>8.0f} {r['engine_us_per_token']:>8.1f}")
     return 0
 
 

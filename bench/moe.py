@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
+
 H, I, I_SHARED, TOP_K = 6144, 3072, 3072, 4
 DEV = "cuda"
 SMOKE = False  # --smoke: tiny dims on CPU tensors under the Triton interpreter, host timers (checks the script)
@@ -194,7 +197,7 @@ def main() -> int:
     ap.add_argument("--formats", default="mxfp8,bf16")
     ap.add_argument("--sweep", type=int, default=1,
                     help="try the tile variants in DECODE_SWEEP / PREFILL_SWEEP (MXFP8 weights)")
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "moe_h200.json"))
+    ap.add_argument("--json", default=str(RESULTS / "moe_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU under the Triton interpreter: checks "
                     "that the script runs end to end (numbers meaningless)")
     args = ap.parse_args()
@@ -299,11 +302,7 @@ def main() -> int:
 
     res["linear"] = linear_decode(bw, args.sweep) if "mxfp8" in formats else []
 
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    write_results(res, args.json)
     print(f"\nMoE layer, {args.experts} experts, H {H}, I {I}, top-{TOP_K}; copy {bw / 1e12:.2f} TB/s")
     print(f"{'fmt':6} {'batch':>5} {'experts':>7} {'MB':>7} {'graph us':>9} {'best us':>8} {'%copy':>6} "
           f"{'eager us':>9} {'ref us':>8} {'err':>8} {'ref err':>8}")

@@ -1,0 +1,39 @@
+"""bench/engine_host.py and bench/long_prefill.py on the CPU at tiny sizes: the scripts the lead runs on the H200
+run end to end and write the rows they promise (they measure nothing meaningful here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(script: str, *args: str) -> None:
+    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300,
+                         env=ENV)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_engine_host_splits_the_step_into_phases(tmp_path):
+    out = tmp_path / "eh.json"
+    _run("engine_host.py", "--batches", "1,2", "--modes", "greedy,sampled", "--new-tokens", "3", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert [(r["mode"], r["batch"]) for r in res["rows"]] == [("greedy", 1), ("greedy", 2), ("sampled", 1),
+                                                             ("sampled", 2)]
+    for r in res["rows"]:
+        phases = r["us_per_step"]
+        assert set(phases) == {"schedule", "build_batch", "backend", "sample", "detokenize", "other"}
+        assert r["decode_steps"] == 2 and phases["sample"] > 0 and phases["schedule"] > 0
+
+
+def test_long_prefill_runs_every_length_in_chunks(tmp_path):
+    out = tmp_path / "lp.json"
+    _run("long_prefill.py", "--device", "cpu", "--lengths", "40,80", "--chunk", "32", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert [(r["tokens"], r["steps"]) for r in res["rows"]] == [(40, 2), (80, 3)]
+    assert all(r["tokens_per_s"] > 0 for r in res["rows"])
