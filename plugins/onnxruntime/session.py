@@ -64,7 +64,10 @@ class PagedSession:
     """A graph of an artifact in ONNX Runtime; ``pool_tensors`` hold the caches between steps, in the memory of
     the execution provider (``device``), and ``pools`` shows them as host numpy arrays."""
 
-    def __init__(self, path: Path, graph: GraphInfo, providers: str | Provider | Sequence = "cpu", options=None):
+    def __init__(self, path: Path, graph: GraphInfo, providers: str | Provider | Sequence = "cpu", options=None,
+                 threads: int | None = None):
+        """``threads``: ONNX Runtime's intra-op threads (default: one per physical core, spinning while idle,
+        which on a machine shared with other work costs several times the step; benchmarks pin it)."""
         ort = _ort()
         self.graph = graph
         self.provider = require(parse_provider(providers))
@@ -72,6 +75,10 @@ class PagedSession:
         if options is None:
             options = ort.SessionOptions()
             options.log_severity_level = 3  # errors only: ORT warns about kernels it cannot constant-fold
+            if threads is not None:
+                options.intra_op_num_threads = threads
+        elif threads is not None:
+            raise ValueError("give session options or threads, not both")
         try:
             self.session = ort.InferenceSession(str(path), sess_options=options,
                                                 providers=self.provider.session_providers())

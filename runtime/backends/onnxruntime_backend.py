@@ -71,9 +71,9 @@ def _check_signature(session, root: Path) -> None:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, artifact, provider="cpu", flavour: str | None = None):
+    def __init__(self, artifact, provider="cpu", flavour: str | None = None, threads: int | None = None):
         """``flavour``: run the graphs' recorded flavour (e.g. ``ort-contrib``, experimental) instead of the plain
-        ones; it has the same signatures."""
+        ones; it has the same signatures. ``threads``: ONNX Runtime's intra-op threads per session (``PagedSession``)."""
         from m3export.plugins.onnxruntime.session import PagedSession
 
         self.artifact = artifact
@@ -83,10 +83,11 @@ class OnnxRuntimeBackend(Backend):
             raise BackendUnavailable(f"{artifact.root}: graphs of dtype {artifact.manifest.dtype!r} cannot be fed "
                                      "from here")
         self.graph_dtype = BY_NAME[artifact.manifest.dtype]  # activations, hidden states and pools
-        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=provider)
+        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=provider, threads=threads)
         self.provider = self._main.provider
         self.device = self._main.device  # where the engine builds batches: the EP's memory
-        self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", flavour=flavour, providers=self.provider)
+        self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", flavour=flavour, providers=self.provider,
+                                                threads=threads)
                      for k in range(artifact.manifest.mtp_modules)]
         for session in (self._main, *self._mtp):
             _check_signature(session, artifact.root)
@@ -118,11 +119,13 @@ class OnnxRuntimeBackend(Backend):
         return run_vision_onnx(self._vision, pixel_values.cpu(), grid_thw, self.config.vision.spatial_merge_size)
 
     @classmethod
-    def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None) -> OnnxRuntimeBackend:
+    def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None, threads: int | None = None
+                      ) -> OnnxRuntimeBackend:
         from m3export.export.artifact import load_artifact
 
         chosen = provider_for(device, provider)
-        return cls(load_artifact(path, verify_checksums=False), chosen)  # structure at start-up; hashes: verify
+        # structure at start-up; hashes: verify
+        return cls(load_artifact(path, verify_checksums=False), chosen, threads=threads)
 
     @property
     def num_mtp_modules(self) -> int:
