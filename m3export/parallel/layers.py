@@ -45,41 +45,36 @@ def all_gather_last(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class RowParallelLinear(Linear):
-    def __init__(self, in_features: int, out_features: int, mxfp8: bool, group=None):
-        super().__init__(in_features, out_features, mxfp8)
-        self.group = group
+class SummedOverRanks:
+    """Mixin: the module's output is this rank's partial sum; return the sum over the ranks of ``group``."""
+
+    group = None  # the process group of the collectives; None: the default group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(super().forward(x), self.group)
 
 
-class TensorParallelMLP(DenseMLP):
-    def __init__(self, cfg: M3Config, intermediate: int, mxfp8: bool, group=None):
-        super().__init__(cfg, intermediate, mxfp8)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x), self.group)
+class RowParallelLinear(SummedOverRanks, Linear):
+    """``o_proj``: the input features of the rank's heads."""
 
 
-class TensorParallelMoE(MoE):
-    def __init__(self, cfg: M3Config, mxfp8: bool, group=None):
-        super().__init__(cfg, mxfp8)
-        self.group = group
+class TensorParallelMLP(SummedOverRanks, DenseMLP):
+    """Dense MLP with the rank's share of the intermediate columns."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x), self.group)
+
+class TensorParallelMoE(SummedOverRanks, MoE):
+    """MoE block with the rank's share of every routed expert's and the shared expert's intermediate columns."""
 
 
 class ExpertParallelMoE(MoE):
     """Experts ``first .. first + num_experts - 1`` of the global stack; router and shared expert as in ``MoE``."""
 
-    def __init__(self, cfg: M3Config, mxfp8: bool, first: int, num_experts: int, group=None):
+    group = None  # as SummedOverRanks
+
+    def __init__(self, cfg: M3Config, mxfp8: bool, first: int, num_experts: int):
         super().__init__(cfg, mxfp8)
         self.experts = Experts(dataclasses.replace(cfg, num_local_experts=num_experts), mxfp8)
         self.owned = range(first, first + num_experts)
-        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ex, sh, lo, dt = self.cfg, self.experts, self.shared_experts, self.owned.start, x.dtype
@@ -124,9 +119,12 @@ def _kernels_active(x: torch.Tensor) -> bool:
 
 
 class VocabParallelLMHead(nn.Linear):
-    def __init__(self, hidden: int, vocab_per_rank: int, group=None):
+    """``lm_head`` with the rank's rows of the vocabulary; the logits of all ranks gathered."""
+
+    group = None  # as SummedOverRanks
+
+    def __init__(self, hidden: int, vocab_per_rank: int):
         super().__init__(hidden, vocab_per_rank, bias=False)
-        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_gather_last(super().forward(x), self.group)

@@ -76,16 +76,18 @@ def build_shard(cfg: M3Config, parallel: ParallelConfig, rank: int, dtype: torch
         layers = [*model.model.layers, *(m.transformer_layer for m in model.mtp)]
         for layer in layers:
             layer.self_attn.o_proj = RowParallelLinear(local.num_attention_heads * local.head_dim, local.hidden_size,
-                                                       mxfp8, group)
+                                                       mxfp8)
             if isinstance(layer.mlp, MoE):
                 if parallel.expert_parallel:
                     n = parallel.experts_per_rank(cfg)
-                    layer.mlp = ExpertParallelMoE(local, mxfp8, rank * n, n, group)
+                    layer.mlp = ExpertParallelMoE(local, mxfp8, rank * n, n)
                 else:
-                    layer.mlp = TensorParallelMoE(local, mxfp8, group)
+                    layer.mlp = TensorParallelMoE(local, mxfp8)
             else:
-                layer.mlp = TensorParallelMLP(local, local.dense_intermediate_size, mxfp8, group)
-        model.lm_head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size // tp, group)
+                layer.mlp = TensorParallelMLP(local, local.dense_intermediate_size, mxfp8)
+            layer.self_attn.o_proj.group = layer.mlp.group = group
+        model.lm_head = VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size // tp)
+        model.lm_head.group = group
     model = materialize(model, dtype, device)
     model.parallel, model.rank, model.global_config = parallel, rank, cfg
     return model
