@@ -137,7 +137,7 @@ class OpenAIServer:
         self._cancel_poll_s = cancel_poll_s
         self.driver: EngineDriver | None = None
         # chat prompts with images / video are decoded, preprocessed and tokenized here, off the event loop
-        self._media_pool = ThreadPoolExecutor(2, thread_name_prefix="openai-media")
+        self._media_pool: ThreadPoolExecutor | None = None
         self.created = int(time.time())
         tok = engine.tokenizer
         specials = tok.special_tokens() if tok is not None and hasattr(tok, "special_tokens") else frozenset()
@@ -149,12 +149,16 @@ class OpenAIServer:
     def start(self) -> None:
         if self.driver is None:
             self.driver = EngineDriver(self.engine, self.metrics, name="openai", cancel_poll_s=self._cancel_poll_s)
+        if self._media_pool is None:
+            self._media_pool = ThreadPoolExecutor(2, thread_name_prefix="openai-media")
 
     def close(self) -> None:
         if self.driver is not None:
             self.driver.close()
             self.driver = None
-        self._media_pool.shutdown(wait=False, cancel_futures=True)
+        if self._media_pool is not None:
+            self._media_pool.shutdown(wait=False, cancel_futures=True)
+            self._media_pool = None
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
@@ -598,7 +602,7 @@ class OpenAIServer:
 
     async def _chat(self, body: ChatRequest, request):
         self._check_model(body.model)
-        if _has_media(body.messages):  # decoding and preprocessing take long: not on the event loop
+        if self._media_pool is not None and _has_media(body.messages):  # long decodes: not on the event loop
             prompt, state = await asyncio.get_running_loop().run_in_executor(self._media_pool, self._chat_prompt,
                                                                              body)
         else:
