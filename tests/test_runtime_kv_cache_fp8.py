@@ -187,3 +187,27 @@ def test_triton_repo_engine_args_check_the_cache_dtype():
     assert parse_engine_args(["kv_cache_dtype=fp8"]) == {"kv_cache_dtype": "fp8"}
     with pytest.raises(RepositoryError, match="kv_cache_dtype='int8'"):
         parse_engine_args(["kv_cache_dtype=int8"])
+
+
+def test_speculative_decoding_on_fp8_caches_keeps_the_greedy_tokens(model, e4m3_reference):
+    """MTP drafts (the modules' own FP8 pools) verified against the target: greedy output unchanged."""
+    ps = prompts(3, seed=7, lo=5, hi=25)
+    eng = fp8_engine(model, num_speculative_tokens=2)
+    assert all(c[0].dtype == FP8 for c in eng.backend._mtp_caches)
+    for p, o in zip(ps, eng.generate(ps, GREEDY), strict=True):
+        assert o.token_ids == e4m3_reference(tuple(p), 10)
+
+
+def test_command_line_server_and_offline_api_take_the_option(capsys):
+    from m3export import LLM
+    from m3export.cli import build_parser, main
+
+    assert main(["generate", "tiny", "--prompt-ids", "1,2,3", "--temperature", "0", "--max-tokens", "4",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    assert build_parser().parse_args(["serve", "tiny", "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    args = build_parser().parse_args(["triton-repo", "tiny", "--out", "r", "--kv-cache-dtype", "fp8"])
+    assert args.kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "tiny", "--prompt", "x", "--kv-cache-dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    assert LLM("tiny", kv_cache_dtype="fp8", max_model_len=64).engine.backend.dtype == FP8
