@@ -17,6 +17,8 @@ EXAMPLES = """\
   m3export export --checkpoint ckpt/tiny --out art/tiny --force      # replace an existing artifact
   m3export export --checkpoint /data/MiniMax-M3-MXFP8 --in-place --dtype bfloat16   # zero copy, full size
   m3export export --preset tiny --out art/tiny-split --split-layers 2                 # + model.part{0,1}.onnx
+  m3export export --preset mini --dtype bfloat16 --out art/mini --flavour ort-contrib \
+      --lower MoE,MXFP8Linear,PagedAttention          # + <graph>.ort.onnx for ONNX Runtime's CUDA kernels
 """
 
 
@@ -49,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for TensorRT's ONNX parser; 'm3export build' uses it) or, experimental and unverified on "
                         "GPU, its ONNX Runtime contrib-op flavour (<graph>.ort.onnx: MoE and 16-bit MXFP8Linear "
                         "lowered to com.microsoft kernels); recorded in the manifest's 'flavours'")
+    p.add_argument("--lower", metavar="OP[,OP...]", type=lambda text: tuple(filter(None, text.split(","))),
+                   help="with --flavour ort-contrib: the m3 ops to lower (MoE, MXFP8Linear, PagedAttention; default "
+                        "MoE,MXFP8Linear). PagedAttention (dense layers -> com.microsoft.PagedAttention, which also "
+                        "does the QK norm, RoPE and cache write) is opt-in: its norm gain (1 + w) is rounded to the "
+                        "activation dtype, and it needs float16 / bfloat16 graphs")
     p.add_argument("--in-place", action="store_true",
                    help="zero copy: write the graphs and manifest into the --checkpoint directory itself, referencing "
                         "the shards' bytes (ONNX Runtime only reads external data inside the model's directory); "
@@ -72,6 +79,6 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
                           page_size=args.page_size, force=args.force, in_place=args.in_place,
-                          split_layers=args.split_layers, flavour=args.flavour)
+                          split_layers=args.split_layers, flavour=args.flavour, lower=args.lower)
     print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
     return 0

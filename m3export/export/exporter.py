@@ -126,7 +126,8 @@ def _prepare_out(out: Path, force: bool, source: str) -> None:
 
 def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weights: str | None = None,
                     page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False,
-                    split_layers: int | None = None, flavour: str | None = None) -> Path:
+                    split_layers: int | None = None, flavour: str | None = None,
+                    lower: tuple[str, ...] | None = None) -> Path:
     """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``.
 
     From a checkpoint nothing is loaded: tensors stream one at a time into the artifact's weight file. With
@@ -136,7 +137,8 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     that cannot take the whole graph; the manifest's ``parts`` says how they chain. ``flavour`` "tensorrt" also
     writes each graph's TensorRT flavour (``<graph>.trt.onnx``: m3 nodes as TensorRT plugin nodes, see
     ``tensorrt_flavour.py``), "ort-contrib" each graph lowered to ONNX Runtime's contrib kernels (``<graph>.ort.onnx``,
-    ``lowering.py``, experimental), recorded under the manifest's ``flavours``. ``dtype`` ``"auto"`` is the
+    ``lowering.py``, experimental; ``lower`` names the m3 ops it lowers, default ``lowering.DEFAULT``, e.g. the
+    opt-in ``PagedAttention``), recorded under the manifest's ``flavours``. ``dtype`` ``"auto"`` is the
     checkpoint's own dtype in place (nothing converted that need not be) and float32 otherwise.
     """
     if dtype != AUTO and dtype not in MODEL_DTYPES:
@@ -150,8 +152,15 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     register_schemas()
     if flavour not in (None, "tensorrt", "ort-contrib"):
         raise ArtifactError(f"--flavour must be 'tensorrt' or 'ort-contrib', got {flavour!r}")
+    if lower is not None:
+        from .lowering import LOWERABLE
+
+        if flavour != "ort-contrib":
+            raise ArtifactError("--lower applies to --flavour ort-contrib only")
+        if not lower or set(lower) - set(LOWERABLE):
+            raise ArtifactError(f"--lower takes m3 ops among {', '.join(LOWERABLE)}, got {','.join(lower)!r}")
     opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers,
-                flavour=flavour)
+                flavour=flavour, lower=lower)
     if in_place:
         return _export_in_place(source, force, **opts)
     out = Path(out).absolute()
@@ -267,7 +276,8 @@ def source_dtype(ckpt, layout) -> str:
 
 
 def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_size: int,
-                 progress: bool, in_place: bool, split_layers: int | None, flavour: str | None = None) -> None:
+                 progress: bool, in_place: bool, split_layers: int | None, flavour: str | None = None,
+                 lower: tuple[str, ...] | None = None) -> None:
     opened = None if is_preset(source) else open_checkpoint(source)  # config and shards checked before any bar
     limit = (opened[1] if opened is not None else preset(source)).max_position_embeddings
     if page_size > limit:
@@ -325,9 +335,9 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
 
             flavours["tensorrt"] = write_flavour_files(tmp, graphs, cfg.max_position_embeddings)
         if flavour == "ort-contrib":  # experimental: m3 nodes lowered to ONNX Runtime's contrib kernels
-            from .lowering import FLAVOUR, write_flavour_files as write_lowered
+            from .lowering import DEFAULT, FLAVOUR, write_flavour_files as write_lowered
 
-            flavours[FLAVOUR] = write_lowered(tmp, graphs)
+            flavours[FLAVOUR] = write_lowered(tmp, graphs, tuple(lower or DEFAULT), cfg)
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)

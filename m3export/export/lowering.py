@@ -17,11 +17,30 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   bf16 activations only, so fp32 graphs keep the ``m3`` node. ORT's CPU provider has no kernel for it: checked
   structurally only.
 
+* ``PagedAttention`` (dense layers; **opt-in**, not in :data:`DEFAULT`) -> ``com.microsoft.PagedAttention``.
+  ORT's op takes the *projections* (``q_proj`` / ``k_proj`` / ``v_proj`` outputs, ``[T, heads * D]``) and does
+  per-head QK RMSNorm, partial NeoX RoPE, the K/V cache write and causal paged GQA itself, updating the pools in
+  place. So the pass replaces, per dense layer, the q/k norm + RoPE nodes, the two cache ``ScatterND`` and the
+  ``m3`` node; the projections, ``o_proj``, the residual stream and everything outside the layer stay. The op
+  gets: the pools (its cache outputs become the graph's ``*_cache_out`` outputs, which the runtime binds to the
+  input buffers as it does for the ScatterND), ``query_start_loc`` as ``cumulative_sequence_length``,
+  ``past_seqlens = seq_lens - q_len``, ``block_tables``, ``slot_mapping`` (int32), a cos/sin table of width
+  ``rotary_dim / 2`` (ORT rotates dims ``0 .. 2 * width``: M3's partial RoPE) indexed by absolute position and
+  computed in the graph for positions ``0 .. max_pages * page_size`` (a shape, not data: no device read-back) the
+  way the model computes its cos/sin, the gains ``T(1 + w)`` (ORT's gain is ``x * w``; M3 stores ``w`` as an
+  offset from one), ``qk_norm_epsilon`` = the model's ``rms_norm_eps`` and the m3 node's ``scale``.
+  **Not exact, hence opt-in:** the op takes fp16 / bf16 only (fp32 graphs keep the ``m3`` node) and its gain is
+  a ``T`` tensor, so ``1 + w`` is rounded to ``T`` where M3 multiplies in fp32 before its one rounding: in bf16
+  that is up to 2^-9 relative per channel (0.54-0.82% off M3's fp32 math measured on the H200,
+  ``docs/gpu-kernels.md``), in fp16 2^-12 (0.07%). The manifest records the largest rounding of the actual
+  gains (``gain_rounding``: 0 when ``1 + w`` happens to be exact in ``T``). Its pools must be of the activation
+  dtype (a quantised KV cache keeps the ``m3`` node). ORT's CPU provider has no kernel for it: CI checks the
+  structure and the wiring (the documented op emulated on the CPU, ``tests/test_lowering_attention.py``); the
+  numbers are the H200's (``scripts/gpu_ort.sh``).
+
 Not lowered, and why: ``MoEMXFP8`` (``QMoE``'s fp8 path is not built into the PyPI wheel and its fp8 scales are
 square tiles, not MXFP8's 1x32), ``LightningIndexer`` and ``SparsePagedAttention`` (ORT's sparse ops share one
-selection across KV heads and mean-pool blocks: not M3's semantics), ``PagedAttention`` (ORT's op applies the
-RoPE and QK norm itself and writes the cache, so the lowering must rewire the attention block from the
-projections onward; not written yet).
+selection across KV heads and mean-pool blocks: not M3's semantics).
 """
 
 from __future__ import annotations
@@ -32,7 +51,12 @@ import numpy as np
 import onnx
 
 MS = "com.microsoft"
-LOWERABLE = ("MoE", "MXFP8Linear")
+LOWERABLE = ("MoE", "MXFP8Linear", "PagedAttention")
+DEFAULT = ("MoE", "MXFP8Linear")  # what ``--flavour ort-contrib`` lowers unless ``--lower`` names others
+OPT_IN = {  # lowerable but not by default, and why
+    "PagedAttention": "opt-in (--lower): ORT's QK-norm gain is a 16-bit tensor, so M3's fp32 (1 + w) is rounded to "
+                      "the activation dtype (bf16: up to 2^-9 per channel)",
+}
 NEG = -10000.0  # router logit of an expert M3 did not choose: exp(-10000 - max) is 0 in every float type
 
 
@@ -113,23 +137,170 @@ def _lower_mxfp8_linear(graph, node) -> bool:
     return True
 
 
-def lower(model: onnx.ModelProto, ops: tuple[str, ...] = LOWERABLE) -> tuple[onnx.ModelProto, dict[str, int]]:
+_FLOAT16 = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+class _Skip(Exception):
+    """A node this pass leaves as an ``m3`` node, with the reason (recorded in the manifest)."""
+
+
+def _producer(tensor):
+    return tensor.inputs[0] if len(tensor.inputs) == 1 else None
+
+
+def _projection_and_gain(start, which: str, max_nodes: int = 64):
+    """Walk back from ``start`` (the normed, rotated q or k, or the new v) through the norm / RoPE nodes of one
+    attention layer to the node that applies ``*.{which}_proj.weight``; returns (that projection's output,
+    the ``*.{which}_norm.weight`` constant or None). The walk never passes a projection, so it stays inside the
+    layer; anything else (two projections, two gains, a long walk) is a graph this pass does not know."""
+    gs = _gs()
+    proj, gains, seen, todo = [], [], set(), [start]
+    while todo:
+        t = todo.pop()
+        node = _producer(t)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > max_nodes:
+            raise _Skip(f"{which}: no {which}_proj within {max_nodes} nodes of the attention input")
+        if any(isinstance(i, gs.Constant) and i.name.endswith(f".{which}_proj.weight") for i in node.inputs):
+            proj.append(node)
+            continue
+        for i in node.inputs:
+            if isinstance(i, gs.Constant):
+                if i.name.endswith(f".{which}_norm.weight"):
+                    gains.append(i)
+            elif i is not None:
+                todo.append(i)
+    if len(proj) != 1 or len(gains) != (0 if which == "v" else 1):
+        raise _Skip(f"{which}: expected one {which}_proj and {0 if which == 'v' else 1} {which}_norm gain before the "
+                    f"attention input, found {len(proj)} and {len(gains)}")
+    return proj[0].outputs[0], (gains[0] if gains else None)
+
+
+class _RopeTable:
+    """cos / sin [max_pages * page_size, rotary_dim / 2] in the activation dtype for absolute positions 0 ..,
+    computed as the model computes its cos / sin (``m3export/model/rope.py``: fp32 angles, rounded once), built
+    once per graph and shared by every lowered layer. Its length is a shape (``block_tables``' second dimension
+    times the page size), so building it reads nothing back from the device."""
+
+    def __init__(self, graph, config):
+        self.graph, self.config, self.tables = graph, config, {}
+
+    def __call__(self, block_tables, page_size: int, onnx_type: int):
+        if onnx_type not in self.tables:
+            from ..model.rope import Rotary
+
+            e = _Emit(self.graph, "rope_table")
+            inv_freq = Rotary(self.config.rotary_dim, self.config.rope_theta)._inv_freq().numpy()
+            f32 = onnx.TensorProto.FLOAT
+            rows = e("Mul", e("Shape", block_tables, start=1, end=2), e.const([page_size]))
+            pos = e("Range", e.const(0), e("Squeeze", rows, e.const([0])), e.const(1))
+            angles = e("Mul", e("Unsqueeze", e("Cast", pos, to=f32), e.const([1])),
+                       e.const(inv_freq[None, :], np.float32))
+            self.tables[onnx_type] = (e("Cast", e("Cos", angles), to=onnx_type),
+                                      e("Cast", e("Sin", angles), to=onnx_type))
+        return self.tables[onnx_type]
+
+
+def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[str, int]) -> dict:
+    """One dense layer's QK norm + RoPE + cache writes + ``m3::PagedAttention`` -> ``com.microsoft.PagedAttention``
+    (module docstring). Raises _Skip, touching nothing, when the layer is not the shape this pass knows."""
+    q, k_new_pool, v_new_pool, block_tables, qsl, seq_lens, _positions = node.inputs
+    (out,) = node.outputs
+    scatters = []
+    for pool in (k_new_pool, v_new_pool):
+        sc = _producer(pool)
+        if sc is None or sc.op != "ScatterND" or sc.inputs[0].name not in types:
+            raise _Skip(f"{pool.name} is not a ScatterND over a graph-input pool")
+        if [c for c in pool.outputs if c is not node]:
+            raise _Skip(f"{pool.name} is read by other nodes than the attention")
+        scatters.append(sc)
+    (k_pool, _, k_rotated), (v_pool, _, v_rows) = (sc.inputs for sc in scatters)
+    onnx_type = types[k_pool.name]
+    if onnx_type not in _FLOAT16 or types[v_pool.name] != onnx_type:
+        from ..dtypes import BY_ONNX
+
+        name = BY_ONNX[onnx_type].name if onnx_type in BY_ONNX else onnx.TensorProto.DataType.Name(onnx_type)
+        raise _Skip(f"{name} pools: ORT's PagedAttention takes float16 / bfloat16 activations with pools of the "
+                    "same dtype")
+    query, q_gain = _projection_and_gain(q, "q")
+    key, k_gain = _projection_and_gain(k_rotated, "k")
+    value, _ = _projection_and_gain(v_rows, "v")
+    page_size = k_pool.shape[1] if k_pool.shape else None
+    if not isinstance(page_size, int):
+        raise _Skip(f"{k_pool.name}: the page size (dim 1) is not static")
+    c = config
+    e = _Emit(graph, node.name or "paged_attention")
+    f32, i32 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT32
+    cos, sin = rope(block_tables, page_size, onnx_type)
+    q_len = e("Sub", e("Slice", qsl, e.const([1]), e.const([2**62])), e("Slice", qsl, e.const([0]), e.const([-1])))
+    past = e("Sub", seq_lens, q_len)
+    slots = next((t for t in graph.inputs if t.name == "slot_mapping"), None)
+    slots = None if slots is None else e("Cast", slots, to=i32)  # absent: ORT derives them from past_seqlens
+
+    def gain(w):  # M3's (1 + w) in fp32, rounded to the activation dtype (ORT's gain is a T tensor)
+        return e("Cast", e("Add", e("Cast", w, to=f32), e.const(1.0, np.float32)), to=onnx_type)
+
+    for sc in scatters:
+        sc.outputs.clear()  # the op writes the pools in place and produces the *_cache_out outputs itself
+    attrs = dict(num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, scale=float(node.attrs["scale"]),
+                 do_rotary=1, rotary_interleaved=0, qk_norm_epsilon=float(c.rms_norm_eps), is_causal=1)
+    flat = e.gs.Variable(f"{e.prefix}/ort_paged_attention:0")
+    graph.nodes.append(e.gs.Node(
+        "PagedAttention", f"{e.prefix}/ort_paged_attention", attrs,
+        [query, key, value, k_pool, v_pool, qsl, past, block_tables, cos, sin, slots or e.gs.Variable.empty(),
+         e.gs.Variable.empty(), gain(q_gain), gain(k_gain)],
+        [flat, k_new_pool, v_new_pool], domain=MS))
+    node.outputs.clear()
+    graph.nodes.append(e.gs.Node("Reshape", f"{e.prefix}/heads", {},
+                                 [flat, e.const([0, c.num_attention_heads, c.head_dim])], [out]))
+    return {"q_gain": q_gain, "k_gain": k_gain}
+
+
+def lower(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, config=None
+          ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """``model`` with its ``m3`` nodes of the given op types lowered (see the module docstring); returns the new
-    model and how many nodes of each op type were lowered. Functions no node uses any more are dropped."""
+    model and how many nodes of each op type were lowered. Functions no node uses any more are dropped.
+    ``config`` (the model's ``M3Config``) is needed for ``PagedAttention`` (RoPE and norm constants)."""
+    lowered, done, _ = lower_with_report(model, ops, config)
+    return lowered, done
+
+
+def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, config=None
+                      ) -> tuple[onnx.ModelProto, dict[str, int], dict]:
+    """:func:`lower`, plus a report: per op, why nodes were left as ``m3`` nodes (``kept``), and for each
+    lowered ``PagedAttention`` the names of its norm gains (``gains``, for :func:`gain_rounding`)."""
     gs = _gs()
     unknown = sorted(set(ops) - set(LOWERABLE))
     if unknown:
         raise ValueError(f"cannot lower {unknown}: lowerable m3 ops are {list(LOWERABLE)}")
+    if "PagedAttention" in ops and config is None:
+        raise ValueError("lowering PagedAttention needs the model's config (rotary_dim, rope_theta, rms_norm_eps)")
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     graph = gs.import_onnx(model)
     done = dict.fromkeys(ops, 0)
+    report: dict = {"kept": {}, "gains": []}
+    rope = _RopeTable(graph, config)
     for node in list(graph.nodes):
         if node.domain != "m3" or node.op not in ops:
             continue
         if node.op == "MoE":
             _lower_moe(graph, node)
             done["MoE"] += 1
-        elif node.op == "MXFP8Linear" and _lower_mxfp8_linear(graph, node):
-            done["MXFP8Linear"] += 1
+        elif node.op == "MXFP8Linear":
+            if _lower_mxfp8_linear(graph, node):
+                done["MXFP8Linear"] += 1
+            else:
+                report["kept"]["MXFP8Linear"] = "float32 activations: ORT's op takes float16 / bfloat16"
+        elif node.op == "PagedAttention":
+            try:
+                gains = _lower_paged_attention(graph, node, config, rope, types)
+            except _Skip as why:
+                report["kept"]["PagedAttention"] = f"{node.name}: {why}"
+                continue
+            report["gains"] += [gains["q_gain"].name, gains["k_gain"].name]
+            done["PagedAttention"] += 1
     graph.cleanup().toposort()
     out = gs.export_onnx(graph)
     used = {(n.domain, n.op_type) for n in out.graph.node}
@@ -141,7 +312,28 @@ def lower(model: onnx.ModelProto, ops: tuple[str, ...] = LOWERABLE) -> tuple[onn
     if any(n.domain == MS for n in out.graph.node):
         out.opset_import.append(onnx.helper.make_opsetid(MS, 1))
     out.ir_version = model.ir_version
-    return out, done
+    return out, done, report
+
+
+def gain_rounding(model: onnx.ModelProto, directory: Path, names: list[str], onnx_type: int) -> float:
+    """Largest relative change of ``1 + w`` when rounded to ``onnx_type``, over the norm gains ``names`` (read
+    from the model's external data in ``directory``): what the lowered ``PagedAttention`` gives up against M3's
+    fp32 gain (0.0: exact for these weights)."""
+    import torch
+
+    from ..dtypes import BY_ONNX
+
+    wanted = {t.name: t for t in model.graph.initializer if t.name in names}
+    worst = 0.0
+    for name in names:
+        tensor = wanted[name]
+        raw = onnx.numpy_helper.to_array(tensor, base_dir=str(directory))
+        w = BY_ONNX[tensor.data_type].to_torch(np.array(raw).view(BY_ONNX[tensor.data_type].storage))
+        w = w.float()
+        exact = 1.0 + w.double()
+        rounded = (1.0 + w).to(BY_ONNX[onnx_type].torch).double()
+        worst = max(worst, float(((rounded - exact).abs() / exact.abs().clamp_min(1e-30)).max()))
+    return worst
 
 
 FLAVOUR = "ort-contrib"
@@ -152,18 +344,32 @@ def flavour_file(graph: str) -> str:
     return f"{graph}.ort.onnx"
 
 
-def write_flavour_files(directory: Path, graphs: dict, ops: tuple[str, ...] = LOWERABLE) -> dict:
+def write_flavour_files(directory: Path, graphs: dict, ops: tuple[str, ...] = DEFAULT, config=None) -> dict:
     """Write ``<graph>.ort.onnx`` (the graph lowered by :func:`lower`) beside each graph file of ``graphs`` (name ->
     manifest ``GraphInfo``; not the vision graph) in ``directory``, where the external data resolves. Inputs and
     outputs are the graph's own, so the manifest's signatures describe the flavour too. Returns the manifest's
-    ``flavours["ort-contrib"]`` record: per graph, the file, its source and how many nodes of each op were
-    lowered."""
+    ``flavours["ort-contrib"]`` record: per graph, the file, its source, how many nodes of each requested op were
+    lowered (``lowered``), which lowerings were applied (``applied``), why nodes of a requested op were kept as
+    ``m3`` nodes (``kept``), why lowerable ops were not requested (``not_requested``) and, where
+    ``PagedAttention`` was lowered, the largest rounding of its norm gains (``gain_rounding``)."""
     directory = Path(directory)
     record = {}
     for name in (g for g in graphs if g != "vision"):
         src = directory / graphs[name].file
-        lowered, done = lower(onnx.load(str(src), load_external_data=False), ops)
+        model = onnx.load(str(src), load_external_data=False)
+        lowered, done, report = lower_with_report(model, ops, config)
         file = flavour_file(name)
         (directory / file).write_bytes(lowered.SerializeToString(deterministic=True))
-        record[name] = {"file": file, "source": src.name, "lowered": done, "status": STATUS}
+        record[name] = {"file": file, "source": src.name, "lowered": done,
+                        "applied": sorted(op for op, n in done.items() if n),
+                        "kept": report["kept"],
+                        "not_requested": {op: OPT_IN.get(op, "not requested") for op in LOWERABLE if op not in ops},
+                        "status": STATUS}
+        if report["gains"]:
+            pool = next(i for i in model.graph.input if i.name.startswith("k_cache"))
+            try:
+                record[name]["gain_rounding"] = gain_rounding(model, directory, report["gains"],
+                                                              pool.type.tensor_type.elem_type)
+            except OSError:  # in place, the data sits in the checkpoint's shards, not yet beside the graphs
+                record[name]["gain_rounding"] = None
     return record
