@@ -46,10 +46,18 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0 in this process: CPU tensors cannot run")
+def device_or_skip(device: str) -> str:
+    if device == "cpu" and not INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=0 in this process: CPU tensors cannot run the kernels")
+    if device == "cuda" and (INTERPRETED or not torch.cuda.is_available()):
+        pytest.skip("needs CUDA and compiled kernels (TRITON_INTERPRET unset)")
+    return device
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("quantized", [False, True])
-def test_owned_experts_give_the_ranks_partial_sums(quantized):
-    w = weights()
+def test_owned_experts_give_the_ranks_partial_sums(quantized, device):
+    w = {k: v.to(device_or_skip(device)) for k, v in weights().items()}
     if quantized:  # values E4M3 + UE8M0 can hold exactly: quantising a rank's slice again is lossless
         for key in ("w13", "w2", "s13", "s2"):
             w[key] = mxfp8.dequantize(*mxfp8.quantize(w[key]), torch.float32)
