@@ -125,58 +125,48 @@ class RowResult:
 
 def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
     """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are,
-    one device-to-host copy of [R, a few + 2 * top-N] numbers. Same tokens as ``accept`` for the same uniforms
-    (the batched functions are the one-row ones row-wise)."""
+    one host-to-device copy of the rows' parameters and uniforms (plus the drafts' distributions and, with
+    penalties, the token ids) and one device-to-host copy of [R, 3 + 3 + 2 * top-N] numbers. Same tokens as
+    ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). In a batch that
+    mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
+    rows), which keeps the pass free of index copies."""
     r = len(rows)
     if logits.shape[0] != r:
         raise ValueError(f"decide: {logits.shape[0]} logits rows for {r} rows")
     if r == 0:
         return []
     dev = logits.device
+    purposes = (Purpose.SAMPLE, Purpose.ACCEPT, Purpose.RESIDUAL)
+    extra = [[-1 if w.draft is None else w.draft, not w.params.greedy, w.draft_probs is not None]
+             + ([0.0] * 3 if w.params.greedy else [w.rng.uniform(w.position, p) for p in purposes]) for w in rows]
+    params = RowParams([w.params for w in rows], dev, extra)
+    drafts, sampled, has_pd = params.extra[:, 0].long(), params.extra[:, 1] > 0, params.extra[:, 2] > 0
+    u = params.extra[:, 3:6]
     x = logits.float()
     if any(w.params.penalised for w in rows):
-        x = penalise_rows(x, RowParams([w.params for w in rows], dev), [w.prompt for w in rows],
-                          [w.output for w in rows])
-    drafts = torch.tensor([-1 if w.draft is None else w.draft for w in rows], dtype=torch.int64).to(dev)
+        x = penalise_rows(x, params, [w.prompt for w in rows], [w.output for w in rows])
     token = x.argmax(-1)  # greedy rows; first index on ties, as torch.argmax
-    accepted = (token == drafts).double()
+    accepted = token == drafts
     residual = torch.zeros_like(token)
-    rand = [i for i, w in enumerate(rows) if not w.params.greedy]
-    if rand:
-        sel = None if len(rand) == r else torch.tensor(rand, dtype=torch.int64).to(dev)
-        pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
-        sub = RowParams([rows[i].params for i in rand], dev)
-        probs = filtered_probs_rows(pick(x), sub)
-        u = torch.tensor([[w.rng.uniform(w.position, p) for p in (Purpose.SAMPLE, Purpose.ACCEPT, Purpose.RESIDUAL)]
-                          + [_draft_mass(w)] for w in (rows[i] for i in rand)], dtype=torch.float64).to(dev)
-        d = pick(drafts)
-        has = d >= 0
-        dd = d.clamp(min=0)[:, None]
-        p_t_of_d = probs.gather(-1, dd)[:, 0]
-        r_token = draw_rows(probs, u[:, 0])
-        r_accepted = has & (u[:, 1] * u[:, 3] < p_t_of_d)
-        one_hot = probs.scatter(-1, dd, 0.0)
-        with_probs = [j for j, i in enumerate(rand) if rows[i].draft_probs is not None]
-        resid = one_hot
-        if with_probs:  # residual max(0, p_t - p_d) for drafts drawn from a distribution
-            p_d = torch.zeros_like(probs)
-            p_d[with_probs] = torch.stack([rows[rand[j]].draft_probs for j in with_probs]).to(dev, probs.dtype)
-            has_pd = torch.zeros(len(rand), dtype=torch.bool)
-            has_pd[with_probs] = True
-            resid = torch.where(has_pd.to(dev)[:, None], (probs - p_d).clamp(min=0.0), one_hot)
+    if any(not w.params.greedy for w in rows):
+        probs = filtered_probs_rows(x, params)
+        has = drafts >= 0
+        d = drafts.clamp(min=0)[:, None]
+        resid = probs.scatter(-1, d, 0.0)  # a one-hot draft: p_t without the draft
+        p_d_of_d = torch.ones_like(u[:, 0])
+        if any(w.draft_probs is not None for w in rows):  # residual max(0, p_t - p_d) where p_d is known
+            zero = torch.zeros_like(probs[0])
+            p_d = torch.stack([zero if w.draft_probs is None else w.draft_probs.to(dev, probs.dtype) for w in rows])
+            p_d_of_d = torch.where(has_pd, p_d.gather(-1, d)[:, 0], p_d_of_d)
+            resid = torch.where(has_pd[:, None], (probs - p_d).clamp(min=0.0), resid)
         # A zero residual means p_t == p_d up to rounding (rejection has probability 0): p_t is then right.
         resid = torch.where((resid.sum(-1) > 0)[:, None], resid, probs)
-        r_residual = draw_rows(resid, u[:, 2])
-        if sel is None:
-            token, accepted, residual = r_token, r_accepted.double(), r_residual
-        else:
-            token, accepted, residual = (token.index_copy(0, sel, r_token),
-                                         accepted.index_copy(0, sel, r_accepted.double()),
-                                         residual.index_copy(0, sel, r_residual))
-    cols = [token.double(), accepted, residual.double()]
+        token = torch.where(sampled, draw_rows(probs, u[:, 0]), token)
+        accepted = torch.where(sampled, has & (u[:, 1] * p_d_of_d < probs.gather(-1, d)[:, 0]), accepted)
+        residual = draw_rows(resid, u[:, 2])
+    cols = [token.double(), accepted.double(), residual.double()]
     top_n = max((w.params.logprobs or 0 for w in rows), default=0)
-    want_lp = any(w.params.logprobs is not None for w in rows)
-    if want_lp:
+    if any(w.params.logprobs is not None for w in rows):
         lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
         cand = torch.stack([token, drafts.clamp(min=0), residual], dim=-1)
         cols += list(lp.gather(-1, cand).double().unbind(-1))
@@ -194,13 +184,6 @@ def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
             top = [(int(i), v) for i, v in zip(h[6:6 + n // 2], h[6 + n // 2:])]
         out.append(RowResult(tok, acc, res, cand_lp, top))
     return out
-
-
-def _draft_mass(row: Row) -> float:
-    """p_d(draft): 1 for a greedy (one-hot) draft or no draft."""
-    if row.draft is None or row.draft_probs is None:
-        return 1.0
-    return float(row.draft_probs[row.draft])
 
 
 def emitted(rows: Sequence[Row], results: Sequence[RowResult]) -> list[int]:

@@ -138,16 +138,21 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 # ---------------------------------------------------------------------------------------------- batched rows
 class RowParams:
     """The sampling parameters of a step's rows as device tensors, plus what the host knows about them (which
-    filters any row uses), so that no decision about the batch's shape reads the device."""
+    filters any row uses), so that no decision about the batch's shape reads the device. ``extra``: more
+    float64 columns per row (a caller's per-row numbers) that ride along in the same single host-to-device copy,
+    as ``self.extra``. Greedy rows get temperature 1 here (their filtered rows are computed and ignored)."""
 
-    def __init__(self, params: Sequence[SamplingParams], device: torch.device):
+    def __init__(self, params: Sequence[SamplingParams], device: torch.device,
+                 extra: Sequence[Sequence[float]] | None = None):
         self.params = list(params)
         self.device = device
         table = [[p.temperature or 1.0, p.top_k, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf,
-                  p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in self.params]
-        t = torch.tensor(table, dtype=torch.float64).to(device)  # one host-to-device copy
+                  p.repetition_penalty, p.frequency_penalty, p.presence_penalty] + list(e)
+                 for p, e in zip(self.params, extra or [()] * len(self.params))]
+        t = torch.tensor(table, dtype=torch.float64).to(device)  # the one host-to-device copy
         self.temperature, self.top_k, self.top_p, self.log_min_p = t[:, 0], t[:, 1].long(), t[:, 2], t[:, 3]
         self.penalties = t[:, 4:7].float()  # repetition, frequency, presence (float32 like the logits)
+        self.extra = t[:, 7:]
         self.any_min_p = any(p.min_p > 0 for p in self.params)
         self.max_top_k = max((p.top_k for p in self.params), default=0)
         self.any_top_p = any(p.top_p < 1.0 for p in self.params)
