@@ -37,8 +37,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load(model_name: str, device: str, dtype: torch.dtype):
-    """(model, a ``tokenizers.Tokenizer`` or None). ``mini`` is built on the device with random weights (bench/decode.py's
-    generator: seconds, where the CPU preset generator would take minutes)."""
+    """(model, a ``tokenizers.Tokenizer`` or None). ``mini`` is built on the device with random weights
+    (bench/decode.py's generator: seconds, where the CPU preset generator would take minutes)."""
     import m3export
     from tokenizers import Tokenizer
 
@@ -76,8 +76,8 @@ def greedy(model, cache_dtype, prompts, n: int, page: int) -> list[list[int]]:
     from m3export.runtime.backends.torch_backend import TorchBackend
 
     longest = max(len(p) for p in prompts) + n
-    eng = Engine(TorchBackend(model, cache_dtype), None, page_size=page, num_pages=len(prompts) * -(-longest // page) + 1,
-                 max_model_len=longest, max_num_batched_tokens=4096)
+    eng = Engine(TorchBackend(model, cache_dtype), None, page_size=page,
+                 num_pages=len(prompts) * -(-longest // page) + 1, max_model_len=longest, max_num_batched_tokens=4096)
     outs = eng.generate(prompts, [_params(n)] * len(prompts))
     return [o.token_ids for o in outs]
 
@@ -210,7 +210,8 @@ def main() -> int:
              ("greedy: tokens equal position-wise", ("greedy", "token_match"))]
     for label, (group, key) in table:
         print(f"{label:<50}" + "".join(f"{measured[n][group][key]:>10.4g}" for n in names))
-    out = Path(args.json) if args.json else RESULTS / f"kv_cache_fp8_{Path(model_name).name}_{args.device.split(':')[0]}.json"
+    name = f"kv_cache_fp8_{Path(model_name).name}_{args.device.split(':')[0]}.json"
+    out = Path(args.json) if args.json else RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(f"\nwrote {out}")

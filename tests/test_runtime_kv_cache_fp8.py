@@ -125,11 +125,13 @@ def test_attention_error_bound():
     gen = torch.Generator().manual_seed(0)
     n, hkv, hq, d = 37, 2, 4, 32
     q = torch.randn(1, hq, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(n, hkv, d, generator=gen, dtype=torch.float64) * torch.logspace(-3, 1, n, dtype=torch.float64)[:, None, None]
+    spread = torch.logspace(-3, 1, n, dtype=torch.float64)[:, None, None]  # rows spanning four decades
+    k = torch.randn(n, hkv, d, generator=gen, dtype=torch.float64) * spread
     v = torch.randn(n, hkv, d, generator=gen, dtype=torch.float64) ** 3
     k[5], v[7] = 0.0, 0.0
     (kq, ks), (vq, vs) = quantize_rows(k), quantize_rows(v)
-    page = dict(block_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    page = dict(block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
                 seq_lens=torch.tensor([n], dtype=torch.int32), positions=torch.tensor([n - 1]))
     scale = d**-0.5
     exact = paged_attention_reference(q, k[None], v[None], *page.values(), scale)
@@ -137,7 +139,8 @@ def test_attention_error_bound():
     group = hq // hkv
     for h in range(hq):
         g = h // group
-        delta = scale * (q[0, h].abs() * (E4M3_HALF_ULP * k[:, g].abs() + E4M3_SUBNORMAL_ABS * ks[:, g, None])).sum(-1).max()
+        k_move = E4M3_HALF_ULP * k[:, g].abs() + E4M3_SUBNORMAL_ABS * ks[:, g, None]
+        delta = scale * (q[0, h].abs() * k_move).sum(-1).max()
         vmax = v[:, g].abs().max().item()
         bound = (E4M3_HALF_ULP + E4M3_SUBNORMAL_ABS / 448 + math.expm1(2 * delta.item())) * vmax
         err = (fp8[0, h] - exact[0, h]).abs().max().item()

@@ -60,3 +60,13 @@ def check_text(option: str, text: str) -> str:
         bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
         raise M3Error(f"{option} is not valid UTF-8 text: byte(s) {bad.hex(' ')} at character {e.start}") from None
     return text
+
+
+def add_kv_cache_dtype_argument(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """``--kv-cache-dtype`` (vLLM's flag), the same on every command that creates an engine."""
+    from ..dtypes import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", default=default, choices=KV_CACHE_DTYPES,
+                   help="cache dtype of K/V and index keys: auto = the model dtype, bf16, or fp8 (E4M3 with one "
+                        "fp32 scale per token and head, about 1.9x the tokens per byte; torch backend: an "
+                        "exported artifact's graphs keep the cache dtype they were exported with)")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES
+from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
-from .arguments import bounded_int, check_device, check_text
+from .arguments import add_kv_cache_dtype_argument, bounded_int, check_device, check_text
 from .synth import has_random_weights
 
 NAME = "generate"
@@ -47,8 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     add_provider_argument(p, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="cache dtype of K/V and index keys (vLLM's flag): auto = the model dtype, bf16, or fp8 (E4M3 with a per-token fp32 scale, about 1.9x the tokens per byte; torch backend; an exported artifact's graphs keep their own cache dtype)")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=bounded_int(2),

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..dtypes import KV_CACHE_DTYPES
+from .arguments import add_kv_cache_dtype_argument
 
 NAME = "serve"
 HELP = ("Serve an artifact, checkpoint or preset through an OpenAI-compatible HTTP API (/v1/models, "
@@ -55,8 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="cache dtype of K/V and index keys (vLLM's flag): auto = the model dtype, bf16, or fp8 (E4M3 with a per-token fp32 scale, about 1.9x the tokens per byte; torch backend; an exported artifact's graphs keep their own cache dtype)")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: %(default)s)")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..dtypes import KV_CACHE_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import BACKENDS, default_backend
+from .arguments import add_kv_cache_dtype_argument
 
 NAME = "triton-repo"
 HELP = ("Write a Triton model repository (Python backend, decoupled/streaming, vLLM-style inputs) that runs "
@@ -40,8 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(copy=False)
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="engine keyword argument, VALUE as JSON (e.g. max_model_len=8192, device=\"cuda\"); repeatable")
-    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
-                   help="cache dtype of K/V and index keys (vLLM's flag): auto = the model dtype, bf16, or fp8 (E4M3 with a per-token fp32 scale, about 1.9x the tokens per byte; torch backend; an exported artifact's graphs keep their own cache dtype)")
+    add_kv_cache_dtype_argument(p, default=None)
     p.add_argument("--force", action="store_true", help="replace REPO/NAME if it exists")
     add_provider_argument(p, default=None)
 
