@@ -12,8 +12,8 @@ import torch
 
 from m3export.runtime import SamplingParams
 from m3export.runtime.acceptance import Row, accept, decide, emitted
-from m3export.runtime.sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, filtered_probs,
-                                       filtered_probs_rows, penalise_rows, sample, token_logprobs)
+from m3export.runtime.sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, draw, filtered_probs,
+                                       filtered_probs_rows, penalise_rows, propose_rows, sample, token_logprobs)
 
 V = 97
 
@@ -170,3 +170,47 @@ def test_uniform_purposes_are_the_ones_accept_uses():
 def test_new_params_are_validated_by_name(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+def test_propose_rows_equals_the_one_row_draft_rule():
+    """Greedy rows draft the argmax; sampled rows draw from filtered_probs with the DRAFT uniform of the position,
+    and their returned distribution is that filtered row (what rejection sampling takes as p_d)."""
+    logits = _logits(11, len(PARAMS))
+    rngs = [PositionalRandom(40 + i) for i in range(len(PARAMS))]
+    positions = [3 * i + 1 for i in range(len(PARAMS))]
+    tokens, probs = propose_rows(logits, PARAMS, rngs, positions)
+    for i, p in enumerate(PARAMS):
+        if p.greedy:
+            assert tokens[i] == int(logits[i].argmax())
+            continue
+        want = filtered_probs(logits[i], p)
+        assert torch.equal(probs[i], want)
+        assert tokens[i] == draw(want, rngs[i].uniform(positions[i], Purpose.DRAFT))
+    greedy = [p for p in PARAMS if p.greedy]
+    assert propose_rows(logits[:len(greedy)], greedy, rngs[:len(greedy)], positions[:len(greedy)])[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(2))
+def test_gpu_decide_equals_the_host_definition(seed):
+    """The batched pass on the GPU against the one-row definition on the CPU, same uniforms. Greedy is exact by
+    construction; a sampled token can differ only if a uniform lands within float64 rounding (~1e-16) of a CDF
+    step or a top-p boundary moves by rounding, which for these random logits has probability ~1e-12: any
+    mismatch is a bug."""
+    g = torch.Generator().manual_seed(seed)
+    rows, logits, reqs = [], [], []
+    for i, p in enumerate(PARAMS):
+        k = (i + seed) % 3
+        lg = _logits(200 + 10 * seed + i, k + 1)
+        drafts = lg.argmax(-1).tolist()[:k] if p.greedy else torch.randint(0, V, (k,), generator=g).tolist()
+        rng, pos, prompt, output = PositionalRandom(i + seed), 5 + i, _history(i, 4), _history(70 + i, 4)
+        reqs.append((p, rng, pos, drafts, lg, prompt, output, len(rows)))
+        rows += [Row(p, rng, pos + j, drafts[j] if j < k else None, None, prompt, output + drafts[:j])
+                 for j in range(k + 1)]
+        logits.append(lg)
+    results = decide(torch.cat(logits).cuda(), rows)
+    for p, rng, pos, drafts, lg, prompt, output, first in reqs:
+        n = len(drafts) + 1
+        assert emitted(rows[first:first + n], results[first:first + n]) == \
+            accept(lg, drafts, None, p, rng, pos, prompt, output), p
