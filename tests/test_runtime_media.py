@@ -14,7 +14,7 @@ from m3export.runtime import Engine, SamplingParams
 from m3export.runtime.backends.torch_backend import TorchBackend
 from m3export.runtime.media import MediaItem
 
-from .test_vision_model import IMAGE, VIDEO, VISION
+from .vl_config import IMAGE, VIDEO, VISION
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

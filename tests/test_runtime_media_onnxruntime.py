@@ -22,7 +22,7 @@ from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 from m3export.runtime.backends.torch_backend import TorchBackend
 
 from .test_runtime_media import IMG, IMG2, VID, _prompt, _reference, media_weights
-from .test_vision_model import IMAGE, VIDEO, VISION
+from .vl_config import IMAGE, VIDEO, VISION
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PREPROCESSING = {"max_pixels": 32 * 32, "image_mean": [0.5, 0.5, 0.5]}

@@ -9,7 +9,7 @@ import torch
 from m3export.config import preset
 from m3export.model import M3ForCausalLM
 
-from .test_vision_model import VISION
+from .vl_config import VISION
 
 pytestmark = pytest.mark.gpu
 

@@ -13,16 +13,13 @@ from safetensors.torch import load_file, save_file
 
 import m3export
 from m3export.checkpoint.writer import write_checkpoint
-from m3export.config import VisionConfig, preset
+from m3export.config import preset
 from m3export.errors import MediaError
 from m3export.ops import mxfp8 as mx
 
 from .hf_vl_oracle import MiniMaxM3SparseForConditionalGeneration, hf_vl_model
+from .vl_config import IMAGE, VIDEO, VISION
 
-IMAGE, VIDEO = 300, 301
-VISION = VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      patch_size=4, image_token_index=IMAGE, video_token_index=VIDEO, projector_hidden_size=48)
-# head_dim 16 -> a 3D rotary band of 4 per axis: 12 rotated dims and 4 passed through, as in the release (78 of 80).
 
 
 def _rel(a, b):
