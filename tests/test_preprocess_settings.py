@@ -13,7 +13,7 @@ import torch
 from m3export.config import preset
 from m3export.errors import MediaError
 from m3export.preprocess import preprocess_images, preprocess_video
-from m3export.preprocess.prompt import IMAGE_TOKEN
+from m3export.preprocess.prompt import IMAGE_TOKEN, VIDEO_TOKEN
 from m3export.preprocess.settings import PREPROCESSOR_CONFIG, VIDEO_PREPROCESSOR_CONFIG, MediaSettings
 from m3export.serve.media import media_settings, prepare_media
 
@@ -59,6 +59,24 @@ def test_changed_values_change_the_result(tmp_path):
     assert v_changed.grid_thw[:, 0].tolist() == [1] * 5  # 9 frames -> 5 temporal patches, one chunk each
 
 
+def test_frame_sampling_of_the_video_config(tmp_path):
+    """do_sample_frames + fps: a video whose rate is known is sampled (the processor's formula, in
+    preprocess_video); frames without a rate are taken as they are."""
+    s = MediaSettings.from_directory(_write(tmp_path, None, {"do_sample_frames": True, "fps": 2}), VISION)
+    assert s.sample_fps == 2.0
+    cfg = preset("tiny").replace(num_mtp_modules=0, vision=VISION)
+    # 9 frames at 4 frames/s: 2.25 s -> 4 frames sampled (2 temporal patches) instead of 9 (5)
+    _, sampled = prepare_media(cfg, VIDEO_TOKEN, videos=[VIDEO], video_fps=4.0, settings=s)
+    _, every = prepare_media(cfg, VIDEO_TOKEN, videos=[VIDEO], video_fps=4.0)
+    _, no_rate = prepare_media(cfg, VIDEO_TOKEN, videos=[VIDEO], settings=s)
+    assert int(sampled[0].grid_thw[:, 0].sum()) == 2 and int(every[0].grid_thw[:, 0].sum()) == 5
+    want = preprocess_video(VIDEO, s.video, fps=4.0, sample_fps=2.0)
+    assert torch.equal(sampled[0].pixel_values, want.pixel_values)
+    assert int(no_rate[0].grid_thw[:, 0].sum()) == 5
+    assert MediaSettings.from_directory(_write(tmp_path / "d", None, {"do_sample_frames": True}), VISION).sample_fps \
+        == 1.0  # the processor's default fps
+
+
 @pytest.mark.parametrize("image, video, message", [
     ({"max_pixels": -4}, None, "preprocessor_config.json: max_pixels must be a positive integer, got -4"),
     ({"patch_size": 14}, None, r"preprocessor_config.json: patch_size is 14, but the model's vision_config.patch_size "
@@ -73,6 +91,8 @@ def test_changed_values_change_the_result(tmp_path):
                                        r"vision_config.temporal_patch_size is 2"),
     (None, {"max_pixels": 10}, r"video_preprocessor_config.json: max_pixels 10 is below one merged patch"),
     (None, {"vision_segment_max_frames": 0}, "video_preprocessor_config.json: vision_segment_max_frames must be"),
+    (None, {"do_sample_frames": True, "fps": 0}, "video_preprocessor_config.json: fps must be a positive number"),
+    (None, {"do_sample_frames": "yes"}, "video_preprocessor_config.json: do_sample_frames must be true or false"),
 ])
 def test_invalid_values_name_the_file_and_the_field(tmp_path, image, video, message):
     with pytest.raises(MediaError, match=message):

@@ -27,12 +27,16 @@ FILES = (PREPROCESSOR_CONFIG, VIDEO_PREPROCESSOR_CONFIG)
 _GEOMETRY = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
              "merge_size": "spatial_merge_size"}  # file field -> VisionConfig field
 _SWITCHES = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")  # must stay on: the only path here
+DEFAULT_SAMPLE_FPS = 1.0  # the video processor's fps when do_sample_frames is on and the file names none
 
 
 @dataclass(frozen=True)
 class MediaSettings:
     image: ImageSettings
     video: VideoSettings
+    #: ``do_sample_frames`` with ``fps`` in the video file: videos whose frame rate is known are sampled to this
+    #: many frames per second (``preprocess_video(sample_fps=...)``, the processor's sampling); None: every frame.
+    sample_fps: float | None = None
 
     @classmethod
     def for_vision(cls, vision: VisionConfig) -> MediaSettings:
@@ -58,7 +62,10 @@ class MediaSettings:
         video_raw = _read(root / VIDEO_PREPROCESSOR_CONFIG)
         if video_raw is not None:
             _check(video_raw, root / VIDEO_PREPROCESSOR_CONFIG, vision)
-            settings = replace(settings, video=_video_settings(settings.video, video_raw))
+            _check_sampling(video_raw, root / VIDEO_PREPROCESSOR_CONFIG)
+            sampling = video_raw.get("do_sample_frames", False)
+            sample_fps = float(video_raw.get("fps", DEFAULT_SAMPLE_FPS)) if sampling else None
+            settings = replace(settings, video=_video_settings(settings.video, video_raw), sample_fps=sample_fps)
         return settings
 
 
@@ -118,6 +125,14 @@ def _check(raw: dict[str, Any], where: Path, vision: VisionConfig) -> None:
         if raw.get(field, True) is not True:
             raise MediaError(f"{where}: {field} is {raw[field]!r}; this runtime preprocesses only with it true "
                              "(the processors' default)")
+
+
+def _check_sampling(raw: dict[str, Any], where: Path) -> None:
+    if not isinstance(raw.get("do_sample_frames", False), bool):
+        raise MediaError(f"{where}: do_sample_frames must be true or false, got {raw['do_sample_frames']!r}")
+    fps = raw.get("fps")
+    if fps is not None and (not isinstance(fps, (int, float)) or isinstance(fps, bool) or not 0 < fps < math.inf):
+        raise MediaError(f"{where}: fps must be a positive number, got {fps!r}")
 
 
 def _video_settings(base: VideoSettings, raw: dict[str, Any]) -> VideoSettings:

@@ -102,7 +102,9 @@ def prepare_media(config: M3Config, prompt: str | list[int], images: Sequence = 
         grids.append(grid[0])
     for j, video in enumerate(videos):
         frames, fps = _frames(video, f"video {j}", settings)
-        out = preprocess_video(frames, settings.video, fps=fps if fps is not None else video_fps, what=f"video {j}")
+        fps = fps if fps is not None else video_fps
+        sample = settings.sample_fps if fps is not None else None  # the checkpoint's sampling needs the rate
+        out = preprocess_video(frames, settings.video, fps=fps, sample_fps=sample, what=f"video {j}")
         items.append(MediaItem("video", out.pixel_values, out.grid_thw))
         clips.append((out.grid_thw, out.timestamps))
     if isinstance(prompt, str):
