@@ -51,7 +51,8 @@ MODES = {
 
 class NoComputeBackend(Backend):
     """Fixed random logits and zero hidden states of the right shapes on ``device``, made once; no pools (the
-    engine only addresses pages). Random, not zero, logits: the sampler should see real data."""
+    engine only addresses pages). Random, not zero, logits: the sampler should see real data. Like the CUDA
+    default (``GraphedTorchBackend``) it takes host batches and copies them to the device itself."""
 
     name = "no-compute"
 
@@ -72,7 +73,14 @@ class NoComputeBackend(Backend):
     def allocate(self, num_pages: int, page_size: int) -> None:
         pass
 
+    @property
+    def batch_device(self) -> torch.device:
+        return torch.device("cpu")
+
     def forward(self, input_ids, batch, logits_indices):
+        if self.device.type != "cpu":  # what a graphed step copies into its static inputs
+            input_ids, batch, logits_indices = (input_ids.to(self.device), batch.to(self.device),
+                                                logits_indices.to(self.device))
         return self._logits[:logits_indices.shape[0]], self._hidden[:input_ids.shape[0]]
 
     def mtp_forward(self, module, input_ids, hidden, batch, logits_indices):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def prefill_once(model, n_prompt: int, chunk: int, page: int, graphs: bool) -> d
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
+    gc.collect()  # the previous length's engine and pools (reference cycles) before the baseline
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
