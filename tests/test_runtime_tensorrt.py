@@ -78,6 +78,7 @@ def test_profiles_by_token_count_decode_first():
 
 
 @pytest.mark.parametrize("shapes, want", [(_shapes(t=1, b=1, n=1), 0), (_shapes(t=8, b=8, n=8), 0),
+                                          (_shapes(t=8, b=2, n=0), 0), (_shapes(t=40, b=2, n=0), 1),
                                           (_shapes(t=9, b=2, n=2), 1), (_shapes(t=64, b=8, n=64, pages=81), 1)])
 def test_the_smallest_profile_that_holds_the_step_is_chosen(shapes, want):
     assert tb.select_profile(_graph(), _profiles(), shapes, "e") == want
@@ -100,6 +101,7 @@ def test_step_dims_and_output_shapes():
     assert tb.output_shapes(_graph(), dims, "e") == {"logits": (3, V), "hidden": (5, H),
                                                      "k_cache_out.0": (20, PAGE, 2, 8),
                                                      "index_k_cache_out.0": (20, PAGE, 8)}
+    assert _profiles()[0]["logits_indices"] == [[0], [8], [8]]  # a step may sample no row
     bounds = tb.dim_bounds(_graph(), _profiles(), "e")
     assert bounds == {"T": 64, "N": 64, "B": 8, "max_pages": 10, "pages": 81}
     assert tb.output_shapes(_graph(), bounds, "e")["logits"] == (64, V)  # the preallocated logits buffer

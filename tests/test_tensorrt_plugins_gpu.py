@@ -18,7 +18,7 @@
    tokens, pages shared between sequences and NaN in the unused tail of last pages), the MoE and MoEMXFP8 as their
    six-kernel chains. Each launch must finish within ``LAUNCH_LIMIT_S``.
 
-  PYTHONPATH=. timeout 600 python -m pytest -q -x -p no:cacheprovider tests/test_tensorrt_plugins_gpu.py
+  PYTHONPATH=. timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs tests/test_tensorrt_plugins_gpu.py
 """
 
 from __future__ import annotations

@@ -130,11 +130,19 @@ def build_engines(artifact: str | Path, out: str | Path, max_num_tokens: int | N
         profiles[name] = shapes
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     cache_path.write_bytes(cache_bytes)
+    from ..export.exporter import TOKENIZER_FILES
+
+    copied = []  # the engine directory is a source of its own for generate / serve: tokenizer and chat template
+    for f in TOKENIZER_FILES:
+        if (art.root / f).is_file():
+            shutil.copy2(art.root / f, out / f)
+            copied.append(f)
     dev = torch.cuda.get_device_properties(0)
     meta = engine_metadata(trt.__version__, (dev.major, dev.minor), dev.name, limits, profiles, flavour, engines,
                            registered)
     meta["artifact"] = str(art.root.resolve())
     meta["timing_cache"] = str(cache_path)
+    meta["tokenizer_files"] = copied
     (out / BUILD_JSON).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     return out
 

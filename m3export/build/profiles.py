@@ -62,9 +62,10 @@ class Limits:
 
     def ranges(self, tokens: tuple[int, int, int] | None = None) -> dict[str, tuple[int, int, int]]:
         """(min, opt, max) of every named dynamic dimension, for the profile of ``tokens`` (default: the one of
-        every step, up to ``max_num_tokens``). Logits rows (``N``) range as tokens: at most one per token."""
+        every step, up to ``max_num_tokens``). Logits rows (``N``) range as tokens, at most one per token, from 0:
+        a prefill chunk that samples nothing, and the MTP steps that only fill caches, ask for no row."""
         tokens = tokens or self.token_ranges()[-1]
-        return {"T": tokens, "N": tokens,
+        return {"T": tokens, "N": (0, *tokens[1:]),
                 "B": (1, min(self.max_batch, tokens[1]), self.max_batch),
                 "max_pages": (1, self.pages_per_sequence, self.pages_per_sequence),
                 "pages": (1, self.pool_pages, self.pool_pages)}

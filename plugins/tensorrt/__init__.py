@@ -27,10 +27,10 @@ batch (one token per program), and the MoE on CUDA cores (the grouped tensor-cor
 device-side permutation with torch glue between launches). Each ``plugins.py`` plugin also has a Python ``impl``
 on the torch launchers, which TensorRT uses when a node's ``aot`` attribute is 0.
 
-**Why not TensorRT's own layers.** TensorRT 11 adds ``TRT_Attention`` (attention over contiguous K/V: no paged
-KV, no block tables), ``TRT_KVCacheUpdate`` (a contiguous per-sequence cache, not a shared page pool addressed by
-slot mappings) and ``IMoELayer`` (SM100+ only, softmax routing, no sigmoid + correction-bias selection, no
-MXFP8 E4M3 + UE8M0 weights on Hopper). M3 on Hopper needs paged KV with block tables, the lightning indexer's
-per-KV-head block selection feeding block-sparse attention, and MXFP8 experts dequantised on chip: the plugins
-here.
+**Why not TensorRT's own layers** (``docs/tensorrt.md`` has the detail). TensorRT's attention (``IAttention``,
+``TRT_Attention``) takes K/V contiguous per sequence (no block tables), its ``IKVCacheUpdateLayer``
+(``TRT_KVCacheUpdate``) writes a ``[batch, heads, S_max, d]`` cache per sequence (not a page pool addressed by slot
+mappings), and ``IMoELayer`` runs on SM100+ only, with none / SiLU GLU experts and no MXFP8 weight form. M3 on
+Hopper needs paged KV with block tables, the lightning indexer's per-KV-head block selection feeding block-sparse
+attention, and MXFP8 experts dequantised on chip: the plugins here.
 """

@@ -5,8 +5,8 @@ For each plugin of ``shapes.PLUGINS``, under the namespace ``m3`` (``m3::<Name>`
 * ``register``: output shapes and types from ``shapes`` (the CPU-tested functions), on TensorRT's ShapeExprs;
 * ``aot_impl`` (plugins with a kernel in ``aot.PLANNERS``): the Triton kernel compiled for the build GPU, its name,
   PTX, launch parameters and extra int32 arguments as symbolic expressions: engines then run without Python;
-* ``impl``: the same op through the torch launchers of ``plugins/kernels`` (needs Python at run time; the only
-  path for ``MoE`` / ``MoEMXFP8``, which have no single-kernel AOT chain yet);
+* ``impl``: the same op through the torch launchers of ``plugins/kernels`` (needs Python at run time; used when
+  a node's ``aot`` attribute is 0; the TensorRT flavour writes every node AOT);
 * ``autotune``: the dtypes each position accepts (activations fp32 / fp16 / bf16 together) and the tactics of
   ``aot.PLANNERS`` (context splits, linear tiles) that TensorRT times at build.
 
