@@ -94,7 +94,10 @@ def model_scenarios() -> list[tuple]:
 
 
 def checkpoint_scenarios(ckpts: dict[str, str]) -> list[tuple]:
-    return [(f"{name}-{tag}", path, par, (17,), 4) for tag, par in PARALLEL for name, path in ckpts.items()]
+    """Every checkpoint at TP=2 and TP=2+EP; names starting ``deq-`` load the MXFP8 one dequantised to fp32 (each
+    slice of a weight dequantised with the matching slice of its scales)."""
+    out = [(f"{name}-{tag}", path, par, (17,), 4) for tag, par in PARALLEL for name, path in ckpts.items()]
+    return out + [(f"deq-original-mxfp8-{tag}", ckpts["original-mxfp8"], par, (17,), 4) for tag, par in PARALLEL]
 
 
 def rank_worker(rank: int, world: int, out_dir: str, plan: list, device: str) -> None:
@@ -102,7 +105,7 @@ def rank_worker(rank: int, world: int, out_dir: str, plan: list, device: str) ->
     stats, tensors = {}, {}
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     for name, source, (tp, ep), lengths, steps in plan:
-        model = load_model_shard(source, ParallelConfig(tp, ep), rank, device=dev)
+        model = load_model_shard(source, ParallelConfig(tp, ep), rank, device=dev, dequantize=name.startswith("deq-"))
         with torch.inference_mode():
             res = greedy(model, prompts_for(model.config.vocab_size, tuple(lengths)), steps)
         tensors.update({f"{name}/{k}": v for k, v in res.items()})
@@ -148,8 +151,8 @@ def ckpt_ranks(tmp_path_factory, ckpts):
     return run_plan(tmp_path_factory.mktemp("parallel-ckpts"), checkpoint_scenarios(ckpts))
 
 
-def reference(source: str, lengths, steps: int, device="cpu") -> dict[str, torch.Tensor]:
-    model = m3export.load_model(source, device=device, progress=False)
+def reference(source: str, lengths, steps: int, device="cpu", dequantize=False) -> dict[str, torch.Tensor]:
+    model = m3export.load_model(source, device=device, progress=False, dequantize=dequantize)
     with torch.inference_mode():
         return greedy(model, prompts_for(model.config.vocab_size, lengths), steps)
 
@@ -186,6 +189,13 @@ def test_sharded_checkpoint_equals_single_process(ckpt_ranks, ckpts, name, tag):
     assert_matches_single(ranks, f"{name}-{tag}", reference(ckpts[name], (17,), 4))
     if name == "kv1-bf16":  # the one KV head on both ranks
         assert [s[f"{name}-{tag}"]["kv_heads"] for s in stats] == [1, 1]
+
+
+@pytest.mark.parametrize("tag", ["tp2", "tp2ep"])
+def test_dequantised_shard_equals_single_process(ckpt_ranks, ckpts, tag):
+    ranks, _ = ckpt_ranks
+    assert_matches_single(ranks, f"deq-original-mxfp8-{tag}", reference(ckpts["original-mxfp8"], (17,), 4,
+                                                                        dequantize=True))
 
 
 def test_caches_hold_only_the_ranks_kv_heads(model_ranks):
@@ -301,6 +311,7 @@ def test_two_gpus_nccl_equal_single_gpu(tmp_path, ckpts, which):
     plan = model_scenarios() if which == "models" else checkpoint_scenarios(ckpts)
     ranks, stats = run_plan(tmp_path, plan, device="cuda", backend="nccl")
     for name, source, _, lengths, steps in plan:
-        assert_matches_single(ranks, name, reference(source, lengths, steps, device="cuda:0"))
+        assert_matches_single(ranks, name, reference(source, lengths, steps, device="cuda:0",
+                                                     dequantize=name.startswith("deq-")))
         print(name, "bytes read per rank:", [s[name]["bytes_read"] for s in stats],
               "peak host RSS per rank (MiB):", [s[name]["peak_rss_bytes"] >> 20 for s in stats])
