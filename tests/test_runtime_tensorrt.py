@@ -235,6 +235,157 @@ def test_profiles_of_the_exported_graphs(tiny_artifact):
         assert tb.select_profile(graph, profiles, shapes, name) == 1
 
 
+# ------------------------------------------------ the runner's TensorRT calls, against a stand-in engine (CPU)
+class _Trt:
+    """The names of the ``tensorrt`` module the runner uses (dtypes, I/O modes)."""
+
+    __version__ = "10.13.0"
+    float32, float16, bfloat16, int32, int64, uint8, fp8 = ("f32", "f16", "bf16", "i32", "i64", "u8", "fp8")
+
+    class TensorIOMode:
+        INPUT, OUTPUT = "input", "output"
+
+
+_TRT_DTYPE = {"float32": "f32", "int32": "i32", "int64": "i64"}
+_NP = {"float32": "float32", "int32": "int32", "int64": "int64"}
+
+
+def _at(address: int, shape, dtype: str) -> torch.Tensor:
+    """The memory at a bound address as a tensor: how an engine sees what it is bound to (no copy)."""
+    import ctypes
+
+    import numpy as np
+
+    n = math.prod(shape) * np.dtype(_NP[dtype]).itemsize
+    if n == 0:  # an empty tensor: bound to some address, never read
+        return torch.empty(shape, dtype=getattr(torch, _NP[dtype]))
+    return torch.from_numpy(np.frombuffer((ctypes.c_char * n).from_address(address), _NP[dtype]).reshape(shape))
+
+
+def _step_semantics(t: dict) -> dict:
+    """What the stand-in engine computes, on tensors (the same function runs in place for the reference): each
+    new token writes its id into its slot of both pools; hidden depends on the whole updated pool, so reading a
+    stale pool buffer shows; logits pick hidden rows."""
+    k, ik = t["k_cache.0"].clone(), t["index_k_cache.0"].clone()  # ScatterND, out of place
+    ids, slots = t["input_ids"].float(), t["slot_mapping"]
+    k.view(-1, 2, 8)[slots] = ids.view(-1, 1, 1)
+    ik.view(-1, 8)[slots] = 2 * ids.view(-1, 1)
+    hidden = (k.sum() + ik.sum() + t["positions"].float()).view(-1, 1) + torch.arange(H).float()
+    logits = hidden[t["logits_indices"], :1] + torch.arange(V).float()
+    return {"logits": logits, "hidden": hidden, "k_cache_out.0": k, "index_k_cache_out.0": ik}
+
+
+class _Engine:
+    def __init__(self, graph, profiles):
+        self.graph, self.profiles = graph, profiles
+        self.sigs = {t.name: (t, True) for t in graph.inputs} | {t.name: (t, False) for t in graph.outputs}
+        self.num_io_tensors, self.num_optimization_profiles = len(self.sigs), len(profiles)
+        self.contexts = []
+
+    def get_tensor_name(self, i):
+        return list(self.sigs)[i]
+
+    def get_tensor_mode(self, n):
+        return _Trt.TensorIOMode.INPUT if self.sigs[n][1] else _Trt.TensorIOMode.OUTPUT
+
+    def get_tensor_dtype(self, n):
+        return _TRT_DTYPE[self.sigs[n][0].dtype]
+
+    def get_tensor_shape(self, n):
+        return [d if isinstance(d, int) else -1 for d in self.sigs[n][0].shape]
+
+    def get_tensor_profile_shape(self, n, i):
+        return [list(s) for s in self.profiles[i][n]]
+
+    def create_execution_context(self):
+        self.contexts.append(_Context(self))
+        return self.contexts[-1]
+
+
+class _Context:
+    def __init__(self, engine):
+        self.engine, self.profile, self.shapes, self.addresses, self.profile_calls = engine, 0, {}, {}, []
+
+    def set_optimization_profile_async(self, i, stream):
+        self.profile = i
+        self.profile_calls.append(i)
+        return True
+
+    def set_input_shape(self, name, shape):
+        lo, _, hi = self.engine.profiles[self.profile][name]
+        self.shapes[name] = tuple(shape)
+        return all(a <= n <= b for a, n, b in zip(lo, shape, hi))
+
+    def set_tensor_address(self, name, address):
+        self.addresses[name] = address
+        return True
+
+    def get_tensor_shape(self, name):
+        dims = tb.step_dims(self.engine.graph, self.shapes, "engine")
+        return tb.resolve(self.engine.sigs[name][0].shape, dims, "engine")
+
+    def execute_async_v3(self, stream):
+        g = self.engine.graph
+        ins = {t.name: _at(self.addresses[t.name], self.shapes[t.name], t.dtype) for t in g.inputs}
+        for name, value in _step_semantics(ins).items():
+            sig = self.engine.sigs[name][0]
+            _at(self.addresses[name], self.get_tensor_shape(name), sig.dtype).copy_(value)
+        return True
+
+
+class _Runtime:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def deserialize_cuda_engine(self, data):
+        return self.engine
+
+
+def _feeds(t, b, pages_of, n_rows, start, ids):
+    """A step of ``b`` sequences of ``t // b`` new tokens each, sequence i on pages ``pages_of[i]``."""
+    per = t // b
+    pos = torch.arange(start, start + per).repeat(b)
+    slots = torch.cat([torch.tensor([pages_of[i][int(p) // PAGE] * PAGE + int(p) % PAGE for p in pos[:per]])
+                       for i in range(b)])
+    width = max(len(p) for p in pages_of[:b])
+    return {"input_ids": ids, "positions": pos, "query_start_loc": torch.arange(0, t + 1, per, dtype=torch.int32),
+            "seq_lens": torch.full((b,), start + per, dtype=torch.int32),
+            "block_tables": torch.tensor([p + [0] * (width - len(p)) for p in pages_of[:b]], dtype=torch.int32),
+            "slot_mapping": slots, "logits_indices": torch.arange(n_rows, dtype=torch.int64)}
+
+
+def test_the_runner_binds_pools_and_outputs_by_address_and_picks_profiles(tmp_path):
+    """EngineRunner against a stand-in engine that, like TensorRT, reads and writes only the addresses it is
+    bound to: three steps (decode-size, prefill-size, a step sampling no row) give the outputs of the same steps
+    run in place on one pool, the profile switches 0 -> 1 -> 0, and outputs land in the runner's own buffers."""
+    (tmp_path / "model.engine").write_bytes(b"stand-in")
+    profiles = _profiles()
+    engine = _Engine(_graph(), [{n: [tuple(s) for s in r] for n, r in p.items()} for p in profiles])
+    runner = trb.EngineRunner(_Trt, _Runtime(engine), tmp_path / "model.engine", _graph(), profiles,
+                              torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"90 pages, the engine was built for pools of at most 81 .*--num-pages"):
+        runner.allocate(90)
+    runner.allocate(20)
+    ref = {"k_cache.0": torch.zeros(20, PAGE, 2, 8), "index_k_cache.0": torch.zeros(20, PAGE, 8)}
+    pages = [[3, 7, 11, 2, 9, 4], [5, 1, 8, 6, 12, 13]]
+    gen = torch.Generator().manual_seed(0)
+    steps = [(4, 2, 2, 0), (20, 1, 1, 2), (2, 2, 0, 22)]  # (tokens, sequences, sampled rows, first position)
+    for t, b, n, start in steps:
+        feeds = _feeds(t, b, pages, n, start, torch.randint(1, 50, (t,), generator=gen))
+        got = runner.run(dict(feeds))
+        want = _step_semantics({**feeds, **ref})
+        ref["k_cache.0"], ref["index_k_cache.0"] = want["k_cache_out.0"], want["index_k_cache_out.0"]
+        assert set(got) == {"logits", "hidden"}
+        assert torch.equal(got["logits"], want["logits"]) and torch.equal(got["hidden"], want["hidden"])
+        assert got["logits"].shape == (n, V)
+        assert got["hidden"].data_ptr() == runner._out["hidden"].data_ptr()  # written into the preallocated buffer
+    for name in ref:
+        assert torch.equal(runner.pools.current(name), ref[name])
+    assert engine.contexts[0].profile_calls == [0, 1, 0]
+    with pytest.raises(tb.StepError, match="are cache pools, bound from the backend's own buffers"):
+        runner.run({**feeds, "k_cache.0": ref["k_cache.0"]})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TENSORRT, reason="TensorRT is not installed (its wheels download from NVIDIA's index, "
                     "unreachable here; pip install 'm3export[trt]' on a GPU host)")

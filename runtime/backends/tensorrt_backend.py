@@ -91,15 +91,23 @@ def cuda_device(device: str | torch.device) -> torch.device:
     raise BackendUnavailable(f"the tensorrt backend runs on CUDA devices, not {str(device)!r}")
 
 
+def _on(device: torch.device):
+    """The CUDA device current while TensorRT objects are made (a CPU device: the tests' stand-in engines)."""
+    import contextlib
+
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 # ------------------------------------------------------------------------------------------- needs TensorRT
 class EngineRunner:
-    """One deserialized engine with its execution context, cache pools and output buffers (needs TensorRT)."""
+    """One deserialized engine with its execution context, cache pools and output buffers (needs TensorRT; the
+    CPU tests drive it with a stand-in engine that reads and writes the bound addresses as TensorRT does)."""
 
     def __init__(self, trt, runtime, path: Path, graph, recorded_profiles: list, device: torch.device):
         from m3export.plugins.tensorrt.plugins import dtype_maps
 
         self.graph, self.device, self.where = graph, device, str(path)
-        with torch.cuda.device(device):
+        with _on(device):
             engine = runtime.deserialize_cuda_engine(path.read_bytes())  # TensorRT
             if engine is None:
                 raise BackendUnavailable(f"{path}: TensorRT {trt.__version__} could not deserialize this engine "
@@ -185,7 +193,7 @@ class EngineRunner:
             if tb.needs_copy(t.data_ptr(), t.numel() * t.element_size(), spans):
                 inputs[name] = t.clone()
 
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
         ctx = self.context
         # ---- TensorRT calls
         if profile != self._active_profile:
