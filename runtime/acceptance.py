@@ -114,10 +114,13 @@ class RowResult:
     residual: int
     candidate_logprobs: dict[int, float] | None = None
     top: list[tuple[int, float]] | None = None
+    log_probs: torch.Tensor | None = None  # [V] the row's log-probabilities, where the logits are
 
     def logprobs(self, token: int, top_n: int) -> dict[int, float]:
-        """``sampling.token_logprobs`` of the emitted ``token`` (one of this row's candidates)."""
-        out = {token: self.candidate_logprobs[token]}
+        """``sampling.token_logprobs`` of the emitted ``token``: one of this row's candidates, read from the host
+        copy; any other token (an engine that forces its tokens) costs one read of the device row."""
+        lp = self.candidate_logprobs.get(token)
+        out = {token: float(self.log_probs[token]) if lp is None else lp}
         for i, v in self.top[:top_n]:
             out.setdefault(i, v)
         return out
@@ -175,14 +178,14 @@ def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
             cols += list(ids.double().unbind(-1)) + list(values.double().unbind(-1))
     host = torch.stack(cols, dim=-1).cpu().tolist()  # the step's one device-to-host copy
     out = []
-    for w, h in zip(rows, host):
+    for i, (w, h) in enumerate(zip(rows, host)):
         tok, acc, res = int(h[0]), bool(h[1]), int(h[2])
         cand_lp = top = None
         if w.params.logprobs is not None:
             cand_lp = {res: h[5], **({w.draft: h[4]} if w.draft is not None else {}), tok: h[3]}
             n = len(h) - 6
             top = [(int(i), v) for i, v in zip(h[6:6 + n // 2], h[6 + n // 2:])]
-        out.append(RowResult(tok, acc, res, cand_lp, top))
+        out.append(RowResult(tok, acc, res, cand_lp, top, None if cand_lp is None else lp[i]))
     return out
 
 

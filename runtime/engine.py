@@ -140,10 +140,19 @@ class Engine:
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def from_checkpoint(cls, path_or_preset: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                        enforce_eager: bool = False, kv_cache_dtype: str | None = None, **engine_kwargs) -> Engine:
+                        enforce_eager: bool = False, kv_cache_dtype: str | None = None,
+                        tensor_parallel_size: int = 1, expert_parallel: bool = False, **engine_kwargs) -> Engine:
         """A checkpoint directory or a preset name (``tiny``: deterministic random weights), torch backend (decode
         replayed from CUDA graphs on a CUDA device unless ``enforce_eager``); ``kv_cache_dtype``: ``auto``,
-        ``bf16`` or ``fp8`` (vLLM's ``--kv-cache-dtype``)."""
+        ``bf16`` or ``fp8`` (vLLM's ``--kv-cache-dtype``). ``tensor_parallel_size`` > 1 (and ``expert_parallel``,
+        vLLM's names) runs one process per device over the model's shards (``docs/parallel.md``); ``close()`` the
+        engine to stop them."""
+        if tensor_parallel_size != 1:
+            from .backends.distributed_backend import launch_backend
+
+            backend = launch_backend(path_or_preset, tensor_parallel_size, expert_parallel, device, dtype,
+                                     enforce_eager, kv_cache_dtype)
+            return cls(backend, find_tokenizer(path_or_preset, backend.config), **engine_kwargs)
         from m3export import load_model
         from .backends import make_torch_backend
 
@@ -154,10 +163,18 @@ class Engine:
     @classmethod
     def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",
                       dtype: torch.dtype | None = None, enforce_eager: bool = False, provider: str | None = None,
-                      kv_cache_dtype: str | None = None, **engine_kwargs) -> Engine:
+                      kv_cache_dtype: str | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                      **engine_kwargs) -> Engine:
         """An exported artifact directory run by ``backend`` (torch, onnxruntime or tensorrt); ``provider``: the
         onnxruntime backend's execution provider (``cpu``, ``cuda``, ... with options; default: from ``device``);
-        ``kv_cache_dtype``: ``auto``, ``bf16`` or ``fp8`` (``create_backend``)."""
+        ``kv_cache_dtype``: ``auto``, ``bf16`` or ``fp8`` (``create_backend``). Parallel runs start from the
+        checkpoint (``from_checkpoint``): an artifact's graphs are one device's."""
+        if tensor_parallel_size != 1 or expert_parallel:
+            from m3export.errors import M3Error
+
+            raise M3Error(f"{path}: --tensor-parallel-size / --expert-parallel run a checkpoint or preset on the torch "
+                          "backend; give the checkpoint the artifact was exported from (per-rank ONNX graphs come "
+                          "from `m3export export --tensor-parallel-size N`)")
         be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager, provider=provider,
                             kv_cache_dtype=kv_cache_dtype)
         return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
@@ -233,6 +250,17 @@ class Engine:
         self.scheduler.finish(req)
         req.finish_reason = "abort"
         self._pending.append(self._output(req))
+
+    def close(self) -> None:
+        """Release what the backend holds outside this process (a parallel backend's worker processes and its
+        process group); idempotent. Also ``with Engine(...) as engine:``."""
+        self.backend.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or ``step()`` still owes an output."""
@@ -366,7 +394,7 @@ class Engine:
         if not s.samples:
             req.num_computed += s.num_new
             return DraftJob(req, start, hidden, 0)
-        tokens = self._next_tokens(req, rows)
+        tokens = self._next_tokens(req, s, rows)
         # Accepted drafts keep their K/V; a rejected one is past the cached length now, i.e. forgotten. When the
         # rows ran out before the drafts did and every row accepted, the round of drafts goes on: the remaining
         # drafts stay for the next step, and with none remaining the next step's one row is the round's bonus
@@ -385,7 +413,8 @@ class Engine:
             return None
         return DraftJob(req, start, hidden[:req.num_computed - start], 0 if round_goes_on else self._num_drafts(req))
 
-    def _next_tokens(self, req: Request, rows: tuple[list[Row], list[RowResult]]) -> list[int]:
+    def _next_tokens(self, req: Request, s: ScheduledRequest, rows: tuple[list[Row], list[RowResult]]
+                     ) -> list[int]:
         """The tokens the step's rows decide: with j = len(s.drafts) drafts computed, j + 1 rows verify the
         request's first j + 1 drafts (a bonus only when every draft was among them); with none, a plain sample."""
         tokens = emitted(*rows)

@@ -214,3 +214,14 @@ def test_gpu_decide_equals_the_host_definition(seed):
         n = len(drafts) + 1
         assert emitted(rows[first:first + n], results[first:first + n]) == \
             accept(lg, drafts, None, p, rng, pos, prompt, output), p
+
+
+def test_logprobs_of_a_token_that_is_no_candidate():
+    """An engine that forces its tokens (tests' ScriptedEngine) asks for the logprobs of any token: read from the
+    row's log-probabilities, equal to token_logprobs."""
+    logits = _logits(21, 1)
+    p = SamplingParams(temperature=0, logprobs=2)
+    res = decide(logits, [Row(p, PositionalRandom(0), 0)])[0]
+    forced = int(logits[0].argmin())
+    got, want = res.logprobs(forced, 2), token_logprobs(logits[0], forced, 2)
+    assert got.keys() == want.keys() and all(math.isclose(got[t], want[t], rel_tol=1e-6) for t in want)
