@@ -1,5 +1,6 @@
-"""``m3export build``: TensorRT engines for an artifact (the graphs' TensorRT flavour, the m3 plugins, one
-optimisation profile over the dynamic token / sequence / page dimensions, a timing cache, engine metadata)."""
+"""``m3export build``: TensorRT engines for an artifact (the graphs' TensorRT flavour, the m3 plugins, optimisation
+profiles for decode and prefill steps over the dynamic token / sequence / page dimensions, a timing cache, engine
+metadata)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 
 NAME = "build"
 HELP = ("Build TensorRT engines from an artifact: m3 nodes become the m3 plugins (Triton kernels compiled ahead of "
-        "time), one optimisation profile spans the token / batch / page dimensions. Needs TensorRT and a GPU.")
+        "time), optimisation profiles for decode steps (up to --max-batch tokens) and for every step (up to "
+        "--max-num-tokens) span the token / batch / page dimensions. Needs TensorRT and a GPU.")
 EXAMPLES = """\
   m3export build art/mini --out engines/mini
   m3export build art/mini --out engines/mini --max-num-tokens 8192 --max-batch 128 --max-model-len 131072
@@ -31,10 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the engines, flavour graphs and "
                    "build.json (created; must be empty unless --force)")
     p.add_argument("--max-num-tokens", type=_positive, default=DEFAULTS["max_num_tokens"],
-                   help="most new tokens in one step (prefill chunk + decodes), the profile's max T "
+                   help="most new tokens in one step (prefill chunk + decodes), the largest profile's max T "
                         "(default %(default)s)")
     p.add_argument("--max-batch", type=_positive, default=DEFAULTS["max_batch"],
-                   help="most sequences in one step, the profile's max B; also the opt T of decode "
+                   help="most sequences in one step, the profiles' max B; also the max T of the decode profile "
                         "(default %(default)s)")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="longest sequence (prompt + output): block-table width and the indexer top-k's block "
