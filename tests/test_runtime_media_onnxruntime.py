@@ -98,13 +98,18 @@ def test_the_artifact_keeps_the_checkpoints_preprocessing(vl_artifact):
     assert (s.image.max_pixels, s.image.image_mean) == (32 * 32, (0.5, 0.5, 0.5))
 
 
-@pytest.mark.gpu
-def test_cuda_provider_multimodal_generation_equals_torch(vl_artifact, reference):
-    """The same request with vision.onnx and the step graph on the CUDA execution provider."""
+@pytest.fixture
+def cuda_provider():
+    """Skips before the VL export when there is no CUDA execution provider."""
     import onnxruntime
 
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers() or not torch.cuda.is_available():
         pytest.skip("needs onnxruntime-gpu and a CUDA device")
+
+
+@pytest.mark.gpu
+def test_cuda_provider_multimodal_generation_equals_torch(cuda_provider, vl_artifact, reference):
+    """The same request with vision.onnx and the step graph on the CUDA execution provider."""
     ids = _prompt(5, (IMAGE, 6), 3, (VIDEO, 6), 4)
     eng = Engine.from_artifact(vl_artifact.root, backend="onnxruntime", device="cuda", num_pages=64,
                                max_num_batched_tokens=7)
