@@ -136,6 +136,16 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 
 
 # ---------------------------------------------------------------------------------------------- batched rows
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: a plain copy from pageable memory first
+    synchronises the stream (the host would sit idle until the model's step finished, instead of queueing the
+    sampling kernels behind it); from pinned memory the copy is queued like a kernel. The pinned buffer comes
+    from torch's caching host allocator, which keeps it until the copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class RowParams:
     """The sampling parameters of a step's rows as device tensors, plus what the host knows about them (which
     filters any row uses), so that no decision about the batch's shape reads the device. ``extra``: more
@@ -149,7 +159,7 @@ class RowParams:
         table = [[p.temperature or 1.0, p.top_k, p.top_p, math.log(p.min_p) if p.min_p > 0 else -math.inf,
                   p.repetition_penalty, p.frequency_penalty, p.presence_penalty] + list(e)
                  for p, e in zip(self.params, extra or [()] * len(self.params))]
-        t = torch.tensor(table, dtype=torch.float64).to(device)  # the one host-to-device copy
+        t = to_device(torch.tensor(table, dtype=torch.float64), device)  # the one host-to-device copy
         self.temperature, self.top_k, self.top_p, self.log_min_p = t[:, 0], t[:, 1].long(), t[:, 2], t[:, 3]
         self.penalties = t[:, 4:7].float()  # repetition, frequency, presence (float32 like the logits)
         self.extra = t[:, 7:]
@@ -171,7 +181,7 @@ def penalise_rows(logits: torch.Tensor, rows: RowParams, prompts: Sequence[Seque
     prompt_rows = [i for i, p in enumerate(prompts) for _ in p]
     ids = torch.tensor([out_rows, [t for o in outputs for t in o], ], dtype=torch.int64).reshape(2, -1)
     pids = torch.tensor([prompt_rows, [t for p in prompts for t in p]], dtype=torch.int64).reshape(2, -1)
-    ids, pids = ids.to(x.device), pids.to(x.device)
+    ids, pids = to_device(ids, x.device), to_device(pids, x.device)
     counts = torch.zeros(r, v, dtype=torch.float32, device=x.device)
     counts.index_put_((ids[0], ids[1]), torch.ones(ids.shape[1], device=x.device), accumulate=True)
     seen = counts > 0
