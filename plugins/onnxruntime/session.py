@@ -9,8 +9,10 @@ Where the tensors live follows the execution provider (``providers.Provider.devi
 EP (and every EP that takes host tensors), device memory for CUDA-like EPs. The pools, and the outputs of
 ``run_torch``, are torch tensors in that memory, bound through io_binding by address (ONNX Runtime wraps them
 as OrtValues over the same bytes), so one code path serves every EP: CI runs it on the CPU EP, where it binds
-host memory; on a GPU EP the pools stay on the device between steps and nothing copies a pool. That GPU path is
-unverified in this repository's CI (no GPU, no onnxruntime-gpu here).
+host memory; on a GPU EP the pools stay on the device between steps and nothing copies a pool. On the CUDA and
+TensorRT EPs ORT runs on a stream shared with torch (``streams.SharedStream``): a step is ordered by device-side
+stream waits and never synchronises the host. That GPU path is unverified in this repository's CI (no GPU, no
+onnxruntime-gpu here).
 
 This module sits below ``m3export.export`` (whose ``verify`` uses it): it reads an artifact only through the
 duck-typed ``artifact.path(graph)`` / ``artifact.graphs[graph]`` and never imports the export package.
@@ -29,6 +31,7 @@ from m3export.dtypes import BY_NAME
 from m3export.errors import BackendUnavailable
 
 from .providers import Provider, parse_provider, require
+from .streams import SharedStream, run_options
 
 if TYPE_CHECKING:
     from m3export.export.manifest import GraphInfo
@@ -72,6 +75,10 @@ class PagedSession:
         self.graph = graph
         self.provider = require(parse_provider(providers))
         self.device = torch.device(self.provider.device)
+        self._stream = SharedStream.for_provider(self.provider)  # None: the EP cannot share torch's stream
+        self._run_options = run_options(ort) if self._stream is not None else None
+        providers = (self._stream.session_providers() if self._stream is not None
+                     else self.provider.session_providers())
         if options is None:
             options = ort.SessionOptions()
             options.log_severity_level = 3  # errors only: ORT warns about kernels it cannot constant-fold
@@ -80,8 +87,7 @@ class PagedSession:
         elif threads is not None:
             raise ValueError("give session options or threads, not both")
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=options,
-                                                providers=self.provider.session_providers())
+            self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
         except Exception as e:  # ORT raises its own exception types; say which graph and why
             hint = (" (no kernel for an op in this dtype: the CPU execution provider runs float32 and float16 "
                     "artifacts, bfloat16 needs e.g. the CUDA one)") if "NOT_IMPLEMENTED" in str(e) else ""
@@ -126,7 +132,11 @@ class PagedSession:
         """One step; returns every non-pool output as a torch tensor in the execution provider's memory.
 
         Numpy feeds are host arrays (bfloat16 as uint16 bits); torch feeds may live on the host or in the EP's
-        memory (ORT copies what is not where its kernels run). Pools are bound as both input and output.
+        memory (ORT copies what is not where its kernels run). Pools are bound as both input and output. Output
+        buffers come from torch's caching allocator (stream-ordered: after the first steps no cudaMalloc, no
+        wait). On a shared stream (CUDA / TensorRT EPs) this returns once the step is queued: the outputs are
+        ready for work queued afterwards on torch's current stream, and reading them on the host (``.cpu()``,
+        ``.tolist()``) is the step's one synchronisation.
         """
         if not self.pool_tensors:
             raise RuntimeError("call allocate(num_pages) before run()")
@@ -135,7 +145,7 @@ class PagedSession:
         if missing or unknown:
             raise ValueError(f"{self.graph.file}: missing inputs {missing}, unexpected feeds {unknown} "
                              "(cache pools are bound from the session's own buffers, never fed)")
-        tensors = {**{k: self._as_tensor(k, v) for k, v in feeds.items()}, **self.pool_tensors}
+        tensors = {**{k: self._on_device(self._as_tensor(k, v)) for k, v in feeds.items()}, **self.pool_tensors}
         dims: dict[str, int] = {}
         binding = self.session.io_binding()
         for name, t in tensors.items():
@@ -154,19 +164,31 @@ class PagedSession:
                 buffers[sig.name] = results[sig.name] = torch.empty(shape, dtype=BY_NAME[sig.dtype].torch,
                                                                     device=self.device)
             _bind(binding.bind_output, sig.name, buffers[sig.name], BY_NAME[sig.dtype].onnx)
-        if any(t.is_cuda for t in tensors.values()):
-            torch.cuda.synchronize(self.device)  # torch's writes to bound inputs are done before ORT's stream reads
+        if self._stream is not None:
+            self._stream.before_run()  # ORT's stream waits for torch's writes to the bound buffers (device side)
+        elif any(t.is_cuda for t in tensors.values()):
+            torch.cuda.synchronize(self.device)  # an EP on a stream of its own: torch's writes are done first
         try:
-            self.session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding, self._run_options)
         except Exception as e:  # a kernel this execution provider lacks at run time (e.g. 16-bit scatters)
             raise BackendUnavailable(f"{self.graph.file}: ONNX Runtime failed to run this graph with "
                                      f"{self.session.get_providers()}: {e}") from e
-        binding.synchronize_outputs()
+        if self._stream is not None:
+            self._stream.after_run()  # readers of the outputs on torch's stream wait for ORT (device side)
+        else:
+            binding.synchronize_outputs()
         for sig, value in zip(self.graph.outputs, binding.get_outputs()):
             buffer = buffers[sig.name]
             if buffer.numel() and value.data_ptr() != buffer.data_ptr():  # (an empty output has no address)
                 raise RuntimeError(f"{self.graph.file}: ONNX Runtime did not write {sig.name} into the bound buffer")
         return results
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """On a shared stream, a host feed goes to the device through pinned memory without a host wait (ORT
+        would otherwise copy it from pageable memory, which blocks); elsewhere feeds are bound where they are."""
+        if self._stream is None or t.device == self.device:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _as_tensor(self, name: str, value: np.ndarray | torch.Tensor) -> torch.Tensor:
         """A feed as a contiguous torch tensor of the input's dtype, sharing the caller's memory."""
