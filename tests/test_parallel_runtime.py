@@ -1,0 +1,165 @@
+"""The multi-process runtime (``runtime/distributed*.py``, ``DistributedBackend``): CPU, gloo, 2 processes.
+
+The oracle is the single-process engine on the same model: greedy generation through the engine with TP=2, with
+EP (``--expert-parallel``: with vLLM's semantics EP=2 and TP=2+EP=2 are the same group of 2 ranks, attention
+TP, routed experts split whole) equals it token for token, on the tiny preset and on the embedded trained model.
+float64 keeps argmax away from rounding ties: the shards only reorder sums (``docs/parallel.md``, Numerics), so
+any differing token is a real error, not a near tie. The parallel engines run with MTP speculation and small
+token budgets, so chunked prefill, mixed batches, verification steps and the MTP module's steps all cross the
+broadcast; greedy speculation is token-identical to plain decoding (``tests/test_runtime_speculative.py``).
+
+Each launch costs a few seconds of process start-up, so each engine is started once per module and shared.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from m3export.errors import M3Error
+from m3export.runtime import Engine, SamplingParams
+from m3export.runtime.backends.distributed_backend import DistributedBackend
+from m3export.runtime.distributed import LaunchSpec, WorkerError, shard_backend
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(20, 57)), [100, 101, 102, 103, 104, 105, 106, 107, 108]]
+POISON = 311  # a token id no prompt above holds (< tiny's vocabulary of 320): rank 1's tripwire
+SIZING = {"max_model_len": 96, "max_num_batched_tokens": 16, "num_pages": 64}
+
+
+def shard_with_tripwire(spec: LaunchSpec, rank: int, device: torch.device):
+    """The ordinary shard backend; on rank 1 its forward raises when the step holds token ``POISON``: a worker
+    failing in the middle of serving (rank 0 is then waiting inside the model's first all-reduce)."""
+    backend = shard_backend(spec, rank, device)
+    if rank == 1:
+        forward = backend.forward
+
+        def tripped(input_ids, batch, logits_indices, **kw):
+            if bool((input_ids == POISON).any()):
+                raise RuntimeError(f"tripwire: token {POISON} reached rank 1")
+            return forward(input_ids, batch, logits_indices, **kw)
+
+        backend.forward = tripped
+    return backend
+
+
+def failing_on_rank_1(spec: LaunchSpec, rank: int, device: torch.device):
+    """A worker that cannot build its backend (say, its slice of the checkpoint is unreadable)."""
+    if rank == 1:
+        raise ValueError("rank 1 cannot load its shard")
+    return shard_backend(spec, rank, device)
+
+
+def generate(engine: Engine, prompts) -> list[list[int]]:
+    return [o.token_ids for o in engine.generate(prompts, GREEDY)]
+
+
+def parallel_engine(source, expert_parallel: bool, factory: str | None = None, **sizing) -> Engine:
+    spec = LaunchSpec(str(source), 2, expert_parallel, "cpu", "float64",
+                      **({"backend_factory": factory} if factory else {}))
+    backend = DistributedBackend.launch(spec)
+    from m3export.runtime.tokenizer import find_tokenizer
+
+    return Engine(backend, find_tokenizer(source, backend.config), num_speculative_tokens=2, **sizing)
+
+
+@pytest.fixture(scope="module")
+def single_tiny():
+    return generate(Engine.from_checkpoint("tiny", dtype=torch.float64, **SIZING), PROMPTS)
+
+
+def test_tensor_parallel_equals_one_process_then_a_worker_error_names_its_rank(single_tiny):
+    """TP=2 generation == one process; then rank 1 raises mid-step: rank 0 raises WorkerError naming rank 1 and
+    its error, the group is torn down (worker gone, no default group), and the engine refuses further steps."""
+    engine = parallel_engine("tiny", False, "tests.test_parallel_runtime:shard_with_tripwire", **SIZING)
+    backend = engine.backend
+    try:
+        assert generate(engine, PROMPTS) == single_tiny
+        assert engine.stats.verify_steps > 0  # the MTP module's steps and verification crossed the broadcast
+        with pytest.raises(WorkerError, match=r"rank 1 failed: RuntimeError: tripwire: token 311 reached rank 1"):
+            engine.generate([[1, 2, POISON]], GREEDY)
+        assert backend.group.procs[1].poll() is not None
+        assert not dist.is_initialized()
+        with pytest.raises(M3Error, match="failed earlier"):
+            engine.generate([[1, 2, 3]], GREEDY)
+    finally:
+        engine.close()
+
+
+def test_expert_parallel_equals_one_process_and_close_stops_the_workers(single_tiny):
+    """EP (= TP=2 + EP=2): generation == one process; close() ends the workers with exit code 0 and leaves no
+    process group; closing again is harmless."""
+    engine = parallel_engine("tiny", True, **SIZING)
+    procs = dict(engine.backend.group.procs)
+    try:
+        assert generate(engine, PROMPTS) == single_tiny
+    finally:
+        engine.close()
+    assert all(p.returncode == 0 for p in procs.values()), {r: p.returncode for r, p in procs.items()}
+    assert not dist.is_initialized()
+    engine.close()
+    with pytest.raises(M3Error, match="closed"):
+        engine.generate([[1, 2, 3]], GREEDY)
+
+
+def test_embedded_model_tp_ep_equals_one_process():
+    """The embedded trained model (bf16 checkpoint, text prompts through its tokenizer), TP=2 with EP."""
+    from m3export.embedded import default_model
+
+    src = default_model()
+    prompts = ["def read_config(path):", "import os\n\nclass Cache:\n    def __init__(self"]
+    single = generate(Engine.from_checkpoint(src, dtype=torch.float64, **SIZING), prompts)
+    engine = parallel_engine(src, True, **SIZING)
+    try:
+        assert generate(engine, prompts) == single
+    finally:
+        engine.close()
+
+
+def test_worker_failing_at_start_is_reported_with_its_rank():
+    spec = LaunchSpec("tiny", 2, False, "cpu", "float64",
+                      backend_factory="tests.test_parallel_runtime:failing_on_rank_1")
+    with pytest.raises(WorkerError, match="rank 1 failed: ValueError: rank 1 cannot load its shard"):
+        DistributedBackend.launch(spec)
+    assert not dist.is_initialized()
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs (exited; a zombie nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+RANK0_THEN_KILLED = """
+import os, signal, sys
+from m3export.runtime.backends.distributed_backend import DistributedBackend
+from m3export.runtime.distributed import LaunchSpec
+backend = DistributedBackend.launch(LaunchSpec("tiny", 2, False, "cpu", None))
+print(backend.group.procs[1].pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_workers_exit_when_rank_0_is_killed():
+    """Rank 0 SIGKILLed (no clean-up code runs): its worker notices (end of file on its stdin) and exits."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    run = subprocess.run([sys.executable, "-c", RANK0_THEN_KILLED], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT)
+    assert run.returncode == -9, run.stderr[-2000:]
+    pid = int(run.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid), f"worker {pid} outlived rank 0"
