@@ -103,6 +103,7 @@ def main() -> int:
            "weights": args.weights if cuda else "fp32", "weight_bytes": weights, "page_size": page, "chunk": chunk,
            "rows": []}
     prefill_once(model, chunk + page + 1, chunk, page, graphs=not args.no_graphs)  # warm-up: compiles kernels
+    json_path = args.json or RESULTS / f"long_prefill_{'cuda' if cuda else 'cpu'}.json"
     for n in lengths:
         try:
             row = prefill_once(model, n, chunk, page, graphs=not args.no_graphs)
@@ -112,7 +113,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
         res["rows"].append(row)
         print(row, flush=True)
-    out = write_results(res, args.json or RESULTS / f"long_prefill_{'cuda' if cuda else 'cpu'}.json")
+        out = write_results(res, json_path)  # after every length: a run cut short keeps what it measured
     ok = [r for r in res["rows"] if "seconds" in r]
     print(f"\nchunked prefill, {res['preset']} ({cfg.num_local_experts} experts, {res['weights']}), chunks of {chunk}"
           f" tokens, pages of {page}; {out}")
