@@ -118,6 +118,14 @@ def test_mini_model_greedy_tokens_equal_with_kernels_and_references():
     summation order (~1e-6): in bf16, random weights' greedy tokens flip on rounding differences alone (seen on
     the H200: the bf16 step differs by ~25 % at 4k context while every op matches its reference), which tests
     nothing. Top-2 logit gaps of random weights are ~1e-2 of the logit scale, so a near-tie flip is unlikely."""
+    kernels, refs = mini_greedy_with_kernels_and_references(64)
+    same = sum(a == b for a, b in zip(kernels, refs, strict=True))
+    assert kernels == refs, f"{same} of 64 greedy tokens agree"
+
+
+def mini_greedy_with_kernels_and_references(tokens: int, cache_dtype: torch.dtype | None = None):
+    """``tokens`` greedy tokens of the fp32 ``mini`` model (8 experts, random weights) after a 2300-token prompt,
+    through the engine with the kernels, then with the references: (kernel tokens, reference tokens)."""
     import dataclasses
 
     from m3export.checkpoint.loader import random_model
@@ -131,15 +139,14 @@ def test_mini_model_greedy_tokens_equal_with_kernels_and_references():
     assert use_on("cuda")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (2300,), generator=gen).tolist()
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs = []
     for use_refs in (False, True):
-        eng = Engine(TorchBackend(model), None, page_size=128, num_pages=64, max_model_len=4096,
+        eng = Engine(TorchBackend(model, cache_dtype), None, page_size=128, num_pages=64, max_model_len=4096,
                      max_num_batched_tokens=1024)
         if use_refs:
             with references():
                 outs.append(eng.generate([prompt], params)[0].token_ids)
         else:
             outs.append(eng.generate([prompt], params)[0].token_ids)
-    same = sum(a == b for a, b in zip(*outs, strict=True))
-    assert outs[0] == outs[1], f"{same} of 64 greedy tokens agree"
+    return outs[0], outs[1]

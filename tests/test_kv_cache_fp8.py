@@ -8,7 +8,6 @@ rounding (module ``BOUNDS`` below), never tuned.
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_kernels_attention_gpu import BS, D, HKV, HQ, INIT, LOCAL, MIXED, TOPK, _batch
+from tests.test_kernels_attention_gpu import (BS, D, HKV, HQ, INIT, LOCAL, MIXED, TOPK, _batch,
+                                              mini_greedy_with_kernels_and_references)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -105,30 +106,8 @@ def test_mini_model_fp8_cache_greedy_tokens_equal_with_kernels_and_references():
     indexer and attention) vs the reference path (``write_pool_fp8`` and the references). fp32, as the
     unquantised twin in test_kernels_attention_gpu.py: both sides hold the same bytes up to a rare neighbouring
     code where the fused norm's summation order moves a row, and compute in fp32 otherwise."""
-    import dataclasses
-
-    from m3export.checkpoint.loader import random_model
-    from m3export.config import preset
     from m3export.ops.kv_fp8 import FP8
-    from m3export.plugins.kernels import references, use_on
-    from m3export.runtime import Engine, SamplingParams
-    from m3export.runtime.backends.torch_backend import TorchBackend
 
-    cfg = dataclasses.replace(preset("mini"), num_local_experts=8).validate()
-    model = random_model(cfg, device="cuda", dtype=torch.float32, num_mtp_modules=0)
-    assert use_on("cuda")
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (2300,), generator=gen).tolist()
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    outs = []
-    for use_refs in (False, True):
-        eng = Engine(TorchBackend(model, FP8), None, page_size=128, num_pages=64, max_model_len=4096,
-                     max_num_batched_tokens=1024)
-        assert eng.backend._caches[-1][0].dtype == FP8
-        if use_refs:
-            with references():
-                outs.append(eng.generate([prompt], params)[0].token_ids)
-        else:
-            outs.append(eng.generate([prompt], params)[0].token_ids)
-    same = sum(a == b for a, b in zip(*outs, strict=True))
-    assert outs[0] == outs[1], f"{same} of 32 greedy tokens agree"
+    kernels, refs = mini_greedy_with_kernels_and_references(32, FP8)
+    same = sum(a == b for a, b in zip(kernels, refs, strict=True))
+    assert kernels == refs, f"{same} of 32 greedy tokens agree"

@@ -60,3 +60,12 @@ def widen(x, DTYPE: tl.constexpr):
     """E4M3 values as ``DTYPE`` (the query's) for the tensor-core dot: exact, every E4M3 value is a bf16, fp16
     and fp32 value; the row scales are applied to the dot's result (keys) or to P (values), never rounded in."""
     return x.to(tl.float32).to(DTYPE)
+
+
+@triton.jit
+def store_quantized(row_ptrs, scale_ptrs, x, keep, scale_keep, INTERPRETED: tl.constexpr):
+    """Quantise rows x [R, D] fp32 (``keep`` marks the real elements) into the E4M3 bytes at ``row_ptrs`` (a uint8
+    view of the pool) and their scales at ``scale_ptrs`` [R] (where ``scale_keep``)."""
+    scale = row_scale(x, keep, INTERPRETED)
+    tl.store(row_ptrs, encode_e4m3(x, scale, INTERPRETED), mask=keep)
+    tl.store(scale_ptrs, scale, mask=scale_keep)

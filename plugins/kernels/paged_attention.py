@@ -18,10 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of,
+from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, next_pow2, query_tiles, sequence_of,
                      splits_for, tokens_per_tile)
-from ._fp8 import widen
-from ._splitk import LOG2E, Partials, online_softmax_step, online_softmax_step_scaled
+from ._splitk import LOG2E, Partials, attend_tile
 
 OP = "m3::paged_attention"
 
@@ -80,22 +79,9 @@ def _paged_attention(
                     mask=kmask[:, None] & (d[None, :] < D), other=0.0)
         v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-        if FP8:  # E4M3 rows: the dot on the exact values, each key's scale on its score column
-            k = widen(k, q_ptr.dtype.element_ty)
-            v = widen(v, q_ptr.dtype.element_ty)
-            ks = tl.load(ks_ptr + page * sks_p + row * sks_r + g, mask=kmask, other=0.0)
-            vs = tl.load(vs_ptr + page * svs_p + row * svs_r + g, mask=kmask, other=0.0)
-            s = mma(q, tl.trans(k), PREC, INTERPRETED) * (ks * qk_scale)[None, :]
-        else:
-            s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
-        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-        if FP8 and q_ptr.dtype.element_ty != tl.float16:
-            m_i, l_i, acc = online_softmax_step_scaled(s, v, vs, m_i, l_i, acc, PREC, INTERPRETED)
-        elif FP8:  # fp16: P * scale could fall below fp16's normal range, so V is dequantised (2^-11) instead
-            v = (v.to(tl.float32) * vs[:, None]).to(tl.float16)
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
-        else:
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
+        m_i, l_i, acc = attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g,
+                                    vs_ptr + page * svs_p + row * svs_r + g, kmask, j[None, :] <= pos[:, None],
+                                    qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
 
     if SPLITS == 1:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._batch import cdiv, interpreted, next_pow2
-from ._fp8 import encode_e4m3, row_scale
+from ._fp8 import store_quantized
 
 
 @triton.jit
@@ -75,21 +75,16 @@ def _norm_rope(
         page = slot // PAGE
         r = slot % PAGE
         if FP8:  # E4M3 bytes (the pools arrive as uint8 views) + one fp32 scale per (token, head)
-            scale = row_scale(out, ok, INTERPRETED)
-            tl.store(pool_ptr + page * sp_p + r * sp_r + h[:, None] * sp_h + d[None, :],
-                     encode_e4m3(out, scale, INTERPRETED), mask=ok)
-            tl.store(scale_ptr + page * ss_p + r * ss_r + h, scale, mask=h < H)
+            store_quantized(pool_ptr + page * sp_p + r * sp_r + h[:, None] * sp_h + d[None, :],
+                            scale_ptr + page * ss_p + r * ss_r + h, out, ok, h < H, INTERPRETED)
         else:
             tl.store(pool_ptr + page * sp_p + r * sp_r + h[:, None] * sp_h + d[None, :],
                      out.to(pool_ptr.dtype.element_ty), mask=ok)
         if WITH_V:
             v = tl.load(v_ptr + t.to(tl.int64) * sv_t + h[:, None] * sv_h + d[None, :], mask=ok, other=0.0)
             if FP8:
-                v = v.to(tl.float32)
-                vscale = row_scale(v, ok, INTERPRETED)
-                tl.store(vpool_ptr + page * svp_p + r * svp_r + h[:, None] * svp_h + d[None, :],
-                         encode_e4m3(v, vscale, INTERPRETED), mask=ok)
-                tl.store(vscale_ptr + page * svs_p + r * svs_r + h, vscale, mask=h < H)
+                store_quantized(vpool_ptr + page * svp_p + r * svp_r + h[:, None] * svp_h + d[None, :],
+                                vscale_ptr + page * svs_p + r * svs_r + h, v.to(tl.float32), ok, h < H, INTERPRETED)
             else:
                 tl.store(vpool_ptr + page * svp_p + r * svp_r + h[:, None] * svp_h + d[None, :],
                          v.to(vpool_ptr.dtype.element_ty), mask=ok)
