@@ -163,3 +163,23 @@ def test_workers_exit_when_rank_0_is_killed():
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pid), f"worker {pid} outlived rank 0"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-tp", "3"], "tensor_parallel_size 3 does not divide num_attention_heads (4)"),
+    (["--tensor-parallel-size", "2", "--device", "cuda"] if not torch.cuda.is_available() else
+     ["--tensor-parallel-size", str(torch.cuda.device_count() + 1), "--device", "cuda"], "CUDA devic"),
+])
+def test_generate_refuses_a_group_that_cannot_run_in_one_line(argv, message, capsys):
+    """Checked before any process starts or any weight loads: one line, exit code 2."""
+    from m3export.cli import main
+
+    assert main(["generate", "tiny", "--prompt-ids", "1,2", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_parallel_flags_refuse_an_artifact(tmp_path):
+    """Parallel runs start from a checkpoint: an artifact's graphs are one device's (before anything loads)."""
+    with pytest.raises(M3Error, match="run a checkpoint or preset on the torch backend"):
+        Engine.from_artifact(tmp_path, tensor_parallel_size=2)

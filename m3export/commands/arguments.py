@@ -70,3 +70,35 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser, default: str | None 
                    help="cache dtype of K/V and index keys: auto = the model dtype, bf16, or fp8 (E4M3 with one "
                         "fp32 scale per token and head, about 1.9x the tokens per byte; torch backend: an "
                         "exported artifact's graphs keep the cache dtype they were exported with)")
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size`` / ``--expert-parallel`` (vLLM's names and meaning), on every command that creates
+    an engine from a checkpoint (``docs/parallel.md``)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=bounded_int(1), default=1, metavar="N",
+                   help="run the model split across N processes, one per device (cuda: devices --device's index .. "
+                        "+ N - 1, NCCL; cpu: gloo), from a checkpoint or preset on the torch backend (default 1)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: split the routed experts whole across the N ranks instead "
+                        "of splitting every expert's columns (attention stays tensor parallel)")
+
+
+def check_parallel(args: argparse.Namespace) -> None:
+    """The group fits this machine (one clear line before anything loads); a note when --expert-parallel has a
+    single rank to split over."""
+    import sys
+
+    if args.tensor_parallel_size > 1:
+        from ..runtime.distributed import check_world
+
+        check_world(args.tensor_parallel_size, args.device)
+    elif args.expert_parallel:
+        print("note: --expert-parallel with --tensor-parallel-size 1 changes nothing (one rank holds every expert)",
+              file=sys.stderr)
+
+
+def parallel_engine_args(args: argparse.Namespace) -> dict:
+    """The engine keywords of the parallel flags (none for one rank, so every backend accepts the rest)."""
+    if args.tensor_parallel_size == 1:
+        return {}
+    return {"tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel}

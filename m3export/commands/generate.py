@@ -8,7 +8,8 @@ import sys
 from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
-from .arguments import add_kv_cache_dtype_argument, bounded_int, check_device, check_text
+from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, bounded_int, check_device,
+                        check_parallel, check_text, parallel_engine_args)
 from .synth import has_random_weights
 
 NAME = "generate"
@@ -20,6 +21,7 @@ EXAMPLES = """\
   m3export generate art/mini --prompt "Hello" --backend onnxruntime --provider cuda:device_id=0
   m3export generate art/tiny --prompt "Hello" --speculative 2 --temperature 0.8 --top-p 0.9 --seed 0
   m3export generate tiny --prompt-ids 1,2,3 --temperature 0        # preset, random weights, token ids out
+  m3export generate ckpt/m3 --prompt "Hello" --device cuda --tensor-parallel-size 2 --expert-parallel
 """
 
 
@@ -48,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     add_provider_argument(p, default=None)
     add_kv_cache_dtype_argument(p)
+    add_parallel_arguments(p)
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=bounded_int(2),
@@ -76,7 +79,7 @@ def _engine(args: argparse.Namespace):
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager,
-              "kv_cache_dtype": args.kv_cache_dtype}
+              "kv_cache_dtype": args.kv_cache_dtype, **parallel_engine_args(args)}
     if args.provider is not None and args.backend != "onnxruntime":
         raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend onnxruntime")
     if source_kind(args.artifact) == ARTIFACT:
@@ -101,11 +104,19 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         check_text("--prompt", args.prompt)
     check_device(args.device)
+    check_parallel(args)
     try:
         engine = _engine(args)
     except ValueError as e:  # the engine's own checks of its sizes (pool, length limit, speculation)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _generate(args, engine, prompt, params)
+    finally:
+        engine.close()  # a parallel engine's worker processes stop here
+
+
+def _generate(args: argparse.Namespace, engine, prompt, params) -> int:
     if isinstance(prompt, str) and engine.tokenizer is None:
         print(f"error: {args.artifact} has no tokenizer.json: pass --prompt-ids instead of --prompt", file=sys.stderr)
         return 2

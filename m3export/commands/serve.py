@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import add_kv_cache_dtype_argument
+from .arguments import add_kv_cache_dtype_argument, add_parallel_arguments, check_parallel, parallel_engine_args
 
 NAME = "serve"
 HELP = ("Serve an artifact, checkpoint or preset through an OpenAI-compatible HTTP API (/v1/models, "
@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     add_kv_cache_dtype_argument(p)
+    add_parallel_arguments(p)
     p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: the source's)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: %(default)s)")
@@ -96,6 +97,8 @@ def build_server(args: argparse.Namespace):
         engine_args["enforce_eager"] = True
     if args.kv_cache_dtype != "auto":
         engine_args["kv_cache_dtype"] = args.kv_cache_dtype
+    check_parallel(args)
+    engine_args.update(parallel_engine_args(args))
     for key in ("max_model_len", "num_pages", "dtype"):
         if getattr(args, key) is not None:
             engine_args[key] = getattr(args, key)
@@ -139,5 +142,8 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     # Ctrl-C lets responses in flight finish for a few seconds, then cancels them (their requests are aborted).
     config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        server.engine.close()  # a parallel engine's worker processes stop with the server
     return 0
