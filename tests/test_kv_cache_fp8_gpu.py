@@ -111,3 +111,25 @@ def test_mini_model_fp8_cache_greedy_tokens_equal_with_kernels_and_references():
     kernels, refs = mini_greedy_with_kernels_and_references(32, FP8)
     same = sum(a == b for a, b in zip(kernels, refs, strict=True))
     assert kernels == refs, f"{same} of 32 greedy tokens agree"
+
+
+@pytest.mark.parametrize("k", [0, 2], ids=["no-spec", "mtp-k2"])
+def test_graphs_replay_the_eager_tokens_on_fp8_caches(k):
+    """Decode (and with k = 2 verify and MTP chain) steps replayed from CUDA graphs on FP8 pools give the eager
+    tokens (fp32 tiny model: the same kernels, the same bytes)."""
+    from m3export.ops.kv_fp8 import FP8
+    from m3export.plugins.kernels import register
+    from m3export.runtime import Engine, SamplingParams
+    from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+    from tests.runtime_fixtures import prompts, tiny_model
+
+    register()
+    m = tiny_model().float().cuda()
+    ps = prompts(3, seed=4)
+    kw = dict(page_size=4, num_pages=64, num_speculative_tokens=k)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    eager = Engine(GraphedTorchBackend(m, FP8, use_graphs=False), **kw).generate(ps, params)
+    be = GraphedTorchBackend(m, FP8, use_graphs=True)
+    graphed = Engine(be, **kw).generate(ps, params)
+    assert be.replays > 0 and be._caches[-1][0].dtype == FP8
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]

@@ -214,3 +214,16 @@ def test_command_line_server_and_offline_api_take_the_option(capsys):
         build_parser().parse_args(["generate", "tiny", "--prompt", "x", "--kv-cache-dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
     assert LLM("tiny", kv_cache_dtype="fp8", max_model_len=64).engine.backend.dtype == FP8
+
+
+def test_padded_graph_shapes_on_fp8_caches_keep_the_tokens(model, e4m3_reference):
+    """The CUDA-graph backend's bucket shapes (padded decode and verify steps, MTP chain steps), run eagerly
+    here, on FP8 pools: padding rows write their quantised rows and scales where no request reads."""
+    from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+
+    be = GraphedTorchBackend(model, FP8, use_graphs=False, pad_eagerly=True, buckets=(1, 2, 4))
+    eng = Engine(be, page_size=4, num_pages=64, max_num_seqs=3, num_speculative_tokens=2)
+    ps = prompts(3, seed=5)
+    for p, o in zip(ps, eng.generate(ps, GREEDY), strict=True):
+        assert o.token_ids == e4m3_reference(tuple(p), 10)
+    assert be.padded_mtp_steps > 0
