@@ -74,10 +74,18 @@ def test_mp4_decodes_through_pyav():
     assert max(errors) < 12
 
 
-def test_frame_cap_and_bad_files_are_one_clear_error():
+def test_frame_cap_and_bad_files_are_one_clear_error(monkeypatch):
+    import m3export.preprocess.video_file as video_file
+
     gif = _animated(_frames(3, n=6), "GIF")
     with pytest.raises(MediaError, match="video: more than 4 frames, the cap on video frames"):
         decode_video(gif, max_frames=4)
+    monkeypatch.setattr(video_file, "MAX_VIDEO_PIXELS", 3 * 28 * 20)  # three of these frames
+    with pytest.raises(MediaError, match="video: 4 frames of 28 x 20 exceed the decode limit of 1680 pixels"):
+        decode_video(gif)
+    with pytest.raises(MediaError, match="clip: 4 frames of 28 x 20 exceed the decode limit"):
+        video_file.decode_frames([_png_of(f) for f in _frames(3, n=6)], what="clip")
+    monkeypatch.undo()
     with pytest.raises(MediaError, match="video: no bytes"):
         decode_video(b"")
     with pytest.raises(MediaError, match="video: (cannot decode the video bytes|not an image sequence Pillow reads)"):
@@ -89,7 +97,7 @@ def test_frame_cap_and_bad_files_are_one_clear_error():
     cfg = preset("tiny").replace(num_mtp_modules=0, vision=VISION)
     with pytest.raises(MediaError, match="video 0: more than 4 frames"):
         prepare_media(cfg, f"a {VIDEO_TOKEN}", videos=[gif], settings=capped)
-    with pytest.raises(MediaError, match="video 0: 6 frames exceed the cap of 4"):
+    with pytest.raises(MediaError, match="video 0: more than 4 frames, the cap on video frames"):
         prepare_media(cfg, f"a {VIDEO_TOKEN}", videos=[[_png(i) for i in range(6)]], settings=capped)
 
 

@@ -42,6 +42,19 @@ def decode_video(data: bytes, max_frames: int = DEFAULT_MAX_FRAMES, what: str = 
     return _decode_with_pyav(data, max_frames, what)
 
 
+def decode_frames(images: list[bytes], max_frames: int = DEFAULT_MAX_FRAMES, what: str = "video") -> DecodedVideo:
+    """A video sent as its frames, each an encoded image: decoded one by one within the same frame cap and pixel
+    budget as a video file (the rate is not known)."""
+    from .image import decode_image, to_rgb_uint8
+
+    budget, frames = _Budget(max_frames, what), []
+    for i, data in enumerate(images):
+        image = decode_image(bytes(data), f"{what} frame {i}")
+        budget.add(image.width, image.height)
+        frames.append(to_rgb_uint8(image, f"{what} frame {i}").permute(1, 2, 0).numpy())
+    return DecodedVideo(frames, None)
+
+
 class _Budget:
     """Counts frames and pixels as they are decoded; raises as soon as a limit is passed."""
 

@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 from ..config import M3Config
 from ..errors import MediaError
-from ..preprocess import decode_image, expand_prompt, preprocess_images, preprocess_video
+from ..preprocess import expand_prompt, preprocess_images, preprocess_video
 from ..preprocess.prompt import IMAGE_TOKEN, VIDEO_TOKEN
 from ..preprocess.settings import MediaSettings
-from ..preprocess.video_file import decode_video
+from ..preprocess.video_file import decode_frames, decode_video
 
 
 def image_bytes(element: bytes | str, what: str = "image") -> bytes:
@@ -74,9 +74,8 @@ def _frames(video, what: str, settings: MediaSettings):
         decoded = decode_video(bytes(video), settings.video.max_frames, what)
         return decoded.frames, decoded.fps
     if isinstance(video, (list, tuple)) and video and isinstance(video[0], (bytes, bytearray, memoryview)):
-        if len(video) > settings.video.max_frames:
-            raise MediaError(f"{what}: {len(video)} frames exceed the cap of {settings.video.max_frames}")
-        return [decode_image(bytes(f), f"{what} frame {i}") for i, f in enumerate(video)], None
+        decoded = decode_frames(list(video), settings.video.max_frames, what)
+        return decoded.frames, decoded.fps
     return video, None
 
 
