@@ -1,113 +1,221 @@
-"""MTP speculation on the embedded trained model: acceptance length and decode speed-up, per backend.
+"""MTP speculation on the embedded trained model: acceptance length and decode speed-up, per backend, one run.
 
 Prompts are held-out Python files (``m3export.corpus``: never seen in training), each cut to its first
-``--prompt-len`` tokens; every configuration generates ``--new-tokens`` tokens from each, one request at a time
-(single-stream decode, where speculation is meant to help). For each backend the non-speculative run (k = 0) is
-the baseline of the same process, same prompts, same thread count. Greedy runs check that speculation leaves the
-output unchanged; sampled runs (temperature 0.8, rejection sampling) report acceptance only, since their tokens
-are random.
+``--prompt-len`` tokens; every configuration generates ``--new-tokens`` tokens from each, ``--batch`` requests at a
+time (1: single-stream decode, where speculation is meant to help). For each backend, engines with k = 0 (the
+baseline), 1, 2 and 3 drafts are built once and then run **interleaved**: every group of prompts goes through all
+four engines back to back (the order rotating from group to group), ``--repeats`` times, so a load change on a
+shared machine hits baseline and speculation alike; each speed-up is the ratio of decode rates taken in this run,
+at the same temperature. Decode rate = tokens of decode steps / time of those steps (``EngineStats``: steps that
+computed prompt tokens, and the drafter's catch-up over the prompt in them, count as prefill).
 
-  python bench/mtp_speculation.py                                  # embedded model, torch + onnxruntime, CPU
-  python bench/mtp_speculation.py --backends torch --device cuda   # on a GPU (torch backend)
+Greedy runs check that speculation leaves every output unchanged, token for token. Sampled runs (temperature 0.8,
+seeded, rejection sampling) keep the target distribution but not the tokens of a plain run (the uniforms decide
+different things), so they report acceptance and speed only.
+
+  python bench/mtp_speculation.py                                          # CPU: torch + onnxruntime, 1 thread
+  python bench/mtp_speculation.py --device cuda --backends torch,torch-eager   # a GPU: CUDA graphs and eager
+
+Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and one-position MTP steps replay from
+CUDA graphs), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``), ``onnxruntime`` (an
+artifact exported in this run, ``--threads`` intra-op threads).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+KS = (0, 1, 2, 3)
+TEMPERATURES = (0.0, 0.8)
+BACKENDS = ("torch", "torch-eager", "onnxruntime")
 
-def run(engine_factory, prompts, k: int, temperature: float, new: int):
+
+@dataclass
+class Tally:
+    """What one engine did over the measured requests of one temperature."""
+
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+    wall_time: float = 0.0
+    tokens: int = 0
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    outputs: list = field(default_factory=list)  # token ids per (repeat, prompt), in run order
+    per_repeat: list = field(default_factory=list)  # (decode tokens, decode time) per repeat
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
+
+
+def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threads: int, batch: int) -> dict:
+    """One engine per k, each with its own pools (and, for onnxruntime, sessions)."""
+    from m3export.runtime import Engine
+
+    engines = {}
+    for k in KS:
+        common = dict(num_speculative_tokens=k, max_num_seqs=batch)
+        if backend in ("torch", "torch-eager"):
+            engines[k] = Engine.from_checkpoint(ckpt, device=device, enforce_eager=backend == "torch-eager",
+                                                **common)
+        else:
+            from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+            from m3export.runtime.tokenizer import find_tokenizer
+
+            be = OnnxRuntimeBackend.from_artifact(art, device=device, threads=threads)
+            engines[k] = Engine(be, find_tokenizer(art, be.config), **common)
+    return engines
+
+
+def measure(engines: dict, groups: list[list[list[int]]], temperature: float, new: int, repeats: int) -> dict:
+    """Every group through every engine, interleaved; a Tally per k."""
     from m3export.runtime import SamplingParams
     from m3export.runtime.stats import EngineStats
 
-    eng = engine_factory(k)
-    eng.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
-    eng.stats = EngineStats()  # count the measured requests only
-    outs, start = [], time.perf_counter()
-    for i, p in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True, seed=i)
-        outs.append(eng.generate([p], params)[0].token_ids)
-    wall = time.perf_counter() - start
-    s = eng.stats
-    return {"k": k, "temperature": temperature, "acceptance_length": s.mean_acceptance_length,
-            "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-            "decode_tok_s": s.decode_tok_s, "wall_s": wall, "tokens": sum(len(o) for o in outs)}, outs
+    tallies = {k: Tally() for k in engines}
+    for rep in range(repeats):
+        before = {k: (t.decode_tokens, t.decode_time) for k, t in tallies.items()}
+        for g, prompts in enumerate(groups):
+            order = list(engines)[g % len(engines):] + list(engines)[:g % len(engines)]
+            for k in order:
+                eng, t = engines[k], tallies[k]
+                eng.stats = EngineStats()
+                params = [SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True,
+                                         seed=1000 * g + i) for i in range(len(prompts))]
+                start = time.perf_counter()
+                outs = eng.generate(prompts, params)
+                t.wall_time += time.perf_counter() - start
+                s = eng.stats
+                t.decode_tokens += s.decode_tokens
+                t.decode_time += s.decode_time
+                t.verify_steps += s.verify_steps
+                t.draft_tokens += s.draft_tokens
+                t.accepted_tokens += s.accepted_tokens
+                t.outputs.extend(o.token_ids for o in outs)
+                t.tokens += sum(len(o.token_ids) for o in outs)
+        for k, t in tallies.items():
+            t.per_repeat.append((t.decode_tokens - before[k][0], t.decode_time - before[k][1]))
+    return tallies
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="checkpoint directory (default: the embedded trained model)")
-    ap.add_argument("--backends", default="torch,onnxruntime")
+    ap.add_argument("--backends", default=None,
+                    help=f"comma-separated, of {', '.join(BACKENDS)} (default: torch,onnxruntime on cpu, "
+                         "torch,torch-eager on cuda)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "mtp_speculation.json"))
+    ap.add_argument("--batch", type=int, default=1, help="requests generated together (max_num_seqs)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved passes over the prompts per temperature")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch and ONNX Runtime intra-op)")
+    ap.add_argument("--json", default=None, help="default: bench/results/mtp_speculation_<device>.json")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    default = "torch,torch-eager" if device.type == "cuda" else "torch,onnxruntime"
+    backends = (args.backends or default).split(",")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backends {unknown}: expected some of {', '.join(BACKENDS)}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch build sees no CUDA device")
+    if min(args.prompts, args.prompt_len, args.new_tokens, args.batch, args.repeats, args.threads) < 1:
+        ap.error("--prompts, --prompt-len, --new-tokens, --batch, --repeats and --threads must be >= 1")
     torch.set_num_threads(args.threads)
+    json_path = Path(args.json or Path(__file__).parent / "results" / f"mtp_speculation_{device.type}.json")
 
     from tokenizers import Tokenizer
 
     from m3export.corpus import encode_files, heldout_windows, stdlib_files
     from m3export.embedded import default_model
     from m3export.export.exporter import export_artifact
-    from m3export.runtime import Engine
+    from m3export.runtime import SamplingParams
 
     ckpt = Path(args.checkpoint) if args.checkpoint else default_model()
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     held = encode_files(tok, [text for _, text in stdlib_files("heldout")])
     prompts = heldout_windows(held, args.prompt_len, args.prompts)
+    if len(prompts) < args.prompts:
+        print(f"note: the held-out files give only {len(prompts)} windows of {args.prompt_len} tokens")
+    groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
-    rows, table = [], []
+    rows, table, t0 = [], [], time.perf_counter()
+
+    def write(complete: bool) -> None:
+        """The JSON so far: rewritten after every (backend, temperature), so a run cut short keeps its rows."""
+        out = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(sys.argv),
+               "complete": complete, "checkpoint": str(ckpt), "device": args.device,
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+               "threads": args.threads, "batch": args.batch, "prompts": len(prompts),
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+               "torch": torch.__version__, "python": platform.python_version(), "load_average_start": load_start,
+               "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+               "elapsed_s": time.perf_counter() - t0, "rows": rows}
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(out, indent=2) + "\n")
+
+    header = (f"{'backend':12s} {'temp':>4s} {'k':>2s} {'accept':>6s} {'decode/s':>9s} {'speedup':>8s} "
+              f"{'min..max':>11s} {'same':>5s}")
+    print(header, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         art = None
-        for backend in args.backends.split(","):
-            if backend == "torch":
-                def factory(k):
-                    return Engine.from_checkpoint(ckpt, device=args.device, num_speculative_tokens=k, max_num_seqs=1)
-            else:
-                if art is None:
-                    art = export_artifact(str(ckpt), Path(tmp) / "art", progress=False)
-
-                def factory(k, backend=backend):
-                    return Engine.from_artifact(art, backend=backend, device=args.device, num_speculative_tokens=k,
-                                                max_num_seqs=1)
-            base, base_out = run(factory, prompts, 0, 0.0, args.new_tokens)
-            for temperature in (0.0, 0.8):
-                for k in (0, 1, 2, 3):
-                    if k == 0 and temperature == 0.0:
-                        r, out = base, base_out
-                    else:
-                        r, out = run(factory, prompts, k, temperature, args.new_tokens)
-                    r["backend"] = backend
-                    r["speedup_vs_k0_greedy"] = r["decode_tok_s"] / base["decode_tok_s"]
+        if "onnxruntime" in backends:
+            art = export_artifact(str(ckpt), Path(tmp) / "art", progress=False)
+        for backend in backends:
+            engines = build_engines(backend, ckpt, art, args.device, args.threads, args.batch)
+            for eng in engines.values():  # warm-up: kernels, graphs of the batch's shapes, allocator
+                eng.generate(groups[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            for temperature in TEMPERATURES:
+                tallies = measure(engines, groups, temperature, args.new_tokens, args.repeats)
+                base = tallies[0]
+                for k, t in tallies.items():
+                    ratios = [(n / s) / (bn / bs) if s and bs else 0.0
+                              for (n, s), (bn, bs) in zip(t.per_repeat, base.per_repeat)]
+                    row = {"backend": backend, "temperature": temperature, "k": k,
+                           "acceptance_length": t.acceptance_length, "verify_steps": t.verify_steps,
+                           "draft_tokens": t.draft_tokens, "accepted_tokens": t.accepted_tokens,
+                           "decode_tokens": t.decode_tokens, "decode_time_s": t.decode_time,
+                           "decode_tok_s": t.decode_tok_s, "speedup_vs_k0": t.decode_tok_s / base.decode_tok_s,
+                           "speedup_per_repeat": ratios, "tokens": t.tokens, "wall_s": t.wall_time,
+                           "wall_tok_s": t.tokens / t.wall_time}
                     if temperature == 0.0:
-                        r["same_output_as_k0"] = out == base_out
-                    rows.append(r)
-                    acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
-                    table.append(f"{backend:12s} {temperature:4.1f} {k:2d} {acc:>6s} {r['decode_tok_s']:9.1f} "
-                                 f"{r['speedup_vs_k0_greedy']:7.2f}x {str(r.get('same_output_as_k0', '')):>6s}")
+                        row["same_output_as_k0"] = t.outputs == base.outputs
+                    rows.append(row)
+                    acc = "-" if row["acceptance_length"] is None else f"{row['acceptance_length']:.2f}"
+                    spread = f"{min(ratios):.2f}..{max(ratios):.2f}"
+                    table.append(f"{backend:12s} {temperature:4.1f} {k:2d} {acc:>6s} {row['decode_tok_s']:9.1f} "
+                                 f"{row['speedup_vs_k0']:7.2f}x {spread:>11s} "
+                                 f"{str(row.get('same_output_as_k0', '')):>5s}")
                     print(table[-1], flush=True)
-    print(f"\n{'backend':12s} {'temp':>4s} {'k':>2s} {'accept':>6s} {'decode/s':>9s} {'speedup':>8s} {'same':>6s}")
-    print("\n".join(table))
-    out = {"checkpoint": str(ckpt), "device": args.device, "threads": args.threads, "prompts": len(prompts),
-           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "torch": torch.__version__,
-           "python": platform.python_version(), "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    return 0
+                write(complete=False)
+            del engines
+    elapsed = time.perf_counter() - t0
+    print(f"\n{header}\n" + "\n".join(table))
+    same = [r["same_output_as_k0"] for r in rows if "same_output_as_k0" in r]
+    print(f"\ngreedy speculation == plain greedy on every prompt: {all(same)}; {elapsed:.0f} s")
+    write(complete=True)
+    print(f"wrote {json_path}")
+    return 0 if all(same) else 1
 
 
 if __name__ == "__main__":

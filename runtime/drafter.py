@@ -19,12 +19,14 @@ MTP drafting, per step and batched over requests. Which entries each module's ca
    chain step uses also gets an entry at every earlier chain position (same inputs as the module that drafted
    there), for the same reason as in 1.: its attention must never reach a row this request did not write.
 
-Cost: each module's pending entries (its catch-up, then the chain positions since it last ran) are written by
-its next call, as one run of positions per request, so a round of k drafts is k module calls (a module with no
-draft to make in the round writes its catch-up in one call at the end), not one call per module per position:
-for k = 2 with two modules, module 0 over the kept positions and module 1 over the kept positions plus the
-first chain position. Greedy drafts are one argmax over the batch; only sampled drafts go through the filtered
-distribution, one request at a time.
+Cost: a module call costs about the same whatever its (small) token count, so each module's pending entries (its
+catch-up, then the chain positions since it last ran) are written by its next call, one run of positions per
+request: a round of k drafts is at most k module calls, not one call per module per position (for k = 2 with two
+modules: module 0 over the kept positions, module 1 over the kept positions plus the first chain position), and
+a module that drafts nothing in a round writes its catch-up in one call at the end. A backend that replays
+one-position steps from CUDA graphs (``Backend.replays_single_position_mtp_steps``) gets every entry as soon as it
+is known instead, so each chain call has one position per request, the shape it replays. Greedy drafts are one
+argmax over the batch; only sampled drafts go through the filtered distribution, one request at a time.
 """
 
 from __future__ import annotations
