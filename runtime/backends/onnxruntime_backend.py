@@ -94,6 +94,7 @@ class OnnxRuntimeBackend(Backend):
         names = {t.name for t in self._main.graph.inputs}
         self._media_inputs = {"media_rows", "media_embeds"} <= names
         self._vision = None  # vision.onnx's session, opened at the first media item
+        self._threads = threads
 
     @property
     def supports_media(self) -> bool:
@@ -113,6 +114,8 @@ class OnnxRuntimeBackend(Backend):
 
             options = ort.SessionOptions()
             options.log_severity_level = 3  # errors only, as the step graphs' sessions
+            if self._threads is not None:
+                options.intra_op_num_threads = self._threads
             self._vision = ort.InferenceSession(str(self.artifact.path("vision")), sess_options=options,
                                                 providers=self.provider.session_providers())
 
