@@ -7,8 +7,9 @@ Two parts:
    parallelism (no weights are built).
 2. Measured: a synthetic checkpoint (``mini`` dims, fewer layers / experts and a 32k vocabulary so that it is a
    couple of GB; ``--fmt`` mxfp8 or bf16, ``--layout``) loaded by 1 process and by ``--tp`` ranks (gloo, CPU):
-   bytes each rank copies out of the shards, its peak RSS (``ru_maxrss``: interpreter + torch + the shard + the
-   page cache of the mapped shards it touched), its anonymous RSS after loading, and the wall time.
+   bytes each rank copies out of the shards, its peak RSS (``VmHWM``: interpreter + torch + the shard + the page
+   cache of the mapped shards it touched), its anonymous RSS after loading, and the wall time (each load in its
+   own process).
 
   python bench/parallel_load.py [--tp 2] [--fmt mxfp8] [--layout original] [--dir /tmp/m3-parallel-ckpt]
   # table + bench/results/parallel_load_<fmt>.json
@@ -31,6 +32,7 @@ from results_file import RESULTS, write_results  # noqa: E402
 
 from m3export.config import preset  # noqa: E402
 from m3export.parallel import ParallelConfig, build_shard, load_model_shard  # noqa: E402
+from m3export.parallel.loading import LoadStats  # noqa: E402
 from m3export.parallel.spawn import run_ranks  # noqa: E402
 
 
@@ -51,28 +53,24 @@ def release_per_rank() -> list[dict]:
 
 
 def rank_load(rank: int, world: int, ckpt: str, ep: bool, out: str) -> None:
+    """One rank, in its own process (so its peak memory is its own); world 1 is plain ``load_model``."""
     start = time.perf_counter()
     model = load_model_shard(ckpt, ParallelConfig(world, ep), rank, dtype=torch.bfloat16)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({**model.load_stats.to_dict(),
-                                                          "seconds": time.perf_counter() - start}))
+    stats = getattr(model, "load_stats", None)
+    if stats is None:  # one process: load_model, which reads every tensor whole
+        stats = LoadStats(bytes_read=None)
+        stats.measure_memory()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({**stats.to_dict(), "seconds": time.perf_counter() - start}))
+    del model
 
 
 def measured(ckpt: Path, tp: int) -> list[dict]:
-    import m3export
-    from m3export.parallel.loading import LoadStats
-
     rows = []
-    start = time.perf_counter()
-    m3export.load_model(str(ckpt), dtype=torch.bfloat16, progress=False)
-    one = LoadStats()
-    one.measure_memory()
-    rows.append(dict(tp=1, ep=False, rank=0, bytes_read=None, peak_rss_bytes=one.peak_rss_bytes,
-                     anon_rss_bytes=one.anon_rss_bytes, seconds=time.perf_counter() - start))
-    for ep in (False, True):
+    for world, ep in ((1, False), (tp, False), (tp, True)):
         with tempfile.TemporaryDirectory() as tmp:
-            run_ranks(rank_load, tp, str(ckpt), ep, tmp, timeout_s=1800)
-            for r in range(tp):
-                rows.append(dict(tp=tp, ep=ep, rank=r, **json.loads(Path(tmp, f"rank{r}.json").read_text())))
+            run_ranks(rank_load, world, str(ckpt), ep, tmp, timeout_s=1800)
+            for r in range(world):
+                rows.append(dict(tp=world, ep=ep, rank=r, **json.loads(Path(tmp, f"rank{r}.json").read_text())))
     return rows
 
 

@@ -36,9 +36,9 @@ from .sharding import SCALE, Shard, shard_of
 @dataclass
 class LoadStats:
     """What one rank's load read and held: checkpoint bytes copied out of the shards (slices counted by their own
-    size) and the number of reads; the process's peak resident memory (``ru_maxrss``: includes the interpreter
-    and torch, and the page cache of the memory-mapped shards it touched) and, after loading with the shards
-    closed, its anonymous resident memory (the shard's host-side tensors plus the baseline, no file pages)."""
+    size) and the number of reads; the process's peak resident memory (``VmHWM``: includes the interpreter and
+    torch, and the page cache of the memory-mapped shards it touched) and, after loading with the shards closed,
+    its anonymous resident memory (the shard's host-side tensors plus the baseline, no file pages)."""
 
     bytes_read: int = 0
     reads: int = 0
@@ -49,7 +49,9 @@ class LoadStats:
         return asdict(self)
 
     def measure_memory(self) -> None:
-        self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        # VmHWM is this process image's own peak; ru_maxrss would carry the peak of a large parent that forked
+        # the rank (Linux keeps it across fork + exec). Without procfs, ru_maxrss (KiB on Linux) is all there is.
+        self.peak_rss_bytes = (_status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         self.anon_rss_bytes = _status_kib("RssAnon") * 1024
 
 
