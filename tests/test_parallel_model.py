@@ -111,6 +111,12 @@ def rank_worker(rank: int, world: int, out_dir: str, plan: list, device: str) ->
         tensors.update({f"{name}/{k}": v for k, v in res.items()})
         stats[name] = {**model.load_stats.to_dict(), "kv_heads": model.config.num_key_value_heads,
                        "page_bytes": TorchBackend(model).page_bytes(PAGE)}
+    for label, args in (("world", (ParallelConfig(4), rank)), ("rank", (TP2, 1 - rank))):
+        try:  # a split that does not match the process group is refused before any read
+            load_model_shard("tiny", *args)
+            stats[f"mismatch-{label}"] = None
+        except ValueError as e:  # ConfigError is a ValueError
+            stats[f"mismatch-{label}"] = str(e)
     save_file(tensors, f"{out_dir}/rank{rank}.safetensors")
     Path(f"{out_dir}/rank{rank}.json").write_text(json.dumps(stats))
 
@@ -189,6 +195,14 @@ def test_sharded_checkpoint_equals_single_process(ckpt_ranks, ckpts, name, tag):
     assert_matches_single(ranks, f"{name}-{tag}", reference(ckpts[name], (17,), 4))
     if name == "kv1-bf16":  # the one KV head on both ranks
         assert [s[f"{name}-{tag}"]["kv_heads"] for s in stats] == [1, 1]
+
+
+def test_a_split_that_does_not_match_the_process_group_is_refused(ckpt_ranks):
+    _, stats = ckpt_ranks
+    for r in range(2):
+        assert stats[r]["mismatch-world"] == ("tensor_parallel_size 4 but the process group has 2 ranks (world "
+                                              "size must equal tensor_parallel_size: no data parallelism)")
+        assert stats[r]["mismatch-rank"] == f"asked for rank {1 - r}'s shard in the process of rank {r}"
 
 
 @pytest.mark.parametrize("tag", ["tp2", "tp2ep"])

@@ -16,13 +16,14 @@ import resource
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..checkpoint.loader import (_convert, build_empty, check_finite, check_tensors, load_model, materialize,
                                  open_checkpoint)
 from ..checkpoint.random_init import random_parameter
 from ..checkpoint.shards import Checkpoint
-from ..config import M3Config, preset
+from ..config import ConfigError, M3Config, preset
 from ..errors import CheckpointError
 from ..model import M3ForCausalLM
 from ..model.mlp import MoE
@@ -95,6 +96,23 @@ def build_shard(cfg: M3Config, parallel: ParallelConfig, rank: int, dtype: torch
     return model
 
 
+def _check_group(parallel: ParallelConfig, rank: int, group) -> None:
+    """``rank`` must be a rank of the split and, once the process group exists, this process's rank in a group of
+    ``tensor_parallel_size`` (a mismatch would hang or mix shards in the first collective). Loading before
+    ``init_process_group`` is allowed (inspection, export); the first collective then says it is missing."""
+    tp = parallel.tensor_parallel_size
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside tensor_parallel_size {tp}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    size, mine = dist.get_world_size(group), dist.get_rank(group)
+    if size != tp:
+        raise ConfigError(f"tensor_parallel_size {tp} but the process group has {size} ranks (world size must "
+                          "equal tensor_parallel_size: no data parallelism)")
+    if mine != rank:
+        raise ValueError(f"asked for rank {rank}'s shard in the process of rank {mine}")
+
+
 def _check_shapes(model: M3ForCausalLM, full: dict[str, torch.Tensor], cfg: M3Config, parallel: ParallelConfig,
                   rank: int) -> dict[str, Shard]:
     """{parameter: Shard}, after checking that every local parameter has its shard's shape of the global one."""
@@ -123,8 +141,7 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
     if parallel.tensor_parallel_size == 1:
         return load_model(source, device=device, dtype=dtype, dequantize=dequantize, seed=seed, mxfp8=mxfp8,
                           progress=progress)
-    if not 0 <= rank < parallel.tensor_parallel_size:
-        raise ValueError(f"rank {rank} is outside tensor_parallel_size {parallel.tensor_parallel_size}")
+    _check_group(parallel, rank, group)
     stats = LoadStats()
     if is_preset(source):
         cfg = preset(str(source))
