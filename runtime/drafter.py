@@ -25,8 +25,8 @@ request: a round of k drafts is at most k module calls, not one call per module 
 modules: module 0 over the kept positions, module 1 over the kept positions plus the first chain position), and
 a module that drafts nothing in a round writes its catch-up in one call at the end. A backend that replays
 one-position steps from CUDA graphs (``Backend.replays_single_position_mtp_steps``) gets every entry as soon as it
-is known instead, so each chain call has one position per request, the shape it replays. Greedy drafts are one
-argmax over the batch; only sampled drafts go through the filtered distribution, one request at a time.
+is known instead, so each chain call has one position per request, the shape it replays. Greedy and sampled
+drafts are decided for all rows at once where the logits are, with one device-to-host copy of the tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from m3export.model.batch import Segment, build_batch
 
 from .backends.base import Backend
 from .request import Request
-from .sampling import Purpose, draw, filtered_probs
+from .sampling import propose_rows
 
 
 @dataclass
@@ -66,23 +66,17 @@ class Drafter(ABC):
 
 
 def _propose(reqs: list[Request], logits: torch.Tensor) -> None:
-    """Append each request's next draft (logits row i is request i's): argmax for greedy requests, in one call
-    over the rows on the logits' device; sampled requests draw from their filtered distribution, with the uniform
-    for the position drafted (after the request's tokens and drafts so far), so a position redrafted from the same
-    context gets the same draft, and record its distribution in ``draft_probs``."""
-    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
-    if greedy:
-        rows = logits if len(greedy) == len(reqs) else logits[greedy]
-        for i, tok in zip(greedy, torch.argmax(rows, dim=-1).tolist()):
-            reqs[i].drafts.append(tok)
-    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-    if sampled:
-        rows = logits[sampled].float().cpu()  # like target sampling: on the CPU, float64 distributions
-        for i, row in zip(sampled, rows):
-            r = reqs[i]
-            probs = filtered_probs(row, r.params)
-            r.drafts.append(draw(probs, r.rng.uniform(r.num_tokens + len(r.drafts), Purpose.DRAFT)))
-            r.draft_probs = probs[None] if r.draft_probs is None else torch.cat([r.draft_probs, probs[None]])
+    """Append each request's next draft (logits row i is request i's), all rows at once where the logits are
+    (``sampling.propose_rows``: argmax for greedy requests, else a draw from the filtered distribution with the
+    uniform of the position drafted, so a position redrafted from the same context gets the same draft); sampled
+    requests also record the distribution their draft came from in ``draft_probs``."""
+    tokens, probs = propose_rows(logits, [r.params for r in reqs], [r.rng for r in reqs],
+                                 [r.num_tokens + len(r.drafts) for r in reqs])
+    for i, (r, tok) in enumerate(zip(reqs, tokens)):
+        r.drafts.append(tok)
+        if not r.params.greedy:
+            row = probs[i:i + 1]
+            r.draft_probs = row if r.draft_probs is None else torch.cat([r.draft_probs, row])
 
 
 @dataclass
