@@ -98,7 +98,8 @@ def main() -> int:
     print(f"{'tp':>3} {'ep':>5} {'GB per rank':>12}")
     for r in release:
         print(f"{r['tp']:>3} {str(r['ep']):>5} {r['bytes_per_rank'] / 1e9:>12.1f}")
-    print(f"\nMeasured, synthetic checkpoint of {size / 1e9:.2f} GB ({args.fmt}, {args.layout} layout), loaded in bf16:")
+    print(f"\nMeasured, synthetic checkpoint of {size / 1e9:.2f} GB ({args.fmt}, {args.layout} layout), "
+          "loaded in bf16:")
     print(f"{'tp':>3} {'ep':>5} {'rank':>4} {'read GB':>8} {'share':>6} {'peak RSS GB':>11} {'anon RSS GB':>11} "
           f"{'s':>6}")
     for r in rows:

@@ -240,7 +240,8 @@ SHARED_INDEX_KEY = re.compile(r"self_attn\.(index_k_proj|indexer\.k_proj)\.")
 def test_each_rank_reads_only_its_slices(ckpt_ranks, ckpts, name, tag):
     _, stats = ckpt_ranks
     header = read_header(Path(ckpts[name]) / "model.safetensors")
-    split = sum(nbytes(e.torch_dtype, e.shape) for n, e in header.items() if SPLIT.search(n) and not SHARED_INDEX_KEY.search(n))
+    split = sum(nbytes(e.torch_dtype, e.shape) for n, e in header.items()
+                if SPLIT.search(n) and not SHARED_INDEX_KEY.search(n))
     whole = sum(nbytes(e.torch_dtype, e.shape) for n, e in header.items()) - split
     assert split > 0.5 * (split + whole)  # the split tensors are most of the model: the check has teeth
     for r in range(2):

@@ -139,14 +139,25 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
     """
     dtype = dtype or torch.float32
     if parallel.tensor_parallel_size == 1:
-        return load_model(source, device=device, dtype=dtype, dequantize=dequantize, seed=seed, mxfp8=mxfp8,
-                          progress=progress)
+        model = load_model(source, device=device, dtype=dtype, dequantize=dequantize, seed=seed, mxfp8=mxfp8,
+                           progress=progress)
+    else:
+        model = _load_shard(source, parallel, rank, device, dtype, group, progress, seed, mxfp8, dequantize)
+    if str(device).startswith("cuda"):  # as m3export.load_model: the ops run the Triton kernels on CUDA
+        from m3export.plugins.kernels import use_on
+
+        use_on(device)
+    return model
+
+
+def _load_shard(source, parallel: ParallelConfig, rank: int, device, dtype, group, progress, seed, mxfp8,
+                dequantize) -> M3ForCausalLM:
     _check_group(parallel, rank, group)
     stats = LoadStats()
     if is_preset(source):
         cfg = preset(str(source))
         model = build_shard(cfg, parallel, rank, dtype, device, mxfp8, group=group)
-        _fill_random(model, cfg, parallel, rank, seed, dtype)
+        _fill_random(model, cfg, parallel, rank, seed, dtype, mxfp8)
     else:
         ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(source)
         mxfp8 = quantized and not dequantize
@@ -160,18 +171,13 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
         ckpt.close()
     stats.measure_memory()
     model.load_stats = stats
-    if str(device).startswith("cuda"):  # as m3export.load_model: the ops run the Triton kernels on CUDA
-        from m3export.plugins.kernels import use_on
-
-        use_on(device)
     return model.requires_grad_(False).eval()
 
 
-def _fill_random(model, cfg, parallel, rank, seed, dtype) -> None:
+def _fill_random(model, cfg, parallel, rank, seed, dtype, mxfp8) -> None:
     """A preset's weights: the same values ``random_model`` gives the whole model, each parameter's rank slice
     (quantised as a whole first, so an MXFP8 shard holds exactly the single-GPU E4M3 values and scales)."""
-    full = dict(build_empty(cfg, dtype, "meta", any(p.dtype == torch.float8_e4m3fn for p in model.parameters()),
-                            len(model.mtp)).named_parameters())
+    full = dict(build_empty(cfg, dtype, "meta", mxfp8, len(model.mtp)).named_parameters())
     shards = _check_shapes(model, full, cfg, parallel, rank)
     params = dict(model.named_parameters())
     for name, p in params.items():

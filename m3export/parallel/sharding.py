@@ -1,5 +1,8 @@
 """Which slice of every parameter a rank holds: the one table of the sharding (``docs/parallel.md`` explains it).
 
+The ranks' slices of a parameter partition it, except the KV-head projections (``k_proj``, ``v_proj``,
+``index_q_proj``) when there are more ranks than KV heads: each KV head is then held by tp / kv ranks.
+
 ``shard_of(name, cfg, parallel, rank)`` -> ``Shard``: replicated (``dim is None``), or the concatenation, along
 ``dim``, of the global index ranges ``ranges`` (in order). Two ranges where a parameter stacks two halves that are
 split separately: ``gate_up_proj`` / ``w13`` hold the gate rows then the up rows, and a rank keeps its share of
