@@ -5,6 +5,7 @@ mix of greedy / sampled rows, filters, penalties, drafts (one-hot and with a dra
 Random logits make ties (where the two could legitimately differ) have probability zero.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,8 @@ from m3export.runtime import SamplingParams
 from m3export.runtime.acceptance import Row, accept, decide, emitted
 from m3export.runtime.sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, draw, filtered_probs,
                                        filtered_probs_rows, penalise_rows, propose_rows, sample, token_logprobs)
+from m3export.runtime.drafter import Drafter
+from tests.runtime_fixtures import model, prompts  # noqa: F401  (fixtures)
 
 V = 97
 
@@ -225,3 +228,64 @@ def test_logprobs_of_a_token_that_is_no_candidate():
     forced = int(logits[0].argmin())
     got, want = res.logprobs(forced, 2), token_logprobs(logits[0], forced, 2)
     assert got.keys() == want.keys() and all(math.isclose(got[t], want[t], rel_tol=1e-6) for t in want)
+
+
+def _cache_free(model, prompt, params, n):
+    """The request's tokens by recomputing the whole sequence and applying the one-row sample() (penalties with
+    the history so far) at every position."""
+    ids, rng = list(prompt), PositionalRandom(params.seed or 0)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1]
+            ids.append(sample(logits, params, rng, len(ids), prompt, ids[len(prompt):]))
+    return ids[len(prompt):]
+
+
+class _KnownContinuation(Drafter):
+    """Drafts the request's true (penalised greedy) continuation, so every draft is accepted and each verify row
+    after the first must count the drafts before it in its penalty history."""
+
+    def __init__(self, continuations):
+        self.continuations = continuations
+
+    def run(self, jobs):
+        for j in jobs:
+            if j.num_drafts:
+                r = j.request
+                want = self.continuations[tuple(r.prompt_token_ids)]
+                done = len(r.output_token_ids)
+                r.drafts = want[done:done + j.num_drafts]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, repetition_penalty=1.8, presence_penalty=1.0, frequency_penalty=0.5),
+    SamplingParams(temperature=0.9, min_p=0.05, top_k=40, repetition_penalty=1.3, frequency_penalty=0.7, seed=4),
+], ids=["greedy", "sampled"])
+def test_engine_penalties_equal_a_cache_free_loop(model, params):
+    """The engine (paged, batched, device sampler) against the cache-free loop; penalties must change the
+    tokens (else the test could not tell)."""
+    from m3export.runtime import Engine
+    from m3export.runtime.backends.torch_backend import TorchBackend
+
+    ps, n = prompts(2, seed=9), 10
+    params = dataclasses.replace(params, max_tokens=n, ignore_eos=True)
+    got = [o.token_ids for o in Engine(TorchBackend(model), page_size=4, num_pages=64).generate(ps, params)]
+    assert got == [_cache_free(model, p, params, n) for p in ps]
+    plain = dataclasses.replace(params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    assert got != [o.token_ids for o in Engine(TorchBackend(model), page_size=4, num_pages=64).generate(ps, plain)]
+
+
+def test_engine_penalties_count_the_drafts_a_verify_row_follows(model):
+    """Greedy with penalties and 3 drafts per step that are all right: each verify row's penalties include the
+    drafts before it; the tokens must be the cache-free loop's and every draft accepted."""
+    from m3export.runtime import Engine
+    from m3export.runtime.backends.torch_backend import TorchBackend
+
+    ps, n = prompts(2, seed=9), 12
+    params = SamplingParams(temperature=0, repetition_penalty=1.8, presence_penalty=1.0, frequency_penalty=0.5,
+                            max_tokens=n, ignore_eos=True)
+    want = {tuple(p): _cache_free(model, p, params, n) for p in ps}
+    eng = Engine(TorchBackend(model), page_size=4, num_pages=64, num_speculative_tokens=3,
+                 drafter=_KnownContinuation(want))
+    assert [o.token_ids for o in eng.generate(ps, params)] == [want[tuple(p)] for p in ps]
+    assert eng.stats.draft_tokens > 0 and eng.stats.accepted_tokens == eng.stats.draft_tokens

@@ -403,7 +403,9 @@ def test_bad_requests_through_the_client(live):
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="other", prompt="a")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        c.completions.create(model=MODEL, prompt="a", presence_penalty=0.5)
+        c.completions.create(model=MODEL, prompt="a", presence_penalty=2.5)  # out of OpenAI's [-2, 2]
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        c.completions.create(model=MODEL, prompt="a", extra_body={"min_tokens": 3})
     neutral = c.completions.create(model=MODEL, prompt="SCRIPT[c2]", max_tokens=50, n=1, presence_penalty=0,
                                    frequency_penalty=0)
     assert neutral.choices[0].text == SCRIPTS["c2"]

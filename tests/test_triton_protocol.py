@@ -116,17 +116,29 @@ def test_vllm_keys_accepted_at_their_neutral_values_only():
                "min_p": 0.0, "min_tokens": 0, "use_beam_search": False, "include_stop_str_in_output": False,
                "skip_special_tokens": False, "logprobs": None, "max_tokens": 3}
     req = parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps(neutral))})
-    assert req.sampling == {"skip_special_tokens": False, "logprobs": None, "max_tokens": 3}
+    assert req.sampling == {"skip_special_tokens": False, "logprobs": None, "max_tokens": 3, "presence_penalty": 0.0,
+                            "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
     assert sampling_params(req) == SamplingParams(max_tokens=3, skip_special_tokens=False)
-    for key, value in [("n", 2), ("presence_penalty", 0.5), ("use_beam_search", True), ("min_p", 0.1),
-                       ("n", True), ("best_of", 3)]:
+    for key, value in [("n", 2), ("min_tokens", 4), ("use_beam_search", True), ("n", True), ("best_of", 3)]:
         with pytest.raises(RequestError, match=f"'{key}'=.*not supported by this model"):
             parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps({key: value}))})
     # Triton's generate endpoint hands non-input JSON fields over as request parameters, often as strings.
     assert parse_request({"text_input": text("a")}, {"n": "1", "frequency_penalty": "0", "max_tokens": 2}).sampling \
-        == {"max_tokens": 2}
+        == {"max_tokens": 2, "frequency_penalty": 0.0}
     with pytest.raises(RequestError, match="'n'=2"):
         parse_request({"text_input": text("a")}, {"n": "2"})
+
+
+def test_min_p_and_penalties_reach_the_sampler():
+    """min_p and vLLM's three penalties are sampling keys now (strings as request parameters, null = default);
+    out-of-range values are the request's error, naming the field."""
+    raw = {"min_p": 0.05, "repetition_penalty": "1.1", "presence_penalty": 0.5, "frequency_penalty": None}
+    req = parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps(raw))})
+    assert sampling_params(req) == SamplingParams(min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5)
+    for key, value in [("min_p", 1.5), ("presence_penalty", 3), ("repetition_penalty", 0)]:
+        req = parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps({key: value}))})
+        with pytest.raises(RequestError, match=f"SamplingParams.{key}"):
+            sampling_params(req)
 
 
 def test_return_inputs_select_outputs_that_chunks_carry():

@@ -9,7 +9,7 @@ The interface is a superset of the vLLM backend's, so clients written for it (Tr
 them) drive this model unchanged: the optional ``return_finish_reason`` / ``return_num_input_tokens`` /
 ``return_num_output_tokens`` / ``return_logprobs`` / ``return_cumulative_logprob`` inputs add the outputs of the
 same names, and vLLM sampling keys this runtime does not implement are accepted at their neutral value
-(``n=1``, zero penalties, ...) and rejected with a clear error otherwise.
+(``n=1``, ``min_tokens=0``, ...) and rejected with a clear error otherwise.
 """
 
 from __future__ import annotations
@@ -64,17 +64,17 @@ OUTPUTS = (
     TensorSpec("output_ids", "TYPE_INT64", (-1,)),
 ) + OPTIONAL_OUTPUTS
 
-FLOAT_KEYS = ("temperature", "top_p")
+FLOAT_KEYS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 INT_KEYS = ("top_k", "seed", "max_tokens", "logprobs")
 BOOL_KEYS = ("ignore_eos", "skip_special_tokens")
 LIST_KEYS = ("stop", "stop_token_ids")
 SAMPLING_KEYS = FLOAT_KEYS + INT_KEYS + BOOL_KEYS + LIST_KEYS
 NULLABLE_KEYS = ("seed", "logprobs")  # JSON null means "not set"
+NULL_IS_DEFAULT = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")  # null: the default
 
 # vLLM SamplingParams keys this runtime does not implement -> the values that mean "off" (accepted and ignored).
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "n": (1,), "best_of": (None, 1), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,),
+    "n": (1,), "best_of": (None, 1), "min_tokens": (0,), "use_beam_search": (False,),
     "length_penalty": (1, 1.0), "early_stopping": (False,), "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "detokenize": (True,), "bad_words": (None, []), "allowed_token_ids": (None,), "logit_bias": (None, {}),
@@ -210,7 +210,8 @@ def sampling_kwargs(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
         if k in NEUTRAL_VALUES:
             check_neutral(k, v, where)
     try:
-        return {k: _coerce(k, v) for k, v in raw.items() if k in SAMPLING_KEYS}
+        return {k: _coerce(k, v) for k, v in raw.items()
+                if k in SAMPLING_KEYS and not (v is None and k in NULL_IS_DEFAULT)}
     except RequestError as e:
         raise RequestError(f"{where}: {e}") from None
 
