@@ -10,9 +10,15 @@ the roofline (bytes the step must read, ``bench/decode.py``'s ``step_bytes``, ov
 bandwidth measured in the same run).
 
 Variants: ``plain`` is the artifact as exported (every ``m3`` node runs its ONNX function body); ``lowered`` is
-its ``ort-contrib`` flavour (``export --flavour ort-contrib``: ``com.microsoft`` kernels, experimental,
-``m3export/export/lowering.py``), timed with its greedy agreement and largest logit difference to the torch
-backend when the artifact has it.
+its ``ort-contrib`` flavour (``export --flavour ort-contrib [--lower MoE,MXFP8Linear,PagedAttention]``:
+``com.microsoft`` kernels, experimental, ``m3export/export/lowering.py``; which lowerings it holds is copied from
+the manifest into the JSON), timed with its greedy agreement and largest logit difference to the torch backend
+when the artifact has it. The lowered logits are held to twice the plain graph's own largest difference to the
+torch backend (floor: one bf16 ulp of the logit scale): the lowering's extra error (the norm gain ``1 + w`` rounded
+to the activation dtype, another rounding order inside the fused ops) is about one more 16-bit rounding of the
+values two 16-bit implementations already round differently (``tests/test_ort_cuda_stream.py`` uses the same
+bound). ``ort_enqueue_ms`` is how long ``forward`` takes to return before the device finishes: well under the
+step on a sync-free path (ORT on torch's stream), the whole step where something waits on the host.
 
   python bench/ort_gpu.py --artifact art/mini-bf16              # H200 + onnxruntime-gpu: table + JSON
   python bench/ort_gpu.py --smoke --artifact art/tiny           # CPU script check (CPU EP, fp32 tiny artifact)
@@ -51,6 +57,21 @@ def timed_ms(fn, reps: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def enqueue_ms(fn, reps: int, device: torch.device) -> float:
+    """Median milliseconds until ``fn`` returns, the device idle before each call (not after)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device: torch.device) -> float:
     if device.type != "cuda":
         return float("nan")
@@ -82,8 +103,12 @@ def main() -> int:
     art = load_artifact(args.artifact, verify_checksums=False)
     cfg, page = art.config, art.page_size
     ort_be = OnnxRuntimeBackend(art, provider)
-    lowered_be = OnnxRuntimeBackend(art, provider, flavour="ort-contrib") if "ort-contrib" in art.manifest.flavours \
-        else None
+    lowered_be, lowered_error = None, None
+    if "ort-contrib" in art.manifest.flavours:
+        try:  # a lowering ORT cannot load here is a result to report, not the end of the benchmark
+            lowered_be = OnnxRuntimeBackend(art, provider, flavour="ort-contrib")
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            lowered_error = f"{type(e).__name__}: {e}"[:2000]
     torch_be = create_backend("torch", args.artifact, device=str(device))
     elt = torch.empty((), dtype=ort_be.graph_dtype.torch).element_size()
     shapes = [(1, 40), (2, 90)] if SMOKE else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -94,11 +119,13 @@ def main() -> int:
            "onnxruntime": onnxruntime.__version__, "provider": str(provider), "artifact": str(art.root),
            "dtype": art.manifest.dtype, "mxfp8": art.manifest.mxfp8, "page_size": page,
            "copy_bandwidth_TBps": bw / 1e12,
-           "lowered": "ort-contrib flavour (experimental)" if lowered_be else
+           "lowered": "ort-contrib flavour (experimental)" if lowered_be else lowered_error or
                       "not in this artifact (export it with --flavour ort-contrib)",
+           "lowerings": {g: {k: r.get(k) for k in ("lowered", "applied", "kept", "gain_rounding")}
+                         for g, r in art.manifest.flavours.get("ort-contrib", {}).items()},
            "rows": []}
-    print(f"{'batch':>5s} {'context':>7s} {'torch ms':>9s} {'ort ms':>9s} {'ort/torch':>9s} {'vs first':>8s} "
-          f"{'roofline ms':>11s}  greedy")
+    print(f"{'batch':>5s} {'context':>7s} {'torch ms':>9s} {'ort ms':>9s} {'enqueue':>8s} {'ort/torch':>9s} "
+          f"{'vs first':>8s} {'roofline ms':>11s}  greedy")
     first: dict[int, float] = {}
     g = torch.Generator(device=device).manual_seed(0)
     for batch, context in shapes:
@@ -116,32 +143,46 @@ def main() -> int:
             lo, _ = ort_be.forward(ids, b, rows)
             lt, _ = torch_be.forward(ids, b, rows)
             same = bool((lo.argmax(-1) == lt.argmax(-1)).all())
+            plain_diff = float((lo - lt).abs().max())
             t_ms = timed_ms(lambda: torch_be.forward(ids, b, rows), args.reps, device)
             o_ms = timed_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device)
+            o_enqueue = enqueue_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device)
+            lowered = {}
             if lowered_be is not None:
-                ll, _ = lowered_be.forward(ids, b, rows)
-                lowered = {"ort_lowered_ms": timed_ms(lambda: lowered_be.forward(ids, b, rows), args.reps, device),
-                           "lowered_greedy_same": bool((ll.argmax(-1) == lt.argmax(-1)).all()),
-                           "lowered_max_abs_logit_diff": float((ll - lt).abs().max())}
-            else:
-                lowered = {}
+                try:
+                    ll, _ = lowered_be.forward(ids, b, rows)
+                    diff = float((ll - lt).abs().max())
+                    bound = max(2 * plain_diff, 2.0 ** -8 * float(lt.abs().max()))
+                    lowered = {"ort_lowered_ms": timed_ms(lambda: lowered_be.forward(ids, b, rows), args.reps,
+                                                          device),
+                               "lowered_greedy_same": bool((ll.argmax(-1) == lt.argmax(-1)).all()),
+                               "lowered_max_abs_logit_diff": diff, "lowered_logit_bound": bound,
+                               "lowered_within_bound": diff <= bound}
+                except Exception as e:  # noqa: BLE001 - e.g. a kernel ORT lacks for these shapes
+                    lowered = {"lowered_error": f"{type(e).__name__}: {e}"[:2000]}
         first.setdefault(batch, o_ms)
         roof_ms = step_bytes(torch_be.model, cfg, batch, context, elt, {
             i: cfg.num_local_experts for i in range(cfg.num_hidden_layers)}) / bw * 1e3
         row = {"batch": batch, "context": context, "torch_ms": t_ms, "ort_plain_ms": o_ms,
+               "ort_enqueue_ms": o_enqueue, "plain_max_abs_logit_diff": plain_diff,
                "ort_over_torch": o_ms / t_ms,
                "ort_over_first_context": o_ms / first[batch], "roofline_ms_all_experts": roof_ms,
                "greedy_same": same, **lowered}
         res["rows"].append(row)
-        low = f"  lowered {lowered['ort_lowered_ms']:.2f} ms" if lowered else ""
-        print(f"{batch:5d} {context:7d} {t_ms:9.2f} {o_ms:9.2f} {o_ms / t_ms:9.2f} {o_ms / first[batch]:8.2f} "
+        low = (f"  lowered {lowered['ort_lowered_ms']:.2f} ms "
+               f"{'same' if lowered['lowered_greedy_same'] else 'DIFFERENT'} "
+               f"{'within' if lowered['lowered_within_bound'] else 'OUTSIDE'} bound" if "ort_lowered_ms" in lowered
+               else f"  lowered: {lowered['lowered_error'][:80]}" if lowered else "")
+        print(f"{batch:5d} {context:7d} {t_ms:9.2f} {o_ms:9.2f} {o_enqueue:8.2f} {o_ms / t_ms:9.2f} "
+              f"{o_ms / first[batch]:8.2f} "
               f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}{low}", flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
-    return 0 if all(r["greedy_same"] and r.get("lowered_greedy_same", True) for r in res["rows"]) else 1
+    return 0 if all(r["greedy_same"] and r.get("lowered_greedy_same", True) and r.get("lowered_within_bound", True)
+                    for r in res["rows"]) else 1
 
 
 if __name__ == "__main__":

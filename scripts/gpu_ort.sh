@@ -1,36 +1,91 @@
 #!/usr/bin/env bash
-# ONNX Runtime on the H200 (issue 16): `m3export verify --provider cuda` on a tiny fp32 and a mini bf16 artifact,
-# generation through the onnxruntime backend on CUDA against the torch backend (gpu test), then bench/ort_gpu.py.
+# ONNX Runtime on the H200 (issue 16), in one call of at most ~8 minutes: onnxruntime-gpu unpacked from the carried
+# parts, `m3export verify --provider cuda` on the tiny model, the GPU tests (a sync-free ORT-CUDA step equal to the
+# torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; the
+# dense layers lowered to com.microsoft.PagedAttention against the torch backend), then a `mini` bf16 artifact with
+# the ort-contrib flavour (MoE, MXFP8Linear and PagedAttention lowered) and bench/ort_gpu.py (plain vs lowered vs
+# torch, batch 1 / 8 x context 4k / 32k, roofline). Every step has its own time limit, cut to what is left of the
+# script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little
+# time left is skipped and says so. Everything lands in $OUT (./out): one log per step and summary.txt.
+#
 # onnxruntime-gpu is not on the machine: carry it in the .c1 .. .cN parts of `../shared/scripts/chunk-for-gpu`
-# (the wheel itself, or an xz tar of its unpacked tree, as ../shared/docs/gpu-kernels.md describes); this script
-# reassembles and unpacks it under /tmp/ortgpu, ahead of any CPU onnxruntime on sys.path, with the CUDA libraries
-# of the machine's torch wheels on LD_LIBRARY_PATH. Everything lands in $OUT (or ./out). Not run yet.
-#   bash scripts/gpu_ort.sh            # about 10 minutes at most (each step has its own timeout)
+# (made by scripts/pack_ort_gpu.py: one ~57 MiB part; a plain wheel works too, in more parts). This script joins
+# them under /tmp/ortgpu (a zip or an xz tar), ahead of the machine's CPU onnxruntime on sys.path, with the CUDA
+# libraries of the machine's torch wheels on LD_LIBRARY_PATH.
+#   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
+#   GPU_ORT_DRY=1 bash scripts/gpu_ort.sh    # CPU dry run of the same commands: the installed onnxruntime, the CPU
+#                                            # EP, tiny artifacts only, PagedAttention not lowered (no CPU kernel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=$PWD
-export OUT="${OUT:-$R/out}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 OMP_NUM_THREADS=8
+export OUT="${OUT:-$R/out}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+unset TRITON_INTERPRET
 mkdir -p "$OUT"
-if ! ls .c1/part.* >/dev/null 2>&1; then echo "no .c1/part.*: carry onnxruntime-gpu with chunk-for-gpu" >&2; exit 2; fi
-rm -rf /tmp/ortgpu && mkdir -p /tmp/ortgpu
-cat $(ls -d .c[0-9]* | sort -V | sed 's#$#/part.*#') > /tmp/ortgpu.blob
-if python3 -c "import zipfile,sys; sys.exit(not zipfile.is_zipfile('/tmp/ortgpu.blob'))"; then
-  python3 -m zipfile -e /tmp/ortgpu.blob /tmp/ortgpu
+DRY="${GPU_ORT_DRY:-0}"
+DEADLINE=$((SECONDS + ${GPU_ORT_BUDGET:-480}))
+: > "$OUT/summary.txt"
+status=0
+
+# step NAME LIMIT CMD...: run CMD with a time limit of min(LIMIT, time left - 5 s), output in $OUT/NAME.log
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "$name: SKIPPED (budget spent)" | tee -a "$OUT/summary.txt"; status=1; return 1
+  fi
+  local t0=$SECONDS
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "$name: exit $rc in $((SECONDS - t0))s$([ $rc = 124 ] && echo ' (TIMED OUT)')" | tee -a "$OUT/summary.txt"
+  [ "$rc" = 0 ] || status=1
+  return "$rc"
+}
+
+if [ "$DRY" = 1 ]; then
+  PROVIDER=cpu BIG_PRESET=tiny BIG_DTYPE=float16 LOWER=MoE,MXFP8Linear BENCH_ARGS="--smoke"
+  export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}"
 else
-  tar -xJf /tmp/ortgpu.blob -C /tmp/ortgpu
+  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER=MoE,MXFP8Linear,PagedAttention BENCH_ARGS=""
+  if ! ls .c1/part.* >/dev/null 2>&1; then
+    echo "no .c1/part.*: carry onnxruntime-gpu (scripts/pack_ort_gpu.py + chunk-for-gpu)" | tee -a "$OUT/summary.txt"
+    exit 2
+  fi
+  unpack() {
+    rm -rf /tmp/ortgpu /tmp/ortgpu.blob && mkdir -p /tmp/ortgpu || return 1
+    cat $(ls -d .c[0-9]* | sort -V | sed 's#$#/part.*#') > /tmp/ortgpu.blob || return 1
+    if python3 -c "import zipfile,sys; sys.exit(not zipfile.is_zipfile('/tmp/ortgpu.blob'))"; then
+      python3 -m zipfile -e /tmp/ortgpu.blob /tmp/ortgpu
+    else
+      tar -xJf /tmp/ortgpu.blob -C /tmp/ortgpu
+    fi && rm -f /tmp/ortgpu.blob
+  }
+  step unpack 90 unpack || exit 2
+  NV=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, 'lib'))))" 2>/dev/null)
+  export LD_LIBRARY_PATH="${NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export PYTHONPATH="/tmp/ortgpu:$R${PYTHONPATH:+:$PYTHONPATH}"
 fi
-NV=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in os.listdir(p) if os.path.isdir(os.path.join(p, d, 'lib'))))" 2>/dev/null)
-export LD_LIBRARY_PATH="${NV}:${LD_LIBRARY_PATH:-}"
-rm -rf /tmp/m3pkg && mkdir -p /tmp/m3pkg
-cp -r m3export /tmp/m3pkg/ && cp -r plugins /tmp/m3pkg/m3export/plugins && cp -r runtime /tmp/m3pkg/m3export/runtime
-export PYTHONPATH="/tmp/ortgpu:/tmp/m3pkg:$R"
-python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())" | tee "$OUT/ort_providers.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+step providers 60 python3 -c "
+import onnxruntime as o, onnx_graphsurgeon as g, torch
+print('onnxruntime', o.__version__, o.__file__, o.get_available_providers(), 'graphsurgeon', g.__version__, 'torch', torch.__version__)
+if '$PROVIDER' == 'cuda':
+    assert 'CUDAExecutionProvider' in o.get_available_providers(), 'no CUDA EP in this onnxruntime'
+" || { [ "$DRY" = 1 ] || exit 2; }
+
 M="python3 -m m3export.cli"
-timeout 120 $M export --preset tiny --dtype float32 --out /tmp/art-tiny --force 2>&1 | tail -1
-timeout 120 $M verify /tmp/art-tiny --provider cuda --fast 2>&1 | tee "$OUT/verify_tiny_cuda.txt" | tail -4
-timeout 200 $M export --preset mini --dtype bfloat16 --flavour ort-contrib --out /tmp/art-mini --force 2>&1 | tail -1
-timeout 200 $M verify /tmp/art-mini --provider cuda --fast 2>&1 | tee "$OUT/verify_mini_cuda.txt" | tail -4
-(cd / && timeout 120 python3 -m pytest -q --import-mode=importlib -m gpu -p no:cacheprovider \
-    "$R/tests/test_runtime_onnxruntime.py" 2>&1 | tail -8 | tee "$OUT/gpu_ort_tests.txt")
-timeout 150 python3 bench/ort_gpu.py --artifact /tmp/art-mini --json "$OUT/ort_gpu_h200.json" 2>&1 \
-    | tee "$OUT/ort_gpu.log"
+step export_tiny 120 $M export --preset tiny --dtype float32 --out /tmp/ortgpu-art/tiny --force
+step verify_tiny 120 $M verify /tmp/ortgpu-art/tiny --provider "$PROVIDER" --fast
+# GPU tests (they skip, with their reason, without onnxruntime-gpu and a CUDA device)
+step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short --durations=5 \
+    tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py
+step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
+    --out /tmp/ortgpu-art/big --force
+python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
+print(json.dumps(r, indent=1))" > "$OUT/flavour_record.json" 2>&1
+step bench 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
+    --json "$OUT/ort_gpu_h200.json"
+cat "$OUT/summary.txt"
+exit "$status"

@@ -22,7 +22,7 @@ def test_session_providers_put_the_ep_on_the_given_stream():
     cuda = parse_provider("cuda:device_id=0,arena_extend_strategy=kSameAsRequested")
     assert session_providers(cuda, 1234) == [
         ("CUDAExecutionProvider", {"device_id": "0", "arena_extend_strategy": "kSameAsRequested",
-                                   STREAM_OPTION: "1234"}), "CPUExecutionProvider"]
+                                   "has_user_compute_stream": "1", STREAM_OPTION: "1234"}), "CPUExecutionProvider"]
     own = Provider("CUDAExecutionProvider", {STREAM_OPTION: "99"})
     assert session_providers(own, 99)[0][1][STREAM_OPTION] == "99"
     with pytest.raises(ValueError, match="is not the stream 1234"):

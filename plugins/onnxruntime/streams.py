@@ -23,6 +23,7 @@ from .providers import Provider
 # Execution providers whose options take a ``user_compute_stream`` (a cudaStream_t as an integer string).
 STREAM_EPS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 STREAM_OPTION = "user_compute_stream"
+HAS_STREAM_OPTION = "has_user_compute_stream"  # both EPs parse it; set with the stream, not left to inference
 NO_SYNC = "disable_synchronize_execution_providers"  # run option: skip the stream sync at the end of a run
 
 
@@ -32,7 +33,7 @@ def session_providers(provider: Provider, stream_handle: int) -> list:
     given = provider.options.get(STREAM_OPTION)
     if given is not None and int(given) != stream_handle:
         raise ValueError(f"{provider}: {STREAM_OPTION} {given} is not the stream {stream_handle} the session uses")
-    options = {**provider.options, STREAM_OPTION: str(stream_handle)}
+    options = {**provider.options, HAS_STREAM_OPTION: "1", STREAM_OPTION: str(stream_handle)}
     return [(provider.name, options), "CPUExecutionProvider"]
 
 
