@@ -82,6 +82,7 @@ def test_tensor_parallel_equals_one_process_then_a_worker_error_names_its_rank(s
     engine = parallel_engine("tiny", False, "tests.test_parallel_runtime:shard_with_tripwire", **SIZING)
     backend = engine.backend
     try:
+        assert backend.local.model.config.num_key_value_heads == 1  # rank 0 holds half the model, not all of it
         assert generate(engine, PROMPTS) == single_tiny
         assert engine.stats.verify_steps > 0  # the MTP module's steps and verification crossed the broadcast
         with pytest.raises(WorkerError, match=r"rank 1 failed: RuntimeError: tripwire: token 311 reached rank 1"):
