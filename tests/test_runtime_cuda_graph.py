@@ -146,6 +146,33 @@ def test_padded_mtp_step_equals_unpadded(model, want_logits):
         torch.testing.assert_close(p, u[:6], rtol=0, atol=1e-12)
 
 
+def test_failed_captures_fall_back_to_eager_steps(model, monkeypatch):
+    """A capture that fails (an op synchronising with the host) gives the eager result of that very step; an MTP
+    shape failing turns off only the MTP graphs, a target shape all graphs (and batches go back to the device)."""
+    be = GraphedTorchBackend(model, use_graphs=True, buckets=(4,))
+    be.allocate(num_pages=6, page_size=PAGE)
+
+    def refuse(step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(be, "_capture", refuse)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
+    tables = [[0, 1], [2]]
+    hidden = torch.randn(2, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    step, ids = _batch(tables, [5, 3], [1, 1]), torch.tensor([21, 22])
+    saved = [c.clone() for c in be._mtp_caches[0]]
+    logits, out = be.mtp_forward(0, ids, hidden, step, torch.arange(2))
+    assert not be.mtp_graphs and be.use_graphs and be.batch_device == torch.device("cpu")
+    for c, k in zip(be._mtp_caches[0], saved):
+        c.copy_(k)
+    want_logits, want_out = be.mtp_forward(0, ids, hidden, step, torch.arange(2))  # plainly eager now
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=0)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    logits, _ = be.forward(ids, step, torch.arange(2))
+    assert not be.use_graphs and be.batch_device == be.device and be.replays == 0
+    assert logits.shape == (2, model.config.vocab_size)
+
+
 def test_engine_on_padded_speculative_decode_matches_reference(model, reference):
     # k = 2 drafts: verification steps are (bucket, 3) shapes whenever every sequence drafts 2; the last steps
     # (fewer drafts near max_tokens) and the prefills run eagerly. Greedy output must equal full recomputation.

@@ -147,6 +147,7 @@ class GraphedTorchBackend(TorchBackend):
         self._pool = None
         self.replays = 0  # decode steps served from a graph (for benchmarks and tests)
         self.mtp_replays = 0  # MTP module steps served from a graph
+        self.mtp_graphs = True  # off after an MTP step failed to capture (the target's graphs stay on)
         self.padded_mtp_steps = 0  # MTP module steps run in a bucket shape (graph or pad_eagerly)
 
     def allocate(self, num_pages: int, page_size: int) -> None:
@@ -165,7 +166,7 @@ class GraphedTorchBackend(TorchBackend):
 
     @property
     def replays_single_position_mtp_steps(self) -> bool:
-        return self.use_graphs or self.pad_eagerly
+        return self._mtp_in_buckets
 
     def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple, logits_indices: torch.Tensor,
                       hidden: torch.Tensor | None = None) -> DecodeInputs:
@@ -179,6 +180,10 @@ class GraphedTorchBackend(TorchBackend):
         inputs = self._inputs[key]
         inputs.fill(input_ids, batch, logits_indices, hidden)
         return inputs
+
+    @property
+    def _mtp_in_buckets(self) -> bool:
+        return (self.use_graphs and self.mtp_graphs) or self.pad_eagerly
 
     def _on_device(self, input_ids, batch: Batch, logits_indices):
         return input_ids.to(self.device), batch.to(self.device), logits_indices.to(self.device)
@@ -210,8 +215,7 @@ class GraphedTorchBackend(TorchBackend):
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         if self._mtp_caches is None:
             raise RuntimeError("GraphedTorchBackend.mtp_forward before allocate()")
-        shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets) \
-            if self.use_graphs or self.pad_eagerly else None
+        shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets) if self._mtp_in_buckets else None
         if shape is None:
             ids, b, li = self._on_device(input_ids, batch, logits_indices)
             return super().mtp_forward(module, ids, hidden.to(self.device), b, li)
@@ -238,7 +242,7 @@ class GraphedTorchBackend(TorchBackend):
     def _run(self, key: tuple, step) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``step`` on the static inputs: eagerly (``pad_eagerly``) or replayed from its graph, captured on first
         use; a graph's outputs are its own buffers (callers copy what they keep). None when the capture failed,
-        which turns graphs off."""
+        which turns graphs off: the MTP modules' for an MTP shape, all of them for a target shape."""
         if self.pad_eagerly:
             with torch.inference_mode():
                 return step()
@@ -246,9 +250,13 @@ class GraphedTorchBackend(TorchBackend):
             try:
                 self._graphs[key] = self._capture(step)
             except Exception as exc:  # an op that synchronises with the host cannot be captured
-                log.warning("CUDA-graph capture of step shape %s failed (%s: %s); running eagerly", key,
-                            type(exc).__name__, str(exc)[:200])
-                self.use_graphs = False
+                mtp = key[0] == "mtp"
+                log.warning("CUDA-graph capture of step shape %s failed (%s: %s); running %s eagerly", key,
+                            type(exc).__name__, str(exc)[:200], "MTP module steps" if mtp else "every step")
+                if mtp:
+                    self.mtp_graphs = False
+                else:
+                    self.use_graphs = False
                 torch.cuda.synchronize(self.device)
                 return None
         graph, outs = self._graphs[key]
