@@ -17,6 +17,10 @@ Correctness, on the same inputs: block selections must equal the reference's exa
 within 4 * 2^-9 * max|V| of the reference (bf16 rounding of the softmax weights and of the output; see
 tests/test_kernels_attention.py). Long prefills are checked on their last tokens against a reference called
 for those tokens alone (it gathers only their context), since the full reference is quadratic in memory.
+
+``--kv-cache-dtype fp8``: the pools are E4M3 with per-row fp32 scales (``m3export.ops.kv_fp8``); kernels and
+references read the same bytes, max|V| is that of the values as read, and a cached element counts one byte plus
+its share of the row's 4-byte scale.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/attention.json")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="K/V and index-key pools in bf16, or E4M3 with per-row fp32 scales")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA device")
@@ -59,7 +65,7 @@ def main() -> int:
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%d"), "dims": dict(hq=HQ, hkv=HKV, d=D, index_heads=HI, index_dim=DI,
                                                            block=BS, topk=TOPK, local=LOCAL, page=PAGE),
-           "checks": [], "rows": []}
+           "kv_cache_dtype": args.kv_cache_dtype, "checks": [], "rows": []}
 
     def bench(fn):
         """Median seconds; calls over 50 ms (long prefills) are timed twice with events instead of do_bench."""
@@ -97,6 +103,8 @@ def main() -> int:
         from m3export.ops.conformance import Verdict, _compare_selection, upcast
 
         v = Verdict()
+        if fp8:  # the near-tie rule on the keys as read
+            ikc = dequantize_rows(ikc, iks, torch.float64)
         _compare_selection(sel, ref, upcast([iq, ikc, bt, qsl, sl, pos]),
                            dict(block_size=BS, topk_blocks=TOPK, local_blocks=LOCAL, init_blocks=INIT), v)
         check(name, v.ok, f"{len(v.failures)} (token, head) rows differ beyond fp32 near-ties, "
@@ -121,6 +129,32 @@ def main() -> int:
     vc = torch.randn(pages, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
     ikc = torch.randn(pages, PAGE, DI, device=dev, dtype=torch.bfloat16)
     perm = torch.randperm(pages, device=dev).to(torch.int32)
+    fp8 = args.kv_cache_dtype == "fp8"
+    kv_bytes_per_element = 1 + 4 / D if fp8 else 2
+    if fp8:
+        import functools
+
+        from m3export.ops.kv_fp8 import FP8, dequantize_rows, quantize_rows
+
+        def quantized(pool):
+            """E4M3 pool + scales, a few thousand pages at a time (fp32 temporaries of the whole pool would not
+            fit beside it)."""
+            q = torch.empty(pool.shape, dtype=FP8, device=dev)
+            s = torch.empty(pool.shape[:-1], device=dev)
+            for i in range(0, pool.shape[0], 4096):
+                q[i:i + 4096], s[i:i + 4096] = quantize_rows(pool[i:i + 4096])
+            return q, s
+
+        (kc, ks), (vc, vs), (ikc, iks) = quantized(kc), quantized(vc), quantized(ikc)
+        LI_forward = functools.partial(LI.forward, index_k_scale=iks)
+        SPA_forward = functools.partial(SPA.forward, k_scale=ks, v_scale=vs)
+        PA_forward = functools.partial(PA.forward, k_scale=ks, v_scale=vs)
+        lightning_indexer_reference = functools.partial(lightning_indexer_reference, index_k_scale=iks)
+        sparse_paged_attention_reference = functools.partial(sparse_paged_attention_reference, k_scale=ks,
+                                                             v_scale=vs)
+        paged_attention_reference = functools.partial(paged_attention_reference, k_scale=ks, v_scale=vs)
+    else:
+        LI_forward, SPA_forward, PA_forward = LI.forward, SPA.forward, PA.forward
 
     def batch(bsz, ctx, new, offset=0):
         """bsz sequences of ctx tokens (the last ``new`` new), pages from the shuffled pool from ``offset``."""
@@ -193,7 +227,11 @@ def main() -> int:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    vmax = max(vc.amax().item(), -vc.amin().item())  # the attention bound is 4 * 2^-9 * max|V|
+    if fp8:  # the attention bound is 4 * 2^-9 * max|V|, V as read
+        vmax = max(dequantize_rows(vc[i:i + 4096], vs[i:i + 4096]).abs().max().item()
+                   for i in range(0, vc.shape[0], 4096))
+    else:
+        vmax = max(vc.amax().item(), -vc.amin().item())
     decode_shapes = [(b, c) for b in (1, 8, 64) for c in (4096, 32768, 131072)]
     if args.quick:
         decode_shapes = [(1, 4096), (8, 32768), (1, 131072)]
@@ -201,18 +239,18 @@ def main() -> int:
     def decode(bsz, ctx):
         iq = torch.randn(bsz, HI, DI, device=dev, dtype=torch.bfloat16)
         q = torch.randn(bsz, HQ, D, device=dev, dtype=torch.bfloat16)
-        idx_bytes = bsz * ctx * DI * 2
+        idx_bytes = bsz * ctx * DI * kv_bytes_per_element
         sets = rotating(bsz, ctx, 1, idx_bytes)
         ref_ok = bsz * ctx <= 8 * 32768 or (bsz == 1)
         # indexer
-        sel = LI.forward(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT)
+        sel = LI_forward(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT)
         t_ref = None
         if ref_ok:
             ref = lightning_indexer_reference(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT)
             check_selection(f"indexer decode B={bsz} ctx={ctx}", sel, ref, iq, ikc, *sets[0])
             t_ref = time_ref(lambda: lightning_indexer_reference(iq, ikc, *sets[0], BS, TOPK, LOCAL, INIT))
-        t = bench(cycle(lambda *s: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets))
-        tg = graph_seconds(lambda *s: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets)
+        t = bench(cycle(lambda *s: LI_forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets))
+        tg = graph_seconds(lambda *s: LI_forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT), sets)
         row("indexer", "decode", bsz, ctx, t, t_ref, idx_bytes + bsz * HI * TOPK * 4, 2 * bsz * HI * ctx * DI,
             graph=tg)
         # top-k alone on a prepared block-score buffer
@@ -226,32 +264,32 @@ def main() -> int:
         row("topk", "decode", bsz, ctx, bench(topk_launch), None, scores.numel() * 4 + ids.numel() * 4, 0,
             graph=graph_seconds(lambda: topk_launch(), [()]))
         # sparse attention on the indexer's selection
-        kv_bytes = bsz * HKV * min(TOPK * BS, ctx) * 2 * D * 2
+        kv_bytes = bsz * HKV * min(TOPK * BS, ctx) * 2 * D * kv_bytes_per_element
         t_ref = None
-        o = SPA.forward(q, kc, vc, *sets[0], sel, BS, SCALE)
+        o = SPA_forward(q, kc, vc, *sets[0], sel, BS, SCALE)
         if ref_ok:
             ref = sparse_paged_attention_reference(q, kc, vc, *sets[0], sel, BS, SCALE)
             err = (o.float() - ref.float()).abs().max().item()
             check(f"sparse decode B={bsz} ctx={ctx}", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
             t_ref = time_ref(lambda: sparse_paged_attention_reference(q, kc, vc, *sets[0], sel, BS, SCALE))
-        sels = [LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT) for s in sets]
+        sels = [LI_forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT) for s in sets]
         ssets = [(*s, x) for s, x in zip(sets, sels)]
-        t = bench(cycle(lambda *s: SPA.forward(q, kc, vc, *s[:4], s[4], BS, SCALE), ssets))
-        tg = graph_seconds(lambda *s: SPA.forward(q, kc, vc, *s[:4], s[4], BS, SCALE), ssets)
+        t = bench(cycle(lambda *s: SPA_forward(q, kc, vc, *s[:4], s[4], BS, SCALE), ssets))
+        tg = graph_seconds(lambda *s: SPA_forward(q, kc, vc, *s[:4], s[4], BS, SCALE), ssets)
         row("sparse", "decode", bsz, ctx, t, t_ref, kv_bytes + 2 * q.numel() * 2,
             4 * bsz * HQ * min(TOPK * BS, ctx) * D, graph=tg)
         # dense paged attention
-        dense_bytes = bsz * ctx * HKV * 2 * D * 2
+        dense_bytes = bsz * ctx * HKV * 2 * D * kv_bytes_per_element
         dsets = rotating(bsz, ctx, 1, dense_bytes)
         t_ref = None
-        o = PA.forward(q, kc, vc, *dsets[0], SCALE)
+        o = PA_forward(q, kc, vc, *dsets[0], SCALE)
         if ref_ok and bsz * ctx <= 8 * 32768:
             ref = paged_attention_reference(q, kc, vc, *dsets[0], SCALE)
             err = (o.float() - ref.float()).abs().max().item()
             check(f"dense decode B={bsz} ctx={ctx}", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
             t_ref = time_ref(lambda: paged_attention_reference(q, kc, vc, *dsets[0], SCALE))
-        t = bench(cycle(lambda *s: PA.forward(q, kc, vc, *s, SCALE), dsets))
-        tg = graph_seconds(lambda *s: PA.forward(q, kc, vc, *s, SCALE), dsets)
+        t = bench(cycle(lambda *s: PA_forward(q, kc, vc, *s, SCALE), dsets))
+        tg = graph_seconds(lambda *s: PA_forward(q, kc, vc, *s, SCALE), dsets)
         row("dense", "decode", bsz, ctx, t, t_ref, dense_bytes + 2 * q.numel() * 2, 4 * bsz * HQ * ctx * D,
             graph=tg)
 
@@ -269,31 +307,32 @@ def main() -> int:
         tail_args = (bt, torch.tensor([0, tail], device=dev, dtype=torch.int32), sl, pos[-tail:])
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        sel = LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT)
+        sel = LI_forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT)
         peak = torch.cuda.max_memory_allocated() - base
         ref = lightning_indexer_reference(iq[-tail:], ikc, *tail_args, BS, TOPK, LOCAL, INIT)
         check_selection(f"indexer prefill {n} (last {tail} tokens)", sel[-tail:], ref, iq[-tail:], ikc, *tail_args)
         t_ref = time_ref(lambda: lightning_indexer_reference(iq, ikc, *s, BS, TOPK, LOCAL, INIT)) if n <= 4096 \
             else None
-        t = bench(lambda: LI.forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT))
+        t = bench(lambda: LI_forward(iq, ikc, *s, BS, TOPK, LOCAL, INIT))
         row("indexer", "prefill", 1, n, t, t_ref, n * DI * 2 * 2, 2 * HI * DI * n * (n + 1) // 2,
             dict(peak_scratch_bytes=peak))
-        o = SPA.forward(q, kc, vc, *s, sel, BS, SCALE)
+        o = SPA_forward(q, kc, vc, *s, sel, BS, SCALE)
         ref = sparse_paged_attention_reference(q[-tail:], kc, vc, *tail_args, sel[-tail:], BS, SCALE)
         err = (o[-tail:].float() - ref.float()).abs().max().item()
         check(f"sparse prefill {n} (last {tail} tokens)", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
         t_ref = time_ref(lambda: sparse_paged_attention_reference(q, kc, vc, *s, sel, BS, SCALE)) if n <= 4096 \
             else None
         keys = sum(min(TOPK * BS, p + 1) for p in range(0, n, 64)) * 64  # visible selected keys per token
-        t = bench(lambda: SPA.forward(q, kc, vc, *s, sel, BS, SCALE))
-        row("sparse", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * 2, 4 * HQ * D * keys)
-        o = PA.forward(q, kc, vc, *s, SCALE)
+        t = bench(lambda: SPA_forward(q, kc, vc, *s, sel, BS, SCALE))
+        row("sparse", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * kv_bytes_per_element,
+            4 * HQ * D * keys)
+        o = PA_forward(q, kc, vc, *s, SCALE)
         ref = paged_attention_reference(q[-tail:], kc, vc, *tail_args, SCALE)
         err = (o[-tail:].float() - ref.float()).abs().max().item()
         check(f"dense prefill {n} (last {tail} tokens)", err <= 4 * 2**-9 * vmax, f"max abs err {err:.2e}")
         t_ref = time_ref(lambda: paged_attention_reference(q, kc, vc, *s, SCALE)) if n <= 4096 else None
-        t = bench(lambda: PA.forward(q, kc, vc, *s, SCALE))
-        row("dense", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * 2,
+        t = bench(lambda: PA_forward(q, kc, vc, *s, SCALE))
+        row("dense", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * kv_bytes_per_element,
             4 * HQ * D * n * (n + 1) // 2)
 
     for n in prefill:
