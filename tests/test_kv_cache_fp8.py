@@ -103,7 +103,7 @@ FP8_CASES = ("decode-one-token-seqs", "verify-multi-token", "mixed-with-empty-se
 
 
 @pytest.fixture(params=[(n, dt) for n in FP8_CASES for dt in (torch.float32, torch.bfloat16)],
-                ids=[f"{n}-{'fp32' if dt == torch.float32 else 'bf16'}" for n in FP8_CASES for dt in (0, 1)])
+                ids=[f"{n}-{dt}" for n in FP8_CASES for dt in ("fp32", "bf16")])
 def fp8_case(request, monkeypatch):
     """bf16 cases split the context / selection over programs (merge kernel), fp32 ones run one split."""
     name, dtype = request.param
