@@ -235,3 +235,14 @@ def test_lowered_wiring_matches_the_plain_graph_through_the_documented_op(fp16_a
             assert np.array_equal(mine[keep], theirs[keep].astype(np.float32)), name  # other rows untouched
         diff = np.abs(out.float().numpy() - want["out"].astype(np.float32)).max()
         assert diff <= 3 * eps16 * np.abs(want["v"]).max(), diff
+
+
+def test_mxfp8_linear_lowered_in_bfloat16():
+    """bfloat16 activations (graphsurgeon keeps ONNX's enum for them, numpy has no bfloat16) lower like fp16."""
+    from m3export.ops import conformance as conf
+    from tests.test_lowering import _one_node
+
+    inputs, attrs = conf.CASES["MXFP8Linear/rows7"].inputs(torch.bfloat16)
+    lowered, done = lower(_one_node("MXFP8Linear", inputs, attrs, torch.bfloat16))
+    assert done["MXFP8Linear"] == 1
+    assert [n.op_type for n in lowered.graph.node if n.domain == MS] == ["MatMulBlockQuantizedFp8Weight"]
