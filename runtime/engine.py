@@ -472,7 +472,7 @@ class Engine:
         new_text = req.detokenizer.release(req.finished)
         return RequestOutput(
             request_id=req.request_id,
-            prompt_token_ids=list(req.prompt_token_ids),
+            prompt_token_ids=req.prompt_token_ids,  # shared, never mutated: a copy per step cost O(context)
             token_ids=list(req.output_token_ids),
             text=req.detokenizer.text,
             new_token_ids=new_ids,

@@ -13,6 +13,8 @@ class RequestOutput:
     token, the sampled token first, then the requested number of most likely tokens.
     ``finish_reason``: ``"stop"`` (EOS, a stop token id or a stop string), ``"length"`` (max_tokens or the
     model's length limit) or ``"abort"``.
+    ``prompt_token_ids`` is the request's own list, shared by all its outputs (copying a long prompt at every
+    step made output cost grow with the context): read it, copy it before changing it.
     """
 
     request_id: str
