@@ -41,34 +41,25 @@ from decode import decode_batch, step_bytes  # noqa: E402  (bench/decode.py: the
 SMOKE = False
 
 
-def timed_ms(fn, reps: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn``, synchronising the device around each call (ORT runs on its own stream)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn, reps: int, device: torch.device, until_done: bool = True) -> float:
+    """Median milliseconds of ``fn``, the device idle before each call; ``until_done``: until the device has
+    finished it (ORT may run on a stream of its own), else until ``fn`` returns (the host's share of a step)."""
     for _ in range(2):
         fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         t = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if until_done:
+            _sync(device)
         times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def enqueue_ms(fn, reps: int, device: torch.device) -> float:
-    """Median milliseconds until ``fn`` returns, the device idle before each call (not after)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return sorted(times)[len(times) // 2]
 
 
@@ -146,7 +137,7 @@ def main() -> int:
             plain_diff = float((lo - lt).abs().max())
             t_ms = timed_ms(lambda: torch_be.forward(ids, b, rows), args.reps, device)
             o_ms = timed_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device)
-            o_enqueue = enqueue_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device)
+            o_enqueue = timed_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device, until_done=False)
             lowered = {}
             if lowered_be is not None:
                 try:
