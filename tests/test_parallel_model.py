@@ -31,6 +31,8 @@ from m3export.parallel.spawn import NVLINK_MULTICAST_OFF, run_ranks
 from m3export.runtime.backends.torch_backend import TorchBackend
 from m3export.safetensors_io import nbytes, read_header
 
+from .vl_config import VISION
+
 LOGIT_RTOL = 1e-4
 DECODE_STEPS = 16
 PAGE = 16
@@ -64,6 +66,11 @@ def greedy(model, prompts: list[list[int]], steps: int, page: int = 4) -> dict[s
         mtp_cache = model.allocate_caches(sum(need), page, dtype, device, layers="mtp")[0]
         mids, _ = build_batch([Segment(tables[b], 0, n) for b, n in enumerate(nxt)], page, device)
         result["mtp_logits"] = model.mtp_step(0, mids, out.hidden, batch, mtp_cache, last)[0]
+    if model.vision_tower is not None:  # the replicated tower: one image's text-space tokens
+        v = model.config.vision
+        g = torch.Generator().manual_seed(3)
+        pixels = torch.randn(16, v.patch_dim, generator=g).to(device)
+        result["image_tokens"] = model.encode_media(pixels, torch.tensor([[1, 4, 4]]))[0]
     decode = []
     for s in range(steps):
         segs = [Segment(tables[b], len(p) + s, [int(tokens[-1][b])]) for b, p in enumerate(prompts)]
@@ -140,6 +147,9 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
                                                           progress=False, with_tokenizer=False))
     # one KV head for 2 ranks: it is replicated (the release's 4 KV heads at TP8 are the same case)
     out["kv1-bf16"] = str(write_checkpoint(root / "kv1", kv1_tiny(), progress=False, with_tokenizer=False))
+    # a VL checkpoint: the vision tower and projector are replicated (read whole by every rank)
+    out["vl-bf16"] = str(write_checkpoint(root / "vl", preset("tiny").replace(vision=VISION), progress=False,
+                                          with_tokenizer=False))
     return out
 
 
@@ -188,7 +198,7 @@ def test_step_and_greedy_equal_single_process(model_ranks, name):
     assert ref["tokens"].shape[1] == DECODE_STEPS + 1
 
 
-@pytest.mark.parametrize("name", ["original-bf16", "hf-bf16", "original-mxfp8", "hf-mxfp8", "kv1-bf16"])
+@pytest.mark.parametrize("name", ["original-bf16", "hf-bf16", "original-mxfp8", "hf-mxfp8", "kv1-bf16", "vl-bf16"])
 @pytest.mark.parametrize("tag", ["tp2", "tp2ep"])
 def test_sharded_checkpoint_equals_single_process(ckpt_ranks, ckpts, name, tag):
     ranks, stats = ckpt_ranks
@@ -233,15 +243,16 @@ def test_caches_hold_only_the_ranks_kv_heads(model_ranks):
 SPLIT = re.compile(r"(lm_head|q_proj|k_proj|v_proj|o_proj|index_q_proj|gate_proj|up_proj|down_proj|gate_up_proj|"
                    r"experts\.\d+\.w[123])\.weight(_scale_inv)?$|experts\.(gate_up_proj|down_proj)(_scale_inv)?$")
 SHARED_INDEX_KEY = re.compile(r"self_attn\.(index_k_proj|indexer\.k_proj)\.")
+VISION_TENSORS = re.compile(r"^(vision_tower|patch_merge_mlp|multi_modal_projector)\.")  # replicated too
 
 
-@pytest.mark.parametrize("name", ["original-bf16", "hf-bf16", "original-mxfp8", "hf-mxfp8"])
+@pytest.mark.parametrize("name", ["original-bf16", "hf-bf16", "original-mxfp8", "hf-mxfp8", "vl-bf16"])
 @pytest.mark.parametrize("tag", ["tp2", "tp2ep"])
 def test_each_rank_reads_only_its_slices(ckpt_ranks, ckpts, name, tag):
     _, stats = ckpt_ranks
     header = read_header(Path(ckpts[name]) / "model.safetensors")
     split = sum(nbytes(e.torch_dtype, e.shape) for n, e in header.items()
-                if SPLIT.search(n) and not SHARED_INDEX_KEY.search(n))
+                if SPLIT.search(n) and not SHARED_INDEX_KEY.search(n) and not VISION_TENSORS.search(n))
     whole = sum(nbytes(e.torch_dtype, e.shape) for n, e in header.items()) - split
     assert split > 0.5 * (split + whole)  # the split tensors are most of the model: the check has teeth
     for r in range(2):
