@@ -30,16 +30,19 @@ def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False, kv_c
 
 
 def check_exported_cache_dtype(backend: str, artifact: str | Path, kv_cache_dtype: str | None) -> None:
-    """Backends that run the exported graphs use the pools those graphs declare (the artifact's dtype, recorded
-    in manifest.json with every graph signature): asking for another cache dtype is one clear error."""
+    """Backends that run the exported graphs use the pools those graphs declare (their dtype is recorded in
+    manifest.json with every graph signature): asking for another cache dtype is one clear error."""
     if kv_cache_dtype in (None, "auto"):
         return
+    from m3export.dtypes import BY_NAME
     from m3export.errors import BackendUnavailable
     from m3export.export.artifact import load_artifact
-    from m3export.dtypes import BY_NAME
     from m3export.ops.kv_fp8 import FP8, resolve_cache_dtype
 
-    exported = BY_NAME[load_artifact(artifact, verify_checksums=False).manifest.dtype].torch
+    manifest = load_artifact(artifact, verify_checksums=False).manifest
+    pools = {t.dtype for g in manifest.graphs.values() for t in g.inputs
+             if t.name.split(".")[0] in ("k_cache", "v_cache", "index_k_cache")}
+    exported = BY_NAME[pools.pop() if len(pools) == 1 else manifest.dtype].torch
     wanted = resolve_cache_dtype(kv_cache_dtype, exported)
     if wanted == FP8:
         raise BackendUnavailable(
