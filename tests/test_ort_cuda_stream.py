@@ -86,11 +86,20 @@ def test_cuda_step_never_synchronises_the_host(tiny_artifact):
 
 @pytest.fixture(scope="module")
 def bf16_lowered(tmp_path_factory):
+    """The tiny model with M3's attention head (head_dim 128, RoPE on 64 dims: the shape ORT's PagedAttention was
+    checked on, ../shared/docs/gpu-kernels.md), bf16, with every lowerable op lowered in its ort-contrib flavour."""
+    import dataclasses
+
+    from m3export.checkpoint.writer import write_checkpoint
+    from m3export.config import preset
     from m3export.export.exporter import export_artifact
     from m3export.export.lowering import LOWERABLE
 
-    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-bf16-ort", dtype="bfloat16", page_size=16,
-                           progress=False, flavour="ort-contrib", lower=LOWERABLE)
+    cfg = dataclasses.replace(preset("tiny"), head_dim=128, rotary_dim=64, index_head_dim=64).validate()
+    root = tmp_path_factory.mktemp("art")
+    ckpt = write_checkpoint(root / "ckpt", cfg, "original", "bf16", progress=False)
+    return export_artifact(str(ckpt), root / "art", dtype="bfloat16", page_size=16, progress=False,
+                           flavour="ort-contrib", lower=LOWERABLE)
 
 
 @pytest.mark.gpu
