@@ -56,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "MoE,MXFP8Linear). PagedAttention (dense layers -> com.microsoft.PagedAttention, which also "
                         "does the QK norm, RoPE and cache write) is opt-in: its norm gain (1 + w) is rounded to the "
                         "activation dtype, and it needs float16 / bfloat16 graphs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=bounded_int(1), default=1, metavar="N",
+                   help="N >= 2: a per-rank artifact instead (rank{r}.safetensors with only the rank's slices, its "
+                        "graphs cut at every all-reduce / all-gather, which the runtime performs between them; "
+                        "manifest.json lists ranks, slices and collectives; docs/parallel.md). Floating-point "
+                        "weights; not with --in-place, --split-layers, --flavour or --expert-parallel")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="refused with --tensor-parallel-size: the expert-parallel MoE block is not exported per rank")
     p.add_argument("--in-place", action="store_true",
                    help="zero copy: write the graphs and manifest into the --checkpoint directory itself, referencing "
                         "the shards' bytes (ONNX Runtime only reads external data inside the model's directory); "
@@ -77,8 +84,30 @@ def run(args: argparse.Namespace) -> int:
     from ..export.exporter import export_artifact
 
     start = time.perf_counter()
+    if args.tensor_parallel_size > 1 or args.expert_parallel:
+        return _export_ranks(args, start)
     out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
                           page_size=args.page_size, force=args.force, in_place=args.in_place,
                           split_layers=args.split_layers, flavour=args.flavour, lower=args.lower)
     print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _export_ranks(args: argparse.Namespace, start: float) -> int:
+    """``--tensor-parallel-size N``: the per-rank artifact (``m3export/export/rank_export.py``)."""
+    import time
+
+    from ..dtypes import BY_NAME
+    from ..errors import ArtifactError
+    from ..export.rank_export import export_rank_artifact
+
+    clash = [flag for flag, on in (("--in-place", args.in_place), ("--split-layers", args.split_layers),
+                                   ("--flavour", args.flavour), ("--weights mxfp8", args.weights == "mxfp8")) if on]
+    if clash:
+        raise ArtifactError(f"--tensor-parallel-size writes a per-rank artifact: not with {', '.join(clash)}")
+    dtype = BY_NAME["float32" if args.dtype == "auto" else args.dtype].torch
+    out = export_rank_artifact(args.checkpoint or args.preset, args.out, args.tensor_parallel_size,
+                               args.expert_parallel, dtype=dtype, page_size=args.page_size, force=args.force,
+                               progress=True)
+    print(f"wrote per-rank artifact {out} ({args.tensor_parallel_size} ranks) in {time.perf_counter() - start:.1f} s")
     return 0

@@ -23,7 +23,8 @@ Graphs of the same kind (attention of a dense / sparse layer, dense MLP / MoE, h
 every layer and rank; each kind is traced and optimised once (parameters named generically) and each instance
 is that graph with its initializers pointed at its own layer's bytes in its rank's weight file.
 
-Not covered: expert parallelism (the expert-parallel block's per-expert loop over the rank's experts is data
+Weights are floating point in ``dtype`` (an MXFP8 checkpoint is dequantised slice by slice). Not covered: expert
+parallelism (the expert-parallel block's per-expert loop over the rank's experts is data
 dependent and is not traced; a clear error) and the MTP modules (not exported per rank: no speculation from these
 graphs).
 """
@@ -178,7 +179,7 @@ def export_rank_artifact(source: str, out: str | Path, tensor_parallel_size: int
     with os_errors_as(ArtifactError), staging(out.parent, out.name, ArtifactError) as tmp:
         entries, cfg, n_mtp = [], None, 0
         for rank in range(tensor_parallel_size):  # each rank's slices only, written one rank at a time
-            shard = load_model_shard(source, parallel, rank, dtype=dtype, progress=progress)
+            shard = load_model_shard(source, parallel, rank, dtype=dtype, progress=progress, dequantize=True)
             cfg = shard.global_config
             state = {k: v for k, v in shard.state_dict().items() if not k.startswith("mtp.")}
             written = write_safetensors(tmp / f"rank{rank}.safetensors",
