@@ -58,8 +58,9 @@ def encode_e4m3(x, scale, INTERPRETED: tl.constexpr):
 @triton.jit
 def widen(x, DTYPE: tl.constexpr):
     """E4M3 values as ``DTYPE`` (the query's) for the tensor-core dot: exact, every E4M3 value is a bf16, fp16
-    and fp32 value; the row scales are applied to the dot's result (keys) or to P (values), never rounded in."""
-    return x.to(tl.float32).to(DTYPE)
+    and fp32 value (Hopper converts pairs, e4m3x2 -> f16x2); the row scales are applied to the dot's result (keys)
+    or to P (values), never rounded in."""
+    return x.to(DTYPE)
 
 
 @triton.jit
