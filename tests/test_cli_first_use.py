@@ -93,8 +93,9 @@ def test_demo_echoes_pasteable_commands(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(m3export.cli, "main", lambda argv: ran.append(list(argv)) or 0)
     prompt = """def f(x):  # it's "quoted" $HOME"""
     assert main(["demo", "--workdir", str(tmp_path / "work dir"), "--prompt", prompt, "--max-tokens", "3"]) == 0
-    echoed = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines()
-              if line.startswith("== ") and ": m3export " in line]
+    out = capsys.readouterr().out
+    assert "== model: the embedded default code-tiny" in out  # it says which model it runs
+    echoed = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("== ") and ": m3export " in line]
     assert len(echoed) == len(ran) == 3
     assert [shlex.split(line) for line in echoed] == [["m3export", *argv] for argv in ran]
     assert ran[2][ran[2].index("--prompt") + 1] == prompt

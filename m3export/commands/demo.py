@@ -52,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
         ]
         from .synth import has_random_weights
 
+        if not args.checkpoint:
+            print(f"== model: the embedded default {ckpt.name} ({ckpt}): a small M3 trained on the Python standard "
+                  "library's source, so it continues Python code (docs/embedded_model.md)", flush=True)
+        else:
+            print(f"== model: {ckpt}", flush=True)
         if has_random_weights(str(ckpt)):
             print(f"== note: {ckpt} holds random weights (m3export synth): the generated text is meaningless by "
                   "design", flush=True)
