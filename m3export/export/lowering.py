@@ -142,7 +142,7 @@ def _lower_mxfp8_linear(graph, node) -> bool:
     return True
 
 
-_FLOAT16 = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+_FLOAT16 = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)  # ORT's PagedAttention's activation types
 
 
 class _Skip(Exception):
@@ -252,10 +252,11 @@ def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[st
     attrs = dict(num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, scale=float(node.attrs["scale"]),
                  do_rotary=1, rotary_interleaved=0, qk_norm_epsilon=float(c.rms_norm_eps), is_causal=1)
     flat = e.gs.Variable(f"{e.prefix}/ort_paged_attention:0")
+    none = e.gs.Variable.empty
     graph.nodes.append(e.gs.Node(
         "PagedAttention", f"{e.prefix}/ort_paged_attention", attrs,
-        [query, key, value, k_pool, v_pool, qsl, past, block_tables, cos, sin, slots or e.gs.Variable.empty(),
-         e.gs.Variable.empty(), gain(q_gain), gain(k_gain)],
+        [query, key, value, k_pool, v_pool, qsl, past, block_tables, cos, sin, none() if slots is None else slots,
+         none(), gain(q_gain), gain(k_gain)],  # no head sink
         [flat, k_new_pool, v_new_pool], domain=MS))
     node.outputs.clear()
     graph.nodes.append(e.gs.Node("Reshape", f"{e.prefix}/heads", {},
