@@ -184,3 +184,17 @@ def test_parallel_flags_refuse_an_artifact(tmp_path):
     """Parallel runs start from a checkpoint: an artifact's graphs are one device's (before anything loads)."""
     with pytest.raises(M3Error, match="run a checkpoint or preset on the torch backend"):
         Engine.from_artifact(tmp_path, tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_nccl_and_graphs_equal_one_gpu():
+    """NCCL, the Triton kernels and CUDA-graph decode on each rank: TP=2 and EP generation through the engine ==
+    one GPU (fp32: only the order of some sums differs, ~1e-6 relative on tiny, far below its logit margins)."""
+    sizing = {**SIZING, "max_num_batched_tokens": 64}
+    single = generate(Engine.from_checkpoint("tiny", device="cuda", dtype=torch.float32, **sizing), PROMPTS)
+    for ep in (False, True):
+        with Engine.from_checkpoint("tiny", device="cuda", dtype=torch.float32, tensor_parallel_size=2,
+                                    expert_parallel=ep, num_speculative_tokens=2, **sizing) as engine:
+            assert generate(engine, PROMPTS) == single, f"expert_parallel={ep}"
+            assert engine.backend.local.replays > 0  # rank 0 decoded from CUDA graphs (and so did rank 1)
