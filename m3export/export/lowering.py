@@ -325,8 +325,6 @@ def gain_rounding(model: onnx.ModelProto, directory: Path, names: list[str], onn
     """Largest relative change of ``1 + w`` when rounded to ``onnx_type``, over the norm gains ``names`` (read
     from the model's external data in ``directory``): what the lowered ``PagedAttention`` gives up against M3's
     fp32 gain (0.0: exact for these weights)."""
-    import torch
-
     from ..dtypes import BY_ONNX
 
     wanted = {t.name: t for t in model.graph.initializer if t.name in names}
@@ -334,9 +332,8 @@ def gain_rounding(model: onnx.ModelProto, directory: Path, names: list[str], onn
     for name in names:
         tensor = wanted[name]
         raw = onnx.numpy_helper.to_array(tensor, base_dir=str(directory))
-        w = BY_ONNX[tensor.data_type].to_torch(np.array(raw).view(BY_ONNX[tensor.data_type].storage))
-        w = w.float()
-        exact = 1.0 + w.double()
+        w = BY_ONNX[tensor.data_type].to_torch(np.array(raw).view(BY_ONNX[tensor.data_type].storage)).float()
+        exact = 1.0 + w.double()  # M3's gain, exact in fp32 for a 16-bit or fp32 w
         rounded = (1.0 + w).to(BY_ONNX[onnx_type].torch).double()
         worst = max(worst, float(((rounded - exact).abs() / exact.abs().clamp_min(1e-30)).max()))
     return worst
