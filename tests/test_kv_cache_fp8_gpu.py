@@ -77,7 +77,7 @@ def test_fp8_fused_cache_write_at_mini_dims():
     norm = RMSNorm(D, 1e-6).cuda()
     norm.weight.data = torch.randn(D, device="cuda", generator=gen) * 0.3
     pos = torch.randint(0, 4096, (t,), device="cuda", generator=gen)
-    cos, sin = Rotary(64, 5e6)(pos, torch.bfloat16)
+    cos, sin = Rotary(64, 5e6).cuda()(pos, torch.bfloat16)  # inv_freq is a buffer: on the positions' device
     x = (torch.randn(t, HKV, D, device="cuda", generator=gen) * 4).to(torch.bfloat16)
     v = (torch.randn(t, HKV, D, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     slots = torch.randperm(pages * page, device="cuda", generator=gen)[:t]
