@@ -333,7 +333,7 @@ def gain_rounding(model: onnx.ModelProto, directory: Path, names: list[str], onn
         tensor = wanted[name]
         raw = onnx.numpy_helper.to_array(tensor, base_dir=str(directory))
         w = BY_ONNX[tensor.data_type].to_torch(np.array(raw).view(BY_ONNX[tensor.data_type].storage)).float()
-        exact = 1.0 + w.double()  # M3's gain, exact in fp32 for a 16-bit or fp32 w
+        exact = (1.0 + w).double()  # M3's gain: 1 + w in fp32 (model/norm.py)
         rounded = (1.0 + w).to(BY_ONNX[onnx_type].torch).double()
         worst = max(worst, float(((rounded - exact).abs() / exact.abs().clamp_min(1e-30)).max()))
     return worst
