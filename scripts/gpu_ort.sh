@@ -8,10 +8,12 @@
 # script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little
 # time left is skipped and says so. Everything lands in $OUT (./out): one log per step and summary.txt.
 #
-# onnxruntime-gpu is not on the machine: carry it in the .c1 .. .cN parts of `../shared/scripts/chunk-for-gpu`
-# (made by scripts/pack_ort_gpu.py: one ~57 MiB part; a plain wheel works too, in more parts). This script joins
-# them under /tmp/ortgpu (a zip or an xz tar), ahead of the machine's CPU onnxruntime on sys.path, with the CUDA
-# libraries of the machine's torch wheels on LD_LIBRARY_PATH.
+# onnxruntime-gpu is not on the machine: carry it in parts .c1 .. .cN (`scripts/pack_ort_gpu.py ... --parts 2`:
+# two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s layout,
+# so its parts of a plain wheel work too), one part per call, back to back (the machine keeps the earlier parts
+# only while warm), this script in the call with the last part. It joins them under /tmp/ortgpu (a zip or an xz
+# tar), ahead of the machine's CPU onnxruntime on sys.path, with the CUDA libraries of the machine's torch wheels
+# on LD_LIBRARY_PATH.
 #   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
 #   GPU_ORT_DRY=1 bash scripts/gpu_ort.sh    # CPU dry run of the same commands: the installed onnxruntime, the CPU
 #                                            # EP, tiny artifacts only, PagedAttention not lowered (no CPU kernel)
@@ -56,10 +58,14 @@ else
   unpack() {
     rm -rf /tmp/ortgpu /tmp/ortgpu.blob && mkdir -p /tmp/ortgpu || return 1
     cat $(ls -d .c[0-9]* | sort -V | sed 's#$#/part.*#') > /tmp/ortgpu.blob || return 1
+    ls -l .c[0-9]*/part.*
     if python3 -c "import zipfile,sys; sys.exit(not zipfile.is_zipfile('/tmp/ortgpu.blob'))"; then
       python3 -m zipfile -e /tmp/ortgpu.blob /tmp/ortgpu
-    else
+    elif xz -t /tmp/ortgpu.blob; then
       tar -xJf /tmp/ortgpu.blob -C /tmp/ortgpu
+    else
+      echo "the parts above do not join into a whole zip or xz file: was every .cN carried (in this machine's lease)?"
+      return 1
     fi && rm -f /tmp/ortgpu.blob
   }
   step unpack 90 unpack || exit 2

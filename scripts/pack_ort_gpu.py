@@ -15,10 +15,13 @@ The wheel comes from ``pip download`` with the flags in the device README (cp312
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 -d .ortgpu onnxruntime-gpu==1.31.1
-    python3 scripts/pack_ort_gpu.py .ortgpu/onnxruntime_gpu-1.31.1-*.whl .ortgpu/onnxruntime-gpu-1.31.1-sm90.tar.xz
-    ../shared/scripts/chunk-for-gpu .ortgpu/onnxruntime-gpu-1.31.1-sm90.tar.xz     # -> .c1 (one part, ~57 MiB)
+    python3 scripts/pack_ort_gpu.py .ortgpu/onnxruntime_gpu-1.31.1-*.whl .ortgpu/onnxruntime-gpu-1.31.1-sm90.tar.xz \
+        --parts 2                                       # -> .c1/part.00, .c2/part.01 (~28.6 MiB each)
 
-xz at preset 9e takes several minutes on one core.
+The tar is ~57 MiB: one ``chunk-for-gpu`` part, but a call carries the working tree (~8.5 MiB) too and at most
+64 MiB in all, so ``--parts 2`` cuts it in halves in ``chunk-for-gpu``'s layout (``.cN/part.NN`` at the
+checkout's root, ignored through ``.git/info/exclude``), sent in two back-to-back calls (the second within the
+machine's 30 s warm window, or the first part is gone). xz at preset 9e takes several minutes on one core.
 """
 
 from __future__ import annotations
@@ -84,10 +87,46 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("wheel")
     ap.add_argument("out", help="the .tar.xz to write")
+    ap.add_argument("--parts", type=int, default=0,
+                    help="also cut it into this many equal parts .c1/part.00 ... at the git checkout's root")
+    ap.add_argument("--only-split", action="store_true", help="OUT exists: only cut it into --parts")
     args = ap.parse_args()
+    if not args.only_split:
+        pack(args.wheel, args.out)
+    if args.parts:
+        split(Path(args.out), args.parts)
+    return 0
+
+
+def split(path: Path, parts: int) -> None:
+    """``path`` in ``parts`` equal pieces, laid out as ``chunk-for-gpu`` lays out its parts (which
+    ``scripts/gpu_ort.sh`` joins in order); earlier ``.cN`` folders are replaced."""
+    import shutil
+    import subprocess
+
+    top = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                              check=True).stdout.strip())
+    exclude = top / ".git" / "info" / "exclude"
+    listed = exclude.read_text().splitlines() if exclude.exists() else []
+    for old in top.glob(".c[0-9]*"):
+        if old.is_dir() and old.name[2:].isdigit():
+            shutil.rmtree(old)
+    data = path.read_bytes()
+    size = -(-len(data) // parts)
+    for i in range(parts):
+        folder = top / f".c{i + 1}"
+        folder.mkdir()
+        (folder / f"part.{i:02d}").write_bytes(data[i * size:(i + 1) * size])
+        if f"/.c{i + 1}/" not in listed:
+            listed.append(f"/.c{i + 1}/")
+    exclude.write_text("\n".join(listed) + "\n")
+    print(f"{parts} parts of {size / 2**20:.1f} MiB in .c1 .. .c{parts} (ignored by git)")
+
+
+def pack(wheel_path: str, out: str) -> None:
     import onnx_graphsurgeon
 
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(args.wheel) as wheel:
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel_path) as wheel:
         root = Path(tmp)
         for info in wheel.infolist():
             if not info.filename.startswith(DROP):
@@ -99,12 +138,11 @@ def main() -> int:
         print(f"{CUDA_LIB}: {blobs} fat binaries, kept {kept / 1e6:.1f} MB of sm_{KEEP_SM} cubins, zeroed "
               f"{zeroed / 1e6:.1f} MB", flush=True)
         gs_dir = Path(onnx_graphsurgeon.__file__).parent
-        with lzma.open(args.out, "wb", preset=9 | lzma.PRESET_EXTREME) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        with lzma.open(out, "wb", preset=9 | lzma.PRESET_EXTREME) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
             for top in sorted(p for p in root.iterdir()):
                 tar.add(top, arcname=top.name, filter=lambda t: None if "__pycache__" in t.name else t)
             tar.add(gs_dir, arcname="onnx_graphsurgeon", filter=lambda t: None if "__pycache__" in t.name else t)
-    print(f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.1f} MiB")
-    return 0
+    print(f"wrote {out}: {Path(out).stat().st_size / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":
