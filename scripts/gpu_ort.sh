@@ -4,14 +4,15 @@
 # torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; the
 # dense layers lowered to com.microsoft.PagedAttention against the torch backend), then a `mini` bf16 artifact with
 # the ort-contrib flavour (MoE, MXFP8Linear and PagedAttention lowered) and bench/ort_gpu.py (plain vs lowered vs
-# torch, batch 1 / 8 x context 4k / 32k, roofline). Every step has its own time limit, cut to what is left of the
-# script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little
-# time left is skipped and says so. Everything lands in $OUT (./out): one log per step and summary.txt.
+# torch, batch 1 / 8 x context 4k / 32k, roofline), then `verify` on it if time is left. Every step has its own
+# time limit, cut to what is left of the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script
+# ends in time; a step with too little time left is skipped and says so. Everything lands in $OUT (./out): one log
+# per step and summary.txt.
 #
 # onnxruntime-gpu is not on the machine: carry it in parts .c1 .. .cN (`scripts/pack_ort_gpu.py ... --parts 2`:
-# two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s layout,
-# so its parts of a plain wheel work too), one part per call, back to back (the machine keeps the earlier parts
-# only while warm), this script in the call with the last part. It joins them under /tmp/ortgpu (a zip or an xz
+# two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s
+# layout, so its parts of a plain wheel work too), one part per call, back to back (the machine keeps the earlier
+# parts only while warm), this script in the call with the last part. It joins them under /tmp/ortgpu (a zip or an xz
 # tar), ahead of the machine's CPU onnxruntime on sys.path, with the CUDA libraries of the machine's torch wheels
 # on LD_LIBRARY_PATH.
 #   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
@@ -93,5 +94,7 @@ python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json')
 print(json.dumps(r, indent=1))" > "$OUT/flavour_record.json" 2>&1
 step bench 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
     --json "$OUT/ort_gpu_h200.json"
+# last, with what is left of the budget: the big artifact through `verify` (its PyTorch reference runs on the host)
+step verify_big 150 $M verify /tmp/ortgpu-art/big --provider "$PROVIDER" --fast
 cat "$OUT/summary.txt"
 exit "$status"
