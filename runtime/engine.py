@@ -152,7 +152,11 @@ class Engine:
 
             backend = launch_backend(path_or_preset, tensor_parallel_size, expert_parallel, device, dtype,
                                      enforce_eager, kv_cache_dtype)
-            return cls(backend, find_tokenizer(path_or_preset, backend.config), **engine_kwargs)
+            try:
+                return cls(backend, find_tokenizer(path_or_preset, backend.config), **engine_kwargs)
+            except BaseException:  # a refused size (pool, length limit): stop the workers now
+                backend.close()
+                raise
         from m3export import load_model
         from .backends import make_torch_backend
 
