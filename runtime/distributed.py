@@ -259,8 +259,28 @@ class ParallelGroup:
         self.conns[rank] = Connection(read_fd, writable=False)
 
     def wait_ready(self) -> None:
-        """Block until every worker has built its backend (raises ``WorkerError`` for one that failed)."""
+        """Block until every worker has built its backend (raises ``WorkerError`` for one that failed); then, on
+        NCCL, start watching the workers (``_watch_workers``)."""
         self._expect(b"ready", None)
+        if _collective_backend(self.device) == "nccl":
+            threading.Thread(target=self._watch_workers, name="m3export-worker-watch", daemon=True).start()
+
+    def _watch_workers(self) -> None:
+        """NCCL does not notice a peer that died: rank 0 would wait inside its collective for ever. After start-up
+        a worker writes to its pipe only to report an error or when it stopped (shutdown), and its pipe reaches
+        end-of-file when it dies; so the first readable pipe outside ``close()`` aborts the NCCL communicators,
+        which fails rank 0's pending collective, and the step's error handling reads the worker's report. (gloo
+        fails the collective by itself when the peer's sockets close.) The pipe is only watched, never read."""
+        try:
+            wait(list(self.conns.values()))
+        except (OSError, ValueError):  # close() closed the pipes meanwhile
+            return
+        if not self.closed:
+            log.error("a worker reported an error or exited: aborting the NCCL process group")
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as e:  # an older torch, or the group is gone already
+                log.warning("could not abort the process group (%s)", e)
 
     def _expect(self, word: bytes, timeout: float | None) -> None:
         """Read one report from every worker, which must be ``word``. A worker that dies closes its pipe, so
@@ -345,7 +365,10 @@ class ParallelGroup:
         for conn in self.conns.values():
             conn.close()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # aborted by _watch_workers: nothing left to destroy
+                log.warning("process group not destroyed cleanly (%s)", e)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,29 @@ def test_two_gpus_nccl_and_graphs_equal_one_gpu():
                                     expert_parallel=ep, num_speculative_tokens=2, **sizing) as engine:
             assert generate(engine, PROMPTS) == single, f"expert_parallel={ep}"
             assert engine.backend.local.replays > 0  # rank 0 decoded from CUDA graphs (and so did rank 1)
+
+
+def test_nccl_watch_aborts_the_group_when_a_worker_dies_not_when_it_stops(monkeypatch):
+    """NCCL never fails a collective whose peer died, so on NCCL rank 0 watches the workers' pipes and aborts the
+    group (``_abort_process_group``) when one reports or exits outside ``close()``. Checked here on a gloo group
+    with the abort recorded instead of performed: a SIGKILLed worker triggers it, a clean close does not."""
+    import threading
+
+    import torch.distributed.distributed_c10d as c10d
+
+    aborted = threading.Event()
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: aborted.set())
+    for kill in (False, True):
+        aborted.clear()
+        backend = DistributedBackend.launch(LaunchSpec("tiny", 2, False, "cpu", None))
+        group = backend.group
+        watcher = threading.Thread(target=group._watch_workers, daemon=True)
+        watcher.start()
+        if kill:
+            group.procs[1].kill()
+            assert aborted.wait(10), "the watch did not abort after the worker died"
+            group.close(graceful=False)
+        else:
+            backend.close()
+            watcher.join(10)
+            assert not aborted.is_set()
