@@ -70,7 +70,7 @@ def fill_random(model, cfg, parallel, rank: int) -> None:
             g = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
             std = 0.2 if "norm" in name else 0.05 if "correction_bias" in name else (
                 1.0 if "embed" in name else 1.0 / math.sqrt(shape[-1]))
-            full = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std
+            full = torch.randn(shape, generator=g, device=device, dtype=torch.float32).mul_(std)  # one temporary
             p.copy_(full if parallel is None else shard_of(name, cfg, parallel, rank).take(full))
             del full
 
