@@ -1,7 +1,9 @@
 """One process per device for tensor / expert parallel inference: start-up, the workers' loop, errors, shutdown.
 
-Rank 0 is the process that builds the engine; it spawns ranks 1 .. N-1 (``torch.multiprocessing``, spawn), and
-all N join one ``torch.distributed`` group: gloo on CPU, NCCL on CUDA with rank r on device ``first + r``. Each
+Rank 0 is the process that builds the engine; it starts ranks 1 .. N-1 as fresh interpreters (``python -m
+m3export.runtime.distributed``, torchrun's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in their
+environment; nothing of rank 0 is re-imported or pickled), and all N join one ``torch.distributed`` group through
+a TCP store rank 0 opens: gloo on CPU, NCCL on CUDA with rank r on device ``first + r``. Each
 rank builds a backend over its own shard (``shard_backend``: the model slices of ``m3export.parallel``, then the
 ordinary torch backend, CUDA graphs included on a GPU). The scheduler, sampling and everything else of the engine
 live on rank 0; the workers only loop over the messages of ``distributed_messages`` and run the same step on
@@ -14,8 +16,10 @@ Failure and shutdown, the cases a multi-process runtime must not get wrong:
 - after any failure inside a step the group is torn down (its ranks may be at different collectives) and the
   backend refuses further steps;
 - ``close()`` (the engine's, or at interpreter exit) tells the workers to stop, waits for them and terminates any
-  that do not; a worker whose parent dies (killed, crashed) exits by itself (it watches the parent's sentinel),
-  so no worker outlives rank 0.
+  that do not; a worker whose parent dies (killed, crashed) exits by itself (its stdin, whose write end only rank
+  0 holds, reaches end-of-file), so no worker outlives rank 0;
+- NCCL never fails a collective whose peer died, so on NCCL rank 0 also watches the workers' pipes and aborts
+  the communicators when one reports or exits outside ``close()``.
 
 NVLink multicast (NVLS) stays off in every rank: ``NO_MULTICAST_ENV`` is set in rank 0's environment before the
 group exists, and the spawned workers inherit it.
