@@ -6,8 +6,9 @@
 # the ort-contrib flavour (MoE, MXFP8Linear and PagedAttention lowered) and bench/ort_gpu.py (plain vs lowered vs
 # torch, batch 1 / 8 x context 4k / 32k, roofline), then `verify` on it if time is left. Every step has its own
 # time limit, cut to what is left of the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script
-# ends in time; a step with too little time left is skipped and says so. Everything lands in $OUT (./out): one log
-# per step and summary.txt.
+# ends in time; a step with too little time left is skipped and says so. Everything lands in $OUT (./out), in five
+# files (a call brings back at most 8): gpu_ort.log (every step's output), summary.txt (each step's exit code and
+# time), ort_gpu_h200.json (the benchmark), flavour_record.json (the lowerings the manifest records), gpu.txt.
 #
 # onnxruntime-gpu is not on the machine: carry it in parts .c1 .. .cN (`scripts/pack_ort_gpu.py ... --parts 2`:
 # two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s
@@ -26,10 +27,11 @@ unset TRITON_INTERPRET
 mkdir -p "$OUT"
 DRY="${GPU_ORT_DRY:-0}"
 DEADLINE=$((SECONDS + ${GPU_ORT_BUDGET:-480}))
-: > "$OUT/summary.txt"
+: > "$OUT/summary.txt"; : > "$OUT/gpu_ort.log"
 status=0
 
-# step NAME LIMIT CMD...: run CMD with a time limit of min(LIMIT, time left - 5 s), output in $OUT/NAME.log
+# step NAME LIMIT CMD...: run CMD with a time limit of min(LIMIT, time left - 5 s), its output appended to
+# $OUT/gpu_ort.log under a header
 step() {
   local name=$1 limit=$2; shift 2
   local left=$((DEADLINE - SECONDS - 5))
@@ -38,10 +40,11 @@ step() {
     echo "$name: SKIPPED (budget spent)" | tee -a "$OUT/summary.txt"; status=1; return 1
   fi
   local t0=$SECONDS
-  echo "== $name (limit ${limit}s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name (limit ${limit}s)" | tee -a "$OUT/gpu_ort.log"
+  timeout "$limit" "$@" > /tmp/gpu_ort_step.log 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
+  grep -v "it/s\]\|s/step\|tensor/s\]" /tmp/gpu_ort_step.log >> "$OUT/gpu_ort.log"  # progress bars dropped
+  tail -n 25 /tmp/gpu_ort_step.log
   echo "$name: exit $rc in $((SECONDS - t0))s$([ $rc = 124 ] && echo ' (TIMED OUT)')" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || status=1
   return "$rc"
@@ -70,11 +73,11 @@ else
     fi && rm -f /tmp/ortgpu.blob
   }
   step unpack 90 unpack || exit 2
-  NV=$(python3 -c "import nvidia, os; print(':'.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, 'lib'))))" 2>/dev/null)
+  NV=$(timeout 30 python3 -c "import nvidia, os; print(':'.join(os.path.join(p, d, 'lib') for p in nvidia.__path__ for d in sorted(os.listdir(p)) if os.path.isdir(os.path.join(p, d, 'lib'))))" 2>/dev/null)
   export LD_LIBRARY_PATH="${NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export PYTHONPATH="/tmp/ortgpu:$R${PYTHONPATH:+:$PYTHONPATH}"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 step providers 60 python3 -c "
 import onnxruntime as o, onnx_graphsurgeon as g, torch
 print('onnxruntime', o.__version__, o.__file__, o.get_available_providers(), 'graphsurgeon', g.__version__, 'torch', torch.__version__)
@@ -90,7 +93,7 @@ step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=sho
     tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py
 step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
     --out /tmp/ortgpu-art/big --force
-python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
+timeout 30 python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
 print(json.dumps(r, indent=1))" > "$OUT/flavour_record.json" 2>&1
 step bench 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
     --json "$OUT/ort_gpu_h200.json"
