@@ -15,6 +15,9 @@ different things), so they report acceptance and speed only.
 
   python bench/mtp_speculation.py                                          # CPU: torch + onnxruntime, 1 thread
   python bench/mtp_speculation.py --device cuda --backends torch,torch-eager   # a GPU: CUDA graphs and eager
+  python bench/mtp_speculation.py --breakdown --batch 8 --prompts 16          # + ms per target / MTP call
+
+``mtp/step``: MTP-module calls per target call (prefill steps included), what a round of drafts costs in calls.
 
 Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and one-position MTP steps replay from
 CUDA graphs), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``), ``onnxruntime`` (an
@@ -65,6 +68,36 @@ class Tally:
         return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
 
+class CallClock:
+    """Counts an engine's target and MTP-module calls (what a round of drafts costs in calls) and, when ``timed``,
+    the time inside them; on a GPU ``sync`` closes each call, which costs the overlap of host and device work, so
+    timing is opt-in (``--breakdown``)."""
+
+    def __init__(self, backend, timed: bool, sync):
+        self.calls = {"target": [0, 0.0], "mtp": [0, 0.0]}  # [calls, seconds]
+        for method, kind in (("forward", "target"), ("mtp_forward", "mtp")):
+            setattr(backend, method, self._wrap(getattr(backend, method), self.calls[kind], timed, sync))
+
+    @staticmethod
+    def _wrap(inner, slot, timed, sync):
+        def call(*args, **kwargs):
+            if timed:
+                sync()
+                start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            if timed:
+                sync()
+                slot[1] += time.perf_counter() - start
+            slot[0] += 1
+            return out
+
+        return call
+
+    def reset(self) -> None:
+        for slot in self.calls.values():
+            slot[:] = [0, 0.0]
+
+
 def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threads: int, batch: int) -> dict:
     """One engine per k, each with its own pools (and, for onnxruntime, sessions)."""
     from m3export.runtime import Engine
@@ -84,12 +117,15 @@ def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threa
     return engines
 
 
-def measure(engines: dict, groups: list[list[list[int]]], temperature: float, new: int, repeats: int) -> dict:
-    """Every group through every engine, interleaved; a Tally per k."""
+def measure(engines: dict, clocks: dict, groups: list[list[list[int]]], temperature: float, new: int,
+            repeats: int) -> dict:
+    """Every group through every engine, interleaved; a Tally per k (and each engine's calls in ``clocks``)."""
     from m3export.runtime import SamplingParams
     from m3export.runtime.stats import EngineStats
 
     tallies = {k: Tally() for k in engines}
+    for clock in clocks.values():
+        clock.reset()
     for rep in range(repeats):
         before = {k: (t.decode_tokens, t.decode_time) for k, t in tallies.items()}
         for g, prompts in enumerate(groups):
@@ -128,6 +164,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="requests generated together (max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved passes over the prompts per temperature")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch and ONNX Runtime intra-op)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the target and MTP calls (ms per call; on a GPU each call then synchronises)")
     ap.add_argument("--json", default=None, help="default: bench/results/mtp_speculation_<device>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -175,7 +213,7 @@ def main() -> int:
         json_path.write_text(json.dumps(out, indent=2) + "\n")
 
     header = (f"{'backend':12s} {'temp':>4s} {'k':>2s} {'accept':>6s} {'decode/s':>9s} {'speedup':>8s} "
-              f"{'min..max':>11s} {'same':>5s}")
+              f"{'min..max':>11s} {'same':>5s} {'mtp/step':>8s}" + ("  target ms  mtp ms" if args.breakdown else ""))
     print(header, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         art = None
@@ -183,10 +221,12 @@ def main() -> int:
             art = export_artifact(str(ckpt), Path(tmp) / "art", progress=False)
         for backend in backends:
             engines = build_engines(backend, ckpt, art, args.device, args.threads, args.batch)
+            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+            clocks = {k: CallClock(eng.backend, args.breakdown, sync) for k, eng in engines.items()}
             for eng in engines.values():  # warm-up: kernels, graphs of the batch's shapes, allocator
                 eng.generate(groups[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             for temperature in TEMPERATURES:
-                tallies = measure(engines, groups, temperature, args.new_tokens, args.repeats)
+                tallies = measure(engines, clocks, groups, temperature, args.new_tokens, args.repeats)
                 base = tallies[0]
                 for k, t in tallies.items():
                     ratios = [(n / s) / (bn / bs) if s and bs else 0.0
@@ -198,14 +238,23 @@ def main() -> int:
                            "decode_tok_s": t.decode_tok_s, "speedup_vs_k0": t.decode_tok_s / base.decode_tok_s,
                            "speedup_per_repeat": ratios, "tokens": t.tokens, "wall_s": t.wall_time,
                            "wall_tok_s": t.tokens / t.wall_time}
+                    (nt, st), (nm, sm) = clocks[k].calls["target"], clocks[k].calls["mtp"]
+                    row.update(target_calls=nt, mtp_calls=nm, mtp_calls_per_target_call=nm / nt)
+                    if args.breakdown:
+                        row.update(target_ms_per_call=1e3 * st / nt, mtp_ms_per_call=1e3 * sm / nm if nm else None)
                     if temperature == 0.0:
                         row["same_output_as_k0"] = t.outputs == base.outputs
                     rows.append(row)
                     acc = "-" if row["acceptance_length"] is None else f"{row['acceptance_length']:.2f}"
                     spread = f"{min(ratios):.2f}..{max(ratios):.2f}"
+                    times = ""
+                    if args.breakdown:
+                        mtp_ms = "-" if row["mtp_ms_per_call"] is None else f"{row['mtp_ms_per_call']:.2f}"
+                        times = f" {row['target_ms_per_call']:10.2f} {mtp_ms:>7s}"
                     table.append(f"{backend:12s} {temperature:4.1f} {k:2d} {acc:>6s} {row['decode_tok_s']:9.1f} "
                                  f"{row['speedup_vs_k0']:7.2f}x {spread:>11s} "
-                                 f"{str(row.get('same_output_as_k0', '')):>5s}")
+                                 f"{str(row.get('same_output_as_k0', '')):>5s} "
+                                 f"{row['mtp_calls_per_target_call']:8.2f}{times}")
                     print(table[-1], flush=True)
                 write(complete=False)
             del engines
