@@ -47,25 +47,14 @@ BACKENDS = ("torch", "torch-eager", "onnxruntime")
 
 @dataclass
 class Tally:
-    """What one engine did over the measured requests of one temperature."""
+    """What one engine did over the measured requests of one temperature; ``stats`` are the engine's own counters
+    (decode tokens and time, drafts verified and accepted) over exactly those requests."""
 
-    decode_tokens: int = 0
-    decode_time: float = 0.0
+    stats: object = None  # m3export.runtime.stats.EngineStats
     wall_time: float = 0.0
     tokens: int = 0
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
     outputs: list = field(default_factory=list)  # token ids per (repeat, prompt), in run order
     per_repeat: list = field(default_factory=list)  # (decode tokens, decode time) per repeat
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_time if self.decode_time else 0.0
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else None
 
 
 class CallClock:
@@ -124,30 +113,24 @@ def measure(engines: dict, clocks: dict, groups: list[list[list[int]]], temperat
     from m3export.runtime.stats import EngineStats
 
     tallies = {k: Tally() for k in engines}
-    for clock in clocks.values():
-        clock.reset()
+    for k, eng in engines.items():
+        eng.stats = tallies[k].stats = EngineStats()  # counts the measured requests only
+        clocks[k].reset()
     for rep in range(repeats):
-        before = {k: (t.decode_tokens, t.decode_time) for k, t in tallies.items()}
+        before = {k: (t.stats.decode_tokens, t.stats.decode_time) for k, t in tallies.items()}
         for g, prompts in enumerate(groups):
             order = list(engines)[g % len(engines):] + list(engines)[:g % len(engines)]
             for k in order:
-                eng, t = engines[k], tallies[k]
-                eng.stats = EngineStats()
+                t = tallies[k]
                 params = [SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True,
                                          seed=1000 * g + i) for i in range(len(prompts))]
                 start = time.perf_counter()
-                outs = eng.generate(prompts, params)
+                outs = engines[k].generate(prompts, params)
                 t.wall_time += time.perf_counter() - start
-                s = eng.stats
-                t.decode_tokens += s.decode_tokens
-                t.decode_time += s.decode_time
-                t.verify_steps += s.verify_steps
-                t.draft_tokens += s.draft_tokens
-                t.accepted_tokens += s.accepted_tokens
                 t.outputs.extend(o.token_ids for o in outs)
                 t.tokens += sum(len(o.token_ids) for o in outs)
         for k, t in tallies.items():
-            t.per_repeat.append((t.decode_tokens - before[k][0], t.decode_time - before[k][1]))
+            t.per_repeat.append((t.stats.decode_tokens - before[k][0], t.stats.decode_time - before[k][1]))
     return tallies
 
 
@@ -231,17 +214,19 @@ def main() -> int:
                 for k, t in tallies.items():
                     ratios = [(n / s) / (bn / bs) if s and bs else 0.0
                               for (n, s), (bn, bs) in zip(t.per_repeat, base.per_repeat)]
+                    st = t.stats
                     row = {"backend": backend, "temperature": temperature, "k": k,
-                           "acceptance_length": t.acceptance_length, "verify_steps": t.verify_steps,
-                           "draft_tokens": t.draft_tokens, "accepted_tokens": t.accepted_tokens,
-                           "decode_tokens": t.decode_tokens, "decode_time_s": t.decode_time,
-                           "decode_tok_s": t.decode_tok_s, "speedup_vs_k0": t.decode_tok_s / base.decode_tok_s,
+                           "acceptance_length": st.mean_acceptance_length, "verify_steps": st.verify_steps,
+                           "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+                           "decode_tokens": st.decode_tokens, "decode_time_s": st.decode_time,
+                           "decode_tok_s": st.decode_tok_s,
+                           "speedup_vs_k0": st.decode_tok_s / base.stats.decode_tok_s,
                            "speedup_per_repeat": ratios, "tokens": t.tokens, "wall_s": t.wall_time,
                            "wall_tok_s": t.tokens / t.wall_time}
-                    (nt, st), (nm, sm) = clocks[k].calls["target"], clocks[k].calls["mtp"]
+                    (nt, tt), (nm, tm) = clocks[k].calls["target"], clocks[k].calls["mtp"]
                     row.update(target_calls=nt, mtp_calls=nm, mtp_calls_per_target_call=nm / nt)
                     if args.breakdown:
-                        row.update(target_ms_per_call=1e3 * st / nt, mtp_ms_per_call=1e3 * sm / nm if nm else None)
+                        row.update(target_ms_per_call=1e3 * tt / nt, mtp_ms_per_call=1e3 * tm / nm if nm else None)
                     if temperature == 0.0:
                         row["same_output_as_k0"] = t.outputs == base.outputs
                     rows.append(row)

@@ -73,7 +73,8 @@ class OnnxRuntimeBackend(Backend):
 
     def __init__(self, artifact, provider="cpu", flavour: str | None = None, threads: int | None = None):
         """``flavour``: run the graphs' recorded flavour (e.g. ``ort-contrib``, experimental) instead of the plain
-        ones; it has the same signatures. ``threads``: ONNX Runtime's intra-op threads per session (``PagedSession``)."""
+        ones; it has the same signatures. ``threads``: ONNX Runtime's intra-op threads per session
+        (``PagedSession``)."""
         from m3export.plugins.onnxruntime.session import PagedSession
 
         self.artifact = artifact
