@@ -60,7 +60,7 @@ def _steps(vocab: int, page_size: int, decode_steps: int, seed: int):
 
 def compare_backends(artifact: str | Path, backends: list[str], decode_steps: int = 3, device: str = "cpu",
                      tolerance: float | None = None, seed: int = 0) -> CompareReport:
-    from .build.engine import BUILD_JSON, read_build
+    from .build.engine import built_from, is_engine_dir, read_build
     from .export.artifact import load_artifact
     from .runtime.backends import create_backend
 
@@ -69,9 +69,9 @@ def compare_backends(artifact: str | Path, backends: list[str], decode_steps: in
     if len(set(backends)) != len(backends):
         raise M3Error(f"--backends lists a backend twice: {backends}")
     sources = {}  # backend -> what it opens
-    if (Path(artifact) / BUILD_JSON).is_file():  # an engine directory: the others run the artifact it was built from
+    if is_engine_dir(artifact):  # an engine directory: the others run the artifact it was built from
         sources["tensorrt"] = artifact
-        artifact = read_build(artifact).get("artifact") or artifact
+        artifact = built_from(read_build(artifact), artifact)
     art = load_artifact(artifact, verify_checksums=False)
     cfg, page = art.config, art.page_size
     report = CompareReport(backends[0], tolerance if tolerance is not None else TOLERANCE.get(art.manifest.dtype,

@@ -212,6 +212,21 @@ def test_engine_graphs_and_files(tmp_path):
         trb.check_engine_file(tmp_path, {"file": "../model.engine", "bytes": 3}, "model")
 
 
+def test_the_cache_dtype_check_reads_the_artifact_an_engine_directory_was_built_from(tiny_artifact, tmp_path):
+    """``--backend tensorrt`` is given an engine directory, not an artifact: ``--kv-cache-dtype`` is checked
+    against the pools of the artifact its build.json names (float32 here), before TensorRT is needed."""
+    from m3export.runtime import Engine
+
+    meta = engine_metadata("10.13.0", (9, 0), "H200", LIMITS, {}, {}, {}, [])
+    (tmp_path / "build.json").write_text(json.dumps({**meta, "artifact": str(tiny_artifact)}))
+    with pytest.raises(BackendUnavailable, match=rf"--kv-cache-dtype bf16: {tmp_path} \(TensorRT engines built "
+                                                 rf"from {tiny_artifact}\) was exported with torch.float32 caches"):
+        Engine.from_artifact(tmp_path, backend="tensorrt", kv_cache_dtype="bf16")
+    (tmp_path / "build.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match="build.json names no artifact"):
+        Engine.from_artifact(tmp_path, backend="tensorrt", kv_cache_dtype="bf16")
+
+
 def test_profiles_of_the_exported_graphs(tiny_artifact):
     """The real signatures of the tiny export: every graph's profiles hold a decode and a prefill step."""
     from m3export.export.artifact import load_artifact

@@ -147,6 +147,19 @@ def build_engines(artifact: str | Path, out: str | Path, max_num_tokens: int | N
     return out
 
 
+def is_engine_dir(path: str | Path) -> bool:
+    """Whether ``path`` is an engine directory (``m3export build``'s output) rather than an artifact."""
+    return (Path(path) / BUILD_JSON).is_file()
+
+
+def built_from(meta: dict, where: str | Path) -> str:
+    """The artifact an engine directory was built from, as its ``build.json`` (``meta``) records it: the engines'
+    graph signatures (inputs, pools and their dtypes) and the model's config are that artifact's."""
+    if not isinstance(meta.get("artifact"), str):
+        raise ArtifactError(f"{where}: build.json names no artifact (the engines' graph signatures and config)")
+    return meta["artifact"]
+
+
 def read_build(path: str | Path) -> dict:
     """``build.json`` of an engine directory, or ArtifactError naming what is missing."""
     p = Path(path) / BUILD_JSON

@@ -31,15 +31,21 @@ def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False, kv_c
 
 def check_exported_cache_dtype(backend: str, artifact: str | Path, kv_cache_dtype: str | None) -> None:
     """Backends that run the exported graphs use the pools those graphs declare (their dtype is recorded in
-    manifest.json with every graph signature): asking for another cache dtype is one clear error."""
+    manifest.json with every graph signature): asking for another cache dtype is one clear error. ``artifact`` may
+    be a TensorRT engine directory, whose engines run the graphs of the artifact its ``build.json`` names."""
     if kv_cache_dtype in (None, "auto"):
         return
+    from m3export.build.engine import built_from, is_engine_dir, read_build
     from m3export.dtypes import BY_NAME
     from m3export.errors import BackendUnavailable
     from m3export.export.artifact import load_artifact
     from m3export.ops.kv_fp8 import FP8, resolve_cache_dtype
 
-    manifest = load_artifact(artifact, verify_checksums=False).manifest
+    source, where = artifact, str(artifact)
+    if is_engine_dir(artifact):  # TensorRT engines run the graphs (pools included) of the artifact they came from
+        source = built_from(read_build(artifact), artifact)
+        where = f"{artifact} (TensorRT engines built from {source})"
+    manifest = load_artifact(source, verify_checksums=False).manifest
     pools = {t.dtype for g in manifest.graphs.values() for t in g.inputs
              if t.name.split(".")[0] in ("k_cache", "v_cache", "index_k_cache")}
     exported = BY_NAME[pools.pop() if len(pools) == 1 else manifest.dtype].torch
@@ -50,7 +56,7 @@ def check_exported_cache_dtype(backend: str, artifact: str | Path, kv_cache_dtyp
             f"{exported}; ONNX has no Gather / ScatterND on float8 in any opset, so no artifact carries FP8 pools "
             "yet: use --backend torch for an FP8 cache")
     if wanted != exported:
-        raise BackendUnavailable(f"--kv-cache-dtype {kv_cache_dtype}: {artifact} was exported with {exported} "
+        raise BackendUnavailable(f"--kv-cache-dtype {kv_cache_dtype}: {where} was exported with {exported} "
                                  f"caches and the {backend} backend runs those graphs as exported")
 
 

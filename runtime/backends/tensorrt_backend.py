@@ -275,21 +275,19 @@ class TensorRTBackend(Backend):
 def open_artifact(path: str | Path, device: str = "cuda") -> TensorRTBackend:
     """The TensorRT backend for an engine directory (``m3export build``'s output)."""
     trt = require_tensorrt()
-    from m3export.build.engine import BUILD_JSON, read_build
+    from m3export.build.engine import built_from, is_engine_dir, read_build
     from m3export.build.profiles import check_engine
     from m3export.export.artifact import load_artifact
 
     root = Path(path)
-    if not (root / BUILD_JSON).is_file():
+    if not is_engine_dir(root):
         raise BackendUnavailable(f"{path} holds no TensorRT engines: build them with 'm3export build {path} --out "
                                  "DIR' and pass DIR to the tensorrt backend")
     meta = read_build(root)
     dev = cuda_device(device)
     props = torch.cuda.get_device_properties(dev)
     check_engine(meta, trt.__version__, (props.major, props.minor), str(root))  # before any deserialization
-    if not isinstance(meta.get("artifact"), str):
-        raise ArtifactError(f"{root}: build.json names no artifact (the engines' graph signatures and config)")
-    artifact = load_artifact(meta["artifact"], verify_checksums=False)
+    artifact = load_artifact(built_from(meta, root), verify_checksums=False)
     from m3export.plugins.tensorrt import plugins
 
     plugins.register()  # the m3 plugin creators, for engines whose nodes are not all AOT
