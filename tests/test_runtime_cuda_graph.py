@@ -39,13 +39,18 @@ def test_mtp_step_shape():
 
     def shape(counts, rows):
         ids = torch.zeros(sum(counts), dtype=torch.int64)
-        batch = _batch([[i] for i in range(len(counts))], [0] * len(counts), counts)
-        return mtp_step_shape(ids, batch, torch.arange(rows), buckets)
+        batch = _batch([[2 * i, 2 * i + 1] for i in range(len(counts))], [0] * len(counts), counts)
+        return mtp_step_shape(ids, batch, torch.arange(rows), buckets, page_size=PAGE)
 
-    assert shape([1, 1, 1], 3) == (4, True)  # a chain step: one draft position per request, logits for each
-    assert shape([1, 1], 0) == (2, False)  # a module only writing its cache
-    assert shape([1, 1], 1) is None  # logits for some rows only
-    assert shape([2, 1, 1], 3) is None  # a catch-up over several kept positions: eager
+    assert shape([1, 1, 1], 3) == (4, 1, True)  # a chain step: one draft position per request, logits for each
+    assert shape([1, 1], 0) == (2, 1, False)  # a module only writing its cache
+    assert shape([1, 1], 1) == (2, 1, True)  # logits for the drafting request only
+    assert shape([3], 1) == (1, 3, True)  # one request's catch-up over 3 kept positions, logits at the last
+    assert shape([2, 2], 2) == (2, 2, True)  # two requests that kept 2 positions each
+    assert shape([2, 2], 0) == (2, 2, False)
+    assert shape([2, 2], 3) is None  # more logits rows than sequences: not a drafter's call
+    assert shape([2, 1, 1], 3) is None  # uneven catch-up: eager
+    assert shape([5], 1) is None  # more positions than a page holds (padding lives in one page)
     assert shape([1] * 5, 5) is None  # past the largest bucket
 
 
@@ -116,24 +121,28 @@ def test_padded_verify_step_equals_unpadded(model):
     torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("want_logits", [True, False])
-def test_padded_mtp_step_equals_unpadded(model, want_logits):
-    """An MTP chain step of 2 sequences padded to a bucket of 4 on the scratch page: same logits and output hidden
-    as the unpadded step, and the same entries in the module's cache (the scratch page aside)."""
+@pytest.mark.parametrize("q,rows", [(1, [0, 1]), (1, []), (1, [1]), (3, [2, 5]), (3, [5]), (2, [])],
+                         ids=["chain", "chain-cache-only", "chain-one-drafting", "catch-up-3",
+                              "catch-up-3-one-drafting", "catch-up-2-cache-only"])
+def test_padded_mtp_step_equals_unpadded(model, q, rows):
+    """An MTP step of 2 sequences of q tokens each (q = 1: a chain step; q > 1: the catch-up over the q positions
+    each request kept after a verify step) padded to a bucket of 4 on the scratch page, logits at the last entry of
+    the drafting requests or none: same logits and output hidden as the unpadded step, and the same entries in the
+    module's cache (the scratch page aside)."""
     be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(4,))
     be.allocate(num_pages=6, page_size=PAGE)
     g = torch.Generator().manual_seed(2)
-    tables = [[0, 1], [2]]
+    tables = [[0, 1, 2], [3, 4]]
     hidden = torch.randn(8, model.config.hidden_size, generator=g, dtype=torch.float64)
     ids = torch.randint(0, 256, (8,), generator=g)
-    be.mtp_forward(0, ids, hidden, _batch(tables, [0, 0], [5, 3]), torch.tensor([4, 7]))  # catch-up: eager
-    assert be.padded_mtp_steps == 0
+    be.mtp_forward(0, ids, hidden, _batch(tables, [0, 0], [5, 3]), torch.tensor([4, 7]))  # prompt catch-up: eager
+    assert be.padded_mtp_steps == 0 and be.eager_mtp_steps == 1
     saved = [c.clone() for c in be._mtp_caches[0]]
-    step = _batch(tables, [5, 3], [1, 1])
-    rows = torch.arange(2) if want_logits else torch.arange(0)
-    step_ids, step_hidden = torch.tensor([21, 22]), hidden[:2] * 0.5
+    step = _batch(tables, [5, 3], [q, q])
+    rows = torch.tensor(rows, dtype=torch.int64)
+    step_ids, step_hidden = torch.arange(21, 21 + 2 * q), hidden[:2 * q] * 0.5
     logits, out = be.mtp_forward(0, step_ids, step_hidden, step, rows)
-    assert be.padded_mtp_steps == 1
+    assert be.padded_mtp_steps == 1 and be.eager_mtp_steps == 1
     padded_cache = [c[:6].clone() for c in be._mtp_caches[0]]
     for c, k in zip(be._mtp_caches[0], saved):
         c.copy_(k)
@@ -184,6 +193,33 @@ def test_engine_on_padded_speculative_decode_matches_reference(model, reference)
     assert eng.stats.verify_steps > 0
     assert be.padded_mtp_steps > 0  # the drafter's chain steps ran in bucket shapes too
     assert be.batch_device == torch.device("cpu")  # the engine hands this backend host batches
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_rounds_run_no_eager_step(k):
+    """The graphed backend's speculative decode: after the prompt's step (target prefill, and each used module's
+    catch-up over the prompt), every target call (verify) and every MTP call (catch-up over the kept positions,
+    chain steps) is a bucket shape, i.e. a graph replay on a GPU; none falls back to an eager step, which on the
+    H200 cost about an eager decode step each and made speculation 4x slower than plain graphed decode. Run on
+    the embedded trained model (drafts are accepted, so catch-ups cover several positions), in float32 on the
+    CPU with the padded shapes run eagerly (``pad_eagerly``: the inputs a graph sees); greedy output must equal
+    the plain engine's."""
+    import m3export
+    from m3export.embedded import default_model
+
+    ckpt = default_model()
+    m = m3export.load_model(ckpt, dtype=torch.float32, progress=False)
+    prompt = list(range(40, 72))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = Engine(GraphedTorchBackend(m, use_graphs=False), num_pages=64).generate([prompt], params)
+    be = GraphedTorchBackend(m, use_graphs=False, pad_eagerly=True)
+    eng = Engine(be, num_pages=64, num_speculative_tokens=k)
+    out = eng.generate([prompt], params)
+    assert out[0].token_ids == plain[0].token_ids
+    assert eng.stats.accepted_tokens > 0, "no draft accepted: the catch-up over several positions went untested"
+    assert be.eager_steps == 1, "a verify step ran eagerly"
+    assert be.eager_mtp_steps == eng.drafter.modules_used, "an MTP step of a speculative round ran eagerly"
+    assert be.padded_mtp_steps > 0
 
 
 def test_engine_on_padded_decode_matches_reference(model, reference):

@@ -6,9 +6,12 @@ A decode step launches hundreds of small kernels whose launch gaps, not their by
 (the same number 1 + k of tokens in every sequence, all sampled), pads it to the smallest bucket (1, 2, 4, ..., 64)
 that holds it and replays that (bucket, tokens per sequence) graph; mixed or prefill steps, batches past the
 largest bucket, and everything on a device without CUDA graphs run eagerly, exactly as ``TorchBackend``.
-The MTP modules' steps of one token per sequence (the drafter's chain steps, and catch-up steps where each
-request kept one position) are captured the same way per (module, bucket, whether logits are wanted): a chain
-of k drafts is k more launches per step otherwise, each as launch-bound as a decode step.
+The MTP modules' steps of the same number q of tokens in every sequence (the drafter's chain steps, q = 1, and
+its catch-up steps over the q positions each request kept after a verify step: always so for one request, and
+for a batch whose requests kept as many) are captured the same way per (module, bucket, q, whether logits are
+wanted), with at most one logits row per sequence: a round of k drafts is k or more module calls, each as
+launch-bound as a decode step, and a catch-up over several positions run eagerly cost about what an eager
+decode step costs (on the H200 it made a speculative round 4x slower than a plain graphed step).
 
 The engine builds its batches on the host for this backend (``batch_device``): the graph's static inputs are
 filled by one host-to-device copy per field, and whether a verify step has the same number of tokens in every
@@ -48,8 +51,30 @@ def step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tens
     engine builds it there for this backend), one tiny device-to-host copy otherwise. Padding sequences hold
     their q tokens in one scratch page, so q may not exceed a page.
     """
-    t, b, n = input_ids.shape[0], batch.seq_lens.shape[0], logits_indices.shape[0]
-    if b == 0 or t % b or n != t:
+    if logits_indices.shape[0] != input_ids.shape[0]:
+        return None
+    return _uniform_shape(input_ids, batch, buckets, page_size)
+
+
+def mtp_step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor, buckets: tuple[int, ...],
+                   page_size: int) -> tuple[int, int, bool] | None:
+    """(bucket, tokens per sequence, logits wanted) for an MTP module step that can be replayed, else None: every
+    sequence has the same number q of tokens (a chain step, q = 1; a catch-up over q kept positions), and at most
+    one logits row per sequence is wanted (the drafter asks for the last entry of each drafting request), or none
+    (a module only keeping its cache current). The graph computes ``bucket`` logits rows at the given indices."""
+    b, n = batch.seq_lens.shape[0], logits_indices.shape[0]
+    if n > b:
+        return None
+    shape = _uniform_shape(input_ids, batch, buckets, page_size)
+    return None if shape is None else (*shape, n > 0)
+
+
+def _uniform_shape(input_ids: torch.Tensor, batch: Batch, buckets: tuple[int, ...], page_size: int
+                   ) -> tuple[int, int] | None:
+    """(bucket, q) when each of the B sequences has the same q new tokens, B fits a bucket and q a page (padding
+    sequences hold their q tokens in one scratch page), else None."""
+    t, b = input_ids.shape[0], batch.seq_lens.shape[0]
+    if b == 0 or t % b:
         return None
     q = t // b
     bucket = next((c for c in buckets if c >= b), None)
@@ -61,17 +86,6 @@ def step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tens
     return bucket, q
 
 
-def mtp_step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
-                   buckets: tuple[int, ...]) -> tuple[int, bool] | None:
-    """(bucket, logits wanted) for an MTP module step that can be replayed, else None: one token per sequence
-    (shapes alone: T == B), and logits for every row or for none (a module only keeping its cache current)."""
-    t, b, n = input_ids.shape[0], batch.seq_lens.shape[0], logits_indices.shape[0]
-    if b == 0 or t != b or n not in (0, t):
-        return None
-    bucket = next((c for c in buckets if c >= b), None)
-    return None if bucket is None else (bucket, n > 0)
-
-
 class DecodeInputs:
     """The static input buffers of one (bucket, q) shape: what a captured graph reads, refilled before every replay.
 
@@ -79,13 +93,16 @@ class DecodeInputs:
     """
 
     def __init__(self, bucket: int, q: int, table_width: int, scratch_page: int, page_size: int, device,
-                 hidden: tuple[int, torch.dtype] | None = None):
-        """``hidden`` = (size, dtype): also a [rows, size] input (an MTP module's incoming hidden states)."""
+                 hidden: tuple[int, torch.dtype] | None = None, logits_rows: int | None = None):
+        """``hidden`` = (size, dtype): also a [rows, size] input (an MTP module's incoming hidden states).
+        ``logits_rows``: how many logits rows the graph computes (default: one per token; an MTP step: one per
+        sequence); a step asking for fewer gets padding rows past its own."""
         self.bucket, self.q = bucket, q
         rows = bucket * q
         self.hidden = None if hidden is None else torch.zeros(rows, hidden[0], dtype=hidden[1], device=device)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)
+        self.logits_indices = torch.arange(rows if logits_rows is None else logits_rows, dtype=torch.int64,
+                                           device=device)
         self.batch = Batch(
             positions=torch.zeros(rows, dtype=torch.int64, device=device),
             query_start_loc=torch.arange(0, rows + 1, q, dtype=torch.int32, device=device),
@@ -102,7 +119,8 @@ class DecodeInputs:
     def fill(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
              hidden: torch.Tensor | None = None) -> None:
         """Copy a step of B <= bucket sequences of q tokens each in (from the host or the device); the rest becomes
-        scratch-page padding. ``logits_indices``: as many rows as tokens, or none (then nothing is copied)."""
+        scratch-page padding. ``logits_indices``: at most as many rows as the graph computes, or none (then
+        nothing is copied)."""
         t, b, w = input_ids.shape[0], batch.seq_lens.shape[0], batch.block_tables.shape[1]
         s = self.batch
         if w > s.block_tables.shape[1]:
@@ -112,7 +130,7 @@ class DecodeInputs:
         n = logits_indices.shape[0]
         if n:
             self.logits_indices[:n].copy_(logits_indices)
-            self.logits_indices[n:].copy_(self._pad_rows[n:])
+            self.logits_indices[n:].copy_(self._pad_rows[n:self.logits_indices.shape[0]])
         if self.hidden is not None:
             self.hidden[:t].copy_(hidden)
             self.hidden[t:].zero_()
@@ -149,6 +167,8 @@ class GraphedTorchBackend(TorchBackend):
         self.mtp_replays = 0  # MTP module steps served from a graph
         self.mtp_graphs = True  # off after an MTP step failed to capture (the target's graphs stay on)
         self.padded_mtp_steps = 0  # MTP module steps run in a bucket shape (graph or pad_eagerly)
+        self.eager_steps = 0  # target steps run eagerly (prefill, mixed, past the buckets, graphs off)
+        self.eager_mtp_steps = 0  # MTP module steps run eagerly (what a speculative decode round should not do)
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         super().allocate(num_pages + 1, page_size)  # page num_pages: scratch for padding rows
@@ -166,17 +186,20 @@ class GraphedTorchBackend(TorchBackend):
 
     @property
     def replays_single_position_mtp_steps(self) -> bool:
+        """Each module's entries written as soon as they are known: the catch-up over the positions a request kept
+        is one (bucket, q) call per module, and every chain call is one position per request (q = 1)."""
         return self._mtp_in_buckets
 
     def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple, logits_indices: torch.Tensor,
                       hidden: torch.Tensor | None = None) -> DecodeInputs:
-        """The static inputs of shape ``key`` = (bucket, q) or ("mtp", module, bucket, logits wanted) filled with
-        this step (also what eager padding runs)."""
+        """The static inputs of shape ``key`` = (bucket, q) or ("mtp", module, bucket, q, logits wanted) filled
+        with this step (also what eager padding runs)."""
         if key not in self._inputs:
-            bucket, q = (key[2], 1) if key[0] == "mtp" else key
+            mtp = key[0] == "mtp"
+            bucket, q = key[2:4] if mtp else key
             extra = None if hidden is None else (hidden.shape[-1], hidden.dtype)
             self._inputs[key] = DecodeInputs(bucket, q, self._table_width, self._scratch_page, self._page_size,
-                                             self.device, extra)
+                                             self.device, extra, logits_rows=bucket if mtp else None)
         inputs = self._inputs[key]
         inputs.fill(input_ids, batch, logits_indices, hidden)
         return inputs
@@ -193,9 +216,11 @@ class GraphedTorchBackend(TorchBackend):
             raise RuntimeError("GraphedTorchBackend.forward before allocate()")
         if media is not None or not (self.use_graphs or self.pad_eagerly):
             # A step that places image / video embeddings is a prefill step: eager, as TorchBackend runs it.
+            self.eager_steps += 1
             return super().forward(*self._on_device(input_ids, batch, logits_indices), media=media)
         key = step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
         if key is None:
+            self.eager_steps += 1
             return super().forward(*self._on_device(input_ids, batch, logits_indices))
         t = input_ids.shape[0]
         inputs = self.padded_inputs(input_ids, batch, key, logits_indices)
@@ -206,6 +231,7 @@ class GraphedTorchBackend(TorchBackend):
 
         outs = self._run(key, step)
         if outs is None:  # capture failed: graphs are off now
+            self.eager_steps += 1
             return super().forward(*self._on_device(input_ids, batch, logits_indices))
         if not self.pad_eagerly:
             self.replays += 1
@@ -215,14 +241,15 @@ class GraphedTorchBackend(TorchBackend):
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         if self._mtp_caches is None:
             raise RuntimeError("GraphedTorchBackend.mtp_forward before allocate()")
-        shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets) if self._mtp_in_buckets else None
+        shape = None
+        if self._mtp_in_buckets:
+            shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
         if shape is None:
-            ids, b, li = self._on_device(input_ids, batch, logits_indices)
-            return super().mtp_forward(module, ids, hidden.to(self.device), b, li)
+            return self._eager_mtp(module, input_ids, hidden, batch, logits_indices)
         key = ("mtp", module, *shape)
         t = input_ids.shape[0]
         inputs = self.padded_inputs(input_ids, batch, key, logits_indices, hidden)
-        rows = inputs.logits_indices if shape[1] else inputs.logits_indices[:0]
+        rows = inputs.logits_indices if shape[2] else inputs.logits_indices[:0]
 
         def step():
             logits, out, _, _ = self.model.mtp_step(module, inputs.input_ids, inputs.hidden, inputs.batch,
@@ -231,13 +258,17 @@ class GraphedTorchBackend(TorchBackend):
 
         outs = self._run(key, step)
         if outs is None:
-            ids, b, li = self._on_device(input_ids, batch, logits_indices)
-            return super().mtp_forward(module, ids, hidden.to(self.device), b, li)
+            return self._eager_mtp(module, input_ids, hidden, batch, logits_indices)
         self.padded_mtp_steps += 1
         if not self.pad_eagerly:
             self.mtp_replays += 1
         logits, out = outs
         return logits[:logits_indices.shape[0]].float().clone(), out[:t].clone()
+
+    def _eager_mtp(self, module, input_ids, hidden, batch: Batch, logits_indices):
+        self.eager_mtp_steps += 1
+        ids, b, li = self._on_device(input_ids, batch, logits_indices)
+        return super().mtp_forward(module, ids, hidden.to(self.device), b, li)
 
     def _run(self, key: tuple, step) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``step`` on the static inputs: eagerly (``pad_eagerly``) or replayed from its graph, captured on first
