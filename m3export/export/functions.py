@@ -10,6 +10,10 @@ where standard ops allow it:
   per token;
 * the MoE runs a ``Scan`` over experts, each step computing only the tokens routed to that expert.
 
+The cache readers come in two forms, chosen per artifact (``kv_fp8``): float pools, or FP8 pools carried as
+uint8 E4M3 codes with their fp32 scale pools as the trailing optional inputs, decoded right after the gather
+(``kv_fp8_onnx.decode_rows``: exactly ``m3export/ops/kv_fp8.dequantize_rows``).
+
 Fast paths (Triton kernels, TensorRT plugins) replace the node, never the semantics. See docs/ops.md.
 """
 
@@ -19,6 +23,7 @@ import numpy as np
 from onnx import FunctionProto, TensorProto, helper
 
 from ..ops import DOMAIN
+from .kv_fp8_onnx import decode_rows
 from .onnx_builder import Builder, Ref
 from .schemas import FLOAT, INT, ONNX_OPSET, SPEC_BY_NAME
 
@@ -56,13 +61,15 @@ def _dequant(b: Builder, weight: str, scale: str) -> str:
     return b.Reshape(b.Mul(b.Reshape(b.Cast(weight, to=F32), blocks), factor), flat)
 
 
-def _function(name: str, b: Builder, outputs: list[str]) -> FunctionProto:
+def _function(name: str, b: Builder, outputs: list[str], kv_fp8: bool = False) -> FunctionProto:
+    """The body's FunctionProto; without ``kv_fp8`` it declares no scale inputs (a float-pool body reads none)."""
     spec = SPEC_BY_NAME[name]
     renamed = dict(zip(outputs, (p.name for p in spec.outputs)))
     for node in b.nodes:
         node.output[:] = [renamed.get(o, o) for o in node.output]
+    inputs = [p.name for p in (*spec.inputs, *(spec.optional_inputs if kv_fp8 else ()))]
     return helper.make_function(
-        DOMAIN, name, [p.name for p in spec.inputs], [p.name for p in spec.outputs], b.nodes,
+        DOMAIN, name, inputs, [p.name for p in spec.outputs], b.nodes,
         [helper.make_opsetid("", ONNX_OPSET)], attributes=[a.name for a in spec.attributes], doc_string=spec.doc,
     )
 
@@ -103,11 +110,17 @@ class SequenceLayout:
             b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
         )  # [T, L]
 
-    def gather(self, pool: str) -> str:
-        """pool [pages, page, *rest] -> fp32 [B, L, *rest]: every sequence's context, read once."""
+    def gather(self, pool: str, scale: str | None = None) -> str:
+        """pool [pages, page, *rest] -> fp32 [B, L, *rest]: every sequence's context, read once. With ``scale``
+        (the pool's [pages, page, *rest[:-1]] fp32 scales) the pool holds uint8 E4M3 codes, decoded after the
+        gather."""
         b = self.b
-        flat = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=2), axis=0))
-        return b.Cast(b.Gather(flat, self.slots, axis=0), to=F32)
+
+        def rows(p: str) -> str:
+            flat = b.Reshape(p, b.Concat(b.const([-1]), b.Shape(p, start=2), axis=0))
+            return b.Gather(flat, self.slots, axis=0)
+
+        return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
 
     def padded(self, x: str) -> str:
         """[T, *rest] -> [B, Tmax, *rest], zeros where a sequence has fewer new tokens."""
@@ -120,13 +133,13 @@ class SequenceLayout:
         return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
 
 
-def lightning_indexer() -> FunctionProto:
+def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     """Scores of every token against its sequence's index keys, which are gathered once per sequence per step
     (``[B, L, D]``), not once per token: a prefill chunk of T tokens reads its context once, and the only
     ``[T, ...]``-by-context tensor is the score matrix the op must compute anyway."""
     b = Builder("")
     seqs = SequenceLayout(b, "block_tables", "query_start_loc", "seq_lens", "positions", "index_k_cache")
-    keys = seqs.gather("index_k_cache")  # [B, L, D]
+    keys = seqs.gather("index_k_cache", "index_k_scale" if kv_fp8 else None)  # [B, L, D]
     q = seqs.padded(b.Cast("index_q", to=F32))  # [B, Tmax, H, D]
     heads = b.Shape("index_q", start=1, end=2)
     q = b.Reshape(q, b.Concat(b.const([0, -1]), b.Shape("index_q", start=2), axis=0))  # [B, Tmax * H, D]
@@ -156,7 +169,7 @@ def lightning_indexer() -> FunctionProto:
     values, idx = b.TopK(block_max, _vec(b, k), axis=-1, largest=1, sorted=1, n_out=2)
     idx = b.Where(b.Equal(values, neg), b.const(-1), idx)
     idx = b.Pad(idx, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, b.Sub(topk, k)), axis=0), b.const(-1))
-    return _function("LightningIndexer", b, [b.Cast(idx, to=TensorProto.INT32)])
+    return _function("LightningIndexer", b, [b.Cast(idx, to=TensorProto.INT32)], kv_fp8)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -181,13 +194,14 @@ def _grouped_attention(b: Builder, keys: str, values: str, allowed: str) -> str:
     return b.CastLike(out, "q")
 
 
-def paged_attention() -> FunctionProto:
+def paged_attention(kv_fp8: bool = False) -> FunctionProto:
     """Each sequence's keys and values are gathered once per step (``[B, L, Hkv, D]``, ``SequenceLayout``) and
     its new tokens' queries meet them in one batched MatMul, ``[B, Hkv, Tmax * G, L]`` scores: a prefill chunk of
     T tokens reads its context once, never a ``[T, L, ...]`` per-token copy."""
     b = Builder("")
     seqs = SequenceLayout(b, "block_tables", "query_start_loc", "seq_lens", "positions", "k_cache")
-    keys, values = seqs.gather("k_cache"), seqs.gather("v_cache")  # [B, L, Hkv, D]
+    keys = seqs.gather("k_cache", "k_scale" if kv_fp8 else None)  # [B, L, Hkv, D]
+    values = seqs.gather("v_cache", "v_scale" if kv_fp8 else None)
     hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
     q = seqs.padded(b.Cast("q", to=F32))  # [B, Tmax, Hq, D]
     q = b.Reshape(q, b.Concat(b.const([0, 0]), hkv, b.const([-1]), d, axis=0))  # [B, Tmax, Hkv, G, D]
@@ -205,10 +219,10 @@ def paged_attention() -> FunctionProto:
     out = b.MatMul(probs, b.Unsqueeze(b.Transpose(values, perm=[0, 2, 1, 3]), b.const([2])))  # [B,Hkv,Tmax,G,Dv]
     out = b.GatherND(b.Transpose(out, perm=[0, 2, 1, 3, 4]), seqs.index)  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
-    return _function("PagedAttention", b, [b.CastLike(out, "q")])
+    return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
 
-def sparse_paged_attention() -> FunctionProto:
+def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
     """Gathers only the selected blocks: ``[T, Hkv, K * block_size]`` keys and values per step, whatever the
     context length (the dense body's ``[T, L, ...]`` context never appears).
 
@@ -244,12 +258,16 @@ def sparse_paged_attention() -> FunctionProto:
     flat_shape = b.Concat(b.Shape("block_idx", end=2), b.const([-1]), axis=0)  # [T, Hkv, K * bs]
     index = b.Reshape(b.Add(b.Mul(slots, hkv), heads), flat_shape)
 
-    def gather(pool: str) -> str:  # [pages, page, Hkv, D] -> fp32 [T, Hkv, K * bs, D]
+    def rows(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [T, Hkv, K * bs, *rest]
         rows_of_pool = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=3), axis=0))
-        return b.Cast(b.Gather(rows_of_pool, index, axis=0), to=F32)
+        return b.Gather(rows_of_pool, index, axis=0)
 
-    out = _grouped_attention(b, gather("k_cache"), gather("v_cache"), b.Reshape(allowed, flat_shape))
-    return _function("SparsePagedAttention", b, [out])
+    def gather(pool: str, scale: str) -> str:  # -> fp32 [T, Hkv, K * bs, D]
+        return decode_rows(b, rows(pool), rows(scale)) if kv_fp8 else b.Cast(rows(pool), to=F32)
+
+    keys, values = gather("k_cache", "k_scale"), gather("v_cache", "v_scale")
+    out = _grouped_attention(b, keys, values, b.Reshape(allowed, flat_shape))
+    return _function("SparsePagedAttention", b, [out], kv_fp8)
 
 
 # ---------------------------------------------------------------------------------------------- MoE
@@ -312,6 +330,7 @@ def mxfp8_linear() -> FunctionProto:
     return _function("MXFP8Linear", b, [b.MatMul("x", b.Transpose(w, perm=[1, 0]))])
 
 
+CACHE_READERS = ("LightningIndexer", "PagedAttention", "SparsePagedAttention")  # the bodies with a kv_fp8 form
 BUILDERS = {
     "LightningIndexer": lightning_indexer,
     "PagedAttention": paged_attention,
@@ -322,6 +341,11 @@ BUILDERS = {
 }
 
 
-def functions_for(op_types: set[str]) -> list[FunctionProto]:
+def body(name: str, kv_fp8: bool = False) -> FunctionProto:
+    """One op's body; ``kv_fp8``: the cache readers' form on uint8 E4M3 pools with scale pools."""
+    return BUILDERS[name](kv_fp8=True) if kv_fp8 and name in CACHE_READERS else BUILDERS[name]()
+
+
+def functions_for(op_types: set[str], kv_fp8: bool = False) -> list[FunctionProto]:
     """The bodies of the given m3 ops, in a fixed order (so exports are byte-identical)."""
-    return [BUILDERS[name]() for name in sorted(op_types)]
+    return [body(name, kv_fp8) for name in sorted(op_types)]

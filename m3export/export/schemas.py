@@ -44,6 +44,7 @@ class OpSpec:
     attributes: tuple[Attr, ...]
     types: dict[str, tuple[str, ...]]
     doc: str
+    optional_inputs: tuple[Port, ...] = ()  # trailing inputs a node may leave out (the FP8 cache's scale pools)
 
     @property
     def torch_op(self) -> str:
@@ -68,15 +69,24 @@ _MOE_ATTRS = (
 )
 _F8 = "tensor(float8e4m3fn)"
 _U8 = "tensor(uint8)"
+_POOLS = (*FLOATS, _U8)  # a cache pool: the model's float type, or E4M3 codes as uint8 (export/kv_fp8_onnx.py)
+_F32 = "tensor(float)"
+
+
+def _scale(name: str, pool: str, shape: str) -> Port:
+    return _p(name, _F32, f"{shape} fp32 scale of each {pool} row; given iff {pool} holds E4M3 codes (uint8)")
+_KV_SCALES = (_scale("k_scale", "k_cache", "[pages, page_size, Hkv]"),
+              _scale("v_scale", "v_cache", "[pages, page_size, Hkv]"))
 
 SPECS: tuple[OpSpec, ...] = (
     OpSpec(
         "LightningIndexer",
         inputs=(
             _p("index_q", "T", "[T, H, D] index queries (normed, roped)"),
-            _p("index_k_cache", "T", "[pages, page_size, D] paged index-key pool (this step's keys already written)"),
+            _p("index_k_cache", "P", "[pages, page_size, D] paged index-key pool (this step's keys already written)"),
             *_PAGED,
         ),
+        optional_inputs=(_scale("index_k_scale", "index_k_cache", "[pages, page_size]"),),
         outputs=(_p("selected_blocks", "tensor(int32)", "[T, H, topk_blocks] block ids, forced first, -1 padded"),),
         attributes=(
             Attr("block_size", INT, "tokens per selection block"),
@@ -84,37 +94,39 @@ SPECS: tuple[OpSpec, ...] = (
             Attr("local_blocks", INT, "trailing blocks always kept, counting the query's own"),
             Attr("init_blocks", INT, "leading blocks always kept"),
         ),
-        types={"T": FLOATS},
+        types={"T": FLOATS, "P": _POOLS},
         doc="Per-token, per-index-head top-k block selection by causal block max score.",
     ),
     OpSpec(
         "PagedAttention",
         inputs=(
             _p("q", "T", "[T, Hq, D] queries"),
-            _p("k_cache", "T", "[pages, page_size, Hkv, D] key pool"),
-            _p("v_cache", "T", "[pages, page_size, Hkv, Dv] value pool"),
+            _p("k_cache", "P", "[pages, page_size, Hkv, D] key pool"),
+            _p("v_cache", "P", "[pages, page_size, Hkv, Dv] value pool"),
             *_PAGED,
         ),
+        optional_inputs=_KV_SCALES,
         outputs=(_p("out", "T", "[T, Hq, Dv]"),),
         attributes=(Attr("scale", FLOAT, "softmax scale applied to q.k"),),
-        types={"T": FLOATS},
+        types={"T": FLOATS, "P": _POOLS},
         doc="Causal GQA over paged K/V pools.",
     ),
     OpSpec(
         "SparsePagedAttention",
         inputs=(
             _p("q", "T", "[T, Hq, D] queries"),
-            _p("k_cache", "T", "[pages, page_size, Hkv, D] key pool"),
-            _p("v_cache", "T", "[pages, page_size, Hkv, Dv] value pool"),
+            _p("k_cache", "P", "[pages, page_size, Hkv, D] key pool"),
+            _p("v_cache", "P", "[pages, page_size, Hkv, Dv] value pool"),
             *_PAGED,
             _p("block_idx", "tensor(int32)", "[T, Hkv, K] blocks each KV group may see (-1 = none)"),
         ),
+        optional_inputs=_KV_SCALES,
         outputs=(_p("out", "T", "[T, Hq, Dv]"),),
         attributes=(
             Attr("block_size", INT, "tokens per selection block"),
             Attr("scale", FLOAT, "softmax scale applied to q.k"),
         ),
-        types={"T": FLOATS},
+        types={"T": FLOATS, "P": _POOLS},
         doc="Causal GQA restricted to the lightning indexer's blocks.",
     ),
     OpSpec(
@@ -209,12 +221,13 @@ def _inference(spec: OpSpec):
 
 
 def _schema(spec: OpSpec) -> defs.OpSchema:
-    def formal(p: Port) -> defs.OpSchema.FormalParameter:
-        return defs.OpSchema.FormalParameter(p.name, p.type_var, p.doc)
+    def formal(p: Port, option=defs.OpSchema.FormalParameterOption.Single) -> defs.OpSchema.FormalParameter:
+        return defs.OpSchema.FormalParameter(p.name, p.type_var, p.doc, param_option=option)
 
     schema = defs.OpSchema(
         spec.name, DOMAIN, OPSET_VERSION, spec.doc,
-        inputs=[formal(p) for p in spec.inputs],
+        inputs=[formal(p) for p in spec.inputs]
+        + [formal(p, defs.OpSchema.FormalParameterOption.Optional) for p in spec.optional_inputs],
         outputs=[formal(p) for p in spec.outputs],
         type_constraints=[(k, list(v), "") for k, v in spec.types.items()],
         attributes=[defs.OpSchema.Attribute(a.name, defs.OpSchema.AttrType(a.kind), a.doc) for a in spec.attributes],

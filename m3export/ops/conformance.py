@@ -59,11 +59,12 @@ def reference_function(op: str) -> Callable:
 
 
 def activation_inputs(op: str) -> tuple[bool, ...]:
-    """Per input: does it take the dtype under test (schema type ``T`` or ``W``)? Router tensors (``R``) stay
-    fp32 as M3 stores them; integer, fp8 and scale inputs keep their own type."""
+    """Per input (the scale pools aside): does it take the dtype under test (schema type ``T``, ``W`` or ``P``, a cache pool,
+    quantised after that rounding in FP8 cases)? Router tensors (``R``) stay fp32 as M3 stores them; integer,
+    fp8 and scale inputs keep their own type."""
     from ..export.schemas import SPEC_BY_NAME
 
-    return tuple(p.type_var in ("T", "W") for p in SPEC_BY_NAME[op].inputs)
+    return tuple(p.type_var in ("T", "W", "P") for p in SPEC_BY_NAME[op].inputs)
 
 
 # ----------------------------------------------------------------------------------------------- paged batches
@@ -698,14 +699,16 @@ class OnnxCpu(Implementation):
     def unavailable(self, case, dtype):
         if dtype == torch.bfloat16:
             return "ONNX Runtime's CPU execution provider has no bfloat16 MatMul/Gemm kernels (docs/ops.md §9)"
-        if case.fp8:
-            return ("the ONNX function bodies take no FP8 pools: no ONNX opset has Gather / ScatterND on float8 "
-                    "(docs/ops.md, FP8 cache)")
         return super().unavailable(case, dtype)
 
     def run(self, op, inputs, attrs):
+        """FP8 pools go in as their uint8 codes and their scale pools as the trailing inputs (the exported
+        form: no ONNX opset gathers float8, ``m3export/export/kv_fp8_onnx.py``)."""
         out_dtype = torch.int32 if op == "LightningIndexer" else inputs[0].dtype
-        return run_onnx(op, inputs, attrs, out_dtype)
+        scales = [v for v in attrs.values() if isinstance(v, torch.Tensor)]
+        pools = FP8_POOLS.get(op, {}) if scales else {}
+        codes = [t.view(torch.uint8) if i in pools else t for i, t in enumerate(inputs)]
+        return run_onnx(op, codes + scales, scalar_attributes(attrs), out_dtype, kv_fp8=bool(scales))
 
 
 def _onnx_type(dtype: torch.dtype) -> int:
@@ -716,18 +719,20 @@ def _onnx_type(dtype: torch.dtype) -> int:
             torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN}[dtype]
 
 
-def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.dtype) -> torch.Tensor:
-    """Build, shape-infer, check and run a one-node model of ``m3::op`` in ONNX Runtime on the CPU."""
+def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.dtype,
+             kv_fp8: bool = False) -> torch.Tensor:
+    """Build, shape-infer, check and run a one-node model of ``m3::op`` in ONNX Runtime on the CPU (``kv_fp8``:
+    the body reading uint8 E4M3 pools with their scale pools, given as the trailing inputs)."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
 
-    from ..export.functions import BUILDERS
+    from ..export.functions import body
     from ..export.schemas import SPEC_BY_NAME, opset_imports, register_schemas
 
     register_schemas()
     spec = SPEC_BY_NAME[op]
-    names = [p.name for p in spec.inputs]
+    names = [p.name for p in (*spec.inputs, *spec.optional_inputs)][:len(inputs)]
     out_name = spec.outputs[0].name
     graph = helper.make_graph(
         [helper.make_node(op, names, [out_name], domain="m3", **attrs)], op,
@@ -735,7 +740,7 @@ def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.
          for n, t in zip(names, inputs, strict=True)],
         [helper.make_tensor_value_info(out_name, _onnx_type(out_dtype), None)],
     )
-    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[BUILDERS[op]()])
+    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[body(op, kv_fp8)])
     model.ir_version = 10
     inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     out_type = inferred.graph.output[0].type.tensor_type
