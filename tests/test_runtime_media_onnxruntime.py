@@ -98,6 +98,30 @@ def test_the_artifact_keeps_the_checkpoints_preprocessing(vl_artifact):
     assert (s.image.max_pixels, s.image.image_mean) == (32 * 32, (0.5, 0.5, 0.5))
 
 
+@pytest.mark.slow  # shares the VL export above
+def test_tensorrt_profiles_of_the_vl_graphs_hold_text_and_media_steps(vl_artifact):
+    """``m3export build`` of a VL artifact: every dynamic dimension of the graphs it builds has a range, media rows
+    (``M``) from 0, tuned at 0; a text step with the zero media rows the tensorrt backend feeds fits the decode
+    profile, and a prefill chunk holding media rows the full one."""
+    from m3export.build.profiles import Limits, profiles_for
+    from m3export.runtime.backends import tensorrt_bindings as tb
+
+    limits = Limits.for_config(vl_artifact.config, vl_artifact.page_size, 32, 4, 64)
+    hidden = vl_artifact.config.hidden_size
+    profiles = {name: profiles_for(vl_artifact.graphs[name], limits) for name in ("model", "mtp0")}
+    assert [p["media_rows"] for p in profiles["model"]] == [((0,), (0,), (4,)), ((0,), (0,), (32,))]
+    assert [p["media_embeds"] for p in profiles["model"]] == [((0, hidden), (0, hidden), (4, hidden)),
+                                                             ((0, hidden), (0, hidden), (32, hidden))]
+    assert not any(n.startswith("media") for n in profiles["mtp0"][0])
+    graph = vl_artifact.graphs["model"]
+    assert tb.empty_media(graph) == {"media_rows": ((0,), "int64"), "media_embeds": ((0, hidden), "float32")}
+    dims = {"B": 2, "max_pages": limits.pages_per_sequence, "pages": limits.pool_pages}
+    for step, profile in [({"T": 4, "N": 2, "M": 0}, 0), ({"T": 20, "N": 1, "M": 12}, 1)]:
+        shapes = {t.name: tb.resolve(t.shape, {**dims, **step}, "step") for t in graph.inputs}
+        assert tb.step_dims(graph, shapes, "step") == {**dims, **step}
+        assert tb.select_profile(graph, profiles["model"], shapes, "step") == profile
+
+
 @pytest.fixture
 def cuda_provider():
     """Skips before the VL export when there is no CUDA execution provider."""

@@ -42,13 +42,16 @@ from m3export.runtime.backends import tensorrt_bindings as tb  # noqa: E402
 V, H, PAGE = 32, 16, 4
 
 
-def _graph() -> GraphInfo:
-    """The main graph's signature as export writes it (manifest.json), at small static dims."""
+def _graph(media: bool = False) -> GraphInfo:
+    """The main graph's signature as export writes it (manifest.json), at small static dims; ``media``: a
+    vision-language step graph's, whose media rows come after the pools."""
     ins = (TensorSig("input_ids", "int64", ("T",)), TensorSig("positions", "int64", ("T",)),
            TensorSig("query_start_loc", "int32", ("B + 1",)), TensorSig("seq_lens", "int32", ("B",)),
            TensorSig("block_tables", "int32", ("B", "max_pages")), TensorSig("slot_mapping", "int64", ("T",)),
            TensorSig("logits_indices", "int64", ("N",)), TensorSig("k_cache.0", "float32", ("pages", PAGE, 2, 8)),
            TensorSig("index_k_cache.0", "float32", ("pages", PAGE, 8)))
+    if media:
+        ins += (TensorSig("media_rows", "int64", ("M",)), TensorSig("media_embeds", "float32", ("M", H)))
     outs = (TensorSig("logits", "float32", ("N", V)), TensorSig("hidden", "float32", ("T", H)),
             TensorSig("k_cache_out.0", "float32", ("pages", PAGE, 2, 8)),
             TensorSig("index_k_cache_out.0", "float32", ("pages", PAGE, 8)))
@@ -399,6 +402,60 @@ def test_the_runner_binds_pools_and_outputs_by_address_and_picks_profiles(tmp_pa
     assert engine.contexts[0].profile_calls == [0, 1, 0]
     with pytest.raises(tb.StepError, match="are cache pools, bound from the backend's own buffers"):
         runner.run({**feeds, "k_cache.0": ref["k_cache.0"]})
+
+
+def test_text_steps_of_a_vision_language_engine_feed_zero_media_rows(tmp_path):
+    """A vision-language step graph takes ``media_rows`` [M] / ``media_embeds`` [M, H]: its profiles range M from
+    0 (tuned at 0) to the profile's tokens, and the backend's steps (through ``TensorRTBackend.forward`` on a
+    stand-in engine) bind both with M = 0 and give the outputs of the same steps without media inputs; the
+    backend still refuses media itself (no vision encoder)."""
+    from types import SimpleNamespace
+
+    from m3export.errors import MediaError
+    from m3export.model.batch import Batch
+
+    graph = _graph(media=True)
+    profiles = json.loads(json.dumps(profiles_for(graph, LIMITS)))  # as build.json records them
+    assert [p["media_rows"] for p in profiles] == [[[0], [0], [8]], [[0], [0], [64]]]  # decode, then every step
+    assert [p["media_embeds"] for p in profiles] == [[[0, H], [0, H], [8, H]], [[0, H], [0, H], [64, H]]]
+    assert tb.empty_media(graph) == {"media_rows": ((0,), "int64"), "media_embeds": ((0, H), "float32")}
+    assert tb.empty_media(_graph()) == {}
+
+    engine = _Engine(graph, [{n: [tuple(s) for s in r] for n, r in p.items()} for p in profiles])
+
+    class Trt(_Trt):
+        class Logger:
+            WARNING = "warning"
+
+            def __init__(self, level):
+                pass
+
+        @staticmethod
+        def Runtime(logger):
+            return _Runtime(engine)
+
+    (tmp_path / "model.engine").write_bytes(b"stand-in")
+    artifact = SimpleNamespace(config=SimpleNamespace(vision="a vision tower"), page_size=PAGE, root=tmp_path,
+                               graphs={"model": graph}, manifest=SimpleNamespace(dtype="float32", mtp_modules=0))
+    meta = {"engines": {"model": {"file": "model.engine", "bytes": 8}}, "profiles": {"model": profiles}}
+    backend = trb.TensorRTBackend(tmp_path, meta, artifact, Trt, torch.device("cpu"))
+    backend.allocate(20, PAGE)
+    text = trb.EngineRunner(_Trt, _Runtime(_Engine(_graph(), [{n: [tuple(s) for s in r] for n, r in p.items()}
+                                                               for p in _profiles()])),
+                            tmp_path / "model.engine", _graph(), _profiles(), torch.device("cpu"))
+    text.allocate(20)
+    pages = [[3, 7, 11, 2, 9, 4], [5, 1, 8, 6, 12, 13]]
+    for t, b, n, start in [(4, 2, 2, 0), (20, 1, 1, 2)]:  # a decode-size step, then a prefill-size one
+        feeds = _feeds(t, b, pages, n, start, torch.arange(1, t + 1))
+        batch = Batch(*(feeds[name] for name in Batch.input_names()))
+        logits, hidden = backend.forward(feeds["input_ids"], batch, feeds["logits_indices"])
+        assert engine.contexts[0].shapes["media_rows"] == (0,) and engine.contexts[0].shapes["media_embeds"] == (0, H)
+        want = text.run(dict(feeds))
+        assert torch.equal(logits, want["logits"]) and torch.equal(hidden, want["hidden"])
+    assert engine.contexts[0].profile_calls == [0, 1]
+    assert not backend.supports_media
+    with pytest.raises(MediaError, match="the tensorrt backend does not run the vision encoder"):
+        backend.encode_media(torch.zeros(4, 48), torch.tensor([[1, 2, 2]]))
 
 
 @pytest.mark.gpu

@@ -1,13 +1,14 @@
 """Optimisation profiles for an artifact's graphs and the metadata that ties an engine to its GPU and TensorRT.
 
 Every dynamic dimension of the graph signatures (``manifest.json``: ``T``, ``B``, ``B + 1``, ``N``, ``max_pages``,
-``pages``) gets (min, opt, max) from the build limits: sequences from 1 to ``max_batch``, block-table width and pool
-pages from ``max_model_len``, and tokens by profile. An engine has one optimisation profile per token range
-(:meth:`Limits.token_ranges`), smallest first: decode steps (at most ``max_batch`` tokens, tuned at ``max_batch``,
-the step a server runs most) and, when ``max_num_tokens`` is larger, every step up to ``max_num_tokens`` (tuned at
-a full prefill chunk). TensorRT picks kernels per profile, so decode steps do not run tactics timed for 2k-token
-chunks; the runtime selects, per step, the first profile that holds its shapes
-(``runtime/backends/tensorrt_bindings.py``). Static dimensions stay as exported.
+``pages``, and ``M`` the media tokens of a vision-language step graph) gets (min, opt, max) from the build limits:
+sequences from 1 to ``max_batch``, block-table width and pool pages from ``max_model_len``, tokens by profile, and
+media tokens from 0 (tuned at 0: text steps, decode included, feed none) to the profile's tokens. An engine has
+one optimisation profile per token range (:meth:`Limits.token_ranges`), smallest first: decode steps (at most
+``max_batch`` tokens, tuned at ``max_batch``, the step a server runs most) and, when ``max_num_tokens`` is larger,
+every step up to ``max_num_tokens`` (tuned at a full prefill chunk). TensorRT picks kernels per profile, so decode
+steps do not run tactics timed for 2k-token chunks; the runtime selects, per step, the first profile that holds its
+shapes (``runtime/backends/tensorrt_bindings.py``). Static dimensions stay as exported.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ class Limits:
     def ranges(self, tokens: tuple[int, int, int] | None = None) -> dict[str, tuple[int, int, int]]:
         """(min, opt, max) of every named dynamic dimension, for the profile of ``tokens`` (default: the one of
         every step, up to ``max_num_tokens``). Logits rows (``N``) range as tokens, at most one per token, from 0:
-        a prefill chunk that samples nothing, and the MTP steps that only fill caches, ask for no row."""
+        a prefill chunk that samples nothing, and the MTP steps that only fill caches, ask for no row. Media rows
+        (``M``, a vision-language step graph's ``media_rows`` / ``media_embeds``) are some of the step's tokens:
+        0 on text steps, at most every token."""
         tokens = tokens or self.token_ranges()[-1]
-        return {"T": tokens, "N": (0, *tokens[1:]),
+        return {"T": tokens, "N": (0, *tokens[1:]), "M": (0, 0, tokens[2]),
                 "B": (1, min(self.max_batch, tokens[1]), self.max_batch),
                 "max_pages": (1, self.pages_per_sequence, self.pages_per_sequence),
                 "pages": (1, self.pool_pages, self.pool_pages)}

@@ -242,6 +242,9 @@ class TensorRTBackend(Backend):
 
         self._main = runner(main)
         self._mtp = [runner(name) for name in mtp]
+        # a vision-language step graph takes media rows; this backend encodes none, so every step feeds zero rows
+        self._no_media = {name: torch.zeros(shape, dtype=BY_NAME[dtype].torch, device=device)
+                          for name, (shape, dtype) in tb.empty_media(artifact.graphs[main]).items()}
 
     @property
     def num_mtp_modules(self) -> int:
@@ -263,7 +266,8 @@ class TensorRTBackend(Backend):
         return {**dict(zip(batch.input_names(), batch.inputs())), **extra}
 
     def forward(self, input_ids, batch: Batch, logits_indices):
-        out = self._main.run(self._feeds(batch, input_ids=input_ids, logits_indices=logits_indices))
+        out = self._main.run(self._feeds(batch, input_ids=input_ids, logits_indices=logits_indices,
+                                         **self._no_media))
         return out["logits"].float(), out["hidden"]
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):

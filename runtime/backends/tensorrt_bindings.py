@@ -16,6 +16,8 @@
   we found no promise in its documentation that an output may share an input's address. So every pool has two
   device buffers: a step reads the current one and writes the whole updated pool into the other, then they swap
   (twice the pool memory and a pool copy per step, until an aliased cache-write plugin replaces ``ScatterND``).
+* :func:`empty_media`: a vision-language step graph's media inputs on a text step (no media row): this backend
+  runs no vision encoder and refuses media (``Backend.encode_media``), yet the graph takes the inputs.
 * :func:`needs_copy`: a feed TensorRT may not be given by address: one not aligned to 256 bytes (TensorRT's
   requirement for I/O addresses) or one that overlaps an output buffer of the same step.
 """
@@ -33,8 +35,8 @@ Shape = tuple[int, ...]
 #: Alignment TensorRT asks of every I/O tensor address (IExecutionContext::setTensorAddress).
 ALIGNMENT = 256
 #: The ``m3export build`` option that raises each named dimension's bound.
-BUILD_OPTION = {"T": "--max-num-tokens", "N": "--max-num-tokens", "B": "--max-batch", "max_pages": "--max-model-len",
-                "pages": "--num-pages"}
+BUILD_OPTION = {"T": "--max-num-tokens", "N": "--max-num-tokens", "M": "--max-num-tokens", "B": "--max-batch",
+                "max_pages": "--max-model-len", "pages": "--num-pages"}
 
 
 class StepError(ValueError):
@@ -168,6 +170,14 @@ def check_profiles(engine_profiles: Sequence[Ranges], recorded: Sequence[Ranges]
     if norm != want:
         raise ArtifactError(f"{where}: the engine's optimisation profiles are not the ones build.json records "
                             "(the directory mixes builds: rebuild it with 'm3export build')")
+
+
+def empty_media(graph) -> dict[str, tuple[Shape, str]]:
+    """(shape, dtype) of each media input with no media row: the inputs of dimension ``M`` (a vision-language step
+    graph's ``media_rows`` [M] / ``media_embeds`` [M, hidden], ``m3export.export.graphs.MEDIA_INPUTS``) at M = 0,
+    what a text step feeds. Empty for graphs without media inputs (text models, MTP modules)."""
+    return {t.name: (resolve(t.shape, {"M": 0}, f"{graph.file}: input {t.name}"), t.dtype)
+            for t in graph.inputs if any(split_dim(d)[0] == "M" for d in t.shape)}
 
 
 def pool_pairs(graph) -> list[tuple[str, str]]:
