@@ -206,9 +206,12 @@ def main() -> int:
             engines = build_engines(backend, ckpt, art, args.device, args.threads, args.batch)
             sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
             clocks = {k: CallClock(eng.backend, args.breakdown, sync) for k, eng in engines.items()}
-            for eng in engines.values():  # warm-up: kernels, graphs of the batch's shapes, allocator
+            for k, eng in engines.items():  # warm-up: kernels, graphs of the batch's shapes, allocator
                 eng.generate(groups[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+                if hasattr(eng.backend, "capture_shapes"):  # CUDA graphs of every decode / verify / MTP shape
+                    eng.backend.capture_shapes(args.batch, k + 1, eng.drafter.modules_used if eng.drafter else 0)
             for temperature in TEMPERATURES:
+                graphs = {k: getattr(eng.backend, "num_graphs", 0) for k, eng in engines.items()}
                 tallies = measure(engines, clocks, groups, temperature, args.new_tokens, args.repeats)
                 base = tallies[0]
                 for k, t in tallies.items():
@@ -224,7 +227,8 @@ def main() -> int:
                            "speedup_per_repeat": ratios, "tokens": t.tokens, "wall_s": t.wall_time,
                            "wall_tok_s": t.tokens / t.wall_time}
                     (nt, tt), (nm, tm) = clocks[k].calls["target"], clocks[k].calls["mtp"]
-                    row.update(target_calls=nt, mtp_calls=nm, mtp_calls_per_target_call=nm / nt)
+                    row.update(target_calls=nt, mtp_calls=nm, mtp_calls_per_target_call=nm / nt,
+                               graphs_captured_while_measuring=getattr(engines[k].backend, "num_graphs", 0) - graphs[k])
                     if args.breakdown:
                         row.update(target_ms_per_call=1e3 * tt / nt, mtp_ms_per_call=1e3 * tm / nm if nm else None)
                     if temperature == 0.0:

@@ -182,6 +182,39 @@ def test_failed_captures_fall_back_to_eager_steps(model, monkeypatch):
     assert logits.shape == (2, model.config.vocab_size)
 
 
+def test_capture_shapes_captures_every_decode_shape_on_padding_alone(model, monkeypatch):
+    """``capture_shapes`` (what a benchmark calls before measuring): one graph per (bucket, q) target shape and per
+    (module, bucket, q, logits wanted) MTP shape up to the bucket that holds ``max_batch``, each captured from a
+    step of padding only, which writes nothing of the engine's pages. The capture itself is CUDA's: here a fake
+    one runs the step once, as the real one's warm-up does."""
+
+    class Replayed:
+        def replay(self):
+            pass
+
+    def capture(step):
+        with torch.inference_mode():
+            return Replayed(), step()
+
+    be = GraphedTorchBackend(model, use_graphs=True, buckets=(1, 2, 4, 8))
+    be.allocate(num_pages=6, page_size=PAGE)
+    monkeypatch.setattr(be, "_capture", capture)
+    g = torch.Generator().manual_seed(5)
+    for layer in be._caches + be._mtp_caches:
+        for c in layer:
+            c.copy_(torch.randn(c.shape, generator=g, dtype=torch.float64).to(c.dtype))
+    saved = [[c.clone() for c in layer] for layer in be._caches + be._mtp_caches]
+    modules = model.config.num_mtp_modules
+    assert be.capture_shapes(max_batch=3, max_tokens_per_sequence=3, mtp_modules=modules) == 3 * 3 * (1 + 2 * modules)
+    assert set(be._graphs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 3)} | {
+        ("mtp", m, b, q, w) for m in range(modules) for b in (1, 2, 4) for q in (1, 2, 3) for w in (True, False)}
+    assert be.capture_shapes(max_batch=3, max_tokens_per_sequence=3, mtp_modules=modules) == 0  # all there
+    assert be.capture_shapes(max_batch=1, max_tokens_per_sequence=PAGE + 2) == PAGE - 3  # q stops at a page
+    pools = [(c, k) for layer, keep in zip(be._caches + be._mtp_caches, saved) for c, k in zip(layer, keep)]
+    assert all(torch.equal(c[:6], k[:6]) for c, k in pools)  # pages 0-5 are the engine's ...
+    assert all(not torch.equal(c[6], k[6]) for c, k in pools)  # ... the steps wrote the scratch page, every pool
+
+
 def test_engine_on_padded_speculative_decode_matches_reference(model, reference):
     # k = 2 drafts: verification steps are (bucket, 3) shapes whenever every sequence drafts 2; the last steps
     # (fewer drafts near max_tokens) and the prefills run eagerly. Greedy output must equal full recomputation.
