@@ -19,7 +19,13 @@ Failure and shutdown, the cases a multi-process runtime must not get wrong:
   that do not; a worker whose parent dies (killed, crashed) exits by itself (its stdin, whose write end only rank
   0 holds, reaches end-of-file), so no worker outlives rank 0;
 - NCCL never fails a collective whose peer died, so on NCCL rank 0 also watches the workers' pipes and aborts
-  the communicators when one reports or exits outside ``close()``.
+  the communicators when one reports or exits outside ``close()``;
+- tearing an NCCL group down is itself collective (``ncclCommFinalize`` / ``ncclCommDestroy`` wait for every
+  rank) and waits until every CUDA graph that captured one of its collectives is destroyed: so on shutdown every
+  rank first releases its graphs (``release_graphs``), rank 0 enters the teardown right after telling the workers
+  to stop (not after waiting for them, which deadlocked: the first 2-GPU run hung there), and after a failure the
+  communicators are aborted, not destroyed. Each teardown is bounded (``TEARDOWN_TIMEOUT_S``): past it the stacks
+  are dumped and the process goes on (rank 0) or exits (a worker).
 
 NVLink multicast (NVLS) stays off in every rank: ``NO_MULTICAST_ENV`` is set in rank 0's environment before the
 group exists, and the spawned workers inherit it.
@@ -46,6 +52,8 @@ import torch.distributed as dist
 
 import m3export
 from m3export.errors import M3Error
+from m3export.parallel.diagnostics import progress, rank_diagnostics
+from m3export.parallel.teardown import TEARDOWN_TIMEOUT_S, teardown_group  # noqa: F401  (TEARDOWN_TIMEOUT_S: docs)
 
 from . import distributed_messages as messages
 
@@ -141,6 +149,25 @@ def _collective_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _init_group(device: torch.device, store, rank: int, world_size: int) -> None:
+    """Join the default group. On NCCL the device is bound (``device_id``): the communicator is created here, at
+    start-up where a failure is watched for, not inside the first step's first collective."""
+    extra = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # per thread: rank 0 joins from a helper thread
+        extra["device_id"] = device
+    dist.init_process_group(_collective_backend(device), store=store, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT, **extra)
+
+
+def release_graphs(backend) -> None:
+    """Drop the backend's captured CUDA graphs (``GraphedTorchBackend.release_graphs``), if it has any: NCCL's
+    teardown waits for every graph that captured one of its collectives."""
+    release = getattr(backend, "release_graphs", None)
+    if release is not None:
+        release()
+
+
 # ---------------------------------------------------------------------------------------------- worker side
 def _watch_parent() -> None:
     """Exit this worker when rank 0's process ends, whatever the reason (no orphans holding devices): rank 0 holds
@@ -161,6 +188,7 @@ def worker_main(argv: list[str]) -> None:
     spec = LaunchSpec(**json.loads(argv[0]))
     conn = Connection(int(argv[1]), readable=False)
     rank = int(os.environ["RANK"])
+    rank_diagnostics(rank)
     _watch_parent()
     try:
         device = spec.rank_device(rank)
@@ -169,14 +197,21 @@ def worker_main(argv: list[str]) -> None:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), spec.world_size,
                               is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         conn.send_bytes(b"joining")
-        dist.init_process_group(_collective_backend(device), store=store, rank=rank, world_size=spec.world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        progress(f"joining the {_collective_backend(device)} group on {device}")
+        _init_group(device, store, rank, spec.world_size)
+        progress("joined; building the backend")
         backend = resolve(spec.backend_factory)(spec, rank, device)
         conn.send_bytes(b"ready")
+        progress("ready")
         hidden_size = backend.config.hidden_size
+        steps = 0
         while True:
-            msg = messages.receive(device, backend.dtype, hidden_size)
+            msg = messages.receive(device, messages.wire_dtype(backend), hidden_size)
+            steps += 1
+            if steps <= 3 or steps % 500 == 0 or msg.op in (messages.SHUTDOWN, messages.ALLOCATE):
+                progress(f"message {steps}: {messages.OPERATIONS[msg.op]}")
             if msg.op == messages.SHUTDOWN:
+                release_graphs(backend)
                 break
             if msg.op == messages.ALLOCATE:
                 backend.allocate(msg.num_pages, msg.page_size)
@@ -192,9 +227,10 @@ def worker_main(argv: list[str]) -> None:
             conn.send_bytes(("error:" + text).encode())
         finally:
             os._exit(1)  # at once: closing the sockets is what releases rank 0 from a pending collective
-    dist.destroy_process_group()
+    # rank 0 enters the same (collective on NCCL) teardown now; past the bound this worker exits anyway
+    code = 0 if teardown_group(graceful=True) else 3
     conn.send_bytes(b"done")
-    os._exit(0)  # nothing left to flush; the interpreter's own teardown (torch's) only costs seconds
+    os._exit(code)  # nothing left to flush; the interpreter's own teardown (torch's) only costs seconds
 
 
 class ParallelGroup:
@@ -208,7 +244,10 @@ class ParallelGroup:
         self.spec = spec
         self.device = spec.rank_device(0)
         self.closed = False
+        self.teardown_ok: bool | None = None  # close(): whether the process group was left within its bound
         os.environ.update(NO_MULTICAST_ENV)
+        rank_diagnostics(0)
+        progress(f"starting {spec.world_size - 1} worker(s): {spec.source} on {spec.device}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         store = dist.TCPStore("127.0.0.1", 0, spec.world_size, is_master=True, wait_for_workers=False,
@@ -232,8 +271,7 @@ class ParallelGroup:
 
         def join():
             try:
-                dist.init_process_group(_collective_backend(self.device), store=store, rank=0,
-                                        world_size=self.spec.world_size, timeout=COLLECTIVE_TIMEOUT)
+                _init_group(self.device, store, 0, self.spec.world_size)
             except BaseException as e:
                 failed.append(e)
             finally:
@@ -244,6 +282,7 @@ class ParallelGroup:
             self.check()
         if failed:
             raise failed[0]
+        progress("joined the group")
 
     def _start(self, rank: int, port: int) -> None:
         """Rank ``rank`` as a fresh interpreter (nothing of this process is re-imported or pickled), torchrun's
@@ -339,17 +378,30 @@ class ParallelGroup:
                 return self._error(rank, self._read(rank))
         return None
 
-    def close(self, graceful: bool = True) -> None:
-        """Stop the workers (``graceful``: tell them, then wait) and leave the process group; idempotent."""
+    def close(self, graceful: bool = True, local=None) -> None:
+        """Stop the workers and leave the process group; idempotent. ``graceful``: tell them to stop, then tear
+        the group down together with them (collective on NCCL: rank 0 must not wait for the workers first), then
+        wait for their exit. Otherwise (after a failure) abort it (``teardown_group``). ``local``: rank 0's own
+        backend, whose CUDA graphs are released before the teardown (NCCL's waits for them)."""
         if self.closed:
             return
         self.closed = True
+        progress(f"closing ({'graceful' if graceful else 'after a failure'})")
         alive = all(p.poll() is None for p in self.procs.values())
+        told = False
         if graceful and alive and dist.is_initialized():
             try:
                 messages.send(messages.StepMessage(messages.SHUTDOWN), self.device, torch.float32)
+                told = True
             except Exception as e:  # a worker vanished meanwhile: stopped below
                 log.warning("could not tell the workers to stop (%s); terminating them", e)
+        if local is not None:
+            try:
+                release_graphs(local)
+            except Exception as e:  # a failed device: the abort below still runs
+                log.warning("could not release rank 0's CUDA graphs (%s)", e)
+        if told or not graceful:
+            self.teardown_ok = teardown_group(graceful=told)
         deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if graceful and alive else 0.0)
         for p in self.procs.values():
             try:
@@ -368,11 +420,9 @@ class ParallelGroup:
                     p.wait()
         for conn in self.conns.values():
             conn.close()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # aborted by _watch_workers: nothing left to destroy
-                log.warning("process group not destroyed cleanly (%s)", e)
+        if dist.is_initialized() and self.teardown_ok is None:  # the workers were gone before any teardown
+            self.teardown_ok = teardown_group(graceful=False)
+        progress("closed")
 
 
 if __name__ == "__main__":

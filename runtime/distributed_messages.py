@@ -49,6 +49,14 @@ class StepMessage:
     page_size: int = 0  # ALLOCATE
 
 
+def wire_dtype(backend) -> torch.dtype:
+    """The dtype of the floating-point tensors on the wire (MTP hidden states, media embeddings): the model's
+    activation dtype, which every rank derives alike. Not ``backend.dtype``, the cache dtype, which is E4M3 with
+    an FP8 KV cache (hidden states squeezed through it would differ from rank 0's own)."""
+    model = getattr(backend, "model", None)
+    return model.lm_head.weight.dtype if model is not None else backend.dtype
+
+
 def _int_fields(batch: Batch) -> list[torch.Tensor]:
     return [getattr(batch, name) for name in Batch.input_names()]
 

@@ -38,7 +38,8 @@ class DistributedBackend(Backend):
         self.world_size = group.spec.world_size
         self._failed: BaseException | None = None
         # no worker outlives the engine, also when nobody calls close() (finalize also runs at interpreter exit)
-        self._finalizer = weakref.finalize(self, group.close)
+        # (rank 0's CUDA graphs are released before the group is torn down: NCCL's teardown waits for them)
+        self._finalizer = weakref.finalize(self, group.close, True, local)
 
     @classmethod
     def launch(cls, spec: LaunchSpec) -> DistributedBackend:
@@ -107,12 +108,12 @@ class DistributedBackend(Backend):
             raise M3Error("the parallel backend is closed")
         try:
             self.group.check()
-            messages.send(msg, self.device, self.dtype)
+            messages.send(msg, self.device, messages.wire_dtype(self.local))
             return call()
         except BaseException as exc:
             err = self.group.failure() if not isinstance(exc, M3Error) else None
             self._failed = err or exc
-            self.group.close(graceful=False)
+            self.group.close(graceful=False, local=self.local)
             if err is not None:
                 raise err from exc
             raise
