@@ -136,6 +136,10 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random(seed)
         self.media_cache = MediaCache()  # encoded images / video by content digest, shared across requests
+        #: How served images / video are preprocessed (``m3export.serve.media.media_settings``): the model
+        #: directory's preprocessor files, read by ``from_checkpoint`` / ``from_artifact``; None: the processors'
+        #: defaults with the model's patch geometry.
+        self.media_settings = None
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -153,7 +157,8 @@ class Engine:
             backend = launch_backend(path_or_preset, tensor_parallel_size, expert_parallel, device, dtype,
                                      enforce_eager, kv_cache_dtype)
             try:
-                return cls(backend, find_tokenizer(path_or_preset, backend.config), **engine_kwargs)
+                return cls(backend, find_tokenizer(path_or_preset, backend.config),
+                           **engine_kwargs)._read_media_settings(path_or_preset)
             except BaseException:  # a refused size (pool, length limit): stop the workers now
                 backend.close()
                 raise
@@ -162,7 +167,8 @@ class Engine:
 
         model = load_model(path_or_preset, device=device, dtype=dtype)
         tokenizer = find_tokenizer(path_or_preset, model.config)
-        return cls(make_torch_backend(model, enforce_eager, kv_cache_dtype), tokenizer, **engine_kwargs)
+        return cls(make_torch_backend(model, enforce_eager, kv_cache_dtype), tokenizer,
+                   **engine_kwargs)._read_media_settings(path_or_preset)
 
     @classmethod
     def from_artifact(cls, path: str | Path, backend: str = "torch", device: str = "cpu",
@@ -181,7 +187,18 @@ class Engine:
                           "from `m3export export --tensor-parallel-size N`)")
         be = create_backend(backend, path, device=device, dtype=dtype, enforce_eager=enforce_eager, provider=provider,
                             kv_cache_dtype=kv_cache_dtype)
-        return cls(be, find_tokenizer(path, be.config), **engine_kwargs)
+        return cls(be, find_tokenizer(path, be.config), **engine_kwargs)._read_media_settings(path)
+
+    def _read_media_settings(self, source: str | Path) -> Engine:
+        """``media_settings`` from the model directory ``source`` (its ``preprocessor_config.json`` /
+        ``video_preprocessor_config.json``, ``MediaSettings``; a preset has none: the defaults). A bad file is one
+        error naming the file and the field."""
+        from m3export.preprocess.settings import MediaSettings
+        from m3export.sources import is_preset
+
+        self.media_settings = MediaSettings.from_directory(None if is_preset(source) else source,
+                                                           self.config.vision)
+        return self
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,

@@ -108,6 +108,29 @@ def test_unreadable_files_are_one_clear_error(tmp_path):
         MediaSettings.from_directory(tmp_path, VISION)
 
 
+def test_engine_from_checkpoint_reads_the_model_directorys_files(tmp_path):
+    """Engine.from_checkpoint (generate, LLM, the servers) honours the checkpoint's files: a changed max_pixels
+    changes the image grid of a served request; a preset has no files (the defaults); a bad file is one error."""
+    from m3export.checkpoint.writer import write_checkpoint
+    from m3export.runtime import Engine
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", preset("tiny").replace(num_mtp_modules=0, vision=VISION), "original",
+                            "fp32", progress=False, with_tokenizer=False)
+    grids = {}
+    for max_pixels in (16 * 16, 32 * 32):
+        _write(ckpt, {"max_pixels": max_pixels})
+        engine = Engine.from_checkpoint(ckpt, num_pages=16)
+        assert engine.media_settings.image.max_pixels == max_pixels
+        _, items = prepare_media(engine.config, IMAGE_TOKEN, [IMAGE], settings=media_settings(engine))
+        grids[max_pixels] = int(items[0].grid_thw.prod())
+        assert grids[max_pixels] * VISION.patch_size ** 2 <= max_pixels
+    assert grids[16 * 16] < grids[32 * 32]
+    assert Engine.from_checkpoint("tiny", num_pages=16).media_settings is None  # text-only preset: nothing to read
+    _write(ckpt, {"max_pixels": 0})
+    with pytest.raises(MediaError, match=f"{ckpt / PREPROCESSOR_CONFIG}: max_pixels must be a positive integer"):
+        Engine.from_checkpoint(ckpt, num_pages=16)
+
+
 def test_load_engine_reads_the_model_directorys_files(tmp_path):
     """The servers and LLM build their engine with load_engine: the checkpoint's files decide the preprocessing
     of every served image; a bad file stops the load naming it."""

@@ -96,6 +96,8 @@ def test_multimodal_generation_equals_torch_and_the_model(vl_artifact, reference
 def test_the_artifact_keeps_the_checkpoints_preprocessing(vl_artifact):
     s = MediaSettings.from_directory(vl_artifact.root, VISION)
     assert (s.image.max_pixels, s.image.image_mean) == (32 * 32, (0.5, 0.5, 0.5))
+    for backend in ("torch", "onnxruntime"):  # Engine.from_artifact reads them (generate, LLM, the servers)
+        assert Engine.from_artifact(vl_artifact.root, backend=backend, num_pages=16).media_settings == s
 
 
 @pytest.mark.slow  # shares the VL export above

@@ -3,8 +3,8 @@
 preprocessed media items for the engine, with the prompt's markers expanded to placeholder tokens.
 
 Preprocessing follows the model directory's ``preprocessor_config.json`` / ``video_preprocessor_config.json``
-(``MediaSettings``): ``load_engine`` reads them into ``engine.media_settings``, which ``media_settings(engine)``
-returns (the processors' defaults for an engine built another way).
+(``MediaSettings``): ``Engine.from_checkpoint`` / ``Engine.from_artifact`` read them into ``engine.media_settings``,
+which ``media_settings(engine)`` returns (the processors' defaults for an engine built another way).
 
 A text prompt marks each image with ``]<]image[>[`` (what M3's chat template writes for an image part); the
 markers are expanded here, one placeholder per image token, and the engine's tokenizer turns each placeholder
@@ -55,7 +55,7 @@ def video_element(element: bytes | str) -> bytes | list[bytes]:
 
 
 def media_settings(engine) -> MediaSettings | None:
-    """The preprocessing an engine's model asks for: what ``load_engine`` read from its directory, or the
+    """The preprocessing an engine's model asks for: what ``Engine.from_*`` read from its directory, or the
     processors' defaults with the model's patch geometry."""
     settings = getattr(engine, "media_settings", None)
     return settings if settings is not None else MediaSettings.from_directory(None, engine.config.vision)

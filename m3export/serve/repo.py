@@ -234,11 +234,7 @@ def load_engine(parameters: dict[str, str], version_dir: Path):
     if kind not in (CHECKPOINT, ARTIFACT):
         raise RepositoryError(f"config.pbtxt: unknown source_kind {kind!r} (expected preset, checkpoint or "
                               "artifact)")
-    engine = Engine.from_checkpoint(path, **kwargs) if kind == CHECKPOINT else \
+    # both read the directory's preprocessor_config.json / video_preprocessor_config.json into
+    # engine.media_settings (m3export.serve.media.media_settings); a bad file stops the load naming file and field
+    return Engine.from_checkpoint(path, **kwargs) if kind == CHECKPOINT else \
         Engine.from_artifact(path, backend=backend, **kwargs)
-    # the directory's preprocessor_config.json / video_preprocessor_config.json, read by the serving paths
-    # (m3export.serve.media.media_settings); a bad file stops the load with the file and field named
-    from ..preprocess.settings import MediaSettings
-
-    engine.media_settings = MediaSettings.from_directory(path, engine.config.vision)
-    return engine
