@@ -224,12 +224,7 @@ class GraphedTorchBackend(TorchBackend):
             return super().forward(*self._on_device(input_ids, batch, logits_indices))
         t = input_ids.shape[0]
         inputs = self.padded_inputs(input_ids, batch, key, logits_indices)
-
-        def step():
-            out = self.model.step(inputs.input_ids, inputs.batch, self._caches, inputs.logits_indices, inplace=True)
-            return out.logits, out.hidden
-
-        outs = self._run(key, step)
+        outs = self._run(key, self._target_step(inputs))
         if outs is None:  # capture failed: graphs are off now
             self.eager_steps += 1
             return super().forward(*self._on_device(input_ids, batch, logits_indices))
@@ -249,14 +244,7 @@ class GraphedTorchBackend(TorchBackend):
         key = ("mtp", module, *shape)
         t = input_ids.shape[0]
         inputs = self.padded_inputs(input_ids, batch, key, logits_indices, hidden)
-        rows = inputs.logits_indices if shape[2] else inputs.logits_indices[:0]
-
-        def step():
-            logits, out, _, _ = self.model.mtp_step(module, inputs.input_ids, inputs.hidden, inputs.batch,
-                                                    self._mtp_caches[module], rows, inplace=True)
-            return logits, out
-
-        outs = self._run(key, step)
+        outs = self._run(key, self._mtp_step(module, inputs, shape[2]))
         if outs is None:
             return self._eager_mtp(module, input_ids, hidden, batch, logits_indices)
         self.padded_mtp_steps += 1
@@ -264,6 +252,58 @@ class GraphedTorchBackend(TorchBackend):
             self.mtp_replays += 1
         logits, out = outs
         return logits[:logits_indices.shape[0]].float().clone(), out[:t].clone()
+
+    def capture_shapes(self, max_batch: int, max_tokens_per_sequence: int = 1, mtp_modules: int = 0) -> int:
+        """Capture now, not at first use, every graph that decoding up to ``max_batch`` sequences takes: target steps
+        of 1 .. ``max_tokens_per_sequence`` tokens per sequence (plain decode; verification of up to k drafts when
+        it is k + 1) and, for each of the first ``mtp_modules`` MTP modules, steps of as many positions per
+        sequence with and without logits. What a benchmark calls before measuring (a capture, and a kernel
+        compiled for a new shape, would otherwise count as decode time). The steps run on padding alone (every
+        row on the scratch page), so this may be called at any time. Returns how many graphs it captured."""
+        if not self.use_graphs or self._caches is None:
+            return 0
+        before = len(self._graphs)
+        top = next((c for c in self.buckets if c >= max_batch), self.buckets[-1])
+        ids = rows = torch.zeros(0, dtype=torch.int64)  # a step of no sequence: the static inputs are all padding
+        empty = Batch(positions=ids, query_start_loc=torch.zeros(1, dtype=torch.int32),
+                      seq_lens=torch.zeros(0, dtype=torch.int32), block_tables=torch.zeros(0, 0, dtype=torch.int32),
+                      slot_mapping=ids)
+        for bucket in (c for c in self.buckets if c <= top):
+            for q in range(1, min(max_tokens_per_sequence, self._page_size) + 1):
+                inputs = self.padded_inputs(ids, empty, (bucket, q), rows)
+                outs = self._run((bucket, q), self._target_step(inputs))
+                if outs is None:  # the capture failed (logged): every step runs eagerly now
+                    return len(self._graphs) - before
+                hidden = outs[1]  # what the MTP modules are fed: its width and dtype
+                for module in range(mtp_modules if self.mtp_graphs else 0):
+                    for wanted in (True, False):
+                        key = ("mtp", module, bucket, q, wanted)
+                        if key not in self._graphs and self.mtp_graphs:
+                            inputs = self.padded_inputs(ids, empty, key, rows, hidden[:0])
+                            self._run(key, self._mtp_step(module, inputs, wanted))
+        return len(self._graphs) - before
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far (target and MTP shapes)."""
+        return len(self._graphs)
+
+    def _target_step(self, inputs: DecodeInputs):
+        def step():
+            out = self.model.step(inputs.input_ids, inputs.batch, self._caches, inputs.logits_indices, inplace=True)
+            return out.logits, out.hidden
+
+        return step
+
+    def _mtp_step(self, module: int, inputs: DecodeInputs, wanted: bool):
+        rows = inputs.logits_indices if wanted else inputs.logits_indices[:0]
+
+        def step():
+            logits, out, _, _ = self.model.mtp_step(module, inputs.input_ids, inputs.hidden, inputs.batch,
+                                                    self._mtp_caches[module], rows, inplace=True)
+            return logits, out
+
+        return step
 
     def _eager_mtp(self, module, input_ids, hidden, batch: Batch, logits_indices):
         self.eager_mtp_steps += 1
