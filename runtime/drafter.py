@@ -41,7 +41,7 @@ from m3export.model.batch import Segment, build_batch
 
 from .backends.base import Backend
 from .request import Request
-from .sampling import propose_rows
+from .sampling import propose_rows, to_device
 
 
 @dataclass
@@ -186,4 +186,4 @@ class MTPDrafter(Drafter):
         last = ends[[row[i] for i in want]] if want else ends[:0]
         logits, out = self.backend.mtp_forward(module, ids, hidden, batch, last)
         runs.clear()
-        return logits, out.index_select(0, last.to(out.device))
+        return logits, out.index_select(0, to_device(last, out.device))  # queued: no wait for the device

@@ -14,9 +14,11 @@ launch-bound as a decode step, and a catch-up over several positions run eagerly
 decode step costs (on the H200 it made a speculative round 4x slower than a plain graphed step).
 
 The engine builds its batches on the host for this backend (``batch_device``): the graph's static inputs are
-filled by one host-to-device copy per field, and whether a verify step has the same number of tokens in every
-sequence is read from the host ``query_start_loc`` with no device-to-host copy. ``logits_indices`` is copied
-into the static inputs like the rest, so a replay computes exactly the rows asked for.
+filled by one host-to-device copy per step, from pinned memory, which does not wait for the device (a copy from
+pageable memory does: one per field made every replay a host-device round trip), and whether a verify step has
+the same number of tokens in every sequence is read from the host ``query_start_loc`` with no device-to-host
+copy. ``logits_indices`` is copied into the static inputs like the rest, so a replay computes exactly the rows
+asked for.
 
 Padding rows are the tokens of short sequences that live on one scratch page which the backend allocates
 beyond the pages the engine owns (the engine never addresses it), so they write and read nothing of any request.
@@ -34,6 +36,7 @@ import torch
 
 from m3export.model.batch import Batch
 
+from ..sampling import to_device
 from .torch_backend import TorchBackend
 
 log = logging.getLogger("m3export.runtime")
@@ -86,6 +89,21 @@ def _uniform_shape(input_ids: torch.Tensor, batch: Batch, buckets: tuple[int, ..
     return bucket, q
 
 
+def _on_device_at_once(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Integer host tensors on a CUDA ``device`` in one copy, queued without waiting for the device (as int64
+    views of one pinned buffer, ``sampling.to_device``): a copy from pageable memory synchronises the stream, and
+    a step's six inputs copied one by one made six host-device round trips per replay, which left the GPU idle
+    between the calls of a speculative round. Elsewhere (CPU, tensors already on the device) as they are."""
+    if device.type != "cuda" or any(x.device.type != "cpu" for x in tensors):
+        return list(tensors)
+    flat = to_device(torch.cat([x.reshape(-1).to(torch.int64) for x in tensors]), device)
+    out, start = [], 0
+    for x in tensors:
+        out.append(flat[start:start + x.numel()].view(x.shape))
+        start += x.numel()
+    return out
+
+
 class DecodeInputs:
     """The static input buffers of one (bucket, q) shape: what a captured graph reads, refilled before every replay.
 
@@ -125,6 +143,9 @@ class DecodeInputs:
         s = self.batch
         if w > s.block_tables.shape[1]:
             raise ValueError(f"block table of {w} pages is wider than the captured {s.block_tables.shape[1]}")
+        input_ids, logits_indices, positions, seq_lens, slots, tables = _on_device_at_once(
+            self.input_ids.device, input_ids, logits_indices, batch.positions, batch.seq_lens, batch.slot_mapping,
+            batch.block_tables)
         self.input_ids[:t].copy_(input_ids)
         self.input_ids[t:].zero_()
         n = logits_indices.shape[0]
@@ -134,13 +155,13 @@ class DecodeInputs:
         if self.hidden is not None:
             self.hidden[:t].copy_(hidden)
             self.hidden[t:].zero_()
-        s.positions[:t].copy_(batch.positions)
+        s.positions[:t].copy_(positions)
         s.positions[t:].copy_(self._pad_positions[t:])
-        s.seq_lens[:b].copy_(batch.seq_lens)
+        s.seq_lens[:b].copy_(seq_lens)
         s.seq_lens[b:].fill_(self.q)
-        s.slot_mapping[:t].copy_(batch.slot_mapping)
+        s.slot_mapping[:t].copy_(slots)
         s.slot_mapping[t:].copy_(self._pad_slots[t:])
-        s.block_tables[:b, :w].copy_(batch.block_tables)
+        s.block_tables[:b, :w].copy_(tables)
         s.block_tables[:b, w:].zero_()
         s.block_tables[b:].zero_()
         s.block_tables[b:, 0] = self._scratch_page
