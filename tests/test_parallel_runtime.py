@@ -58,6 +58,15 @@ def failing_on_rank_1(spec: LaunchSpec, rank: int, device: torch.device):
     return shard_backend(spec, rank, device)
 
 
+def padded_shards(spec: LaunchSpec, rank: int, device: torch.device):
+    """Every rank's shard behind the CUDA-graph backend with its bucket padding run eagerly (``pad_eagerly``): the
+    static inputs a GPU's graphs replay, on the CPU; rank 0's takes its batches on the host (``batch_device``)."""
+    from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+
+    backend = shard_backend(spec, rank, device)
+    return GraphedTorchBackend(backend.model, backend.dtype, pad_eagerly=True)
+
+
 def generate(engine: Engine, prompts) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
@@ -121,6 +130,28 @@ def test_embedded_model_tp_ep_equals_one_process():
     engine = parallel_engine(src, True, **SIZING)
     try:
         assert generate(engine, prompts) == single
+    finally:
+        engine.close()
+
+
+def test_steps_are_built_where_rank_0s_backend_takes_them(single_tiny):
+    """DistributedBackend hands the engine its local backend's ``batch_device`` (the host for the CUDA-graph
+    backend: one host-to-device copy into the graphs' static inputs, and a verify step's shape read without a
+    device-to-host copy); the broadcast moves host batches to the collective's device itself. With every rank
+    padding its decode, verify and MTP steps into bucket shapes, TP=2 generation == one process."""
+    from types import SimpleNamespace
+
+    graphed = SimpleNamespace(config=None, device=torch.device("cuda", 0), required_page_size=None,
+                              dtype=torch.float32, batch_device=torch.device("cpu"))  # rank 0's backend on a GPU
+    group = SimpleNamespace(spec=SimpleNamespace(world_size=2), close=lambda *args: None)
+    assert DistributedBackend(group, graphed).batch_device == torch.device("cpu")
+
+    engine = parallel_engine("tiny", False, "tests.test_parallel_runtime:padded_shards", **SIZING)
+    try:
+        local = engine.backend.local
+        assert local.pad_eagerly and engine.backend.batch_device == local.batch_device == torch.device("cpu")
+        assert generate(engine, PROMPTS) == single_tiny
+        assert engine.stats.verify_steps > 0 and local.padded_mtp_steps > 0  # bucket shapes crossed the broadcast
     finally:
         engine.close()
 
