@@ -119,8 +119,16 @@ def parallel_backend(source: str, device: str, dtype: torch.dtype, expert_parall
     return DistributedBackend.launch(spec)
 
 
+def say(msg: str) -> None:
+    """A time-stamped progress line, flushed at once (the log shows where a run that hangs stopped)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def release(backend) -> None:
+    t0 = time.perf_counter()
+    say(f"closing {type(backend).__name__}")
     backend.close()
+    say(f"closed in {time.perf_counter() - t0:.1f} s")
     del backend
     gc.collect()
     if torch.cuda.is_available():
@@ -154,7 +162,7 @@ def greedy(backend, prompts, new_tokens: int) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 
-def equality(args, device: str) -> dict:
+def equality(args, device: str, save=lambda partial: None) -> dict:
     from m3export.runtime.engine import default_page_size
 
     source, dtype = args.eq_source, args.eq_dtype
@@ -162,24 +170,32 @@ def equality(args, device: str) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (7, 33, 64, 100)]
     page = default_page_size(cfg)
-    results = {}
+    out = {"source": source, "dtype": str(dtype).removeprefix("torch."), "prompts": [len(p) for p in prompts],
+           "rows": []}
+    ref_logits = ref_tokens = None
     for name, make in (("1 device", lambda: single_backend(source, device, dtype)),
                        ("TP=2", lambda: parallel_backend(source, device, dtype)),
                        ("TP=2 EP", lambda: parallel_backend(source, device, dtype, expert_parallel=True))):
+        t0 = time.perf_counter()
+        say(f"equality: starting {name}")
         be = make()
-        results[name] = (prefill_logits(be, prompts, page), greedy(be, prompts, args.eq_tokens))
+        say(f"equality: {name} ready in {time.perf_counter() - t0:.1f} s; prefill")
+        logits = prefill_logits(be, prompts, page)
+        say(f"equality: {name} greedy")
+        tokens = greedy(be, prompts, args.eq_tokens)
+        if ref_logits is None:
+            ref_logits, ref_tokens = logits, tokens
+        else:  # recorded before the close, so a close that hangs keeps the comparison
+            rel = ((logits.double() - ref_logits.double()).abs().max() / ref_logits.double().abs().max()).item()
+            same = sum(a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r))
+            total = sum(len(r) for r in ref_tokens)
+            out["rows"].append({"parallel": name, "logits_max_rel_diff": rel, "greedy_tokens_equal": same,
+                                "greedy_tokens": total, "identical": tokens == ref_tokens,
+                                "seconds": time.perf_counter() - t0})
+            say(f"equality: {name}: max rel logit diff {rel:.2e}, greedy tokens equal {same}/{total}")
+            save(out)
         release(be)
-    ref_logits, ref_tokens = results["1 device"]
-    rows = []
-    for name in ("TP=2", "TP=2 EP"):
-        logits, tokens = results[name]
-        rel = ((logits.double() - ref_logits.double()).abs().max() / ref_logits.double().abs().max()).item()
-        same = sum(a == b for t, r in zip(tokens, ref_tokens) for a, b in zip(t, r))
-        total = sum(len(r) for r in ref_tokens)
-        rows.append({"parallel": name, "logits_max_rel_diff": rel, "greedy_tokens_equal": same, "greedy_tokens": total,
-                     "identical": tokens == ref_tokens})
-    return {"source": source, "dtype": str(dtype).removeprefix("torch."), "prompts": [len(p) for p in prompts],
-            "rows": rows}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- 2. throughput
@@ -317,7 +333,7 @@ def main() -> int:
 
     if "equality" not in skip:
         t0 = time.perf_counter()
-        res["equality"] = eq = equality(args, device)
+        res["equality"] = eq = equality(args, device, lambda partial: (res.update(equality=partial), save()))
         print(f"\n== equality: {eq['source']} {eq['dtype']}, prompts {eq['prompts']} ({time.perf_counter() - t0:.0f} s)")
         print("| parallel | max rel logit diff | greedy tokens equal |")
         print("|---|---|---|")
@@ -335,14 +351,19 @@ def main() -> int:
                            ("TP=2", lambda: parallel_backend(tput_source, device, tput_dtype)),
                            ("TP=2 EP", lambda: parallel_backend(tput_source, device, tput_dtype, expert_parallel=True))):
             t0 = time.perf_counter()
+            say(f"throughput: starting {name}")
             be = make()
             loaded = time.perf_counter() - t0
+            say(f"throughput: {name} ready in {loaded:.1f} s; measuring")
             run = throughput(be, device, batches, args.prompt_len, args.decode_tokens, args.prefill_prompts,
                              args.prefill_len, cfg.vocab_size)
             run["load_s"] = loaded
             res["throughput"]["runs"][name] = run
+            save()  # before the close: a close that hangs keeps the run
+            say(f"throughput: {name} measured: " + ", ".join(
+                f"b={b} {run['decode'][b]['tok_s']:.0f} tok/s" for b in batches)
+                + f", prefill {run['prefill']['tok_s']:.0f} tok/s")
             release(be)
-            save()
         tp = res["throughput"]
         print(f"\n== throughput: {tput_source} {tp['dtype']}, {tp['weights_bytes'] / 2**30:.1f} GiB of weights")
         print("| run | " + " | ".join(f"decode b={b} tok/s" for b in batches)
@@ -363,13 +384,16 @@ def main() -> int:
         need = model_bytes(big, tput_dtype)
         cap = torch.cuda.get_device_properties(0).total_memory if device.startswith("cuda") else None
         t0 = time.perf_counter()
+        say(f"beyond one GPU: starting {big} on 2 ranks")
         be = parallel_backend(big, device, tput_dtype)
         loaded = time.perf_counter() - t0
+        say(f"beyond one GPU: ready in {loaded:.1f} s; measuring")
         run = throughput(be, device, batches, args.prompt_len, args.decode_tokens, args.prefill_prompts,
                          args.prefill_len, sized_config(big).vocab_size)
         run.update(load_s=loaded, weights_bytes=need, one_gpu_bytes=cap)
-        release(be)
         res["beyond_one_gpu"] = {"source": big, **run}
+        save()  # before the close
+        release(be)
         print(f"\n== beyond one GPU: {big}, {need / 2**30:.1f} GiB of weights"
               + (f" (one GPU holds {cap / 2**30:.1f} GiB)" if cap else ""))
         print(" | ".join(f"decode b={b}: {run['decode'][b]['tok_s']:.0f} tok/s" for b in batches)
