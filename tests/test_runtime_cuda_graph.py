@@ -121,33 +121,38 @@ def test_padded_verify_step_equals_unpadded(model):
     torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("q,rows", [(1, [0, 1]), (1, []), (1, [1]), (3, [2, 5]), (3, [5]), (2, [])],
-                         ids=["chain", "chain-cache-only", "chain-one-drafting", "catch-up-3",
-                              "catch-up-3-one-drafting", "catch-up-2-cache-only"])
-def test_padded_mtp_step_equals_unpadded(model, q, rows):
-    """An MTP step of 2 sequences of q tokens each (q = 1: a chain step; q > 1: the catch-up over the q positions
+@pytest.mark.parametrize("counts,rows", [
+    ([1, 1, 1], [0, 1, 2]), ([1, 1, 1], []), ([1, 1, 1], [1]), ([3, 3, 2], [2, 5, 7]), ([3, 3, 2], [5]),
+    ([2, 2, 2], []), ([3, 1, 2], [2, 3, 5]), ([3, 1, 2], [5, 2]), ([2, 1, 2], []), ([1, 3, 1], [3])],
+    ids=["chain", "chain-cache-only", "chain-one-drafting", "catch-up-uniform-q", "catch-up-one-drafting",
+         "catch-up-cache-only", "catch-up-uneven", "catch-up-uneven-rows-reordered", "catch-up-uneven-cache-only",
+         "catch-up-uneven-one-drafting"])
+def test_padded_mtp_step_equals_unpadded(model, counts, rows):
+    """An MTP step of 3 sequences of counts[i] tokens each (1: a chain step; more: the catch-up over the positions
     each request kept after a verify step) padded to a bucket of 4 on the scratch page, logits at the last entry of
-    the drafting requests or none: same logits and output hidden as the unpadded step, and the same entries in the
-    module's cache (the scratch page aside)."""
+    the drafting requests (in the order asked) or none: same logits and output hidden as the unpadded step, and the
+    same entries in the module's cache (the scratch page aside). Uneven counts run as one bucket call per count."""
     be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(4,))
     be.allocate(num_pages=6, page_size=PAGE)
     g = torch.Generator().manual_seed(2)
-    tables = [[0, 1, 2], [3, 4]]
-    hidden = torch.randn(8, model.config.hidden_size, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, 256, (8,), generator=g)
-    be.mtp_forward(0, ids, hidden, _batch(tables, [0, 0], [5, 3]), torch.tensor([4, 7]))  # prompt catch-up: eager
+    tables = [[0, 1, 2], [3, 4], [5]]
+    hidden = torch.randn(10, model.config.hidden_size, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 256, (10,), generator=g)
+    be.mtp_forward(0, ids, hidden, _batch(tables, [0, 0, 0], [5, 3, 2]), torch.tensor([4, 7, 9]))  # prompt: eager
     assert be.padded_mtp_steps == 0 and be.eager_mtp_steps == 1
     saved = [c.clone() for c in be._mtp_caches[0]]
-    step = _batch(tables, [5, 3], [q, q])
+    step = _batch(tables, [5, 3, 2], counts)
     rows = torch.tensor(rows, dtype=torch.int64)
-    step_ids, step_hidden = torch.arange(21, 21 + 2 * q), hidden[:2 * q] * 0.5
+    t = sum(counts)
+    step_ids, step_hidden = torch.arange(21, 21 + t), hidden[:t] * 0.5
     logits, out = be.mtp_forward(0, step_ids, step_hidden, step, rows)
-    assert be.padded_mtp_steps == 1 and be.eager_mtp_steps == 1
+    assert be.padded_mtp_steps == len(set(counts)) and be.eager_mtp_steps == 1
     padded_cache = [c[:6].clone() for c in be._mtp_caches[0]]
     for c, k in zip(be._mtp_caches[0], saved):
         c.copy_(k)
     be.pad_eagerly = False
     want_logits_, want_out = be.mtp_forward(0, step_ids, step_hidden, step, rows)
+    assert be.eager_mtp_steps == 2
     assert logits.shape == want_logits_.shape == (len(rows), model.config.vocab_size)
     torch.testing.assert_close(logits, want_logits_, rtol=0, atol=1e-10)  # float64 model: rounding of blocking
     torch.testing.assert_close(out, want_out, rtol=0, atol=1e-10)
@@ -253,6 +258,25 @@ def test_speculative_rounds_run_no_eager_step(k):
     assert be.eager_steps == 1, "a verify step ran eagerly"
     assert be.eager_mtp_steps == eng.drafter.modules_used, "an MTP step of a speculative round ran eagerly"
     assert be.padded_mtp_steps > 0
+
+
+def test_speculative_batch_runs_no_eager_mtp_step():
+    """Three requests at once with k = 2: after a verify step they keep different numbers of positions, and the
+    catch-up runs as one bucket call per count (a graph replay each on a GPU), never eagerly after the prompts';
+    greedy output equals the plain engine's."""
+    import m3export
+    from m3export.embedded import default_model
+
+    m = m3export.load_model(default_model(), dtype=torch.float32, progress=False)
+    ps = [list(range(40 + 7 * i, 72 + 7 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = Engine(GraphedTorchBackend(m, use_graphs=False), num_pages=64).generate(ps, params)
+    be = GraphedTorchBackend(m, use_graphs=False, pad_eagerly=True)
+    eng = Engine(be, num_pages=64, num_speculative_tokens=2)
+    outs = eng.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert eng.stats.accepted_tokens > 0
+    assert be.eager_mtp_steps == eng.drafter.modules_used, "an MTP step of a speculative round ran eagerly"
 
 
 def test_engine_on_padded_decode_matches_reference(model, reference):

@@ -261,7 +261,8 @@ class GraphedTorchBackend(TorchBackend):
         if self._mtp_in_buckets:
             shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
         if shape is None:
-            return self._eager_mtp(module, input_ids, hidden, batch, logits_indices)
+            split = self._mtp_by_count(module, input_ids, hidden, batch, logits_indices)
+            return self._eager_mtp(module, input_ids, hidden, batch, logits_indices) if split is None else split
         key = ("mtp", module, *shape)
         t = input_ids.shape[0]
         inputs = self.padded_inputs(input_ids, batch, key, logits_indices, hidden)
@@ -325,6 +326,40 @@ class GraphedTorchBackend(TorchBackend):
             return logits, out
 
         return step
+
+    def _mtp_by_count(self, module, input_ids, hidden, batch: Batch, logits_indices):
+        """A catch-up whose requests kept different numbers of positions (a batch after a verify step), as one
+        call per count: each call holds the requests that kept that many, a (bucket, q) shape that replays, and
+        each request's positions stay in one call, so every request computes what it would alone. None when
+        that is not the case (one count only, a count past a page: a prefill's catch-up, better one eager step)."""
+        if not self._mtp_in_buckets or batch.query_start_loc.device.type != "cpu":
+            return None
+        starts = batch.query_start_loc.tolist()
+        counts = [b - a for a, b in zip(starts, starts[1:])]
+        if len(set(counts)) < 2 or max(counts) > self._page_size:
+            return None
+        wanted = {r: i for i, r in enumerate(logits_indices.tolist())}
+        rows_done, outs, logit_rows, logit_dest = [], [], [], []
+        for q in sorted(set(counts)):
+            seqs = [i for i, c in enumerate(counts) if c == q]
+            rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+            idx, sel = torch.tensor(rows), torch.tensor(seqs)
+            sub = Batch(positions=batch.positions[idx], query_start_loc=torch.arange(0, len(rows) + 1, q,
+                                                                                     dtype=batch.query_start_loc.dtype),
+                        seq_lens=batch.seq_lens[sel], block_tables=batch.block_tables[sel],
+                        slot_mapping=batch.slot_mapping[idx])
+            local = [k for k, r in enumerate(rows) if r in wanted]
+            logits, out = self.mtp_forward(module, input_ids[idx], hidden[to_device(idx, hidden.device)], sub,
+                                           torch.tensor(local, dtype=logits_indices.dtype))
+            rows_done += rows
+            outs.append(out)
+            logit_rows.append(logits)
+            logit_dest += [wanted[rows[k]] for k in local]
+        out = torch.empty((len(rows_done), outs[0].shape[-1]), dtype=outs[0].dtype, device=outs[0].device)
+        out[to_device(torch.tensor(rows_done), out.device)] = torch.cat(outs)
+        logits = torch.cat(logit_rows)
+        order = torch.argsort(torch.tensor(logit_dest, dtype=torch.int64))  # back to the order asked for
+        return logits[to_device(order, logits.device)], out
 
     def _eager_mtp(self, module, input_ids, hidden, batch: Batch, logits_indices):
         self.eager_mtp_steps += 1
