@@ -9,9 +9,10 @@ largest bucket, and everything on a device without CUDA graphs run eagerly, exac
 The MTP modules' steps of the same number q of tokens in every sequence (the drafter's chain steps, q = 1, and
 its catch-up steps over the q positions each request kept after a verify step: always so for one request, and
 for a batch whose requests kept as many) are captured the same way per (module, bucket, q, whether logits are
-wanted), with at most one logits row per sequence: a round of k drafts is k or more module calls, each as
-launch-bound as a decode step, and a catch-up over several positions run eagerly cost about what an eager
-decode step costs (on the H200 it made a speculative round 4x slower than a plain graphed step).
+wanted), with at most one logits row per sequence; a catch-up whose requests kept different numbers of positions
+runs as one such step per count. A round of k drafts is k or more module calls, each as launch-bound as a
+decode step, and a catch-up over several positions run eagerly cost about what an eager decode step costs (on
+the H200 it made a speculative round 4x slower than a plain graphed step).
 
 The engine builds its batches on the host for this backend (``batch_device``): the graph's static inputs are
 filled by one host-to-device copy per step, from pinned memory, which does not wait for the device (a copy from
