@@ -258,6 +258,11 @@ class GraphedTorchBackend(TorchBackend):
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         if self._mtp_caches is None:
             raise RuntimeError("GraphedTorchBackend.mtp_forward before allocate()")
+        return self._mtp_forward(module, input_ids, hidden, batch, logits_indices)
+
+    def _mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
+        """``mtp_forward``'s work, also for the parts of a call split by ``_mtp_by_count`` (one call of the
+        interface stays one call for whoever wraps it)."""
         shape = None
         if self._mtp_in_buckets:
             shape = mtp_step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
@@ -350,8 +355,8 @@ class GraphedTorchBackend(TorchBackend):
                         seq_lens=batch.seq_lens[sel], block_tables=batch.block_tables[sel],
                         slot_mapping=batch.slot_mapping[idx])
             local = [k for k, r in enumerate(rows) if r in wanted]
-            logits, out = self.mtp_forward(module, input_ids[idx], hidden[to_device(idx, hidden.device)], sub,
-                                           torch.tensor(local, dtype=logits_indices.dtype))
+            logits, out = self._mtp_forward(module, input_ids[idx], hidden[to_device(idx, hidden.device)], sub,
+                                            torch.tensor(local, dtype=logits_indices.dtype))
             rows_done += rows
             outs.append(out)
             logit_rows.append(logits)
