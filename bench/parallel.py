@@ -305,6 +305,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated stages to skip: equality, throughput")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    from m3export.parallel.diagnostics import rank_diagnostics
+
+    rank_diagnostics(0)  # with M3EXPORT_DIAG_DIR: this process's stacks on SIGUSR1 / a timer
     skip = set(filter(None, args.skip.split(",")))
     device = args.device
     if args.smoke:

@@ -150,6 +150,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="small FORWARD steps timed")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    from m3export.parallel.diagnostics import rank_diagnostics
+
+    rank_diagnostics(0)  # with M3EXPORT_DIAG_DIR: this process's stacks on SIGUSR1 / a timer
     from m3export.model.batch import Segment, build_batch
     from m3export.runtime.backends.distributed_backend import DistributedBackend
     from m3export.runtime.distributed import LaunchSpec
