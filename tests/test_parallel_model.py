@@ -27,6 +27,7 @@ from m3export.config import ConfigError, preset
 from m3export.embedded import default_model
 from m3export.model.batch import Segment, build_batch
 from m3export.parallel import ParallelConfig, load_model_shard, shard_of
+from m3export.parallel.diagnostics import progress
 from m3export.parallel.spawn import NVLINK_MULTICAST_OFF, run_ranks
 from m3export.runtime.backends.torch_backend import TorchBackend
 from m3export.safetensors_io import nbytes, read_header
@@ -112,9 +113,12 @@ def rank_worker(rank: int, world: int, out_dir: str, plan: list, device: str) ->
     stats, tensors = {}, {}
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     for name, source, (tp, ep), lengths, steps in plan:
+        progress(f"{name}: loading")  # with M3EXPORT_DIAG_DIR: where a GPU run that hangs stopped
         model = load_model_shard(source, ParallelConfig(tp, ep), rank, device=dev, dequantize=name.startswith("deq-"))
+        progress(f"{name}: stepping")
         with torch.inference_mode():
             res = greedy(model, prompts_for(model.config.vocab_size, tuple(lengths)), steps)
+        progress(f"{name}: done")
         tensors.update({f"{name}/{k}": v for k, v in res.items()})
         stats[name] = {**model.load_stats.to_dict(), "kv_heads": model.config.num_key_value_heads,
                        "page_bytes": TorchBackend(model).page_bytes(PAGE)}
