@@ -34,8 +34,24 @@ def test_where_tensors_live():
     assert parse_provider("openvino").device == "cpu"  # an EP that takes host tensors
     assert parse_provider("cuda").device == "cuda:0"
     assert parse_provider("cuda:device_id=3").device == "cuda:3"
-    assert parse_provider("cuda").session_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert parse_provider("openvino").session_providers() == ["OpenVINOExecutionProvider", "CPUExecutionProvider"]
     assert parse_provider("cpu").session_providers() == ["CPUExecutionProvider"]
+
+
+def test_cuda_sessions_compute_fp32_in_fp32_unless_told():
+    """ORT's CUDA EP defaults use_tf32 to 1 (fp32 GEMMs at TF32's 10-bit mantissa: the ~1e-3 the first H200 run
+    measured on an fp32 artifact); every session this project opens on it says use_tf32=0, the user's own
+    option wins, and other EPs get nothing they did not ask for."""
+    from m3export.plugins.onnxruntime.streams import session_providers
+
+    assert parse_provider("cuda").session_providers() == [("CUDAExecutionProvider", {"use_tf32": "0"}),
+                                                          "CPUExecutionProvider"]
+    assert parse_provider("cuda:device_id=1").session_providers()[0] == (
+        "CUDAExecutionProvider", {"use_tf32": "0", "device_id": "1"})
+    assert parse_provider("cuda:use_tf32=1").session_providers()[0][1] == {"use_tf32": "1"}
+    assert session_providers(parse_provider("cuda"), 7)[0][1]["use_tf32"] == "0"  # the shared-stream path too
+    assert session_providers(parse_provider("cuda:use_tf32=1"), 7)[0][1]["use_tf32"] == "1"
+    assert parse_provider("tensorrt").session_providers() == ["TensorrtExecutionProvider", "CPUExecutionProvider"]
 
 
 def test_every_short_name_is_an_ort_name_or_has_a_package():

@@ -21,7 +21,7 @@ from m3export.plugins.onnxruntime.streams import NO_SYNC, STREAM_OPTION, SharedS
 def test_session_providers_put_the_ep_on_the_given_stream():
     cuda = parse_provider("cuda:device_id=0,arena_extend_strategy=kSameAsRequested")
     assert session_providers(cuda, 1234) == [
-        ("CUDAExecutionProvider", {"device_id": "0", "arena_extend_strategy": "kSameAsRequested",
+        ("CUDAExecutionProvider", {"use_tf32": "0", "device_id": "0", "arena_extend_strategy": "kSameAsRequested",
                                    "has_user_compute_stream": "1", STREAM_OPTION: "1234"}), "CPUExecutionProvider"]
     own = Provider("CUDAExecutionProvider", {STREAM_OPTION: "99"})
     assert session_providers(own, 99)[0][1][STREAM_OPTION] == "99"

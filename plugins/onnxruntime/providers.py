@@ -61,6 +61,15 @@ DEVICE_MEMORY = {
 }
 
 
+# Options set unless the user gives them (``cuda:use_tf32=1`` overrides). ONNX Runtime's CUDA EP defaults
+# ``use_tf32`` to 1, so fp32 MatMul / Gemm round their operands to TF32 (10-bit mantissa, ~1e-3 relative error):
+# the first H200 run (2026-11-30) saw exactly that, verify at ~1e-3 on an fp32 artifact and 85 % block selections.
+# Every M3 graph computes in fp32 where the reference does (a whole fp32 artifact; the router, indexer and attention
+# scores of a bf16 / fp16 one, whose block and expert selections depend on them), so fp32 stays exact fp32 by
+# default. The option only concerns fp32 GEMMs (16-bit ones are unaffected).
+EXACT_FP32 = {"CUDAExecutionProvider": {"use_tf32": "0"}}
+
+
 def _ort():
     import onnxruntime
 
@@ -80,10 +89,15 @@ class Provider:
         kind = DEVICE_MEMORY.get(self.name)
         return "cpu" if kind is None else f"{kind}:{int(self.options.get('device_id', 0))}"
 
+    def session_options(self) -> dict[str, str]:
+        """The provider options a session gets: ``EXACT_FP32``'s defaults for this EP, then the user's own."""
+        return {**EXACT_FP32.get(self.name, {}), **self.options}
+
     def session_providers(self) -> list:
         """The ``providers`` argument of ``onnxruntime.InferenceSession``: this EP first, the CPU EP after it for
         any node the EP has no kernel for."""
-        first = (self.name, dict(self.options)) if self.options else self.name
+        options = self.session_options()
+        first = (self.name, options) if options else self.name
         return [first] if self.name == "CPUExecutionProvider" else [first, "CPUExecutionProvider"]
 
     def __str__(self) -> str:

@@ -28,12 +28,12 @@ NO_SYNC = "disable_synchronize_execution_providers"  # run option: skip the stre
 
 
 def session_providers(provider: Provider, stream_handle: int) -> list:
-    """``InferenceSession``'s providers for ``provider`` running on the stream ``stream_handle``; the caller's
-    other options are kept (a ``user_compute_stream`` of its own must be that same stream)."""
+    """``InferenceSession``'s providers for ``provider`` running on the stream ``stream_handle``; its session
+    options are kept (``Provider.session_options``; a ``user_compute_stream`` of its own must be that same stream)."""
     given = provider.options.get(STREAM_OPTION)
     if given is not None and int(given) != stream_handle:
         raise ValueError(f"{provider}: {STREAM_OPTION} {given} is not the stream {stream_handle} the session uses")
-    options = {**provider.options, HAS_STREAM_OPTION: "1", STREAM_OPTION: str(stream_handle)}
+    options = {**provider.session_options(), HAS_STREAM_OPTION: "1", STREAM_OPTION: str(stream_handle)}
     return [(provider.name, options), "CPUExecutionProvider"]
 
 
