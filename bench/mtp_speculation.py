@@ -208,8 +208,10 @@ def main() -> int:
             clocks = {k: CallClock(eng.backend, args.breakdown, sync) for k, eng in engines.items()}
             for k, eng in engines.items():  # warm-up: kernels, graphs of the batch's shapes, allocator
                 eng.generate(groups[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-                if hasattr(eng.backend, "capture_shapes"):  # CUDA graphs of every decode / verify / MTP shape
-                    eng.backend.capture_shapes(args.batch, k + 1, eng.drafter.modules_used if eng.drafter else 0)
+                if hasattr(eng.backend, "capture_shapes"):  # CUDA graphs of every decode / verify / MTP shape:
+                    # verify steps of k + 1 tokens, MTP calls of up to k + 1 kept positions plus a chain position
+                    eng.backend.capture_shapes(args.batch, k + 2 if k else 1,
+                                               eng.drafter.modules_used if eng.drafter else 0)
             for temperature in TEMPERATURES:
                 graphs = {k: getattr(eng.backend, "num_graphs", 0) for k, eng in engines.items()}
                 tallies = measure(engines, clocks, groups, temperature, args.new_tokens, args.repeats)

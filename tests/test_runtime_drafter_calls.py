@@ -46,9 +46,14 @@ def model2():
     return tiny_model(num_mtp_modules=2)
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["torch", "graphed"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_a_round_of_k_drafts_is_at_most_k_module_calls(model2, k):
-    be = counting(TorchBackend)(model2)
+def test_a_round_of_k_drafts_is_at_most_k_module_calls(model2, k, graphed):
+    # graphed: the CUDA-graph backend's bucket shapes (run eagerly here) replay merged calls too, so it gets them.
+    if graphed:
+        be = counting(GraphedTorchBackend)(model2, use_graphs=False, pad_eagerly=True, buckets=(1, 2, 4))
+    else:
+        be = counting(TorchBackend)(model2)
     eng = Engine(be, page_size=4, num_pages=96, num_speculative_tokens=k, max_num_batched_tokens=64)
     ps = prompts(2, seed=40 + k, lo=5, hi=30)
     ref = functools.lru_cache(maxsize=None)(lambda p, n: _greedy(model2, p, n))
@@ -62,10 +67,14 @@ def test_a_round_of_k_drafts_is_at_most_k_module_calls(model2, k):
 
 @pytest.mark.parametrize("single", [False, True], ids=["merged", "one-position"])
 def test_both_call_shapes_draft_what_a_fresh_computation_drafts(model2, single):
-    """Merged calls (plain torch backend) and one-position chain calls (the graphed backend's shape, run eagerly
-    here through its padded inputs) leave every module's cache as a fresh computation would."""
+    """Merged calls (plain torch backend) and one-position chain calls (what a backend that replays only
+    one-position steps asks for; here the graphed backend's padded inputs run eagerly, told to ask for them)
+    leave every module's cache as a fresh computation would."""
     if single:
-        backend = counting(GraphedTorchBackend)(model2, use_graphs=False, pad_eagerly=True, buckets=(1, 2, 4))
+        class OnePosition(GraphedTorchBackend):
+            replays_single_position_mtp_steps = True
+
+        backend = counting(OnePosition)(model2, use_graphs=False, pad_eagerly=True, buckets=(1, 2, 4))
     else:
         backend = counting(TorchBackend)(model2)
     assert backend.replays_single_position_mtp_steps == single

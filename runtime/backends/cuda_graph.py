@@ -10,7 +10,9 @@ The MTP modules' steps of the same number q of tokens in every sequence (the dra
 its catch-up steps over the q positions each request kept after a verify step: always so for one request, and
 for a batch whose requests kept as many) are captured the same way per (module, bucket, q, whether logits are
 wanted), with at most one logits row per sequence; a catch-up whose requests kept different numbers of positions
-runs as one such step per count. A round of k drafts is k or more module calls, each as launch-bound as a
+runs as one such step per count. So the drafter merges each module's pending positions (its catch-up, then the
+chain positions since it last ran) into its next call here as on any backend (``replays_single_position_mtp_steps``
+is False): a round of k drafts is k module calls, not up to 2k - 1 one-position ones, each as launch-bound as a
 decode step, and a catch-up over several positions run eagerly cost about what an eager decode step costs (on
 the H200 it made a speculative round 4x slower than a plain graphed step).
 
@@ -205,12 +207,6 @@ class GraphedTorchBackend(TorchBackend):
         """Batches are copied into the graphs' static inputs: the engine builds them on the host (see the module
         docstring); an eager step moves them itself."""
         return torch.device("cpu") if self.use_graphs or self.pad_eagerly else self.device
-
-    @property
-    def replays_single_position_mtp_steps(self) -> bool:
-        """Each module's entries written as soon as they are known: the catch-up over the positions a request kept
-        is one (bucket, q) call per module, and every chain call is one position per request (q = 1)."""
-        return self._mtp_in_buckets
 
     def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple, logits_indices: torch.Tensor,
                       hidden: torch.Tensor | None = None) -> DecodeInputs:
