@@ -30,7 +30,7 @@ DEADLINE=$((SECONDS + ${GPU_ORT_BUDGET:-480}))
 : > "$OUT/summary.txt"; : > "$OUT/gpu_ort.log"
 status=0
 
-# step NAME LIMIT CMD...: run CMD with a time limit of min(LIMIT, time left - 5 s), its output appended to
+# step NAME LIMIT CMD...: run CMD (a program or a shell function) with a time limit of min(LIMIT, time left - 5 s), its output appended to
 # $OUT/gpu_ort.log under a header
 step() {
   local name=$1 limit=$2; shift 2
@@ -41,7 +41,12 @@ step() {
   fi
   local t0=$SECONDS
   echo "== $name (limit ${limit}s)" | tee -a "$OUT/gpu_ort.log"
-  timeout "$limit" "$@" > /tmp/gpu_ort_step.log 2>&1
+  if declare -F "$1" > /dev/null; then  # a shell function (unpack): timeout runs programs, not functions (exit
+    # 127 on the H200), so the function runs in a child bash under the same limit
+    timeout "$limit" bash -c "$(declare -f "$1"); \"\$@\"" bash "$@" > /tmp/gpu_ort_step.log 2>&1
+  else
+    timeout "$limit" "$@" > /tmp/gpu_ort_step.log 2>&1
+  fi
   local rc=$?
   grep -v "it/s\]\|s/step\|tensor/s\]" /tmp/gpu_ort_step.log >> "$OUT/gpu_ort.log"  # progress bars dropped
   tail -n 25 /tmp/gpu_ort_step.log
