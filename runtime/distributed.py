@@ -395,13 +395,22 @@ class ParallelGroup:
                 told = True
             except Exception as e:  # a worker vanished meanwhile: stopped below
                 log.warning("could not tell the workers to stop (%s); terminating them", e)
+        releasing = None
         if local is not None:
-            try:
-                release_graphs(local)
-            except Exception as e:  # a failed device: the abort below still runs
-                log.warning("could not release rank 0's CUDA graphs (%s)", e)
-        if told or not graceful:
-            self.teardown_ok = teardown_group(graceful=told)
+            def release():
+                try:
+                    release_graphs(local)
+                except Exception as e:  # a failed device: the teardown still runs
+                    log.warning("could not release rank 0's CUDA graphs (%s)", e)
+
+            if told:  # every rank's work completes: release (it synchronises the device), then destroy
+                release()
+            else:  # a collective may be stuck waiting for a dead rank, and the device with it until the abort
+                releasing = threading.Thread(target=release, name="m3export-release-graphs", daemon=True)
+                releasing.start()  # (the abort unblocks the device; its own end waits for the graphs' release)
+        self.teardown_ok = teardown_group(graceful=told)  # told: destroy with the workers; else abort
+        if releasing is not None:
+            releasing.join(SHUTDOWN_TIMEOUT_S)
         deadline = time.monotonic() + (SHUTDOWN_TIMEOUT_S if graceful and alive else 0.0)
         for p in self.procs.values():
             try:
@@ -420,8 +429,6 @@ class ParallelGroup:
                     p.wait()
         for conn in self.conns.values():
             conn.close()
-        if dist.is_initialized() and self.teardown_ok is None:  # the workers were gone before any teardown
-            self.teardown_ok = teardown_group(graceful=False)
         progress("closed")
 
 
