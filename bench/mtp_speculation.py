@@ -19,8 +19,8 @@ different things), so they report acceptance and speed only.
 
 ``mtp/step``: MTP-module calls per target call (prefill steps included), what a round of drafts costs in calls.
 
-Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and one-position MTP steps replay from
-CUDA graphs), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``), ``onnxruntime`` (an
+Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and MTP steps replay from CUDA graphs,
+all captured in the warm-up), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``), ``onnxruntime`` (an
 artifact exported in this run, ``--threads`` intra-op threads).
 """
 
