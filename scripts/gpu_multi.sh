@@ -9,6 +9,8 @@
 #      prefill tok/s on 1 GPU, TP=2 and TP=2 + EP, with the NCCL share of rank 0's GPU time
 #   3. the GPU test of the runtime (tests/test_parallel_runtime.py -m gpu: engine, NCCL, CUDA graphs, close)
 #   4. beyond one GPU: mini with 12 layers and 128 experts (about 160 GB in bf16), TP=2 only
+#   5. with what is left: the spawn-based NCCL model test (tests/test_parallel_model.py -m gpu -k models), whose
+#      ranks write their progress per scenario
 # Diagnostics (m3export/parallel/diagnostics.py): every rank writes its Python stacks every M3EXPORT_STACKS_EVERY_S
 # seconds and on SIGUSR1, its NCCL log (NCCL_DEBUG=INFO) and its progress lines under $W/diag. A stage that
 # overruns gets SIGUSR1 on its whole process group (`timeout -s USR1`: every rank dumps its stacks), then SIGKILL
@@ -77,6 +79,8 @@ if stage sanity 60 python3 bench/parallel_sanity.py --device "$DEV" --json "$OUT
         tests/test_parallel_runtime.py
     stage beyond_one_gpu 100 python3 bench/parallel.py --device "$DEV" $SMOKE --skip equality,throughput --big-layers 12 --big-experts 128 \
         --batches 1,8,64 --json "$OUT/parallel_beyond_one_gpu.json"
+    stage spawn_model_test 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu -o faulthandler_timeout=120 \
+        tests/test_parallel_model.py -k models
 else
     note "sanity failed: model stages skipped (see diag/ and sanity.log in gpu_multi_logs.tgz)"
 fi
