@@ -43,11 +43,20 @@ def _vec(b: Builder, scalar: str) -> str:
 
 
 def _swiglu(b: Builder, gate_up: str, alpha: str, limit: str) -> str:
-    """Uninterleaved SwiGLU-OAI with clamp, in gate_up's dtype (as m3export.ops.moe.swiglu_oai)."""
+    """Uninterleaved SwiGLU-OAI with clamp, in gate_up's dtype (as m3export.ops.moe.swiglu_oai).
+
+    The clamp runs in fp32 on exact casts (the value or the bound comes back, both of gate_up's dtype): ONNX
+    Runtime has no bfloat16 ``Clip`` kernel on the CUDA or CPU EP, and the ``Less`` its function body expands to
+    has none either, so a bf16 ``Clip`` made the step graph unloadable (tests/test_ort_cuda_kernel_types.py)."""
     gate, up = b.Split(gate_up, axis=-1, num_outputs=2, n_out=2)
     limit = b.CastLike(limit, gate_up)
-    gate = b.Clip(gate, None, limit)
-    up = b.Clip(up, b.Neg(limit), limit)
+    bound = b.Cast(limit, to=F32)  # gate_up's rounding of the limit, as before
+
+    def clamp(x: str, low: str | None) -> str:
+        return b.CastLike(b.Clip(b.Cast(x, to=F32), low, bound), gate_up)
+
+    gate = clamp(gate, None)
+    up = clamp(up, b.Neg(bound))
     sig = b.Mul(gate, b.Sigmoid(b.Mul(gate, b.CastLike(alpha, gate_up))))
     return b.Mul(b.Add(up, b.CastLike(b.const(1.0, np.float32), gate_up)), sig)
 
@@ -168,7 +177,10 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     k = b.Min(topk, nb)
     values, idx = b.TopK(block_max, _vec(b, k), axis=-1, largest=1, sorted=1, n_out=2)
     idx = b.Where(b.Equal(values, neg), b.const(-1), idx)
-    idx = b.Pad(idx, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, b.Sub(topk, k)), axis=0), b.const(-1))
+    # -1 for the topk - k slots past the blocks there are (a Concat: ORT's CUDA EP has no int64 Pad, so a Pad
+    # here would run on the CPU EP, a device -> host -> device copy inside the step)
+    fill = b.Expand(b.const(-1), b.Concat(b.Shape(idx, end=2), _vec(b, b.Sub(topk, k)), axis=0))
+    idx = b.Concat(idx, fill, axis=-1)
     return _function("LightningIndexer", b, [b.Cast(idx, to=TensorProto.INT32)], kv_fp8)
 
 

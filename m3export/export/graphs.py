@@ -255,6 +255,7 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
     onnxscript.rewriter.rewrite(model, pattern_rewrite_rules=_REWRITE_RULES)
     onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
+    _bf16_clamps_in_fp32(graph)
     ir.passes.Sequential(
         common_passes.RemoveUnusedNodesPass(),
         common_passes.CommonSubexpressionEliminationPass(),
@@ -270,6 +271,23 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     model.ir_version = IR_VERSION
     model.producer_name, model.producer_version = "m3export", _version()
     return ir.serde.serialize_model(model)
+
+
+def _bf16_clamps_in_fp32(graph: ir.Graph) -> None:
+    """Each bfloat16 ``Clip`` (the traced ``clamp`` of SwiGLU) becomes Cast fp32 -> Clip -> Cast back: exact, the
+    result is the input or a bound, both bf16 values. ONNX Runtime has no bf16 ``Clip`` kernel on its CUDA or CPU
+    EP, and the ``Less`` of the function body it then expands to has none either: the step would not load."""
+    bf16 = ir.DataType.BFLOAT16
+    for node in [n for n in graph if n.op_type == "Clip" and n.domain == "" and n.inputs[0].dtype == bf16]:
+        tape = ir.tape.Tape()
+        args = [None if v is None else tape.op("Cast", [v], attributes={"to": ir.DataType.FLOAT}) for v in node.inputs]
+        clamped = tape.op("Clip", args)
+        out = tape.op("Cast", [clamped], attributes={"to": bf16})
+        for v in (*args, clamped):
+            if v is not None:
+                v.dtype = ir.DataType.FLOAT
+        out.dtype, out.shape = bf16, node.outputs[0].shape
+        ir.convenience.replace_nodes_and_values(graph, node, [node], tape.nodes, node.outputs, [out])
 
 
 def _assemble_pieces(graph: ir.Graph, pieced: dict[str, ParamEntry], base_dir: Path) -> None:
