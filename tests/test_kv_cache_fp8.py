@@ -98,6 +98,30 @@ def test_references_refuse_an_fp8_pool_without_its_scales():
         paged_attention_reference(q, k, k, *paged.args("cpu"), 0.25, ks[..., :0], ks)
 
 
+
+def test_references_read_uint8_code_pools_as_fp8():
+    """The ONNX form of an FP8 pool is its E4M3 codes as uint8 (docs/ops.md §9): the three references read such
+    a pool exactly as the float8 one (equal outputs, not close: the same bytes are decoded); without its scale
+    pool a code pool is refused by name."""
+    paged = Paged([9, 3], [2, 1], 4, seed=5)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    q = paged.randn(paged.tokens, hq, d)
+    (k, ks), (v, vs) = quantized_pool(paged, hkv, d), quantized_pool(paged, hkv, d)
+    ik, iks = quantized_pool(paged, d)
+    k8, v8, ik8 = (t.view(torch.uint8) for t in (k, v, ik))
+    args = paged.args("cpu")
+    assert torch.equal(paged_attention_reference(q, k8, v8, *args, d**-0.5, ks, vs),
+                       paged_attention_reference(q, k, v, *args, d**-0.5, ks, vs))
+    iq = paged.randn(paged.tokens, hkv, d)
+    sel = lightning_indexer_reference(iq, ik8, *args, bs, 2, 1, 1, iks)
+    assert torch.equal(sel, lightning_indexer_reference(iq, ik, *args, bs, 2, 1, 1, iks))
+    assert torch.equal(sparse_paged_attention_reference(q, k8, v8, *args, sel, bs, d**-0.5, ks, vs),
+                       sparse_paged_attention_reference(q, k, v, *args, sel, bs, d**-0.5, ks, vs))
+    with pytest.raises(ValueError, match="v_cache is uint8 \\(E4M3 codes\\) but no v_cache_scale"):
+        paged_attention_reference(q, k8, v8, *args, d**-0.5, ks)
+    with pytest.raises(ValueError, match="index_k_cache is uint8"):
+        lightning_indexer_reference(iq, ik8, *args, bs, 2, 1, 1)
+
 # ------------------------------------------------------------------------------------------------ kernels
 FP8_CASES = ("decode-one-token-seqs", "verify-multi-token", "mixed-with-empty-seq", "page-smaller-than-block")
 

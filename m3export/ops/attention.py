@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_fp8 import check_pair
+from .kv_fp8 import read_pool
 from .paged import accumulation_dtype, gather_rows, sequences
 
 
@@ -17,8 +17,8 @@ def _attend(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positi
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    check_pair("k_cache", k_cache, k_scale)
-    check_pair("v_cache", v_cache, v_scale)
+    k_cache = read_pool("k_cache", k_cache, k_scale)
+    v_cache = read_pool("v_cache", v_cache, v_scale)
     out = torch.zeros((t, hq, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     acc = accumulation_dtype(q, k_cache, v_cache)
     for b, s, e, n in sequences(query_start_loc, seq_lens):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_fp8 import check_pair
+from .kv_fp8 import read_pool
 from .paged import accumulation_dtype, gather_rows, sequences
 
 
@@ -52,7 +52,7 @@ def lightning_indexer_reference(
     An FP8 key pool comes with its fp32 scale pool ``index_k_scale`` [pages, page]: keys read as
     ``float(q) * scale`` (``ops/kv_fp8.py``)."""
     t, h, _ = index_q.shape
-    check_pair("index_k_cache", index_k_cache, index_k_scale)
+    index_k_cache = read_pool("index_k_cache", index_k_cache, index_k_scale)
     out = torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
     acc = accumulation_dtype(index_q, index_k_cache)
     for b, s, e, n in sequences(query_start_loc, seq_lens):

@@ -73,6 +73,19 @@ def check_pair(name: str, pool: torch.Tensor, scale: torch.Tensor | None) -> Non
         raise ValueError(f"{name}_scale given but {name} is {pool.dtype}, not float8_e4m3fn")
 
 
+def read_pool(name: str, pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The pool a cache reader reads: a ``uint8`` pool holds E4M3 codes (the ONNX form of an FP8 pool, no opset
+    gathers float8: ``docs/ops.md`` §9) and is viewed as float8_e4m3fn, so an export traced with code pools and
+    the references agree byte for byte; then ``check_pair``. A uint8 pool without scales is an error (its codes
+    are not numbers)."""
+    if pool.dtype == torch.uint8:
+        if scale is None:
+            raise ValueError(f"{name} is uint8 (E4M3 codes) but no {name}_scale pool was given")
+        pool = pool.view(FP8)
+    check_pair(name, pool, scale)
+    return pool
+
+
 def resolve_cache_dtype(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
     """``--kv-cache-dtype`` -> the dtype of the K/V and index-key pools (``auto``/None: the model's)."""
     if name is None or name == "auto":
