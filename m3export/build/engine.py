@@ -7,24 +7,17 @@ touching the output directory, with one ``BackendUnavailable`` line naming what 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
 from pathlib import Path
 
 from ..errors import ArtifactError
+from ..export.manifest import sha256_file
 from .profiles import Limits, check_engine, engine_metadata, profiles_for  # noqa: F401  (check_engine: re-export)
 
 BUILD_JSON = "build.json"
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _prepare_out(out: Path, artifact_root: Path, force: bool) -> None:
@@ -126,7 +119,7 @@ def build_engines(artifact: str | Path, out: str | Path, max_num_tokens: int | N
         file = f"{name}.engine"
         (out / file).write_bytes(bytes(serialized))
         cache_bytes = bytes(config.get_timing_cache().serialize())
-        engines[name] = {"file": file, "sha256": _sha256(out / file), "bytes": (out / file).stat().st_size}
+        engines[name] = {"file": file, "sha256": sha256_file(out / file), "bytes": (out / file).stat().st_size}
         profiles[name] = shapes
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     cache_path.write_bytes(cache_bytes)

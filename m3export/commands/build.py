@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from .arguments import bounded_int
+
 NAME = "build"
 HELP = ("Build TensorRT engines from an artifact: m3 nodes become the m3 plugins (Triton kernels compiled ahead of "
         "time), optimisation profiles for decode steps (up to --max-batch tokens) and for every step (up to "
@@ -19,11 +21,7 @@ Without TensorRT the command stops at once with one line naming what to install.
 """
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive = bounded_int(1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
+from .arguments import bounded_int
 
 NAME = "verify"
 HELP = ("Run an artifact in ONNX Runtime (any execution provider, paged caches bound in place) next to its PyTorch "
@@ -18,11 +19,7 @@ EXAMPLES = """\
 """
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_count = bounded_int(0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
