@@ -39,11 +39,6 @@ E4M3_HALF_ULP = 2.0**-4
 E4M3_SUBNORMAL_ABS = 2.0**-10  # half the subnormal spacing 2^-9, relative to the row's scale
 
 
-
-def is_fp8(pool: torch.Tensor) -> bool:
-    return pool.dtype == FP8
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (q [..., D] float8_e4m3fn, scale [...] float32), as the module says."""
     xf = x.to(torch.float32)
