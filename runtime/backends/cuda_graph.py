@@ -107,6 +107,11 @@ def _on_device_at_once(device: torch.device, *tensors: torch.Tensor) -> list[tor
     return out
 
 
+
+def _own_fp32(x: torch.Tensor) -> torch.Tensor:
+    """A float32 copy the next replay cannot overwrite: ``.float()`` of a 16-bit output already is one."""
+    return x.clone() if x.dtype == torch.float32 else x.float()
+
 class DecodeInputs:
     """The static input buffers of one (bucket, q) shape: what a captured graph reads, refilled before every replay.
 
@@ -249,7 +254,7 @@ class GraphedTorchBackend(TorchBackend):
         if not self.pad_eagerly:
             self.replays += 1
         logits, hidden = outs
-        return logits[:t].float().clone(), hidden[:t].clone()  # a graph's outputs are rewritten by its next replay
+        return _own_fp32(logits[:t]), hidden[:t].clone()  # a graph's outputs are rewritten by its next replay
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         if self._mtp_caches is None:
@@ -275,7 +280,7 @@ class GraphedTorchBackend(TorchBackend):
         if not self.pad_eagerly:
             self.mtp_replays += 1
         logits, out = outs
-        return logits[:logits_indices.shape[0]].float().clone(), out[:t].clone()
+        return _own_fp32(logits[:logits_indices.shape[0]]), out[:t].clone()
 
     def capture_shapes(self, max_batch: int, max_tokens_per_sequence: int = 1, mtp_modules: int = 0) -> int:
         """Capture now, not at first use, every graph that decoding up to ``max_batch`` sequences takes: target steps
