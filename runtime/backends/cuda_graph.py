@@ -107,10 +107,10 @@ def _on_device_at_once(device: torch.device, *tensors: torch.Tensor) -> list[tor
     return out
 
 
-
 def _own_fp32(x: torch.Tensor) -> torch.Tensor:
     """A float32 copy the next replay cannot overwrite: ``.float()`` of a 16-bit output already is one."""
     return x.clone() if x.dtype == torch.float32 else x.float()
+
 
 class DecodeInputs:
     """The static input buffers of one (bucket, q) shape: what a captured graph reads, refilled before every replay.
