@@ -1,8 +1,9 @@
 """Build M3 on the ``meta`` device and stream a checkpoint into it, tensor by tensor.
 
-Each checkpoint tensor is memory-mapped, checked (shape, dtype, finite values), converted if needed (cast, or
-MXFP8 dequantisation when a floating-point model is asked for) and copied straight into its slice of the allocated
-parameter, so peak memory is the model plus one tensor. Every error names the file and the tensor.
+The model is built once on ``meta`` and every tensor's name, shape and dtype checked against it once, before
+anything is allocated; then each checkpoint tensor is memory-mapped, converted if needed (cast, or MXFP8
+dequantisation when a floating-point model is asked for), checked finite and copied straight into its slice of the
+allocated parameter, so peak memory is the model plus one tensor. Every error names the file and the tensor.
 
 ``check_tensors`` (names, shapes, dtypes) and ``check_finite`` are the one validation of a checkpoint's tensors:
 loading (generate, the torch backend) and export (copying or zero-copy) both call them, so a checkpoint one path
@@ -89,11 +90,13 @@ def load_model(path_or_preset: str | os.PathLike, device="cpu", dtype: torch.dty
         return random_model(preset(str(path_or_preset)), device, dtype, seed, mxfp8)
     ckpt, cfg, layout, n_mtp, quantized = open_checkpoint(path_or_preset)
     mxfp8 = quantized and not dequantize
-    # on meta first: a config that does not fit the tensors (hidden_size 1e9) is an error, not a 1 TB allocation
-    check_tensors(ckpt, layout, dict(build_empty(cfg, dtype, "meta", mxfp8, n_mtp).named_parameters()))
-    model = build_empty(cfg, dtype, device, mxfp8=mxfp8, num_mtp_modules=n_mtp)
+    # Built once, checked once, on meta first: a config that does not fit the tensors (hidden_size 1e9) is an
+    # error, not a 1 TB allocation; the same model is then allocated on ``device`` and filled by the checked plan.
+    model = build_empty(cfg, dtype, "meta", mxfp8, n_mtp)
+    plan = check_tensors(ckpt, layout, dict(model.named_parameters()))
+    model = materialize(model, dtype, device)
     model.checkpoint_info = {"layout": layout.kind, "mxfp8": quantized, "mtp_modules": n_mtp, "path": str(ckpt.dir)}
-    _stream(ckpt, layout, model, progress)
+    _stream(ckpt, plan, model, progress)
     return model.requires_grad_(False).eval()
 
 
@@ -130,20 +133,52 @@ def _plan(layout: Layout, params: dict[str, torch.Tensor]) -> dict[str, tuple[st
     return plan
 
 
+#: Bytes of a tensor that ``check_finite`` inspects at a time: its temporaries (``isfinite``'s same-dtype copy
+#: and mask, the E4M3 code masks) are bounded by one such slice, never the size of the tensor (an MXFP8 expert
+#: stack of the full model is gigabytes; the whole checkpoint 444 GB).
+FINITE_CHUNK_BYTES = 64 << 20
+
+
 def check_finite(t: torch.Tensor, where: str) -> torch.Tensor:
     """``t`` if it holds no NaN or infinity (E4M3's NaN codes S.1111.111 and a UE8M0 scale of 255, NaN in the OCP
-    MX format, included); otherwise a ``CheckpointError`` naming ``where`` and how many values are bad."""
+    MX format, included); otherwise a ``CheckpointError`` naming ``where`` and how many values are bad.
+
+    Checked in slices of ``FINITE_CHUNK_BYTES`` (views, no copy of ``t``), so the check needs memory for one slice's
+    temporaries whatever the tensor's size."""
     if t.dtype == torch.float8_e4m3fn:
-        bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        def count(c):
+            return torch.count_nonzero((c.view(torch.uint8) & 0x7F) == 0x7F)
     elif t.dtype == torch.uint8:  # the only uint8 tensors of M3 are MXFP8 scales
-        bad = int((t == 255).sum())
+        def count(c):
+            return torch.count_nonzero(c == 255)
     elif t.is_floating_point():
-        bad = int((~torch.isfinite(t)).sum())
+        def count(c):
+            return c.numel() - torch.count_nonzero(torch.isfinite(c))
     else:
-        bad = 0
+        return t
+    bad = int(sum(count(c) for c in _slices(t, max(1, FINITE_CHUNK_BYTES // t.element_size()))))
     if bad:
         raise CheckpointError(f"{where} holds {bad} NaN or infinite value(s) (a corrupt or diverged checkpoint)")
     return t
+
+
+def _slices(t: torch.Tensor, most: int):
+    """Views of ``t`` that cover each element once, none of more than ``most`` elements: slices of the flat tensor
+    when it is contiguous, else blocks of its leading dimension (rows cut further when one row is too large)."""
+    if t.dim() == 0 or t.numel() <= most:
+        yield t
+    elif t.is_contiguous():
+        flat = t.view(-1)
+        for start in range(0, flat.numel(), most):
+            yield flat[start:start + most]
+    else:
+        rows = most // (t.numel() // t.shape[0])
+        if rows:
+            for start in range(0, t.shape[0], rows):
+                yield t[start:start + rows]
+        else:
+            for row in t:
+                yield from _slices(row, most)
 
 
 def check_tensors(ckpt: Checkpoint, layout: Layout, params: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple]]:
@@ -180,38 +215,27 @@ def check_tensors(ckpt: Checkpoint, layout: Layout, params: dict[str, torch.Tens
     return plan
 
 
-def _stream(ckpt: Checkpoint, layout: Layout, model: M3ForCausalLM, progress: bool) -> None:
+def _stream(ckpt: Checkpoint, plan: dict[str, tuple[str, tuple]], model: M3ForCausalLM, progress: bool) -> None:
+    """Copy every tensor of ``plan`` (``check_tensors``' answer for this very model: names, shapes and dtypes are
+    checked, so only finiteness is left to check here) into its place, in file order."""
     params = dict(model.named_parameters())
-    plan = check_tensors(ckpt, layout, params)
     order = sorted(plan, key=lambda n: (Path(ckpt.tensors[n].file).name, ckpt.tensors[n].offset))
     for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         pname, index = plan[name]
-        info = ckpt.tensors[name]
         target = params[pname].data[index]
-        where = f"{info.file}: tensor {name!r}"
-        if tuple(info.shape) != tuple(target.shape):
-            raise CheckpointError(f"{where} has shape {list(info.shape)}, expected {list(target.shape)} "
-                                  f"(parameter {pname})")
+        where = f"{ckpt.tensors[name].file}: tensor {name!r}"
         target.copy_(check_finite(_convert(ckpt, name, target.dtype, where), where))
 
 
 def _convert(ckpt: Checkpoint, name: str, want: torch.dtype, where: str, read=None) -> torch.Tensor:
-    """Tensor ``name`` ready to copy into a parameter of dtype ``want``; ``read(name)`` (default ``ckpt.get``)
-    fetches a tensor or, for a tensor-parallel rank, its slice (an MXFP8 scale sliced with its weight)."""
+    """Tensor ``name`` ready to copy into a parameter of dtype ``want``, once ``check_tensors`` has accepted the
+    checkpoint (dtypes and MXFP8 scales are checked there, not again per tensor); ``read(name)`` (default
+    ``ckpt.get``) fetches a tensor or, for a tensor-parallel rank, its slice (an MXFP8 scale sliced with its
+    weight)."""
     read = read or ckpt.get
-    have = ckpt.tensors[name].torch_dtype
-    if want in (torch.float8_e4m3fn, torch.uint8):
-        if have != want:
-            raise CheckpointError(f"{where} has dtype {have}, expected {want} (MXFP8 weight or scale)")
-        return read(name)
-    if have == torch.float8_e4m3fn:
-        scale = name + "_scale_inv"
-        if scale not in ckpt.tensors:
-            raise CheckpointError(f"{where} is float8_e4m3fn but its scale {scale!r} is missing")
+    if want not in (torch.float8_e4m3fn, torch.uint8) and ckpt.tensors[name].torch_dtype == torch.float8_e4m3fn:
         try:
-            return mx.dequantize(read(name), read(scale), torch.float32)
+            return mx.dequantize(read(name), read(name + "_scale_inv"), torch.float32)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: {e}") from None
-    if have not in FLOAT_TYPES:
-        raise CheckpointError(f"{where} has dtype {have}, expected a floating-point weight")
     return read(name)
