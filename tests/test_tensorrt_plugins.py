@@ -236,6 +236,20 @@ def test_launch_convention_refuses_a_wrong_order():
         aot.launch_convention(good, ptx, "k", Md)
 
 
+def test_aot_plans_take_the_kernels_tile_arithmetic_and_import_without_triton():
+    """``next_pow2`` has one owner (``plugins/kernels/_batch.py``): the AOT planners import it when they plan
+    (they need Triton then anyway), so importing the TensorRT modules (export's TensorRT flavour) needs no Triton."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(aot.__file__).read_text())
+    assert not [n.lineno for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "next_pow2"]
+    code = ("import sys; sys.modules['triton'] = None\n"  # any 'import triton' now raises ImportError
+            "import m3export.plugins.tensorrt.aot, m3export.plugins.tensorrt.steps\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is installed: the missing-package path cannot be seen")
 def test_registering_plugins_without_tensorrt_says_what_to_install():
     from m3export.errors import BackendUnavailable

@@ -43,10 +43,6 @@ LOG2_MAX_SEQS = 16
 SM90 = 90
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def static(op: str, what: str, d: Any) -> int:
     """A dimension the kernel is compiled for: it must be a known int (TensorRT: a constant ShapeExpr)."""
     if isinstance(d, bool) or not isinstance(d, int):
@@ -198,6 +194,8 @@ def _sig(names: Sequence[str], tensors: Sequence[TensorInfo], extras: Sequence[s
 
 
 def _attention_consts(op, q: TensorInfo, k: TensorInfo, v: TensorInfo) -> dict:
+    from m3export.plugins.kernels._batch import next_pow2  # the kernels' own tile arithmetic (needs Triton)
+
     hq, hkv = static(op, "query heads", q.shape[1]), static(op, "KV heads", k.shape[2])
     d, dv, page = static(op, "head size", q.shape[2]), static(op, "value head size", v.shape[3]), \
         static(op, "page size", k.shape[1])
@@ -220,6 +218,8 @@ def paged_attention(inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo],
 
 def sparse_paged_attention(inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], attrs: dict,
                            tactic: int = 0) -> KernelPlan:
+    from m3export.plugins.kernels._batch import next_pow2
+
     q, k, v, bt, qsl, sl, pos, sel = inputs
     op = "SparsePagedAttention"
     topk = static(op, "selected blocks per token (block_idx dim 2)", sel.shape[2])
@@ -238,6 +238,8 @@ SCAN_SPLITS = {0: 1, 1: 4, 2: 16}
 
 def lightning_indexer_scan(inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], attrs: dict,
                            tactic: int = 0) -> KernelPlan:
+    from m3export.plugins.kernels._batch import next_pow2
+
     q, kc, bt, qsl, pos = inputs
     op = "LightningIndexerScan"
     h, d, page = static(op, "index heads", q.shape[1]), static(op, "index head size", q.shape[2]), \
@@ -258,6 +260,8 @@ def lightning_indexer_scan(inputs: Sequence[TensorInfo], outputs: Sequence[Tenso
 
 def lightning_indexer_topk(inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], attrs: dict,
                            tactic: int = 0) -> KernelPlan:
+    from m3export.plugins.kernels._batch import next_pow2
+
     scores, pos = inputs
     op = "LightningIndexerTopK"
     h = static(op, "index heads", scores.shape[1])
@@ -295,6 +299,8 @@ _GEMV = dict(BLOCK_N=32, BLOCK_K=128)
 
 
 def moe_route(inputs, outputs, attrs, tactic=0) -> KernelPlan:
+    from m3export.plugins.kernels._batch import next_pow2
+
     logits, bias = inputs
     e = static("MoERoute", "experts", logits.shape[1])
     block_e = next_pow2(e)
