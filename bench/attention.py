@@ -26,8 +26,6 @@ its share of the row's 4-byte scale.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,10 +33,46 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
 BS, TOPK, LOCAL, INIT, PAGE = 128, 16, 1, 0, 128
 SCALE = D**-0.5
+
+
+def bench(fn):
+    """Median seconds; calls over 50 ms (long prefills) are timed twice with events instead of do_bench."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(2):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    if min(times) > 0.05:
+        return min(times)
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+def graph_seconds(fn, sets, reps=10):
+    """Kernel time without Python launch cost: ``reps`` calls (cycling the page sets) captured in one CUDA
+    graph, replayed and timed with events, per call. The launchers never sync, so they capture as is."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in sets:
+            fn(*s)  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fn(*sets[i % len(sets)])
+    return bench(g.replay) / reps
 
 
 def main() -> int:
@@ -47,12 +81,18 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     ap.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16",
                     help="K/V and index-key pools in bf16, or E4M3 with per-row fp32 scales")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead: time each kernel's DEFAULTS against its VARIANTS (bench/attention_sweep.py; "
+                         "its own options follow, e.g. --sweep --out $OUT/attention_sweep.json)")
+    if "--sweep" in sys.argv[1:]:
+        import attention_sweep
+
+        return attention_sweep.main([a for a in sys.argv[1:] if a != "--sweep"])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA device")
 
     import triton
-    from triton.testing import do_bench
 
     from m3export.ops.attention import paged_attention_reference, sparse_paged_attention_reference
     from m3export.ops.indexer import lightning_indexer_reference
@@ -66,36 +106,6 @@ def main() -> int:
            "date": time.strftime("%Y-%m-%d"), "dims": dict(hq=HQ, hkv=HKV, d=D, index_heads=HI, index_dim=DI,
                                                            block=BS, topk=TOPK, local=LOCAL, page=PAGE),
            "kv_cache_dtype": args.kv_cache_dtype, "checks": [], "rows": []}
-
-    def bench(fn):
-        """Median seconds; calls over 50 ms (long prefills) are timed twice with events instead of do_bench."""
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(2):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        if min(times) > 0.05:
-            return min(times)
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-
-    def graph_seconds(fn, sets, reps=10):
-        """Kernel time without Python launch cost: ``reps`` calls (cycling the page sets) captured in one CUDA
-        graph, replayed and timed with events, per call. The launchers never sync, so they capture as is."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for s in sets:
-                fn(*s)  # compile / warm up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(reps):
-                fn(*sets[i % len(sets)])
-        return bench(g.replay) / reps
 
     def check_selection(name, sel, ref, iq, ikc, bt, qsl, sl, pos):
         """Exact, up to fp32 near-ties by the conformance suite's rule (``m3export.ops.conformance``: two blocks
@@ -204,12 +214,9 @@ def main() -> int:
         res["checks"].append(dict(name=name, ok=bool(ok), detail=detail))
         print(f"CHECK {name}: {'ok' if ok else 'FAILED'} {detail}", flush=True)
 
-    out = Path(os.environ["OUT"]) / Path(args.out).name if os.environ.get("OUT") else Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
     def save():  # after every shape, so that a run cut short still leaves its numbers
         res["all_checks_ok"] = all(c["ok"] for c in res["checks"])
-        out.write_text(json.dumps(res, indent=1))
+        write_results(res, args.out)  # and a copy in $OUT on the device machine
 
     def guarded(name, fn):
         try:
@@ -346,7 +353,7 @@ def main() -> int:
             one["indexer", 4096] + one["sparse", 4096])
         print(f"batch 1, indexer + sparse: 128k / 4k = {res['batch1_indexer_plus_sparse_128k_over_4k']:.2f}")
     save()
-    print(f"wrote {out}; checks {'all ok' if res['all_checks_ok'] else 'FAILED'}")
+    print(f"wrote {args.out}; checks {'all ok' if res['all_checks_ok'] else 'FAILED'}")
     return 0 if res["all_checks_ok"] else 1
 
 

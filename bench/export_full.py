@@ -12,7 +12,6 @@ Prints a table and writes JSON (bench/results/export_full.json by default).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -22,6 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 
 def allocated(path: Path) -> int:
@@ -99,8 +101,7 @@ def main() -> int:
     print(f"\nfull-size export ({args.preset}, {args.layout}, {args.format} -> {args.dtype} graphs)")
     for name, value, note in rows:
         print(f"  {name:<{w}}  {value:>14}  {note}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_results(result, args.json)
     print(f"wrote {args.json}")
     ok = peak_rss < (4 << 30) and wall < 900 and written - graph_bytes < (1 << 30)
     return 0 if ok else 1

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import sys
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
 
 def load(model_name: str, device: str, dtype: torch.dtype):
@@ -212,8 +212,7 @@ def main() -> int:
         print(f"{label:<50}" + "".join(f"{measured[n][group][key]:>10.4g}" for n in names))
     name = f"kv_cache_fp8_{Path(model_name).name}_{args.device.split(':')[0]}.json"
     out = Path(args.json) if args.json else RESULTS / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    write_results(res, out)
     print(f"\nwrote {out}")
     return 0
 

@@ -27,7 +27,6 @@ artifact exported in this run, ``--threads`` intra-op threads).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 KS = (0, 1, 2, 3)
 TEMPERATURES = (0.0, 0.8)
@@ -192,8 +193,7 @@ def main() -> int:
                "torch": torch.__version__, "python": platform.python_version(), "load_average_start": load_start,
                "load_average_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                "elapsed_s": time.perf_counter() - t0, "rows": rows}
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        write_results(out, json_path)
 
     header = (f"{'backend':12s} {'temp':>4s} {'k':>2s} {'accept':>6s} {'decode/s':>9s} {'speedup':>8s} "
               f"{'min..max':>11s} {'same':>5s} {'mtp/step':>8s}" + ("  target ms  mtp ms" if args.breakdown else ""))

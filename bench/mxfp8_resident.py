@@ -12,16 +12,18 @@ definition and the checkpoint writer's tensor plan (no weights are built); the H
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from m3export.checkpoint.layout import Layout
-from m3export.checkpoint.loader import build_empty
-from m3export.checkpoint.writer import planned_tensors
-from m3export.config import preset
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
+
+from m3export.checkpoint.layout import Layout  # noqa: E402
+from m3export.checkpoint.loader import build_empty  # noqa: E402
+from m3export.checkpoint.writer import planned_tensors  # noqa: E402
+from m3export.config import preset  # noqa: E402
 
 
 def nbytes(dtype: torch.dtype, shape) -> int:
@@ -41,8 +43,7 @@ def main() -> int:
             resident[label] = sum(p.numel() * p.element_size() for p in model.parameters())
         rows.append(dict(model=name, checkpoint_bytes=ckpt, resident_mxfp8_bytes=resident["mxfp8"],
                          resident_bf16_bytes=resident["bf16"]))
-    out = Path(__file__).parent / "results" / "mxfp8_resident.json"
-    out.write_text(json.dumps(rows, indent=1))
+    write_results(rows, RESULTS / "mxfp8_resident.json")
     print(f"{'model':20} {'checkpoint GB':>14} {'resident MXFP8 GB':>18} {'if dequantised to bf16 GB':>26}")
     for r in rows:
         print(f"{r['model']:20} {r['checkpoint_bytes'] / 1e9:>14.1f} {r['resident_mxfp8_bytes'] / 1e9:>18.1f} "

@@ -27,8 +27,6 @@ step on a sync-free path (ORT on torch's stream), the whole step where something
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import decode_batch, step_bytes  # noqa: E402  (bench/decode.py: the one decode-step roofline)
+from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 SMOKE = False
 
@@ -167,11 +166,7 @@ def main() -> int:
         print(f"{batch:5d} {context:7d} {t_ms:9.2f} {o_ms:9.2f} {o_enqueue:8.2f} {o_ms / t_ms:9.2f} "
               f"{o_ms / first[batch]:8.2f} "
               f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}{low}", flush=True)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    write_results(res, args.json)
     return 0 if all(r["greedy_same"] and r.get("lowered_greedy_same", True) and r.get("lowered_within_bound", True)
                     for r in res["rows"]) else 1
 

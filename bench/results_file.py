@@ -10,9 +10,9 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def write_results(res: dict, path: str | Path) -> Path:
+def write_results(res: dict | list, path: str | Path) -> Path:
     """Write ``res`` as indented JSON to ``path`` (folders made as needed), and to ``$OUT/<name>`` when ``$OUT``
-    is set; returns ``path``."""
+    is set; returns ``path``. Every benchmark writes its JSON through this (``tests/test_bench_results_file.py``)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(res, indent=1)

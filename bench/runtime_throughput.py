@@ -12,13 +12,15 @@ model this small on a CPU: every step is dominated by per-op overhead, not by by
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 
 def baseline(model, prompts: list[list[int]], new: int) -> float:
@@ -79,9 +81,7 @@ def main() -> int:
         vals = (r["backend"], r["speculative_tokens"], r["prefill_tok_s"], r["decode_tok_s"],
                 r["end_to_end_new_tok_s"], acc, f"{r['decode_vs_baseline']:.2f}x")
         print("  ".join(f"{v!s:>16}" for v in vals))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"baseline_decode_tok_s": round(base, 1), "rows": rows,
-                                           "config": vars(args)}, indent=2) + "\n")
+    write_results({"baseline_decode_tok_s": round(base, 1), "rows": rows, "config": vars(args)}, args.json)
     print(f"wrote {args.json}")
     return 0
 

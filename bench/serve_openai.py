@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 
 async def _clients(url: str, model: str, prompts: list[str], new: int) -> list[tuple[float, float, int]]:
@@ -121,10 +124,7 @@ def main() -> int:
     print(f"{row['clients']:>8} {row['tokens']:>7} {row['engine_tok_s']:>13.1f} {row['server_tok_s']:>13.1f} "
           f"{row['server_over_engine']:>6.2f} {row['ttft_median_s']:>7.2f}/{row['ttft_max_s']:<7.2f} "
           f"{row['tpot_median_s'] * 1e3:>12.1f}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": "cpu, 1 thread", "model": "tiny (random weights)", "rows": [row]},
-                              indent=2) + "\n")
+    out = write_results({"device": "cpu, 1 thread", "model": "tiny (random weights)", "rows": [row]}, args.json)
     print(f"wrote {out}")
     return 0
 

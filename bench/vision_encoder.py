@@ -16,18 +16,21 @@ default grids reach 64 x 64 patches (an 896 x 896 image, 4096 patches) and a 4-t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from m3export.config import VisionConfig
-from m3export.model.media import VisionEncoder
-from m3export.model.projector import MultiModalProjector
-from m3export.model.vision import VisionTower, vision_position_ids
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
+
+from m3export.config import VisionConfig  # noqa: E402
+from m3export.model.media import VisionEncoder  # noqa: E402
+from m3export.model.projector import MultiModalProjector  # noqa: E402
+from m3export.model.vision import VisionTower, vision_position_ids  # noqa: E402
 
 TEXT_HIDDEN = 6144  # the release's text width (the projector's output)
 
@@ -112,15 +115,13 @@ def main() -> None:
     for r in rows:
         print(f"{'x'.join(map(str, r['grid'][1:] if r['grid'][0] == 1 else r['grid'])):>10s} {'x'.join(map(str, r['image_px'])):>11s} {r['patches']:8d} "
               f"{r['seconds']:9.3f} {r['patches_per_s']:10.1f} {r['tokens_per_s']:9.1f} {r['gflop_per_s']:8.1f}")
-    out = args.out or Path(__file__).parent / "results" / f"vision_encoder_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS / f"vision_encoder_{args.device}.json"
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     # The CPU machine is shared: the load average says how much of it the run had.
-    out.write_text(json.dumps({"device": device_name, "dtype": args.dtype, "threads": torch.get_num_threads(),
-                               "load_average_1m": os.getloadavg()[0],
-                               "torch": torch.__version__, "layers": cfg.num_hidden_layers, "reps": reps,
-                               "rows": rows},
-                              indent=1) + "\n")
+    write_results({"device": device_name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                   "load_average_1m": os.getloadavg()[0],
+                   "torch": torch.__version__, "layers": cfg.num_hidden_layers, "reps": reps,
+                   "rows": rows}, out)
     print(f"wrote {out}")
 
 
