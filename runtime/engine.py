@@ -226,8 +226,9 @@ class Engine:
             attached = attach_media(ids, media, self.config.vision, self.backend.encode_media, self.media_cache)
         rng = PositionalRandom(params.seed if params.seed is not None else self._rng.randrange(2**64))
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.config.eos_token_id)
         req = Request(request_id, ids, params, rng, detokenizer,
-                      logprobs=[] if params.logprobs is not None else None, media=attached)
+                      logprobs=[] if params.logprobs is not None else None, media=attached, stop_ids=stop_ids)
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -450,8 +451,7 @@ class Engine:
 
     def _append(self, req: Request, emitted: list[int], results: list[RowResult]) -> None:
         """Add tokens one at a time so that a stop condition discards everything after it."""
-        p = req.params
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.config.eos_token_id))
+        p, stop_ids = req.params, req.stop_ids
         for i, tok in enumerate(emitted):
             req.append_token(tok)
             if req.logprobs is not None:

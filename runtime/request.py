@@ -52,6 +52,9 @@ class Request:
     reported_tokens: int = 0
     # Images / video: embeddings for the prompt's placeholder positions, and media digests for the prefix cache.
     media: RequestMedia | None = None
+    #: Token ids that end the request (its stop_token_ids, plus the model's EOS ids unless ignore_eos): made
+    #: once when the request is added, not at every token.
+    stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt_token_ids) + self.output_token_ids

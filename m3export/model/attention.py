@@ -80,6 +80,15 @@ class Attention(nn.Module):
         # Indexer weights sit directly under self_attn in the original layout (index_q_proj, ...).
         self.indexer = Indexer(cfg, mxfp8) if sparse else None
 
+    def check_cache(self, cache: tuple[torch.Tensor, ...], where: str = "attention layer") -> None:
+        """The layer's pool tuple has the layout ``forward`` reads (see there). Checked where pools are made or
+        handed over (``M3ForCausalLM.check_caches``), not in ``forward``: a step runs every layer, and the layout
+        of a backend's pools does not change between its steps."""
+        n = 2 if self.indexer is None else 3
+        if len(cache) not in (n, 2 * n) or (len(cache) == 2 * n) != (cache[0].dtype == torch.float8_e4m3fn):
+            raise ValueError(f"{where} cache: expected {n} pools, or {n} float8_e4m3fn pools and their "
+                             f"{n} scale pools; got {len(cache)} of {cache[0].dtype}")
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
                 cache: tuple[torch.Tensor, ...], inplace: bool):
         """x [T, H] -> (out [T, H], updated cache tuple, selected blocks [T, Hkv, K] or None).
@@ -89,9 +98,6 @@ class Attention(nn.Module):
         index_k_scale) (``m3export.ops.kv_fp8``)."""
         t = x.shape[0]
         n = 2 if self.indexer is None else 3
-        if len(cache) not in (n, 2 * n) or (len(cache) == 2 * n) != (cache[0].dtype == torch.float8_e4m3fn):
-            raise ValueError(f"attention layer cache: expected {n} pools, or {n} float8_e4m3fn pools and their "
-                             f"{n} scale pools; got {len(cache)} of {cache[0].dtype}")
         pools, scales = list(cache[:n]), list(cache[n:]) or [None] * n
         fused = _use_fused(x, inplace)
         if fused:  # one launch each for q and k + v: norm, rotation and cache write fused

@@ -84,6 +84,16 @@ class M3ForCausalLM(nn.Module):
                              for i, s in enumerate(shapes)))
         return out
 
+    def check_caches(self, caches: list, layers: str = "main") -> None:
+        """Every layer's pool tuple has the layout its attention reads (``Attention.check_cache``), one error naming
+        the layer otherwise. Called once where a backend takes its pools, not per step."""
+        attn = ([layer.self_attn for layer in self.model.layers] if layers == "main"
+                else [m.transformer_layer.self_attn for m in self.mtp])
+        if len(caches) != len(attn):
+            raise ValueError(f"{layers} caches: {len(caches)} layers of pools for {len(attn)} layers")
+        for i, (a, cache) in enumerate(zip(attn, caches)):
+            a.check_cache(cache, f"{'layer' if layers == 'main' else 'MTP module'} {i}")
+
     # ------------------------------------------------------------------ runtime path
     def step(self, input_ids: torch.Tensor, batch: Batch, caches: list, logits_indices: torch.Tensor | None = None,
              inplace: bool = True, inputs_embeds: torch.Tensor | None = None) -> StepOutput:

@@ -44,6 +44,8 @@ class TorchBackend(Backend):
         m = self.model
         self._caches = m.allocate_caches(num_pages, page_size, self.dtype, self.device, layers="main")
         self._mtp_caches = m.allocate_caches(num_pages, page_size, self.dtype, self.device, layers="mtp")
+        m.check_caches(self._caches, "main")  # once here: the layers' forwards do not check per step
+        m.check_caches(self._mtp_caches, "mtp")
 
     def forward(self, input_ids, batch: Batch, logits_indices, media=None):
         if self._caches is None:
