@@ -133,6 +133,13 @@ class EngineDriver:
             _quietly(a.sink.fail, "the model was unloaded before this request finished")
 
     @property
+    def media_executor(self) -> ThreadPoolExecutor:
+        """The threads that decode and preprocess media: also for a front end that prepares its requests' media
+        itself (the OpenAI server's chat prompts), so that an engine has one media pool, not one idling beside
+        another. Shut down by ``close``."""
+        return self._media
+
+    @property
     def alive(self) -> bool:
         """The engine thread is running (False after close, or if it died)."""
         return self._thread.is_alive()

@@ -27,7 +27,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,9 +134,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics(engine, model_name)
         self._disconnect_poll_s = disconnect_poll_s
         self._cancel_poll_s = cancel_poll_s
+        # chat prompts with images / video are decoded, preprocessed and tokenized on the driver's media threads
+        # (EngineDriver.media_executor), off the event loop
         self.driver: EngineDriver | None = None
-        # chat prompts with images / video are decoded, preprocessed and tokenized here, off the event loop
-        self._media_pool: ThreadPoolExecutor | None = None
         self.created = int(time.time())
         tok = engine.tokenizer
         specials = tok.special_tokens() if tok is not None and hasattr(tok, "special_tokens") else frozenset()
@@ -149,16 +148,11 @@ class OpenAIServer:
     def start(self) -> None:
         if self.driver is None:
             self.driver = EngineDriver(self.engine, self.metrics, name="openai", cancel_poll_s=self._cancel_poll_s)
-        if self._media_pool is None:
-            self._media_pool = ThreadPoolExecutor(2, thread_name_prefix="openai-media")
 
     def close(self) -> None:
         if self.driver is not None:
             self.driver.close()
             self.driver = None
-        if self._media_pool is not None:
-            self._media_pool.shutdown(wait=False, cancel_futures=True)
-            self._media_pool = None
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
@@ -602,9 +596,10 @@ class OpenAIServer:
 
     async def _chat(self, body: ChatRequest, request):
         self._check_model(body.model)
-        if self._media_pool is not None and _has_media(body.messages):  # long decodes: not on the event loop
-            prompt, state = await asyncio.get_running_loop().run_in_executor(self._media_pool, self._chat_prompt,
-                                                                             body)
+        driver = self.driver
+        if driver is not None and _has_media(body.messages):  # long decodes: not on the event loop
+            prompt, state = await asyncio.get_running_loop().run_in_executor(driver.media_executor,
+                                                                             self._chat_prompt, body)
         else:
             prompt, state = self._chat_prompt(body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
