@@ -34,9 +34,10 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def splits_for(device: torch.device, programs: int, most: int) -> int:
-    """How many pieces to cut each program's context into so that the launch fills the device (1..most)."""
-    return max(1, min(most, cdiv(_WAVES * num_sms(device), max(1, programs))))
+def splits_for(device: torch.device, programs: int, most: int, waves: int = _WAVES) -> int:
+    """How many pieces to cut each program's context into so that the launch has about ``waves`` programs per
+    multiprocessor (1..most)."""
+    return max(1, min(most, cdiv(waves * num_sms(device), max(1, programs))))
 
 
 @triton.jit

@@ -11,6 +11,13 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
 2. ``_block_topk``: one program per (token, head) over at most ``ceil(max_pages * page_size / block_size)``
    blocks: forced blocks (local / init) as +inf, blocks after the token's own as -inf, then ``topk`` rounds of
    "largest value, lowest id among equals": exactly the reference's stable descending order; -inf -> -1.
+   The ``"bitonic"`` form (``_block_topk_bitonic``) gives the same ids from one bitonic top-k (``tl.topk``) over
+   one int64 key per block, (order-preserving bits of the score) << 32 | (NB_PAD - 1 - id): keys are distinct and
+   their descending order is "larger score first, lower id among equal scores" (0.0 and -0.0 made one value
+   first, as float comparison has them equal).
+
+Launch parameters are the table ``DEFAULTS``; ``forward(..., config=...)`` overrides entries of it (how
+``bench/attention.py --sweep`` times the alternatives in one run). Every entry keeps the op's exact result.
 """
 
 from __future__ import annotations
@@ -25,10 +32,47 @@ from ._fp8 import widen
 
 OP = "m3::lightning_indexer"
 
-# Key tile of the scan; raised to block_size when blocks are longer (a tile never splits a block).
-_BLOCK_N = 64
-# Most splits of one tile's context (the launch has slots x splits programs).
-_MAX_SPLITS = 256
+DEFAULTS = {
+    # block_n: key tile (raised to block_size when blocks are longer: a tile never splits a block);
+    # waves: programs per multiprocessor the context splits aim for; max_splits: most splits of one tile's
+    # context (the launch has slots x splits programs); min_split_tiles: when > 0, no more splits than
+    # ceil(key tiles of the widest block table / min_split_tiles) (a shape, so still one launch per batch
+    # shape), so short contexts do not launch programs that find no key.
+    "scan": dict(block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=256, min_split_tiles=0),
+    # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys).
+    "topk": dict(method="rounds", num_warps=4),
+}
+# Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
+# tests/test_kernels_attention_variants.py); a part's winner is copied into DEFAULTS by hand.
+VARIANTS = {
+    "scan": {
+        "waves4": dict(waves=4, max_splits=1024),
+        "waves8": dict(waves=8, max_splits=1024),
+        "waves8-min2": dict(waves=8, max_splits=1024, min_split_tiles=2),
+        "min4": dict(min_split_tiles=4),
+        "n128-waves4": dict(block_n=128, waves=4, max_splits=1024),
+        "n128-w8-waves4": dict(block_n=128, num_warps=8, waves=4, max_splits=1024),
+        "s4-waves4-min2": dict(num_stages=4, waves=4, max_splits=1024, min_split_tiles=2),
+    },
+    "topk": {
+        "rounds-w1": dict(num_warps=1),
+        "rounds-w2": dict(num_warps=2),
+        "bitonic-w1": dict(method="bitonic", num_warps=1),
+        "bitonic-w4": dict(method="bitonic"),
+        "bitonic-w8": dict(method="bitonic", num_warps=8),
+    },
+}
+
+
+def settings(config: dict | None, part: str) -> dict:
+    """DEFAULTS[part] with the entries of ``config[part]`` (unknown keys refused by name)."""
+    cfg = dict(DEFAULTS[part])
+    extra = (config or {}).get(part, {})
+    unknown = set(extra) - set(cfg)
+    if unknown:
+        raise ValueError(f"lightning_indexer: unknown {part} settings {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(extra)
+    return cfg
 
 
 @triton.jit
@@ -108,6 +152,32 @@ def _block_topk(
         v = tl.where(c == pick, float("-inf"), v)
 
 
+@triton.jit
+def _block_topk_bitonic(
+    scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
+    NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    own = (tl.load(pos_ptr + t) // BS).to(tl.int32)
+    c = tl.arange(0, NB_PAD)
+    visible = (c <= own) & (c < NB)
+    v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c, mask=visible, other=float("-inf"))
+    forced = visible & ((c > own - LOCAL) | (c < INIT))
+    v = tl.where(forced, float("inf"), v)
+    v = tl.where(v == 0.0, 0.0, v)  # -0.0 -> 0.0: equal as floats, so they must be one key value
+    bits = v.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
+    key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c).to(tl.int64)
+    top = tl.topk(key, TOPK_PAD)  # descending
+    pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
+    i = tl.arange(0, TOPK_PAD)
+    tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + i, tl.where((top >> 32) == NEG_INF, -1, pick),
+             mask=i < TOPK)
+
+
 def forward(
     index_q: torch.Tensor,
     index_k_cache: torch.Tensor,
@@ -120,12 +190,25 @@ def forward(
     local_blocks: int,
     init_blocks: int,
     index_k_scale: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32.
-    An FP8 key pool comes with its fp32 scale pool [pages, page]."""
+    An FP8 key pool comes with its fp32 scale pool [pages, page]. ``config``: {"scan": {...}, "topk": {...}},
+    entries overriding ``DEFAULTS`` (None for the op)."""
+    t, h, _ = index_q.shape
+    if topk_blocks == 0 or t == 0 or seq_lens.shape[0] == 0:
+        _check(index_q, index_k_cache, block_size, index_k_scale)
+        return torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
+    scores = scan(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
+                  index_k_scale, config=config)
+    return block_topk(scores, positions, block_size, topk_blocks, local_blocks, init_blocks, config=config)
+
+
+def _check(index_q, index_k_cache, block_size, index_k_scale) -> None:
     from m3export.ops.kv_fp8 import FP8, check_pair
 
-    t, h, d = index_q.shape
+    d = index_q.shape[2]
     if index_k_cache.dim() != 3 or index_k_cache.shape[2] != d:
         raise ValueError(f"lightning_indexer: index_k_cache {tuple(index_k_cache.shape)} must be [pages, page, {d}]")
     check_pair("index_k_cache", index_k_cache, index_k_scale)
@@ -133,10 +216,26 @@ def forward(
         raise ValueError(f"lightning_indexer: index_q is {index_q.dtype} but index_k_cache is {index_k_cache.dtype}")
     if block_size < 1 or block_size & (block_size - 1) or block_size > 256:
         raise ValueError(f"lightning_indexer kernel: block_size {block_size} must be a power of two <= 256")
+
+
+def scan(
+    index_q: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    index_k_scale: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The first launch alone: block maxima [T, H, NB] fp32, NB = blocks of the widest block table (entries past a
+    token's own block are not written)."""
+    _check(index_q, index_k_cache, block_size, index_k_scale)
+    cfg = settings(config, "scan")
+    t, h, d = index_q.shape
     b = seq_lens.shape[0]
-    if t == 0 or b == 0 or topk_blocks == 0:
-        return torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
-    out = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=index_q.device)  # top-k writes every id
     page = index_k_cache.shape[1]
     q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
     kc = index_k_cache if index_k_cache.stride(2) == 1 else index_k_cache.contiguous()
@@ -153,20 +252,48 @@ def forward(
         slots = t
     else:
         seq, start, end, slots = query_tiles(qsl, t, tokens)
-    splits = splits_for(index_q.device, slots, _MAX_SPLITS)
-    block_n = max(_BLOCK_N, block_size)
+    block_n = max(cfg["block_n"], block_size)
+    most = cfg["max_splits"]
+    if cfg["min_split_tiles"] > 0:
+        most = min(most, cdiv(cdiv(block_tables.shape[1] * page, block_n), cfg["min_split_tiles"]))
+    splits = splits_for(index_q.device, slots, most, cfg["waves"])
     ks = index_k_scale.contiguous() if index_k_scale is not None else kc  # kc: never read (FP8 off)
     _index_scan[(slots, splits)](
         q, kc, ks, bt, pos, qsl, seq, start, end, scores, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), bt.stride(0),
         scores.stride(0), scores.stride(1), FP8=index_k_scale is not None,
         H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
-        ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=4,
-        num_stages=3,
+        ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits,
+        PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
-    _block_topk[(t, h)](
-        scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        NB=nb, NB_PAD=next_pow2(max(nb, 2)), BS=block_size, TOPK=topk_blocks, LOCAL=local_blocks,
-        INIT=init_blocks, num_warps=4,
-    )
+    return scores
+
+
+def block_topk(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    topk_blocks: int,
+    local_blocks: int,
+    init_blocks: int,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The second launch alone: block maxima [T, H, NB] (as ``scan`` leaves them) -> ids [T, H, topk_blocks]."""
+    cfg = settings(config, "topk")
+    t, h, nb = scores.shape
+    out = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=scores.device)  # every id is written
+    pos = positions.contiguous()
+    common = (scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1))
+    if cfg["method"] == "rounds":
+        _block_topk[(t, h)](*common, NB=nb, NB_PAD=next_pow2(max(nb, 2)), BS=block_size, TOPK=topk_blocks,
+                            LOCAL=local_blocks, INIT=init_blocks, num_warps=cfg["num_warps"])
+    elif cfg["method"] == "bitonic":
+        topk_pad = next_pow2(max(topk_blocks, 2))
+        _block_topk_bitonic[(t, h)](*common, NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad), BS=block_size,
+                                    TOPK=topk_blocks, TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks,
+                                    num_warps=cfg["num_warps"])
+    else:
+        raise ValueError(f"lightning_indexer: topk method {cfg['method']!r} is not 'rounds' or 'bitonic'")
     return out

@@ -9,6 +9,16 @@ token's blocks (multi-token verify never unions selections), causally. Online so
 (one token per program) splits the selection so that a small batch still fills the device, and ``_splitk``
 merges the splits. Selection entries that are -1, after the token's own block, or repeated are skipped, so the
 allowed set is exactly the reference's (order and duplicates do not matter).
+
+Launch parameters are the table ``DEFAULTS`` (one entry for decode-like batches, one for prefill); ``forward(...,
+config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Two
+loop forms besides the default "nested" walk (a dynamic inner loop over a block's key tiles, which the compiler
+cannot software-pipeline): "flat" walks (visit, key tile) pairs in one loop of fixed trip count and masks the
+loads of skipped visits instead of branching around them, so loads of the next tile can be in flight
+(``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's sorted
+list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
+per-visit de-duplication. Every form computes the same allowed set; only the summation order of the online
+softmax differs (the blocks' order).
 """
 
 from __future__ import annotations
@@ -24,22 +34,111 @@ from .paged_attention import _check, scale_pools
 
 OP = "m3::sparse_paged_attention"
 
-_BLOCK_N = 64
+DEFAULTS = {
+    # tile_tokens: tokens of one sequence per program (None: ``tokens_per_tile`` up to 64 rows; 1: one program
+    # per token); block_n: key tile (at most the block); waves: programs per multiprocessor the selection
+    # splits aim for; max_splits: most splits (None: top-k x tile tokens); loop: "nested" | "flat" | "union".
+    "decode": dict(block_n=64, num_warps=4, num_stages=2, waves=2, max_splits=None, loop="nested"),
+    "prefill": dict(tile_tokens=None, block_n=64, num_warps=4, num_stages=2, waves=2, max_splits=None,
+                    loop="nested"),
+}
+_LOOPS = ("nested", "flat", "union")
+# Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
+# tests/test_kernels_attention_variants.py); a mode's winner is copied into DEFAULTS by hand.
+VARIANTS = {
+    "decode": {
+        "nested-n128": dict(block_n=128),
+        "flat-n64-s3": dict(loop="flat", num_stages=3),
+        "flat-n128-s3": dict(loop="flat", block_n=128, num_stages=3),
+        "flat-n128-w8-s3": dict(loop="flat", block_n=128, num_warps=8, num_stages=3),
+        "flat-n64-w2-s4": dict(loop="flat", num_warps=2, num_stages=4),
+        "flat-n64-s3-waves1": dict(loop="flat", num_stages=3, waves=1),
+        "flat-n64-s3-waves4": dict(loop="flat", num_stages=3, waves=4),
+        "union-n64-s3": dict(loop="union", num_stages=3),
+    },
+    "prefill": {
+        "token-flat-n64-s3": dict(tile_tokens=1, loop="flat", num_stages=3),
+        "token-flat-n128-s3": dict(tile_tokens=1, loop="flat", block_n=128, num_stages=3),
+        "union4-n64-s3": dict(tile_tokens=4, loop="union", num_stages=3),
+        "union4-n128-s3": dict(tile_tokens=4, loop="union", block_n=128, num_stages=3),
+        "union8-n64-w8-s3": dict(tile_tokens=8, loop="union", num_warps=8, num_stages=3),
+        "union8-n128-w8-s2": dict(tile_tokens=8, loop="union", block_n=128, num_warps=8, num_stages=2),
+        "union16-n64-w8-s2": dict(tile_tokens=16, loop="union", num_warps=8, num_stages=2),
+    },
+}
+
+
+def settings(config: dict | None, mode: str) -> dict:
+    """DEFAULTS[mode] with the entries of ``config[mode]`` (unknown keys or loop forms refused by name)."""
+    cfg = dict(DEFAULTS[mode])
+    extra = (config or {}).get(mode, {})
+    unknown = set(extra) - set(cfg)
+    if unknown:
+        raise ValueError(f"sparse_paged_attention: unknown {mode} settings {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(extra)
+    if cfg["loop"] not in _LOOPS:
+        raise ValueError(f"sparse_paged_attention: loop {cfg['loop']!r} is not one of {_LOOPS}")
+    return cfg
+
+
+def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
+                tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every (query tile, KV head): the distinct blocks some token of the tile selected and may see (id >= 0,
+    not after that token's own block), ascending, then padding; and how many there are.
+
+    sel [T, Hkv, K] int32, tiles [slots] -> (union [slots, Hkv, tokens * K] int32, count [slots, Hkv] int32).
+    Device tensor ops on shapes alone (two sorts of tokens * K ids per tile): no sync, CUDA-graph safe."""
+    t, hkv, k = sel.shape
+    slots = tile_start.shape[0]
+    big = torch.iinfo(torch.int32).max
+    tok = tile_start.long()[:, None] + torch.arange(tokens, device=sel.device)  # [slots, tokens]
+    real = tok < tile_end.long()[:, None]
+    tok = torch.where(real, tok, 0).clamp(max=max(t - 1, 0))
+    ids = sel[tok]  # [slots, tokens, Hkv, K]
+    own = (positions[tok] // block_size)[:, :, None, None]
+    ok = real[:, :, None, None] & (ids >= 0) & (ids <= own)
+    ids = torch.where(ok, ids, big).permute(0, 2, 1, 3).reshape(slots, hkv, tokens * k)
+    ids = torch.sort(ids, dim=-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.sort(torch.where(repeat, big, ids), dim=-1).values
+    count = (ids != big).sum(-1, dtype=torch.int32)
+    return ids.to(torch.int32).contiguous(), count.contiguous()
+
+
+@triton.jit
+def _attend_block(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
+                  sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8: tl.constexpr,
+                  D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Key tile ``sub`` of block ``c`` for the rows that ``wants`` (causally); nothing is read unless ``use``."""
+    j = c * BS + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    kmask = use & (j < c * BS + BS) & (j <= last)
+    page = tl.load(bt_row + j // PAGE, mask=kmask, other=0).to(tl.int64)
+    row = j % PAGE
+    k = tl.load(k_ptr + page[:, None] * sk_p + row[:, None] * sk_r + g * sk_h + d[None, :],
+                mask=kmask[:, None] & (d[None, :] < D), other=0.0)
+    v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
+                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
+    return attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g, vs_ptr + page * svs_p + row * svs_r + g,
+                       kmask, allowed, qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
 
 
 @triton.jit
 def _sparse_paged_attention(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-    sel_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
+    sel_ptr, uni_ptr, cnt_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
     sq_t, sq_h, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, sbt_b, ss_t, ss_g, so_t, so_h,
     qk_scale, FP8: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    SPLITS: tl.constexpr, LOOP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
+    hkv = tl.num_programs(1)
     split = tl.program_id(2)
     if TOKENS == 1:  # one program per token (decode-like batches): its sequence by binary search
         seq = sequence_of(qsl_ptr, tile, num_seqs, LOG2_SEQS)
@@ -74,29 +173,53 @@ def _sparse_paged_attention(
     PER: tl.constexpr = (VISITS + SPLITS - 1) // SPLITS
     SUB: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + seq.to(tl.int64) * sbt_b
-    for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
-        i = visit // K
-        slot = visit % K
-        c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
-        # a block is read once per tile, at its first occurrence (earlier token, or earlier slot of this token),
-        # for every row whose token selected it
-        earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
-        seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
-        wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
-        use = (c >= 0) & (c * BS <= last) & (seen == 0)
-        for sub in range(0, tl.where(use, SUB, 0)):
-            j = c * BS + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-            kmask = (j < c * BS + BS) & (j <= last)
-            page = tl.load(bt_row + j // PAGE, mask=kmask, other=0).to(tl.int64)
-            row = j % PAGE
-            k = tl.load(k_ptr + page[:, None] * sk_p + row[:, None] * sk_r + g * sk_h + d[None, :],
-                        mask=kmask[:, None] & (d[None, :] < D), other=0.0)
-            v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
-                        mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
-            allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
-            m_i, l_i, acc = attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g,
-                                        vs_ptr + page * svs_p + row * svs_r + g, kmask, allowed, qk_scale, m_i,
-                                        l_i, acc, FP8, PREC, INTERPRETED)
+    if LOOP == "nested":
+        for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
+            i = visit // K
+            slot = visit % K
+            c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
+            # a block is read once per tile, at its first occurrence (earlier token, or earlier slot of this
+            # token), for every row whose token selected it
+            earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
+            seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
+            wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+            use = (c >= 0) & (c * BS <= last) & (seen == 0)
+            for sub in range(0, tl.where(use, SUB, 0)):
+                m_i, l_i, acc = _attend_block(
+                    q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
+                    sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
+                    BS, BLOCK_N, PREC, INTERPRETED)
+    else:
+        if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
+            n_vis = tl.load(cnt_ptr + tile * hkv + g)
+            uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+        else:
+            n_vis = (end - start) * K
+        v_lo = split * PER
+        v_hi = tl.minimum(v_lo + PER, n_vis)
+        for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
+            visit = it // SUB
+            sub = it % SUB
+            if LOOP == "union":
+                c = tl.load(uni_base + visit)
+                use = c >= 0  # always: the list holds usable blocks only
+                if TOKENS == 1:
+                    wants = row_ok
+                else:
+                    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+            else:
+                i = visit // K
+                slot = visit % K
+                c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
+                earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
+                seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
+                wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+                use = (c >= 0) & (c * BS <= last) & (seen == 0)
+            # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
+            m_i, l_i, acc = _attend_block(
+                q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
+                sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
+                BLOCK_N, PREC, INTERPRETED)
 
     if SPLITS == 1:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
@@ -122,9 +245,13 @@ def forward(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """As paged_attention, but token t / head h sees only blocks ``block_idx[t, h // (Hq/Hkv)]`` (-1 = none).
-    FP8 pools come with their fp32 scale pools [pages, page, Hkv]."""
+    FP8 pools come with their fp32 scale pools [pages, page, Hkv]. ``config``: {"decode": {...}, "prefill":
+    {...}}, entries overriding ``DEFAULTS`` (None for the op); "decode" serves batches with fewer than two new
+    tokens per sequence on average (``tokens_per_tile``), "prefill" the others."""
     t, hq, d = q.shape
     _check(q, k_cache, v_cache, "sparse_paged_attention", k_scale, v_scale)
     hkv, dv, page = k_cache.shape[2], v_cache.shape[3], k_cache.shape[1]
@@ -148,26 +275,35 @@ def forward(
     qsl = query_start_loc.contiguous()
     group = hq // hkv
     g_pad = next_pow2(group)
-    tokens = tokens_per_tile(t, b, g_pad)
+    mode = "decode" if t < 2 * b else "prefill"
+    cfg = settings(config, mode)
+    tokens = cfg.get("tile_tokens") or tokens_per_tile(t, b, g_pad)
     if tokens == 1:
         tseq = tstart = tend = qsl  # unused: the kernel finds each token's sequence itself
         slots = t
     else:
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
-    splits = splits_for(q.device, slots * hkv, tokens * topk)
+    uni = cnt = sel  # never read unless the loop is "union"
+    if cfg["loop"] == "union":
+        if tokens == 1:
+            first = torch.arange(t, dtype=torch.int32, device=q.device)
+            uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
+        else:
+            uni, cnt = tile_unions(sel, pos, tstart, tend, tokens, block_size)
+    splits = splits_for(q.device, slots * hkv, min(tokens * topk, cfg["max_splits"] or tokens * topk), cfg["waves"])
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
-    block_n = min(_BLOCK_N, max(16, next_pow2(block_size)))
+    block_n = min(cfg["block_n"], max(16, next_pow2(block_size)))
     ks, vs = scale_pools(k_scale, v_scale, kc)
     _sparse_paged_attention[(slots, hkv, splits)](
-        q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, out, *scratch, b,
+        q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), sel.stride(0),
         sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E, FP8=k_scale is not None,
-        HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=max(16, tokens * g_pad), D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv,
-        BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk, K_PAD=next_pow2(max(topk, 2)),
-        LOG2_SEQS=log2_ceil(b),
-        BLOCK_N=block_n, SPLITS=splits, PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q), num_warps=4,
-        num_stages=2,
+        HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=max(16, tokens * g_pad), D=d,
+        BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk,
+        K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=cfg["loop"],
+        PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return parts.merge_into(out) if parts else out

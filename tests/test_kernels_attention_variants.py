@@ -1,0 +1,167 @@
+"""Every launch-parameter variant of the attention kernels against the references, as the defaults are.
+
+``bench/attention.py --sweep`` times each kernel's ``DEFAULTS`` against the entries of its module's ``VARIANTS``
+on the H200, so that the fastest can become the default with a one-line change; this file is what makes every
+one of them safe to pick: the same paged batches as ``tests/test_kernels_attention.py`` (under
+``TRITON_INTERPRET=1`` on CPU, compiled on a GPU), with each variant's settings passed through ``config=``.
+Selections must equal the reference's exactly; attention must lie within that file's bound. Each case runs in the
+mode the kernel gives it ("decode": fewer than two new tokens per sequence on average, else "prefill"), with the
+device made to look like it has 16 multiprocessors so that selections and contexts are split and merged.
+
+``num_warps`` and ``num_stages`` change how the compiled kernel is scheduled, not what it computes (and the
+interpreter ignores them), so variants that differ from the defaults or from each other only there run once: the
+interpreter is slow and CI's time is shared.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from tests.test_kernels_attention import CASES, DEVICE, Paged, _assert_attention_close  # sets TRITON_INTERPRET
+
+from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E402
+from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
+from m3export.plugins.kernels import _batch  # noqa: E402
+from m3export.plugins.kernels import lightning_indexer as LI  # noqa: E402
+from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
+
+# Blocks of 32 keys read in tiles of 16 (block_n forced to 16 below): two key tiles per block, so the "flat" and
+# "union" loops step through (visit, key tile) pairs, as they do on the GPU (blocks of 128, tiles of 64).
+SUB_TILE_CASE = ([70, 45], [5, 1], 16, 32, 2, 1, 0)
+ATTENTION_CASES = {
+    "decode": [("decode-one-token-seqs", torch.bfloat16)],
+    "prefill": [("mixed-with-empty-seq", torch.float32), ("blocks-of-32", torch.bfloat16)],
+}
+INDEXER_CASES = ("decode-one-token-seqs", "many-blocks-top16")
+SCHEDULE_ONLY = ("num_warps", "num_stages")
+
+
+def distinct(defaults: dict, variants: dict) -> list[str]:
+    """Names of the variants that compute differently from the defaults and from every earlier variant."""
+    seen = [{k: v for k, v in defaults.items() if k not in SCHEDULE_ONLY}]
+    names = []
+    for name, settings in variants.items():
+        semantic = {k: v for k, v in {**defaults, **settings}.items() if k not in SCHEDULE_ONLY}
+        if semantic not in seen:
+            seen.append(semantic)
+            names.append(name)
+    return names
+
+
+@pytest.fixture(autouse=True)
+def _sixteen_sms(monkeypatch):
+    monkeypatch.setattr(_batch, "num_sms", lambda device: 16)
+
+
+def _paged(name):
+    if name == "blocks-of-32":
+        return Paged(*SUB_TILE_CASE[:3], seed=11), SUB_TILE_CASE[3:]
+    ctx, new, page, *attrs = CASES[name]
+    return Paged(ctx, new, page, zlib.crc32(name.encode())), tuple(attrs)
+
+
+def _attention_params():
+    for mode, cases in ATTENTION_CASES.items():
+        for variant in distinct(SPA.DEFAULTS[mode], SPA.VARIANTS[mode]):
+            for name, dtype in cases:
+                yield pytest.param(mode, variant, name, dtype, id=f"{mode}-{variant}-{name}")
+
+
+@pytest.mark.parametrize("mode, variant, name, dtype", list(_attention_params()))
+def test_sparse_attention_variant_matches_reference(mode, variant, name, dtype):
+    """fp32 cases take the indexer's selection, bf16 ones a hand-made one (any order, duplicates, -1, ids past the
+    token's block), as in tests/test_kernels_attention.py."""
+    paged, (bs, topk, local, init) = _paged(name)
+    t = paged.tokens
+    assert (t < 2 * paged.seq_lens.numel()) == (mode == "decode")  # the case runs the mode it is listed under
+    hq, hkv, d = 4, 2, 32
+    q = paged.randn(t, hq, d, dtype=dtype)
+    k, v = paged.pool(hkv, d, dtype=dtype), paged.pool(hkv, d, dtype=dtype)
+    if dtype == torch.float32:
+        sel = lightning_indexer_reference(paged.randn(t, hkv, d), paged.pool(d), *paged.args("cpu"), bs, topk,
+                                          local, init)
+    else:
+        own = (paged.positions // bs).to(torch.int32)
+        noise = torch.randint(-1, (max(paged.seq_lens.tolist()) - 1) // bs + 3, (t, hkv, 4), generator=paged.gen,
+                              dtype=torch.int32)
+        sel = torch.cat([noise, own.view(t, 1, 1).expand(t, hkv, 1), noise[..., :1]], dim=-1)
+    settings = dict(SPA.VARIANTS[mode][variant])
+    if name == "blocks-of-32":
+        settings["block_n"] = 16
+    ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5)
+    got = SPA.forward(*[x.to(DEVICE) for x in (q, k, v)], *paged.args(), sel.to(DEVICE), bs, d**-0.5,
+                      config={mode: settings})
+    _assert_attention_close(got, ref, v)
+
+
+def test_tile_unions_are_each_tiles_distinct_usable_blocks():
+    """Against a set per (tile, KV head) built in Python: ids >= 0 and not after the selecting token's own block,
+    each once, ascending; the count; padding after."""
+    gen = torch.Generator().manual_seed(4)
+    positions = torch.tensor([3, 4, 5, 6, 7, 20, 21])  # blocks of 4: own blocks 0, 1, 1, 1, 1, 5, 5
+    sel = torch.randint(-1, 7, (7, 2, 3), generator=gen, dtype=torch.int32)
+    start, end, tokens = torch.tensor([0, 4, 5, 7]), torch.tensor([4, 5, 7, 7]), 4  # the last tile is unused
+    union, count = SPA.tile_unions(sel, positions, start.int(), end.int(), tokens, 4)
+    assert union.shape == (4, 2, tokens * 3) and count.shape == (4, 2)
+    for s in range(4):
+        for h in range(2):
+            want = sorted({c for i in range(start[s], end[s]) for c in sel[i, h].tolist()
+                           if 0 <= c <= positions[i] // 4})
+            n = count[s, h].item()
+            assert n == len(want) and union[s, h, :n].tolist() == want
+            assert (union[s, h, n:] == torch.iinfo(torch.int32).max).all()
+    assert count[3].eq(0).all() and count.sum() > 0
+
+
+def _indexer_params():
+    for part in ("scan", "topk"):
+        for variant in distinct(LI.DEFAULTS[part], LI.VARIANTS[part]):
+            for name in INDEXER_CASES + (("mixed-with-empty-seq", "verify-multi-token") if part == "topk" else ()):
+                yield pytest.param(part, variant, name, id=f"{part}-{variant}-{name}")
+
+
+@pytest.mark.parametrize("part, variant, name", list(_indexer_params()))
+def test_indexer_variant_selects_exactly_as_reference(part, variant, name):
+    paged, attrs = _paged(name)
+    q, pool = paged.randn(paged.tokens, 2, 32), paged.pool(32)
+    ref = lightning_indexer_reference(q, pool, *paged.args("cpu"), *attrs)
+    got = LI.forward(q.to(DEVICE), pool.to(DEVICE), *paged.args(), *attrs,
+                     config={part: LI.VARIANTS[part][variant]})
+    assert torch.equal(got.cpu(), ref)
+
+
+@pytest.mark.parametrize("variant", distinct(LI.DEFAULTS["topk"], LI.VARIANTS["topk"]))
+@pytest.mark.parametrize("values", ["zeros", "small-integers"])
+def test_topk_variant_breaks_ties_as_reference(variant, values):
+    """Exact ties (every score 0; integer scores with many equal block maxima) and -inf padding: forced blocks
+    first in ascending id, then the lower id among equal scores, -1 past the visible blocks."""
+    paged = Paged([23, 6, 40], [23, 6, 2], 4, seed=1)
+    attrs = (4, 4, 2, 1)
+    if values == "zeros":
+        q, pool = paged.randn(paged.tokens, 2, 16), paged.pool(16, values=lambda *s: torch.zeros(*s))
+    else:
+        ints = lambda *s: torch.randint(-1, 2, s, generator=paged.gen).float()  # noqa: E731
+        q, pool = ints(paged.tokens, 2, 16), paged.pool(16, values=ints)
+    ref = lightning_indexer_reference(q, pool, *paged.args("cpu"), *attrs)
+    assert (ref == -1).any()
+    got = LI.forward(q.to(DEVICE), pool.to(DEVICE), *paged.args(), *attrs,
+                     config={"topk": LI.VARIANTS["topk"][variant]})
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_settings_refuse_unknown_names():
+    paged = Paged([9], [1], 4, seed=2)
+    q, pool = paged.randn(1, 2, 16), paged.pool(16)
+    with pytest.raises(ValueError, match="unknown scan settings.*'blok_n'"):
+        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"scan": {"blok_n": 32}})
+    with pytest.raises(ValueError, match="topk method 'heap'"):
+        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"method": "heap"}})
+    sel = torch.zeros(1, 2, 2, dtype=torch.int32)
+    qa, k = paged.randn(1, 4, 16), paged.pool(2, 16)
+    with pytest.raises(ValueError, match="loop 'spiral'"):
+        SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"loop": "spiral"}})
+    with pytest.raises(ValueError, match="unknown decode settings.*'tile_tokens'"):
+        SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"tile_tokens": 2}})
