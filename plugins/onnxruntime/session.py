@@ -14,12 +14,20 @@ TensorRT EPs ORT runs on a stream shared with torch (``streams.SharedStream``): 
 stream waits and never synchronises the host. That GPU path is unverified in this repository's CI (no GPU, no
 onnxruntime-gpu here).
 
+A step re-binds nothing that did not change (``_BindTable``): the session's io_binding is made once per
+``allocate``, the pools (every aliased cache input / output, scale pools included) are bound there and never
+again, each fed input is copied into a session-owned buffer of its shape (a view of one growing buffer per input,
+in the EP's memory) and each plain output is written into a session-owned buffer, kept bound while the caller no
+longer holds the previous step's result. In a steady decode loop a step binds nothing and allocates nothing; a
+shape change re-binds only the names whose shape changed.
+
 This module sits below ``m3export.export`` (whose ``verify`` uses it): it reads an artifact only through the
 duck-typed ``artifact.path(graph)`` / ``artifact.graphs[graph]`` and never imports the export package.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,6 +106,14 @@ class PagedSession:
         self.plain_outputs = [o for o in graph.output_names if o not in graph.aliases]
         self.pool_tensors: dict[str, torch.Tensor] = {}  # live: ORT writes new rows into these buffers
         self.pools: Mapping[str, np.ndarray] = _HostPools(self)
+        self._feed_names = set(self._inputs) - set(self.pool_inputs)
+        self._plain_outputs = [t for t in graph.outputs if t.name not in graph.aliases]
+        self._dtypes = {t.name: BY_NAME[t.dtype] for t in graph.outputs}
+        self._onnx_types = {t.name: BY_NAME[t.dtype].onnx for t in (*graph.inputs, *graph.outputs)}
+        self._table: _BindTable | None = None  # the io_binding steps keep (``allocate`` makes it)
+        self._flat: dict[str, torch.Tensor] = {}  # the session's buffer of each fed input and plain output
+        self._free_users: dict[str, int | None] = {}  # an output buffer's storage users when nothing else holds it
+        self._input_views: dict[str, torch.Tensor] = {}  # each fed input's buffer at its last shape
 
     @classmethod
     def from_artifact(cls, artifact, graph: str = "model", flavour: str | None = None, **kwargs) -> PagedSession:
@@ -112,7 +128,9 @@ class PagedSession:
         return cls(artifact.root / record["file"], artifact.graphs[graph], **kwargs)
 
     def allocate(self, num_pages: int) -> None:
-        """Zeroed pools of ``num_pages`` pages for every cache input, in the execution provider's memory."""
+        """Zeroed pools of ``num_pages`` pages for every cache input, in the execution provider's memory, bound as
+        their cache inputs and aliased outputs in a new io_binding that every later step keeps."""
+        self._table = None  # the previous pools' binding goes before the new pools are allocated
         self.pool_tensors = {}
         for name in self.pool_inputs:
             sig = self._inputs[name]
@@ -120,75 +138,100 @@ class PagedSession:
             if not all(isinstance(d, int) for d in shape):
                 raise ValueError(f"{name}: cannot size pool dims {sig.shape} (only 'pages' is free)")
             self.pool_tensors[name] = torch.zeros(shape, dtype=BY_NAME[sig.dtype].torch, device=self.device)
+        table = _BindTable(self.session.io_binding())
+        for sig in self.graph.outputs:  # graph order, so ORT's outputs come back in the order table keeps
+            if sig.name in self.graph.aliases:
+                pool = self.graph.aliases[sig.name]
+                table.bind("input", pool, self.pool_tensors[pool], self._onnx_types[pool])
+                table.bind("output", sig.name, self.pool_tensors[pool], self._onnx_types[pool])
+        self._table = table
 
     def run(self, feeds: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, np.ndarray]:
         """One step: ``feeds`` holds every non-pool input; returns every non-pool output as a host numpy array
-        (bfloat16 as uint16 bits). On the CPU EP nothing is copied: arrays are bound where they are and ORT
-        writes the outputs into the returned arrays' memory."""
-        dtypes = {sig.name: BY_NAME[sig.dtype] for sig in self.graph.outputs}
-        return {name: dtypes[name].to_numpy(t) for name, t in self.run_torch(feeds).items()}
+        (bfloat16 as uint16 bits). On the CPU EP the arrays are views of the memory ORT wrote (held arrays keep
+        it: the next step writes into a new buffer)."""
+        return {name: self._dtypes[name].to_numpy(t) for name, t in self.run_torch(feeds).items()}
 
     def run_torch(self, feeds: Mapping[str, np.ndarray | torch.Tensor]) -> dict[str, torch.Tensor]:
         """One step; returns every non-pool output as a torch tensor in the execution provider's memory.
 
         Numpy feeds are host arrays (bfloat16 as uint16 bits); torch feeds may live on the host or in the EP's
-        memory (ORT copies what is not where its kernels run). Pools are bound as both input and output. Output
-        buffers come from torch's caching allocator (stream-ordered: after the first steps no cudaMalloc, no
-        wait). On a shared stream (CUDA / TensorRT EPs) this returns once the step is queued: the outputs are
-        ready for work queued afterwards on torch's current stream, and reading them on the host (``.cpu()``,
-        ``.tolist()``) is the step's one synchronisation.
+        memory. Each is copied into the session's buffer for that input (in the EP's memory, bound once per
+        shape); pools stay bound from ``allocate``. Outputs are written into the session's buffer for that output
+        while nothing outside the session holds the previous step's result (then no rebinding); a held result is
+        never overwritten: the step gets a new buffer, bound once. On a shared stream (CUDA / TensorRT EPs) this
+        returns once the step is queued: the outputs are ready for work queued afterwards on torch's current
+        stream, and reading them on the host (``.cpu()``, ``.tolist()``) is the step's one synchronisation.
         """
-        if not self.pool_tensors:
+        table = self._table
+        if table is None:
             raise RuntimeError("call allocate(num_pages) before run()")
-        missing = sorted(set(self._inputs) - set(feeds) - set(self.pool_tensors))
-        unknown = sorted(set(feeds) - set(self._inputs) | set(feeds) & set(self.pool_tensors))
-        if missing or unknown:
+        if feeds.keys() != self._feed_names:
+            missing = sorted(self._feed_names - set(feeds))
+            unknown = sorted(set(feeds) - self._feed_names)
             raise ValueError(f"{self.graph.file}: missing inputs {missing}, unexpected feeds {unknown} "
                              "(cache pools are bound from the session's own buffers, never fed)")
-        tensors = {**{k: self._on_device(self._as_tensor(k, v)) for k, v in feeds.items()}, **self.pool_tensors}
         dims: dict[str, int] = {}
-        binding = self.session.io_binding()
-        for name, t in tensors.items():
-            sig = self._inputs[name]
-            for d, n in zip(sig.shape, t.shape):
+        for name, value in feeds.items():
+            t = self._as_tensor(name, value)
+            for d, n in zip(self._inputs[name].shape, t.shape):
                 if isinstance(d, str) and dims.setdefault(d, n) != n or isinstance(d, int) and d != n:
                     raise ValueError(f"{self.graph.file}: input {name} dim {d!r} is {n}, but the graph needs "
                                      f"{dims.get(d, d)}")
-            _bind(binding.bind_input, name, t, BY_NAME[sig.dtype].onnx)
-        results, buffers = {}, {}
-        for sig in self.graph.outputs:
-            if sig.name in self.graph.aliases:
-                buffers[sig.name] = tensors[self.graph.aliases[sig.name]]
-            else:
-                shape = [dims[d] if isinstance(d, str) else d for d in sig.shape]
-                buffers[sig.name] = results[sig.name] = torch.empty(shape, dtype=BY_NAME[sig.dtype].torch,
-                                                                    device=self.device)
-            _bind(binding.bind_output, sig.name, buffers[sig.name], BY_NAME[sig.dtype].onnx)
+            table.bind("input", name, self._fill(name, t), self._onnx_types[name])
+        results = {}
+        for sig in self._plain_outputs:
+            shape = [dims[d] if isinstance(d, str) else d for d in sig.shape]
+            results[sig.name] = out = self._output_buffer(sig.name, shape)
+            table.bind("output", sig.name, out, self._onnx_types[sig.name])
         if self._stream is not None:
             self._stream.before_run()  # ORT's stream waits for torch's writes to the bound buffers (device side)
-        elif any(t.is_cuda for t in tensors.values()):
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # an EP on a stream of its own: torch's writes are done first
         try:
-            self.session.run_with_iobinding(binding, self._run_options)
+            self.session.run_with_iobinding(table.binding, self._run_options)
         except Exception as e:  # a kernel this execution provider lacks at run time (e.g. 16-bit scatters)
             raise BackendUnavailable(f"{self.graph.file}: ONNX Runtime failed to run this graph with "
                                      f"{self.session.get_providers()}: {e}") from e
         if self._stream is not None:
             self._stream.after_run()  # readers of the outputs on torch's stream wait for ORT (device side)
         else:
-            binding.synchronize_outputs()
-        for sig, value in zip(self.graph.outputs, binding.get_outputs()):
-            buffer = buffers[sig.name]
-            if buffer.numel() and value.data_ptr() != buffer.data_ptr():  # (an empty output has no address)
-                raise RuntimeError(f"{self.graph.file}: ONNX Runtime did not write {sig.name} into the bound buffer")
+            table.binding.synchronize_outputs()
+        table.check_outputs(self.graph.file)
         return results
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """On a shared stream, a host feed goes to the device through pinned memory without a host wait (ORT
-        would otherwise copy it from pageable memory, which blocks); elsewhere feeds are bound where they are."""
-        if self._stream is None or t.device == self.device:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def _fill(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The session's buffer for input ``name`` at ``t``'s shape, holding ``t``'s values. On a shared stream a
+        host feed goes through pinned memory without a host wait (a copy from pageable memory would block)."""
+        view = self._input_views.get(name)
+        if view is None or view.shape != t.shape:
+            view = self._input_views[name] = self._buffer(name, list(t.shape), t.dtype)
+        if view.numel() and view.data_ptr() != t.data_ptr():  # (a caller may have written into the buffer)
+            if self._stream is not None and t.device.type == "cpu":
+                view.copy_(t.pin_memory(), non_blocking=True)
+            else:
+                view.copy_(t)
+        return view
+
+    def _output_buffer(self, name: str, shape: list[int]) -> torch.Tensor:
+        """A tensor of ``shape`` for output ``name`` in the session's buffer, or in a new one while something
+        outside the session (a caller's tensor, view or numpy array) still holds the previous one."""
+        flat = self._flat.get(name)
+        users = None if flat is None else _storage_users(flat)
+        held = flat is not None and (users is None or users != self._free_users[name])
+        return self._buffer(name, shape, self._dtypes[name].torch, fresh=held)
+
+    def _buffer(self, name: str, shape: list[int], dtype: torch.dtype, fresh: bool = False) -> torch.Tensor:
+        """A ``shape`` view of ``name``'s flat buffer in the EP's memory, which is replaced by a new one when
+        ``fresh`` and grown (to at least twice its size) when too small."""
+        numel = math.prod(shape)
+        flat = self._flat.get(name)
+        if flat is None or fresh or flat.numel() < numel:
+            size = 0 if flat is None else flat.numel()
+            flat = self._flat[name] = torch.empty(max(numel, size if size >= numel else 2 * size, 1), dtype=dtype,
+                                                  device=self.device)
+            self._free_users[name] = _storage_users(flat)
+        return flat[:numel].view(shape)
 
     def _as_tensor(self, name: str, value: np.ndarray | torch.Tensor) -> torch.Tensor:
         """A feed as a contiguous torch tensor of the input's dtype, sharing the caller's memory."""
@@ -205,11 +248,50 @@ class PagedSession:
         return value.contiguous()
 
 
-def _bind(bind, name: str, t: torch.Tensor, onnx_type: int) -> None:
-    """Bind a tensor's memory by address (``IOBinding.bind_input`` / ``bind_output``): no copy, on any device.
-    An empty tensor has no address (torch gives 0), so it is bound to a one-element scratch buffer's address."""
-    ptr = t.data_ptr() if t.numel() else _SCRATCH.data_ptr()
-    bind(name, t.device.type if t.numel() else "cpu", t.device.index or 0, onnx_type, list(t.shape), ptr)
+class _BindTable:
+    """One io_binding kept between steps, and what each of its names holds (device, address, shape, type): a
+    name is bound again only when that changes. Pools, scale pools, fed inputs and outputs are all entries."""
+
+    def __init__(self, binding):
+        self.binding = binding
+        self._held: dict[tuple[str, str], tuple] = {}  # ("input" | "output", name) -> what is bound there
+        self._output_order: list[str] = []  # ORT returns bound outputs in the order first bound
+        self._unchecked: set[str] = set()  # outputs bound since ORT's results were last compared with them
+
+    def bind(self, kind: str, name: str, t: torch.Tensor, onnx_type: int) -> None:
+        """Bind ``t``'s memory by address (``IOBinding.bind_input`` / ``bind_output``: no copy, on any device)
+        unless ``name`` holds it already. An empty tensor has no address (torch gives 0), so it is bound to a
+        one-element scratch buffer's address."""
+        device = (t.device.type, t.device.index or 0) if t.numel() else ("cpu", 0)
+        held = (device, t.data_ptr() if t.numel() else _SCRATCH.data_ptr(), tuple(t.shape), onnx_type)
+        if self._held.get((kind, name)) == held:
+            return
+        bind = self.binding.bind_input if kind == "input" else self.binding.bind_output
+        bind(name, device[0], device[1], onnx_type, list(t.shape), held[1])
+        self._held[kind, name] = held
+        if kind == "output":
+            if name not in self._output_order:
+                self._output_order.append(name)
+            self._unchecked.add(name)
+
+    def check_outputs(self, file: str) -> None:
+        """After a run: ORT wrote each newly bound output into the bound buffer (it is an implementation property
+        that it keeps a bound buffer, the pools' no-copy update rests on it). A binding that did not change is
+        not checked again: ORT keeps the same bound value between runs."""
+        if not self._unchecked:
+            return
+        for name, value in zip(self._output_order, self.binding.get_outputs()):
+            _, ptr, shape, _ = self._held["output", name]
+            if name in self._unchecked and math.prod(shape) and value.data_ptr() != ptr:
+                raise RuntimeError(f"{file}: ONNX Runtime did not write {name} into the bound buffer")
+        self._unchecked.clear()
+
+
+def _storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors (views, and numpy arrays through them) share ``t``'s memory; None where torch cannot say
+    (a private counter), so that an output buffer is then never reused."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
 
 
 _SCRATCH = torch.zeros(8, dtype=torch.uint8)
