@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .device_drafts import to_host
 from .params import SamplingParams
 from .sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, draw, draw_rows, filtered_probs,
                        filtered_probs_rows, penalise_rows)
@@ -97,7 +98,7 @@ class Row:
     params: SamplingParams
     rng: PositionalRandom
     position: int
-    draft: int | None = None
+    draft: int | None = None  # None: no draft, or one whose value ``decide`` takes from its ``draft_ids``
     draft_probs: torch.Tensor | None = None  # [V] the distribution ``draft`` was drawn from; None: one-hot
     prompt: Sequence[int] = ()  # for penalties: the prompt ...
     output: Sequence[int] = ()  # ... and the tokens generated before ``position`` (earlier drafts included)
@@ -115,6 +116,7 @@ class RowResult:
     candidate_logprobs: dict[int, float] | None = None
     top: list[tuple[int, float]] | None = None
     log_probs: torch.Tensor | None = None  # [V] the row's log-probabilities, where the logits are
+    draft: int | None = None  # the draft the row verified (its value read back with the row's candidates)
 
     def logprobs(self, token: int, top_n: int) -> dict[int, float]:
         """``sampling.token_logprobs`` of the emitted ``token``: one of this row's candidates, read from the host
@@ -126,10 +128,13 @@ class RowResult:
         return out
 
 
-def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
+def decide(logits: torch.Tensor, rows: Sequence[Row], draft_ids: torch.Tensor | None = None) -> list[RowResult]:
     """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are,
     one host-to-device copy of the rows' parameters and uniforms (plus the drafts' distributions and, with
-    penalties, the token ids) and one device-to-host copy of [R, 3 + 3 + 2 * top-N] numbers. Same tokens as
+    penalties, the token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_ids`` [R]
+    int64 where the logits are (-1: no draft): the rows' drafts when their values are still on the device
+    (``device_drafts``; the rows' own ``draft`` fields are then ignored); they come back with the candidates, in
+    the same one copy, as each result's ``draft``. Same tokens as
     ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). In a batch that
     mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
     rows), which keeps the pass free of index copies."""
@@ -144,6 +149,8 @@ def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
              + ([0.0] * 3 if w.params.greedy else [w.rng.uniform(w.position, p) for p in purposes]) for w in rows]
     params = RowParams([w.params for w in rows], dev, extra)
     drafts, sampled, has_pd = params.extra[:, 0].long(), params.extra[:, 1] > 0, params.extra[:, 2] > 0
+    if draft_ids is not None:
+        drafts = draft_ids
     u = params.extra[:, 3:6]
     x = logits.float()
     if any(w.params.penalised for w in rows):
@@ -158,7 +165,7 @@ def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
         resid = probs.scatter(-1, d, 0.0)  # a one-hot draft: p_t without the draft
         p_d_of_d = torch.ones_like(u[:, 0])
         if any(w.draft_probs is not None for w in rows):  # residual max(0, p_t - p_d) where p_d is known
-            zero = torch.zeros_like(probs[0])
+            zero = torch.zeros_like(probs[0])  # the drafts' rows are copied once, here, into one [R, V]
             p_d = torch.stack([zero if w.draft_probs is None else w.draft_probs.to(dev, probs.dtype) for w in rows])
             p_d_of_d = torch.where(has_pd, p_d.gather(-1, d)[:, 0], p_d_of_d)
             resid = torch.where(has_pd[:, None], (probs - p_d).clamp(min=0.0), resid)
@@ -167,7 +174,7 @@ def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
         token = torch.where(sampled, draw_rows(probs, u[:, 0]), token)
         accepted = torch.where(sampled, has & (u[:, 1] * p_d_of_d < probs.gather(-1, d)[:, 0]), accepted)
         residual = draw_rows(resid, u[:, 2])
-    cols = [token.double(), accepted.double(), residual.double()]
+    cols = [token.double(), accepted.double(), residual.double(), drafts.double()]
     top_n = max((w.params.logprobs or 0 for w in rows), default=0)
     if any(w.params.logprobs is not None for w in rows):
         lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
@@ -176,16 +183,16 @@ def decide(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
         if top_n:
             values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
             cols += list(ids.double().unbind(-1)) + list(values.double().unbind(-1))
-    host = torch.stack(cols, dim=-1).cpu().tolist()  # the step's one device-to-host copy
+    host = to_host(torch.stack(cols, dim=-1), "decide")  # the step's one device-to-host copy
     out = []
     for i, (w, h) in enumerate(zip(rows, host)):
-        tok, acc, res = int(h[0]), bool(h[1]), int(h[2])
+        tok, acc, res, draft = int(h[0]), bool(h[1]), int(h[2]), (int(h[3]) if h[3] >= 0 else None)
         cand_lp = top = None
         if w.params.logprobs is not None:
-            cand_lp = {res: h[5], **({w.draft: h[4]} if w.draft is not None else {}), tok: h[3]}
-            n = len(h) - 6
-            top = [(int(i), v) for i, v in zip(h[6:6 + n // 2], h[6 + n // 2:])]
-        out.append(RowResult(tok, acc, res, cand_lp, top, None if cand_lp is None else lp[i]))
+            cand_lp = {res: h[6], **({draft: h[5]} if draft is not None else {}), tok: h[4]}
+            n = len(h) - 7
+            top = [(int(i), v) for i, v in zip(h[7:7 + n // 2], h[7 + n // 2:])]
+        out.append(RowResult(tok, acc, res, cand_lp, top, None if cand_lp is None else lp[i], draft))
     return out
 
 
@@ -193,11 +200,11 @@ def emitted(rows: Sequence[Row], results: Sequence[RowResult]) -> list[int]:
     """One request's rows (in order) -> the tokens they emit: ``accept``'s walk over the rows' candidates."""
     out = []
     for w, res in zip(rows, results):
-        if w.draft is None:
+        if res.draft is None:
             out.append(res.token)
             break
         if res.accepted:
-            out.append(w.draft)
+            out.append(res.draft)
             continue
         out.append(res.token if w.params.greedy else res.residual)
         break

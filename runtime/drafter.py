@@ -26,7 +26,15 @@ modules: module 0 over the kept positions, module 1 over the kept positions plus
 a module that drafts nothing in a round writes its catch-up in one call at the end. A backend that replays
 one-position steps from CUDA graphs (``Backend.replays_single_position_mtp_steps``) gets every entry as soon as it
 is known instead, so each chain call has one position per request, the shape it replays. Greedy and sampled
-drafts are decided for all rows at once where the logits are, with one device-to-host copy of the tokens.
+drafts are decided for all rows at once where the logits are.
+
+Where the drafts stay: on a backend that takes token ids on its device (``Backend.takes_device_token_ids``: the
+torch backends) a round's drafts never come to the host during the round: each chain step writes its drafts into
+the round's device tensor (``device_drafts.RoundDrafts``), the next call's input ids take them from there, and
+the request is left holding them there (``Request.pending_drafts``) for the verify step, whose decision reads
+them back with the verified tokens. So a round waits for the device once, not once per draft. Other backends
+read each step's drafts back (one copy per chain step). A sampled draft's distribution is kept as a row of the
+step's [rows, V] probabilities (a view, no copy); the verify step stacks the rows it needs once.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch
 from m3export.model.batch import Segment, build_batch
 
 from .backends.base import Backend
+from .device_drafts import PendingDrafts, RoundDrafts, fill_tokens, to_host
 from .request import Request
 from .sampling import propose_rows, to_device
 
@@ -65,18 +74,11 @@ class Drafter(ABC):
         """Update drafter state for each job and set ``request.drafts`` / ``request.draft_probs``."""
 
 
-def _propose(reqs: list[Request], logits: torch.Tensor) -> None:
-    """Append each request's next draft (logits row i is request i's), all rows at once where the logits are
-    (``sampling.propose_rows``: argmax for greedy requests, else a draw from the filtered distribution with the
-    uniform of the position drafted, so a position redrafted from the same context gets the same draft); sampled
-    requests also record the distribution their draft came from in ``draft_probs``."""
-    tokens, probs = propose_rows(logits, [r.params for r in reqs], [r.rng for r in reqs],
-                                 [r.num_tokens + len(r.drafts) for r in reqs])
-    for i, (r, tok) in enumerate(zip(reqs, tokens)):
-        r.drafts.append(tok)
-        if not r.params.greedy:
-            row = probs[i:i + 1]
-            r.draft_probs = row if r.draft_probs is None else torch.cat([r.draft_probs, row])
+@dataclass(frozen=True)
+class _Drafted:
+    """An input token that is the round's draft of chain step ``step`` (its value is in the round's tensor)."""
+
+    step: int
 
 
 @dataclass
@@ -84,7 +86,7 @@ class _Run:
     """Entries one module still has to write for one request: consecutive positions from ``start``."""
 
     start: int
-    tokens: list[int] = field(default_factory=list)  # x_{t+1} (or the draft) at each position t
+    tokens: list[int | _Drafted] = field(default_factory=list)  # x_{t+1} (or the draft) at each position t
     hidden: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] pieces, h_t (or a module output)
 
     def extend(self, tokens: list[int], hidden: torch.Tensor) -> None:
@@ -138,14 +140,19 @@ class MTPDrafter(Drafter):
         drafting = [i for i, j in enumerate(jobs) if j.num_drafts > 0 and i in pending[0]]
         for i in drafting:
             jobs[i].request.clear_drafts()
+        on_device = self.backend.takes_device_token_ids
+        rnd: RoundDrafts | None = None  # made at the first proposal, where the logits are
+        drafted: dict[int, int] = {}  # job -> drafts proposed this round
+        probs_rows: dict[int, list[torch.Tensor]] = {}  # job -> its sampled drafts' distributions ([V] views)
         module, step = 0, 0
         while True:
-            logits, out = self._write(module, jobs, pending[module], drafting)
+            logits, out = self._write(module, jobs, pending[module], drafting, rnd)
             if single:
                 for m, runs in enumerate(pending):
                     if runs:
-                        self._write(m, jobs, runs, [])
-            _propose([jobs[i].request for i in drafting], logits)
+                        self._write(m, jobs, runs, [], rnd)
+            rnd = self._propose(jobs, drafting, step, logits, rnd, on_device, probs_rows)
+            drafted.update((i, step + 1) for i in drafting)
             chain_hidden = dict(zip(drafting, out))
             step += 1
             # Draft step s runs at position (last kept) + s, which needs a page.
@@ -157,9 +164,15 @@ class MTPDrafter(Drafter):
             for i in drafting:
                 r = jobs[i].request
                 pos, entry = r.num_mtp_computed - 1 + step, chain_hidden[i][None]
+                token = _Drafted(step - 1) if on_device else r.drafts[-1]
                 for m, runs in enumerate(pending):
                     if m == module or any(s % self.num_modules == m for s in range(step + 1, jobs[i].num_drafts)):
-                        runs.setdefault(i, _Run(pos)).extend([r.drafts[-1]], entry)
+                        runs.setdefault(i, _Run(pos)).extend([token], entry)
+        for i, n in drafted.items():
+            r = jobs[i].request
+            if on_device:
+                r.set_pending_drafts(PendingDrafts(rnd, i, 0, n))
+            r.draft_probs = probs_rows.get(i)
         # Modules that draft nothing more this round still owe their catch-up; chain entries that no later step
         # reads are dropped.
         for m, runs in enumerate(pending):
@@ -170,15 +183,50 @@ class MTPDrafter(Drafter):
                 elif keep < len(run.tokens):
                     runs[i] = _Run(run.start, run.tokens[:keep], [torch.cat(run.hidden)[:keep]])
             if runs:
-                self._write(m, jobs, runs, [])
+                self._write(m, jobs, runs, [], rnd)
 
-    def _write(self, module: int, jobs: list[DraftJob], runs: dict[int, _Run], want: list[int]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _propose(jobs: list[DraftJob], drafting: list[int], step: int, logits: torch.Tensor,
+                 rnd: RoundDrafts | None, on_device: bool, probs_rows: dict[int, list[torch.Tensor]]
+                 ) -> RoundDrafts | None:
+        """Chain step ``step``'s draft of each job in ``drafting`` (logits row b is job drafting[b]'s), all rows at
+        once where the logits are (``sampling.propose_rows``: argmax for greedy requests, else a draw from the
+        filtered distribution with the uniform of the position drafted, so a position redrafted from the same
+        context gets the same draft), written into the round's tensor (made here at the first step) and, when the
+        backend needs them on the host, read back and appended to the requests' drafts. A sampled request's
+        distribution row is kept for ``draft_probs``. Returns the round."""
+        if not drafting:  # a call that only kept the modules' caches current
+            return rnd
+        reqs = [jobs[i].request for i in drafting]
+        tokens, probs = propose_rows(logits, [r.params for r in reqs], [r.rng for r in reqs],
+                                     [r.num_tokens + step for r in reqs], host=False)
+        if rnd is None:
+            rnd = RoundDrafts(len(jobs), max(j.num_drafts for j in jobs), tokens.device)
+        rnd.put(step, drafting, tokens)
+        if not on_device:
+            for r, tok in zip(reqs, to_host(tokens, "propose")):
+                r.drafts.append(tok)
+        for b, (i, r) in enumerate(zip(drafting, reqs)):
+            if not r.params.greedy:
+                probs_rows.setdefault(i, []).append(probs[b])
+        return rnd
+
+    def _write(self, module: int, jobs: list[DraftJob], runs: dict[int, _Run], want: list[int],
+               rnd: RoundDrafts | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One call of ``module`` over every pending run (which it then clears); returns its logits and output
-        hidden at the last entry of each job in ``want`` (in that order)."""
+        hidden at the last entry of each job in ``want`` (in that order). Input tokens that are this round's
+        drafts (``_Drafted``) are taken from ``rnd`` where they are."""
         order = sorted(runs)
-        segments = [Segment(jobs[i].request.pages, runs[i].start, runs[i].tokens) for i in order]
+        places, offset = [], 0
+        for i in order:
+            for j, tok in enumerate(runs[i].tokens):
+                if isinstance(tok, _Drafted):
+                    places.append((offset + j, rnd, rnd.flat(i, tok.step)))
+            offset += len(runs[i].tokens)
+        segments = [Segment(jobs[i].request.pages, runs[i].start,
+                            [0 if isinstance(t, _Drafted) else t for t in runs[i].tokens]) for i in order]
         ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
+        ids = fill_tokens(ids, places)
         pieces = [h for i in order for h in runs[i].hidden]
         hidden = torch.cat([p.to(pieces[0].dtype) for p in pieces])
         ends = batch.query_start_loc[1:].long() - 1

@@ -28,6 +28,7 @@ from .acceptance import Row, RowResult, decide, emitted
 from .backends import Backend, create_backend
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
+from .device_drafts import fill_tokens
 from .drafter import Drafter, DraftJob, MTPDrafter
 from .media import MediaCache, MediaItem, attach_media
 from .outputs import RequestOutput
@@ -341,7 +342,7 @@ class Engine:
         jobs: list[DraftJob] = []
         offset = 0
         for s, rows in zip(plan.scheduled, decided):
-            width = s.num_new + len(s.drafts)
+            width = s.num_new + s.num_drafts
             job = self._settle(s, rows, hidden[offset:offset + width])
             offset += width
             if job is not None:
@@ -349,9 +350,9 @@ class Engine:
         if self.drafter is not None:
             self.drafter.run(jobs)
         for j in jobs:
-            if len(j.request.drafts) < j.num_drafts:  # the scheduler reserves the chain's pages: a drafter bug
+            if j.request.num_drafts < j.num_drafts:  # the scheduler reserves the chain's pages: a drafter bug
                 log.warning("request %s: %d of %d drafts proposed; its seeded samples may now depend on the "
-                            "pool", j.request.request_id, len(j.request.drafts), j.num_drafts)
+                            "pool", j.request.request_id, j.request.num_drafts, j.num_drafts)
             cached = self.drafter.cached_len(j.request) if self.drafter else j.request.num_computed
             self.scheduler.publish(j.request, cached)
             self.scheduler.trim_pages(j.request)  # after drafting: the chain wrote into the reserved pages
@@ -365,11 +366,19 @@ class Engine:
 
     # ------------------------------------------------------------------ step internals
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's target forward. Drafts still on the device (``device_drafts``) go into the input ids there,
+        placeholders on the host side (nothing is read back)."""
         segments, logits_rows, offset = [], [], 0
-        media_rows, media_values = [], []
+        media_rows, media_values, places = [], [], []
         for s in scheduled:
             r = s.request
-            tokens = r.tokens[r.num_computed:r.num_computed + s.num_new] + s.drafts
+            tokens = r.tokens[r.num_computed:r.num_computed + s.num_new]
+            pending = r.pending_drafts if s.num_drafts else None
+            if pending is None:
+                tokens = tokens + r.drafts[:s.num_drafts]
+            else:
+                places += [(offset + len(tokens) + j, pending.round, pending.flat(j)) for j in range(s.num_drafts)]
+                tokens = tokens + [0] * s.num_drafts
             if r.media is not None:  # placeholders computed in this step take their media embeddings
                 positions, values = r.media.rows_in(r.num_computed, r.num_computed + s.num_new)
                 media_rows.append(positions - r.num_computed + offset)
@@ -377,35 +386,44 @@ class Engine:
             segments.append(Segment(r.pages, r.num_computed, tokens))
             if s.samples:
                 first = offset + s.num_new - 1
-                logits_rows.extend(range(first, first + 1 + len(s.drafts)))
+                logits_rows.extend(range(first, first + 1 + s.num_drafts))
             offset += len(tokens)
         ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
         index = torch.tensor(logits_rows, dtype=torch.int64, device=ids.device)
         if media_rows and sum(r.numel() for r in media_rows):
             media = (torch.cat(media_rows).to(ids.device), torch.cat(media_values))
-            logits, hidden = self.backend.forward(ids, batch, index, media=media)
+            logits, hidden = self.backend.forward(fill_tokens(ids, places), batch, index, media=media)
         else:
-            logits, hidden = self.backend.forward(ids, batch, index)
+            logits, hidden = self.backend.forward(fill_tokens(ids, places), batch, index)
         return logits, hidden
 
     def _decide(self, scheduled: list[ScheduledRequest], logits: torch.Tensor
                 ) -> list[tuple[list[Row], list[RowResult]]]:
         """Every sampled row of the step decided in one batched pass where the logits are (``acceptance.decide``:
         only token ids and requested logprobs come to the host). Per scheduled request, its rows and their
-        results: 1 + len(s.drafts) rows verifying its first drafts, none for a prefill chunk that does not sample."""
+        results: 1 + s.num_drafts rows verifying its first drafts, none for a prefill chunk that does not sample.
+        Drafts still on the device are verified there and their values come back with the decisions (the
+        round's one read); a penalised request needs its drafts' values for the counts and reads them first."""
         rows: list[Row] = []
-        spans = []
+        spans, places = [], []
         for s in scheduled:
-            req, n = s.request, (1 + len(s.drafts) if s.samples else 0)
+            req, n = s.request, (1 + s.num_drafts if s.samples else 0)
             spans.append((len(rows), n))
             penalised = req.params.penalised
+            pending = None if penalised else req.pending_drafts
+            has = min(n, req.num_drafts)
+            if pending is not None:
+                places += [(len(rows) + j, pending.round, pending.flat(j)) for j in range(has)]
             for j in range(n):
-                draft = req.drafts[j] if j < len(req.drafts) else None
-                probs = req.draft_probs[j] if draft is not None and req.draft_probs is not None else None
+                draft = req.drafts[j] if j < has and pending is None else None
+                probs = req.draft_probs[j] if j < has and req.draft_probs is not None else None
                 rows.append(Row(req.params, req.rng, req.num_tokens + j, draft, probs,
                                 req.prompt_token_ids if penalised else (),
                                 req.output_token_ids + req.drafts[:j] if penalised else ()))
-        results = decide(logits, rows)
+        draft_ids = None
+        if places:  # every row's draft (-1: none) where the logits are, the device-held ones filled in there
+            draft_ids = fill_tokens(torch.tensor([-1 if w.draft is None else w.draft for w in rows]), places)
+        results = decide(logits, rows, draft_ids)
         return [(rows[a:a + n], results[a:a + n]) for a, n in spans]
 
     def _settle(self, s: ScheduledRequest, rows: tuple[list[Row], list[RowResult]], hidden: torch.Tensor
@@ -424,10 +442,9 @@ class Engine:
         # the bonus drawn) the round is over and the drafter proposes anew.
         req.num_computed = start + s.num_new + len(tokens) - 1
         num_rows = len(rows[0])
-        round_goes_on = num_rows <= len(req.drafts) and tokens == req.drafts[:num_rows]
+        round_goes_on = num_rows <= req.num_drafts and tokens == [r.draft for r in rows[1]]
         if round_goes_on:
-            req.drafts = req.drafts[num_rows:]
-            req.draft_probs = None if req.draft_probs is None or not req.drafts else req.draft_probs[num_rows:]
+            req.drop_drafts(num_rows)
         else:
             req.clear_drafts()
         self._append(req, tokens, rows[1])
@@ -440,9 +457,10 @@ class Engine:
         """The tokens the step's rows decide: with j = len(s.drafts) drafts computed, j + 1 rows verify the
         request's first j + 1 drafts (a bonus only when every draft was among them); with none, a plain sample."""
         tokens = emitted(*rows)
-        verified = min(len(rows[0]), len(req.drafts))
+        verified = min(len(rows[0]), req.num_drafts)
         if verified:
-            accepted = next((i for i, (a, b) in enumerate(zip(tokens, req.drafts[:verified])) if a != b),
+            drafts = [r.draft for r in rows[1][:verified]]  # read back with the decisions
+            accepted = next((i for i, (a, b) in enumerate(zip(tokens, drafts)) if a != b),
                             min(len(tokens), verified))
             self.stats.verify_steps += 1
             self.stats.draft_tokens += verified

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .device_drafts import PendingDrafts
 from .media import RequestMedia
 from .params import SamplingParams
 from .sampling import PositionalRandom
@@ -42,12 +43,13 @@ class Request:
     num_mtp_computed: int = 0
     pages: list[int] = field(default_factory=list)
     page_digests: list[bytes] = field(default_factory=list)  # of the leading full pages already published
-    # Speculation: draft tokens for the positions after the last token, and (sampling only) the distributions
-    # they were drawn from [len(drafts), vocab]; None for greedy drafts, which act as one-hot. A step verifies a
-    # prefix of them (as many as fit its pages and budget); the rest stay here for the next step, and survive
-    # preemption (they are a function of the tokens and the seed, so recompute would draft the same ones).
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
+    # Speculation: draft tokens for the positions after the last token (``drafts``, ``num_drafts``,
+    # ``pending_drafts``), and (sampling only) the distributions they were drawn from, a [len(drafts), vocab]
+    # tensor or a list of [vocab] rows (the drafter's, stacked once where they are used); None for greedy drafts,
+    # which act as one-hot. A step verifies a prefix of them (as many as fit its pages and budget); the rest stay
+    # here for the next step, and survive preemption (they are a function of the tokens and the seed, so
+    # recompute would draft the same ones).
+    draft_probs: torch.Tensor | list[torch.Tensor] | None = None
     # Output bookkeeping: what the last RequestOutput already reported.
     reported_tokens: int = 0
     # Images / video: embeddings for the prompt's placeholder positions, and media digests for the prefix cache.
@@ -58,6 +60,42 @@ class Request:
 
     def __post_init__(self) -> None:
         self._tokens = list(self.prompt_token_ids) + self.output_token_ids
+        self._drafts: list[int] = []
+        self._pending: PendingDrafts | None = None  # drafts whose values are still only on the device
+
+    @property
+    def drafts(self) -> list[int]:
+        """The draft tokens' values (the list itself: appending to it adds a draft). Drafts the drafter left on the
+        device (``pending_drafts``) are read first, one counted read for their whole round
+        (``device_drafts``): the engine's own path never asks for them, it takes them where they are."""
+        if self._pending is not None:
+            self._drafts, self._pending = self._pending.host(), None
+        return self._drafts
+
+    @drafts.setter
+    def drafts(self, tokens: list[int]) -> None:
+        self._drafts, self._pending = list(tokens), None
+
+    @property
+    def num_drafts(self) -> int:
+        return self._pending.count if self._pending is not None else len(self._drafts)
+
+    @property
+    def pending_drafts(self) -> PendingDrafts | None:
+        """The drafts when their values are still only on the device, else None (they are in ``drafts``)."""
+        return self._pending
+
+    def set_pending_drafts(self, pending: PendingDrafts | None) -> None:
+        self._drafts, self._pending = [], pending
+
+    def drop_drafts(self, n: int) -> None:
+        """Forget the first ``n`` drafts (verified by a step) and their distributions; the rest stay."""
+        if self._pending is not None:
+            self._pending = self._pending.drop(n)
+        else:
+            self._drafts = self._drafts[n:]
+        probs = self.draft_probs
+        self.draft_probs = None if probs is None or not self.num_drafts else probs[n:]
 
     @property
     def tokens(self) -> list[int]:
@@ -77,5 +115,5 @@ class Request:
         return self.status is Status.FINISHED
 
     def clear_drafts(self) -> None:
-        self.drafts = []
+        self._drafts, self._pending = [], None
         self.draft_probs = None

@@ -226,10 +226,11 @@ def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def propose_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[PositionalRandom],
-                 positions: Sequence[int]) -> tuple[list[int], torch.Tensor | None]:
+                 positions: Sequence[int], host: bool = True) -> tuple[list[int] | torch.Tensor, torch.Tensor | None]:
     """Draft tokens for a batch of rows where the logits are: row i drafts the token at ``positions[i]`` with
     request i's ``params`` (argmax when greedy, else drawn from ``filtered_probs`` with the DRAFT uniform at that
-    position, as the drafter's one-row rule). Returns the tokens (one device-to-host copy) and the rows' filtered
+    position, as the drafter's one-row rule). Returns the tokens (one device-to-host copy; with ``host=False``
+    an int64 tensor where the logits are, nothing read back: ``device_drafts``) and the rows' filtered
     distributions [R, V] float64 on the logits' device (what rejection sampling needs as p_d; rows of greedy
     requests are meaningless), or None when every row is greedy."""
     if logits.shape[0] != len(params):
@@ -238,10 +239,10 @@ def propose_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
         return [], None
     token = logits.argmax(-1)
     if all(p.greedy for p in params):
-        return token.tolist(), None
+        return (token.tolist() if host else token), None
     extra = [[not p.greedy, 0.0 if p.greedy else rng.uniform(pos, Purpose.DRAFT)]
              for p, rng, pos in zip(params, rngs, positions)]
     rows = RowParams(params, logits.device, extra)
     probs = filtered_probs_rows(logits.float(), rows)
     token = torch.where(rows.extra[:, 0] > 0, draw_rows(probs, rows.extra[:, 1]), token)
-    return token.tolist(), probs
+    return (token.tolist() if host else token), probs

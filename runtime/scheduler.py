@@ -32,7 +32,7 @@ class ScheduledRequest:
 
     request: Request
     num_new: int  # known tokens computed this step, from position request.num_computed
-    drafts: list[int] = field(default_factory=list)  # verified after them (only when they reach the end)
+    num_drafts: int = 0  # the request's first drafts, verified after them (only when they reach the end)
     #: This run reaches the request's last known token, so the step produces its next token(s).
     samples: bool = field(init=False)
     #: A plain generation step: only the newest generated token (and drafts) goes through the model.
@@ -42,6 +42,11 @@ class ScheduledRequest:
         r = self.request
         self.samples = r.num_computed + self.num_new == r.num_tokens
         self.is_decode = self.samples and self.num_new == 1 and bool(r.output_token_ids)
+
+    @property
+    def drafts(self) -> list[int]:
+        """The drafts' values (read from the device if the drafter left them there: the engine does not ask)."""
+        return self.request.drafts[:self.num_drafts]
 
 
 @dataclass
@@ -158,10 +163,10 @@ class Scheduler:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed
             num_new = min(remaining, budget)
-            drafts = req.drafts[:budget - num_new] if num_new == remaining else []
-            while not self.ensure_pages(req, self._step_tokens(req, req.num_computed, num_new, len(drafts))):
+            drafts = min(req.num_drafts, budget - num_new) if num_new == remaining else 0
+            while not self.ensure_pages(req, self._step_tokens(req, req.num_computed, num_new, drafts)):
                 if drafts:
-                    drafts = drafts[:-1]  # verify a shorter prefix; the rest waits on the request
+                    drafts -= 1  # verify a shorter prefix; the rest waits on the request
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -171,7 +176,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 break
             scheduled.append(ScheduledRequest(req, num_new, drafts))
-            budget -= num_new + len(drafts)
+            budget -= num_new + drafts
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:

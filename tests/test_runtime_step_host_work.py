@@ -73,3 +73,91 @@ def test_a_malformed_cache_is_refused_at_allocate_naming_the_layer(monkeypatch):
     sparse = next(i for i in range(m.config.num_hidden_layers) if m.config.is_sparse_layer(i))
     with pytest.raises(ValueError, match=f"layer {sparse} cache: expected 3 pools"):
         TorchBackend(m).allocate(8, PAGE)
+
+
+class HostDraftsBackend(TorchBackend):
+    """A backend that takes host token ids only (as ONNX Runtime's and TensorRT's do): the drafter reads every
+    chain step's drafts back."""
+
+    @property
+    def takes_device_token_ids(self) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def model2():
+    return tiny_model(num_mtp_modules=2)
+
+
+def _reads_per_step(eng, ps, params):
+    """Run the prompts to the end; the device-to-host reads (``device_drafts.HOST_READS``) of each step."""
+    from m3export.runtime.device_drafts import HOST_READS
+
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, params)
+    per_step, outs = [], {}
+    while eng.has_unfinished():
+        before = HOST_READS.copy()
+        for o in eng.step():
+            outs[o.request_id] = o.token_ids
+        per_step.append(HOST_READS - before)
+    return per_step, [outs[f"r{i}"] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_speculative_round_reads_the_device_once(model2, k, temperature):
+    """Drafts stay where the logits are between the MTP calls of a round and into the verify step, whose decision
+    is the step's one read; before, each proposal was read back (1 + k reads a round), which is what a backend
+    that takes host ids still gets. Both give the same tokens, greedy and seeded."""
+    params = SamplingParams(temperature=temperature, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    ps = prompts(3, seed=30 + k, lo=5, hi=20)
+    kw = dict(page_size=PAGE, num_pages=96, num_speculative_tokens=k, max_num_batched_tokens=64)
+    dev = Engine(TorchBackend(model2), **kw)
+    reads, outs = _reads_per_step(dev, ps, params)
+    assert dev.stats.verify_steps > 0
+    assert all(set(r) <= {"decide"} and r["decide"] <= 1 for r in reads), reads
+    host = Engine(HostDraftsBackend(model2), **kw)
+    host_reads, host_outs = _reads_per_step(host, ps, params)
+    assert host_outs == outs
+    assert max(r["propose"] for r in host_reads) == k  # the read-back path: one read per chain step
+
+
+def test_penalised_requests_read_their_drafts_for_the_counts(model2):
+    """A penalised request's verify rows count the drafts before them, so its drafts are read (once per round,
+    with every other request of the round); the tokens equal the read-back path's."""
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=10, ignore_eos=True)
+    ps = prompts(2, seed=41, lo=5, hi=20)
+    kw = dict(page_size=PAGE, num_pages=96, num_speculative_tokens=2)
+    reads, outs = _reads_per_step(Engine(TorchBackend(model2), **kw), ps, params)
+    assert all(r["drafts"] <= 1 and r["decide"] <= 1 for r in reads) and any(r["drafts"] for r in reads)
+    assert _reads_per_step(Engine(HostDraftsBackend(model2), **kw), ps, params)[1] == outs
+
+
+class CountVocabCopies(torch.overrides.TorchFunctionMode):
+    """Counts cat / stack calls that produce rows of the full vocabulary in float64 (draft distributions)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.copies = vocab, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.cat, torch.stack) and out.dtype == torch.float64 and out.shape[-1] == self.vocab:
+            self.copies += 1
+        return out
+
+
+def test_draft_distributions_are_stacked_once_per_verify_step(model2):
+    """A sampled request's draft distributions are kept as rows of each chain step's probabilities and stacked
+    once, by the verify step (``acceptance.decide``); appending each new row with ``torch.cat`` copied k^2 / 2 rows
+    per round before that stack."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
+    eng = Engine(TorchBackend(model2), page_size=PAGE, num_pages=96, num_speculative_tokens=3)
+    eng.add_request("r", prompts(1, seed=42, lo=5, hi=20)[0], params)
+    eng.step()  # the prefill step and the first round of drafts
+    with CountVocabCopies(model2.config.vocab_size) as mode:
+        while eng.has_unfinished():
+            eng.step()
+    assert eng.stats.verify_steps > 0
+    assert mode.copies <= eng.stats.verify_steps, (mode.copies, eng.stats.verify_steps)

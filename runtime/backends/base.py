@@ -38,6 +38,14 @@ class Backend(ABC):
         return False
 
     @property
+    def takes_device_token_ids(self) -> bool:
+        """``forward`` / ``mtp_forward`` accept ``input_ids`` already on the device where their logits are (the
+        rest of the batch still on ``batch_device``): the drafter and the engine then leave draft tokens there
+        instead of reading each one back (``runtime/device_drafts.py``). Backends that feed host arrays keep the
+        default and get the drafts' values read back at every chain step."""
+        return False
+
+    @property
     @abstractmethod
     def num_mtp_modules(self) -> int:
         """MTP modules with weights; 0 means the engine cannot speculate."""

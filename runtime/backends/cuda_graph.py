@@ -96,14 +96,16 @@ def _on_device_at_once(device: torch.device, *tensors: torch.Tensor) -> list[tor
     """Integer host tensors on a CUDA ``device`` in one copy, queued without waiting for the device (as int64
     views of one pinned buffer, ``sampling.to_device``): a copy from pageable memory synchronises the stream, and
     a step's six inputs copied one by one made six host-device round trips per replay, which left the GPU idle
-    between the calls of a speculative round. Elsewhere (CPU, tensors already on the device) as they are."""
-    if device.type != "cuda" or any(x.device.type != "cpu" for x in tensors):
+    between the calls of a speculative round. Tensors already on the device (input ids holding drafts that stayed
+    there, ``device_drafts``) are taken as they are; elsewhere (CPU) everything is."""
+    host = [i for i, x in enumerate(tensors) if x.device.type == "cpu"]
+    if device.type != "cuda" or not host:
         return list(tensors)
-    flat = to_device(torch.cat([x.reshape(-1).to(torch.int64) for x in tensors]), device)
-    out, start = [], 0
-    for x in tensors:
-        out.append(flat[start:start + x.numel()].view(x.shape))
-        start += x.numel()
+    flat = to_device(torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in host]), device)
+    out, start = list(tensors), 0
+    for i in host:
+        out[i] = flat[start:start + tensors[i].numel()].view(tensors[i].shape)
+        start += tensors[i].numel()
     return out
 
 
@@ -356,7 +358,8 @@ class GraphedTorchBackend(TorchBackend):
                         seq_lens=batch.seq_lens[sel], block_tables=batch.block_tables[sel],
                         slot_mapping=batch.slot_mapping[idx])
             local = [k for k, r in enumerate(rows) if r in wanted]
-            logits, out = self._mtp_forward(module, input_ids[idx], hidden[to_device(idx, hidden.device)], sub,
+            logits, out = self._mtp_forward(module, input_ids[to_device(idx, input_ids.device)],
+                                            hidden[to_device(idx, hidden.device)], sub,
                                             torch.tensor(local, dtype=logits_indices.dtype))
             rows_done += rows
             outs.append(out)

@@ -31,6 +31,10 @@ class TorchBackend(Backend):
         self._mtp_caches: list | None = None
 
     @property
+    def takes_device_token_ids(self) -> bool:
+        return True  # the model embeds ids wherever they are; the graphed subclass copies them into its inputs
+
+    @property
     def num_mtp_modules(self) -> int:
         return len(self.model.mtp)
 

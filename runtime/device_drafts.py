@@ -1,0 +1,110 @@
+"""Draft tokens that stay where the drafter's logits are, and the engine's counted device-to-host reads.
+
+Why: on a GPU every read of a device value on the host waits for the device to get there. A speculative round
+used to read each draft as soon as it was proposed (the next MTP call's input token came from the host), so a
+round of k drafts waited k + 1 times (k proposals, then the verify step's decision), and the host's work
+between the calls (batches, bookkeeping) could not overlap the device's. Now the drafter writes a round's
+drafts into one device tensor (``RoundDrafts``), every later consumer takes them from there
+(``fill_tokens``: the next MTP call's input ids, the verify step's input ids and its draft column), and the one
+read of a round is the verify step's decision (``acceptance.decide``), which brings the verified drafts back
+with the tokens it decides. A request's drafts are known on the host only when someone asks for their values
+(``Request.drafts``: penalties, tests); that read is counted like every other (``HOST_READS``).
+
+On the CPU the same code runs, the reads are free, and the counts are what the tests check.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import to_device
+
+#: Device-to-host reads on the engine's path, by what they read. Each waits for the device to finish the work
+#: queued before it; ``to_host`` is the one way the engine, the drafter and ``acceptance.decide`` read device
+#: values, so tests can count them per step (the counts, never times).
+HOST_READS: collections.Counter = collections.Counter()
+
+
+def to_host(t: torch.Tensor, what: str) -> list:
+    """``t.tolist()``, counted under ``what``."""
+    HOST_READS[what] += 1
+    return t.tolist()
+
+
+class RoundDrafts:
+    """The drafts of one drafter run: [rows, k] int64 where the logits are, row i the drafts of the run's job i
+    (column s: chain step s), written one column per chain step; the host copy is made once, when first asked."""
+
+    def __init__(self, rows: int, k: int, device: torch.device):
+        self.k = k
+        self.tokens = torch.full((rows, k), -1, dtype=torch.int64, device=device)
+        self._host: list[list[int]] | None = None
+
+    def put(self, step: int, rows: Sequence[int], values: torch.Tensor) -> None:
+        """Chain step ``step`` drafted ``values[b]`` for job ``rows[b]``."""
+        col = self.tokens[:, step]
+        if list(rows) == list(range(self.tokens.shape[0])):
+            col.copy_(values)
+        else:
+            col.index_copy_(0, to_device(torch.tensor(list(rows), dtype=torch.int64), values.device), values)
+
+    def flat(self, row: int, step: int) -> int:
+        """Where draft ``step`` of job ``row`` is in ``tokens.view(-1)``."""
+        return row * self.k + step
+
+    def host(self) -> list[list[int]]:
+        if self._host is None:
+            self._host = to_host(self.tokens, "drafts")
+        return self._host
+
+
+@dataclass(frozen=True)
+class PendingDrafts:
+    """A request's drafts whose values are still only on the device: ``count`` of them, job ``row`` of ``round``
+    from chain step ``start`` on."""
+
+    round: RoundDrafts
+    row: int
+    start: int
+    count: int
+
+    def flat(self, j: int) -> int:
+        return self.round.flat(self.row, self.start + j)
+
+    def host(self) -> list[int]:
+        """The values (the round's one device-to-host read, shared by its requests)."""
+        return self.round.host()[self.row][self.start:self.start + self.count]
+
+    def drop(self, n: int) -> PendingDrafts | None:
+        """Without the first ``n``; None when none is left."""
+        return None if n >= self.count else PendingDrafts(self.round, self.row, self.start + n, self.count - n)
+
+
+def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]]) -> torch.Tensor:
+    """Token ids (host or device) with each (row, round, flat index) of ``places`` taking that draft's value,
+    on the rounds' device, without reading anything back: ``ids`` arrives there by one queued copy (when on the
+    host), the indices by another, and each round's values are gathered and scattered there. No places: ``ids``
+    as it is."""
+    if not places:
+        return ids
+    device = places[0][1].tokens.device
+    rounds: dict[int, tuple[RoundDrafts, list[int], list[int]]] = {}
+    for row, rnd, src in places:
+        _, dst, srcs = rounds.setdefault(id(rnd), (rnd, [], []))
+        dst.append(row)
+        srcs.append(src)
+    index = to_device(torch.tensor([i for _, dst, src in rounds.values() for i in (*dst, *src)], dtype=torch.int64),
+                      device)
+    out = to_device(ids.to(torch.int64), device) if ids.device.type == "cpu" else ids.to(device, torch.int64)
+    if out.data_ptr() == ids.data_ptr():
+        out = out.clone()  # never write into the caller's tensor
+    start = 0
+    for rnd, dst, src in rounds.values():
+        n = len(dst)
+        out[index[start:start + n]] = rnd.tokens.view(-1)[index[start + n:start + 2 * n]]
+        start += 2 * n
+    return out
