@@ -165,3 +165,28 @@ def test_settings_refuse_unknown_names():
         SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"loop": "spiral"}})
     with pytest.raises(ValueError, match="unknown decode settings.*'tile_tokens'"):
         SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"tile_tokens": 2}})
+
+
+@pytest.mark.parametrize("method", ["rounds", "bitonic"])
+def test_block_topk_orders_like_a_stable_descending_sort(method):
+    """block_topk alone on hand-made block maxima full of exact ties, 0.0 next to -0.0, +-inf and NaN past each
+    token's own block, against torch's stable descending sort: forced blocks (+inf) first, larger score first,
+    the lower id among equals (0.0 == -0.0), -1 where only not-visible blocks are left."""
+    gen = torch.Generator().manual_seed(7)
+    t, h, nb, bs, topk, local, init = 6, 2, 21, 4, 8, 2, 1
+    values = torch.tensor([-0.0, 0.0, 1.0, -1.0, 2.5, float("-inf"), float("inf")])
+    scores = values[torch.randint(0, len(values), (t, h, nb), generator=gen)]
+    positions = torch.tensor([0, 3, 13, 30, 64, 83])  # own blocks 0, 0, 3, 7, 16, 20
+    own = positions // bs
+    c = torch.arange(nb)
+    visible = c[None, :] <= own[:, None]
+    scores[~visible[:, None, :].expand(t, h, nb)] = float("nan")  # never read
+    v = torch.where(visible[:, None, :], scores, float("-inf"))
+    forced = visible & ((c[None, :] > own[:, None] - local) | (c[None, :] < init))
+    v = torch.where(forced[:, None, :], float("inf"), v)
+    order = torch.sort(v, dim=-1, descending=True, stable=True)
+    want = torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
+    assert (want == -1).any() and (scores == 0).sum() > 20
+    got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
+                        config={"topk": {"method": method}})
+    assert torch.equal(got.cpu(), want)

@@ -166,8 +166,8 @@ def _block_topk_bitonic(
     v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c, mask=visible, other=float("-inf"))
     forced = visible & ((c > own - LOCAL) | (c < INIT))
     v = tl.where(forced, float("inf"), v)
-    v = tl.where(v == 0.0, 0.0, v)  # -0.0 -> 0.0: equal as floats, so they must be one key value
     bits = v.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so they must be one key value
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
     key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c).to(tl.int64)
     top = tl.topk(key, TOPK_PAD)  # descending
