@@ -141,8 +141,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     synchronises the stream (the host would sit idle until the model's step finished, instead of queueing the
     sampling kernels behind it); from pinned memory the copy is queued like a kernel. The pinned buffer comes
     from torch's caching host allocator, which keeps it until the copy has run."""
-    if device.type != "cuda":
-        return t.to(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)  # already on a device (e.g. ids a graphed step left there): no host copy to pin
     return t.pin_memory().to(device, non_blocking=True)
 
 

@@ -73,7 +73,7 @@ stage() {
 note "$(tail -n 1 "$OUT/gpu_multi_gpus.txt")"
 
 if stage sanity 60 python3 bench/parallel_sanity.py --device "$DEV" --json "$OUT/parallel_sanity.json"; then
-    stage equality 110 python3 bench/parallel.py --device "$DEV" $SMOKE --skip throughput --json "$OUT/parallel_equality.json"
+    stage equality 140 python3 bench/parallel.py --device "$DEV" $SMOKE --skip throughput --json "$OUT/parallel_equality.json"
     stage throughput 150 python3 bench/parallel.py --device "$DEV" $SMOKE --skip equality --json "$OUT/parallel_h200x2.json"
     stage runtime_gpu_test 70 python3 -m pytest -q -x -p no:cacheprovider -m gpu -o faulthandler_timeout=55 \
         tests/test_parallel_runtime.py
