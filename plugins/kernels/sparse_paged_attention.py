@@ -190,6 +190,8 @@ def _sparse_paged_attention(
                     sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
                     BS, BLOCK_N, PREC, INTERPRETED)
     else:
+        if TOKENS == 1:
+            sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
         if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
             n_vis = tl.load(cnt_ptr + tile * hkv + g)
             uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
@@ -208,12 +210,18 @@ def _sparse_paged_attention(
                 else:
                     wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
             else:
-                i = visit // K
-                slot = visit % K
-                c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
-                earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
-                seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
-                wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+                if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
+                    # loop counter and this visit's addresses, and repeats are a 1-D test
+                    c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
+                    seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
+                    wants = row_ok
+                else:
+                    i = visit // K
+                    slot = visit % K
+                    c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
+                    earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
+                    seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
+                    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
                 use = (c >= 0) & (c * BS <= last) & (seen == 0)
             # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
             m_i, l_i, acc = _attend_block(
