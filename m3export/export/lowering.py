@@ -50,6 +50,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .flavour_files import write_flavour_graphs
+
 MS = "com.microsoft"
 LOWERABLE = ("MoE", "MXFP8Linear", "PagedAttention")
 DEFAULT = ("MoE", "MXFP8Linear")  # what ``--flavour ort-contrib`` lowers unless ``--lower`` names others
@@ -349,30 +351,28 @@ def flavour_file(graph: str) -> str:
 
 def write_flavour_files(directory: Path, graphs: dict, ops: tuple[str, ...] = DEFAULT, config=None) -> dict:
     """Write ``<graph>.ort.onnx`` (the graph lowered by :func:`lower`) beside each graph file of ``graphs`` (name ->
-    manifest ``GraphInfo``; not the vision graph) in ``directory``, where the external data resolves. Inputs and
+    manifest ``GraphInfo``; not the vision graph) in ``directory``, where the external data resolves, through the
+    flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file). Inputs and
     outputs are the graph's own, so the manifest's signatures describe the flavour too. Returns the manifest's
-    ``flavours["ort-contrib"]`` record: per graph, the file, its source, how many nodes of each requested op were
-    lowered (``lowered``), which lowerings were applied (``applied``), why nodes of a requested op were kept as
-    ``m3`` nodes (``kept``), why lowerable ops were not requested (``not_requested``) and, where
+    ``flavours["ort-contrib"]`` record: per graph, the file, its source and external data, how many nodes of each
+    requested op were lowered (``lowered``), which lowerings were applied (``applied``), why nodes of a requested
+    op were kept as ``m3`` nodes (``kept``), why lowerable ops were not requested (``not_requested``) and, where
     ``PagedAttention`` was lowered, the largest rounding of its norm gains (``gain_rounding``)."""
     directory = Path(directory)
-    record = {}
-    for name in (g for g in graphs if g != "vision"):
-        src = directory / graphs[name].file
-        model = onnx.load(str(src), load_external_data=False)
+
+    def rewrite(name: str, model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
         lowered, done, report = lower_with_report(model, ops, config)
-        file = flavour_file(name)
-        (directory / file).write_bytes(lowered.SerializeToString(deterministic=True))
-        record[name] = {"file": file, "source": src.name, "lowered": done,
-                        "applied": sorted(op for op, n in done.items() if n),
-                        "kept": report["kept"],
-                        "not_requested": {op: OPT_IN.get(op, "not requested") for op in LOWERABLE if op not in ops},
-                        "status": STATUS}
+        fields = {"lowered": done, "applied": sorted(op for op, n in done.items() if n), "kept": report["kept"],
+                  "not_requested": {op: OPT_IN.get(op, "not requested") for op in LOWERABLE if op not in ops},
+                  "status": STATUS}
         if report["gains"]:
             pool = next(i for i in model.graph.input if i.name.startswith("k_cache"))
             try:
-                record[name]["gain_rounding"] = gain_rounding(model, directory, report["gains"],
-                                                              pool.type.tensor_type.elem_type)
+                fields["gain_rounding"] = gain_rounding(model, directory, report["gains"],
+                                                        pool.type.tensor_type.elem_type)
             except OSError:  # in place, the data sits in the checkpoint's shards, not yet beside the graphs
-                record[name]["gain_rounding"] = None
-    return record
+                fields["gain_rounding"] = None
+        return lowered, fields
+
+    return write_flavour_graphs(directory, graphs, [g for g in graphs if g != "vision"], FLAVOUR, flavour_file,
+                                rewrite, protected={g.file for g in graphs.values()})

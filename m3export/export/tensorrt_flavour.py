@@ -23,6 +23,7 @@ from onnx import helper
 
 from ..errors import ArtifactError
 from ..ops import DOMAIN
+from .flavour_files import write_flavour_graphs
 
 NAMESPACE = "m3"
 PLUGIN_VERSION = "1"
@@ -143,15 +144,6 @@ def flavour_graph(model: onnx.ModelProto, max_model_len: int) -> tuple[onnx.Mode
     return out, record
 
 
-def external_files(model: onnx.ModelProto) -> list[str]:
-    """Files the graph's initializers point into (relative to the graph's directory)."""
-    files = set()
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            files.update(e.value for e in t.external_data if e.key == "location")
-    return sorted(files)
-
-
 def flavour_file(graph: str) -> str:
     return f"{graph}.trt.onnx"
 
@@ -160,27 +152,12 @@ def write_flavour_files(directory: Path, graphs: dict, max_model_len: int, names
                         protected: set[str] = frozenset()) -> dict:
     """Write ``<graph>.trt.onnx`` beside each graph file of ``graphs`` (name -> manifest ``GraphInfo``) in
     ``directory``, where the graphs' external data resolves (parsers read it relative to the graph, and ONNX
-    refuses symbolic or hard links to it). ``protected`` files are never replaced. Returns the manifest record:
-    per graph, the file and what was rewritten."""
-    directory = Path(directory)
-    record = {}
-    for name in names or [g for g in graphs if g != "vision"]:
-        src = directory / graphs[name].file
-        model = onnx.load(str(src), load_external_data=False)
-        flavoured, rec = flavour_graph(model, max_model_len)
-        file = flavour_file(name)
-        if file in protected:
-            raise ArtifactError(f"{directory}: {file} is a file of the artifact itself; not replacing it")
-        tmp = directory / f".{file}.partial"
-        try:
-            tmp.write_bytes(flavoured.SerializeToString(deterministic=True))
-            tmp.replace(directory / file)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise ArtifactError(f"{directory}: cannot write the TensorRT flavour graph {file} beside {src.name} "
-                                f"({e.strerror or e})") from None
-        record[name] = {"file": file, "source": src.name, "external_data": external_files(model), **rec}
-    return record
+    refuses symbolic or hard links to it), through the flavours' one writer (``flavour_files``: atomic;
+    ``protected`` files are never replaced, an earlier build's flavour file is). Returns the manifest record:
+    per graph, the file, its source and external data, and what was rewritten."""
+    return write_flavour_graphs(directory, graphs, names or [g for g in graphs if g != "vision"], FLAVOUR,
+                                flavour_file, lambda name, model: flavour_graph(model, max_model_len),
+                                protected=protected, replace=True)
 
 
 def write_flavour(artifact, max_model_len: int, graphs: list[str] | None = None) -> dict:
