@@ -350,3 +350,86 @@ def test_gpu_mini_kernels_and_graphs_generate_the_reference_tokens(k):
     assert be.use_graphs and be.replays > 0, "decode steps did not run from graphs"
     assert k == 0 or be.mtp_replays > 0, "MTP chain steps did not run from graphs"
     assert got == want
+
+
+@pytest.mark.parametrize("counts", [[3, 1, 2], [1, 3], [2, 1, 1, 1]], ids=["3-1-2", "1-3", "2-1-1-1"])
+def test_padded_ragged_verify_step_equals_unpadded(model, counts):
+    """A verify step whose requests verify different numbers of drafts (counts[i] tokens, all sampled) padded to
+    the bucket's tokens per sequence, the short sequences' extra rows masked (scratch-page slots, positions after
+    their own): the same logits and hidden at the real rows as the unpadded step, and the same writes into the
+    engine's pages (only the step's own slots change)."""
+    be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True, buckets=(4,))
+    be.allocate(num_pages=8, page_size=PAGE)
+    tables = [[0, 1, 2], [3, 4], [5, 6], [7]][:len(counts)]
+    starts = [5, 3, 4, 1][:len(counts)]
+    g = torch.Generator().manual_seed(6)
+    for layer in be._caches:  # a context already in the pages
+        for c in layer:
+            c.copy_(torch.randn(c.shape, generator=g, dtype=torch.float64).to(c.dtype))
+    saved = [[c.clone() for c in layer] for layer in be._caches]
+    step = _batch(tables, starts, counts)
+    ids = torch.randint(0, 256, (sum(counts),), generator=g)
+    rows = torch.arange(sum(counts))
+    logits, hidden = be.forward(ids, step, rows)
+    assert be.ragged_verify_steps == 1 and be.eager_steps == 0
+    padded = [[c[:8].clone() for c in layer] for layer in be._caches]
+    for layer, keep in zip(be._caches, saved):
+        for c, k in zip(layer, keep):
+            c.copy_(k)
+    be.pad_eagerly = False
+    want_logits, want_hidden = be.forward(ids, step, rows)
+    assert be.eager_steps == 1
+    assert logits.shape == want_logits.shape and hidden.shape == want_hidden.shape
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-10)  # float64 model: rounding of blocking
+    torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=1e-10)
+    written = step.slot_mapping
+    for layer_p, layer_u in zip(padded, be._caches):
+        for p, u in zip(layer_p, layer_u):
+            p, u = p.flatten(0, 1), u[:8].flatten(0, 1)
+            others = torch.ones(p.shape[0], dtype=torch.bool)
+            others[written] = False
+            assert torch.equal(p[others], u[others])  # the masked rows wrote nothing of the engine's pages
+            torch.testing.assert_close(p[written], u[written], rtol=0, atol=1e-12)
+
+
+def test_ragged_verify_steps_of_a_batch_run_padded():
+    """Requests that draft different numbers of tokens in the same step (one nearing its max_tokens drafts
+    fewer) verify in one padded bucket step, not an eager one; greedy output equals the plain engine's. Embedded
+    trained model (drafts are accepted), float32, padded shapes run eagerly (``pad_eagerly``)."""
+    import m3export
+    from m3export.embedded import default_model
+
+    m = m3export.load_model(default_model(), dtype=torch.float32, progress=False)
+    ps = [list(range(40 + 7 * i, 72 + 7 * i)) for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 12, 16)]
+    plain = Engine(GraphedTorchBackend(m, use_graphs=False), num_pages=64).generate(ps, params)
+    be = GraphedTorchBackend(m, use_graphs=False, pad_eagerly=True)
+    eng = Engine(be, num_pages=64, num_speculative_tokens=3)
+    outs = eng.generate(ps, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert be.ragged_verify_steps > 0, "no verify step had unequal draft counts: the test lost its point"
+    assert be.eager_steps == 1, f"{be.eager_steps - 1} verify steps ran eagerly"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ragged_verify_steps_replay_the_eager_tokens():
+    """Verify steps of unequal draft counts (requests with different max_tokens draft fewer near their end)
+    replay the (bucket, most drafts + 1) graph with masked rows; greedy tokens equal the eager engine's (fp32 tiny
+    model, same kernels)."""
+    from m3export.plugins.kernels import kernels, register
+
+    missing = {"m3::paged_attention", "m3::sparse_paged_attention", "m3::lightning_indexer", "m3::moe"} - set(kernels())
+    if missing:
+        pytest.skip(f"no Triton kernel yet for {sorted(missing)}: the reference ops cannot be captured")
+    register()
+    m = tiny_model(num_mtp_modules=2).float().cuda()
+    ps = prompts(3, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 12, 16)]
+    kw = dict(page_size=PAGE, num_pages=64, num_speculative_tokens=3)
+    eager = Engine(GraphedTorchBackend(m, use_graphs=False), **kw).generate(ps, params)
+    be = GraphedTorchBackend(m, use_graphs=True)
+    graphed = Engine(be, **kw).generate(ps, params)
+    assert be.use_graphs and be.ragged_verify_steps > 0, "no ragged verify step replayed"
+    assert be.eager_steps == 1, f"{be.eager_steps - 1} verify steps ran eagerly"
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]

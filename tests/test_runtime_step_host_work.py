@@ -161,3 +161,47 @@ def test_draft_distributions_are_stacked_once_per_verify_step(model2):
             eng.step()
     assert eng.stats.verify_steps > 0
     assert mode.copies <= eng.stats.verify_steps, (mode.copies, eng.stats.verify_steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_gpu_a_graphed_speculative_step_synchronises_once(k):
+    """On the GPU with every decode, verify and MTP step replayed from CUDA graphs: a step after the prompts'
+    synchronises the host with the device once (the verify decision's read), counted by torch's sync debug mode
+    (which flags every synchronising call: reads, pageable copies); greedy tokens equal the eager engine's."""
+    import warnings
+
+    from m3export.plugins.kernels import kernels, register
+    from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+
+    missing = {"m3::paged_attention", "m3::sparse_paged_attention", "m3::lightning_indexer", "m3::moe"} - set(kernels())
+    if missing:
+        pytest.skip(f"no Triton kernel yet for {sorted(missing)}: the reference ops cannot be captured")
+    register()
+    m = tiny_model(num_mtp_modules=2).float().cuda()
+    ps = prompts(2, seed=9, lo=8, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(page_size=PAGE, num_pages=64, num_speculative_tokens=k)
+    want = [o.token_ids for o in Engine(GraphedTorchBackend(m, use_graphs=False), **kw).generate(ps, params)]
+    be = GraphedTorchBackend(m)
+    eng = Engine(be, **kw)
+    be.capture_shapes(len(ps), k + 2, eng.drafter.modules_used)  # captures synchronise: not in the counted steps
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, params)
+    eng.step()  # the prompts: eager steps
+    syncs, outs = [], {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while eng.has_unfinished():
+            eager = (be.eager_steps, be.eager_mtp_steps, be.num_graphs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for o in eng.step():
+                    outs[o.request_id] = o.token_ids
+            if (be.eager_steps, be.eager_mtp_steps, be.num_graphs) == eager:  # a step of replays only
+                syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [outs[f"r{i}"] for i in range(len(ps))] == want
+    assert syncs and max(syncs) <= 1, syncs

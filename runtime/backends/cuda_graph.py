@@ -4,7 +4,10 @@ A decode step launches hundreds of small kernels whose launch gaps, not their by
 ``GraphedTorchBackend`` is a ``TorchBackend`` whose ``forward`` recognises a decode-only step from shapes alone
 (one new token per sequence, every token sampled: ``T == B == len(logits_indices)``) or an MTP verification step
 (the same number 1 + k of tokens in every sequence, all sampled), pads it to the smallest bucket (1, 2, 4, ..., 64)
-that holds it and replays that (bucket, tokens per sequence) graph; mixed or prefill steps, batches past the
+that holds it and replays that (bucket, tokens per sequence) graph. A verify step whose requests verify different
+numbers of drafts (all tokens sampled) is padded to the most any of them has, the shorter ones getting masked rows
+after their own (``pad_ragged``: scratch-page slots, positions their causal queries never see), and replays the
+same graph; its real rows are picked from the outputs. Mixed or prefill steps, batches past the
 largest bucket, and everything on a device without CUDA graphs run eagerly, exactly as ``TorchBackend``.
 The MTP modules' steps of the same number q of tokens in every sequence (the drafter's chain steps, q = 1, and
 its catch-up steps over the q positions each request kept after a verify step: always so for one request, and
@@ -90,6 +93,52 @@ def _uniform_shape(input_ids: torch.Tensor, batch: Batch, buckets: tuple[int, ..
                                  torch.arange(0, t + 1, q, dtype=batch.query_start_loc.dtype)):
         return None
     return bucket, q
+
+
+def ragged_verify_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
+                        buckets: tuple[int, ...], page_size: int) -> tuple[int, int] | None:
+    """(bucket, q) for a verify step whose sequences have different numbers of tokens (requests verifying
+    different numbers of drafts; every token sampled), padded to q = the most any sequence has: ``pad_ragged``
+    gives each shorter sequence masked rows after its own. None for anything else (prefill, mixed, past the
+    buckets or a page), or when the batch is not on the host (its layout would have to be read back)."""
+    t, b = input_ids.shape[0], batch.seq_lens.shape[0]
+    if b == 0 or logits_indices.shape[0] != t or batch.query_start_loc.device.type != "cpu":
+        return None
+    starts = batch.query_start_loc.tolist()
+    q = max(e - s for s, e in zip(starts, starts[1:]))
+    bucket = next((c for c in buckets if c >= b), None)
+    if bucket is None or q > page_size:
+        return None
+    return bucket, q
+
+
+def pad_ragged(input_ids: torch.Tensor, batch: Batch, q: int, scratch_page: int, page_size: int
+               ) -> tuple[torch.Tensor, Batch, torch.Tensor]:
+    """A host batch of B sequences of at most q tokens as B sequences of exactly q, and where each real token went
+    ([T] rows of the padded step). A sequence's masked rows follow its own tokens at the next positions, so its
+    own queries, causal, never see them; they write their K/V and index keys into the scratch page (slot j of
+    it for the sequence's j-th row), never into a page of the request; its context length counts them, as if it
+    had q new tokens. Results at the real rows equal the unpadded step's (every op is per token, attention
+    causal by position)."""
+    starts = batch.query_start_loc.tolist()
+    counts = [e - s for s, e in zip(starts, starts[1:])]
+    rows = torch.tensor([b * q + j for b, n in enumerate(counts) for j in range(n)], dtype=torch.int64)
+    first = batch.positions[torch.tensor(starts[:-1], dtype=torch.int64)]  # each sequence's first new position
+    j = torch.arange(q).repeat(len(counts))
+    positions = first.repeat_interleave(q) + j
+    slots = scratch_page * page_size + j
+    slots[rows] = batch.slot_mapping
+    if input_ids.device.type == "cpu":
+        ids = torch.zeros(len(counts) * q, dtype=input_ids.dtype)
+        ids[rows] = input_ids
+    else:  # ids holding drafts that stayed on the device: scattered there
+        ids = torch.zeros(len(counts) * q, dtype=input_ids.dtype, device=input_ids.device)
+        ids[to_device(rows, input_ids.device)] = input_ids
+    padded = Batch(positions=positions.to(batch.positions.dtype),
+                   query_start_loc=torch.arange(0, len(counts) * q + 1, q, dtype=batch.query_start_loc.dtype),
+                   seq_lens=(first + q).to(batch.seq_lens.dtype), block_tables=batch.block_tables,
+                   slot_mapping=slots.to(batch.slot_mapping.dtype))
+    return ids, padded, rows
 
 
 def _on_device_at_once(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -200,6 +249,7 @@ class GraphedTorchBackend(TorchBackend):
         self.padded_mtp_steps = 0  # MTP module steps run in a bucket shape (graph or pad_eagerly)
         self.eager_steps = 0  # target steps run eagerly (prefill, mixed, past the buckets, graphs off)
         self.eager_mtp_steps = 0  # MTP module steps run eagerly (what a speculative decode round should not do)
+        self.ragged_verify_steps = 0  # verify steps of unequal draft counts run padded (graph or pad_eagerly)
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         super().allocate(num_pages + 1, page_size)  # page num_pages: scratch for padding rows
@@ -244,11 +294,16 @@ class GraphedTorchBackend(TorchBackend):
             self.eager_steps += 1
             return super().forward(*self._on_device(input_ids, batch, logits_indices), media=media)
         key = step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
+        step_ids, step_batch, step_rows, rows = input_ids, batch, logits_indices, None
         if key is None:
-            self.eager_steps += 1
-            return super().forward(*self._on_device(input_ids, batch, logits_indices))
+            key = self._ragged_key(input_ids, batch, logits_indices)
+            if key is None:
+                self.eager_steps += 1
+                return super().forward(*self._on_device(input_ids, batch, logits_indices))
+            step_ids, step_batch, rows = pad_ragged(input_ids, batch, key[1], self._scratch_page, self._page_size)
+            step_rows = torch.arange(step_ids.shape[0], dtype=torch.int64)
         t = input_ids.shape[0]
-        inputs = self.padded_inputs(input_ids, batch, key, logits_indices)
+        inputs = self.padded_inputs(step_ids, step_batch, key, step_rows)
         outs = self._run(key, self._target_step(inputs))
         if outs is None:  # capture failed: graphs are off now
             self.eager_steps += 1
@@ -256,7 +311,24 @@ class GraphedTorchBackend(TorchBackend):
         if not self.pad_eagerly:
             self.replays += 1
         logits, hidden = outs
+        if rows is not None:  # the real rows of a padded ragged step (index_select copies)
+            self.ragged_verify_steps += 1
+            idx = to_device(rows, logits.device)
+            picked = logits.index_select(0, idx)
+            return (picked if picked.dtype == torch.float32 else picked.float()), hidden.index_select(0, idx)
         return _own_fp32(logits[:t]), hidden[:t].clone()  # a graph's outputs are rewritten by its next replay
+
+    def _ragged_key(self, input_ids, batch: Batch, logits_indices) -> tuple[int, int] | None:
+        """The (bucket, q) shape of a verify step of unequal draft counts (``ragged_verify_shape``) when its padded
+        rows stay inside the captured block-table width and the model's positions, else None (eager)."""
+        key = ragged_verify_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
+        if key is None:
+            return None
+        starts = batch.query_start_loc.tolist()
+        end = max(int(batch.positions[s]) for s in starts[:-1]) + key[1]  # past each sequence's padded rows
+        if end > min(self._table_width * self._page_size, self.config.max_position_embeddings):
+            return None
+        return key
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         if self._mtp_caches is None:
