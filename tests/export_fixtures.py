@@ -16,6 +16,13 @@ def tiny_artifact(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fp8_artifact(tmp_path_factory):
+    """The tiny preset, float32, page size 16, with an FP8 (E4M3) cache: uint8 code pools and fp32 scale pools."""
+    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp8", kv_cache_dtype="fp8",
+                           progress=False)
+
+
+@pytest.fixture(scope="session")
 def mxfp8_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-mxfp8", preset("tiny"), "original", "mxfp8",
                             progress=False)

@@ -172,11 +172,13 @@ def test_kv_cache_dtype_names_reach_the_backend(model):
 
 def test_exported_graphs_refuse_another_cache_dtype(tiny_artifact):
     """onnxruntime / tensorrt run the graphs as exported (float32 pools here): fp8 and bf16 are one clear error
-    each, auto and the exported dtype pass; the torch backend takes any."""
+    each, auto and the exported dtype pass; the torch backend takes any. (FP8 artifacts:
+    ``tests/test_export_kv_fp8.py``.)"""
     check_exported_cache_dtype("onnxruntime", tiny_artifact, "auto")
-    with pytest.raises(BackendUnavailable, match="no Gather / ScatterND on float8.*--backend torch"):
+    with pytest.raises(BackendUnavailable, match=rf"fp8: {tiny_artifact} was exported with float32 caches, not fp8"
+                                                 r".*--kv-cache-dtype fp8, or --backend torch"):
         check_exported_cache_dtype("onnxruntime", tiny_artifact, "fp8")
-    with pytest.raises(BackendUnavailable, match="exported with torch.float32 caches"):
+    with pytest.raises(BackendUnavailable, match="exported with float32 caches, not bfloat16"):
         check_exported_cache_dtype("tensorrt", tiny_artifact, "bf16")
     eng = Engine.from_artifact(tiny_artifact, backend="torch", kv_cache_dtype="fp8", num_pages=16, page_size=4)
     assert eng.backend.dtype == FP8 and len(eng.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 10

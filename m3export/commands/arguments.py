@@ -67,9 +67,12 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser, default: str | None 
     from ..dtypes import KV_CACHE_DTYPES
 
     p.add_argument("--kv-cache-dtype", default=default, choices=KV_CACHE_DTYPES,
-                   help="cache dtype of K/V and index keys: auto = the model dtype, bf16, or fp8 (E4M3 with one "
-                        "fp32 scale per token and head, about 1.9x the tokens per byte; torch backend: an "
-                        "exported artifact's graphs keep the cache dtype they were exported with)")
+                   help="cache dtype of K/V and index keys: auto = the model dtype (an exported artifact's: the "
+                        "cache dtype it was exported with), bf16, or fp8 (E4M3 with one fp32 scale per token and "
+                        "head, about 1.9x the tokens per byte). 'export --kv-cache-dtype fp8' writes graphs whose "
+                        "pools are uint8 E4M3 codes with fp32 scale pools; the onnxruntime / tensorrt backends run "
+                        "an artifact's graphs with the cache dtype they were exported with, the torch backend takes "
+                        "any")
 
 
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..dtypes import MODEL_DTYPES
-from .arguments import MAX_PAGE_SIZE, bounded_int
+from .arguments import MAX_PAGE_SIZE, add_kv_cache_dtype_argument, bounded_int
 
 NAME = "export"
 HELP = ("Export M3 to an artifact: ONNX graphs (m3 custom nodes + ONNX function bodies, paged caches), "
@@ -17,6 +17,7 @@ EXAMPLES = """\
   m3export export --checkpoint ckpt/tiny --out art/tiny --force      # replace an existing artifact
   m3export export --checkpoint /data/MiniMax-M3-MXFP8 --in-place --dtype bfloat16   # zero copy, full size
   m3export export --preset tiny --out art/tiny-split --split-layers 2                 # + model.part{0,1}.onnx
+  m3export export --preset tiny --out art/tiny-fp8 --kv-cache-dtype fp8   # E4M3 cache: uint8 codes + fp32 scales
   m3export export --preset mini --dtype bfloat16 --out art/mini --flavour ort-contrib \
       --lower MoE,MXFP8Linear,PagedAttention          # + <graph>.ort.onnx for ONNX Runtime's CUDA kernels
 """
@@ -56,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "MoE,MXFP8Linear). PagedAttention (dense layers -> com.microsoft.PagedAttention, which also "
                         "does the QK norm, RoPE and cache write) is opt-in: its norm gain (1 + w) is rounded to the "
                         "activation dtype, and it needs float16 / bfloat16 graphs")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=bounded_int(1), default=1, metavar="N",
                    help="N >= 2: a per-rank artifact instead (rank{r}.safetensors with only the rank's slices, its "
                         "graphs cut at every all-reduce / all-gather, which the runtime performs between them; "
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         return _export_ranks(args, start)
     out = export_artifact(args.checkpoint or args.preset, args.out, dtype=args.dtype, weights=args.weights,
                           page_size=args.page_size, force=args.force, in_place=args.in_place,
-                          split_layers=args.split_layers, flavour=args.flavour, lower=args.lower)
+                          split_layers=args.split_layers, flavour=args.flavour, lower=args.lower,
+                          kv_cache_dtype=args.kv_cache_dtype)
     print(f"wrote artifact {out} in {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -102,7 +105,8 @@ def _export_ranks(args: argparse.Namespace, start: float) -> int:
     from ..export.rank_export import export_rank_artifact
 
     clash = [flag for flag, on in (("--in-place", args.in_place), ("--split-layers", args.split_layers),
-                                   ("--flavour", args.flavour), ("--weights mxfp8", args.weights == "mxfp8")) if on]
+                                   ("--flavour", args.flavour), ("--weights mxfp8", args.weights == "mxfp8"),
+                                   (f"--kv-cache-dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto")) if on]
     if clash:
         raise ArtifactError(f"--tensor-parallel-size writes a per-rank artifact: not with {', '.join(clash)}")
     dtype = BY_NAME["float32" if args.dtype == "auto" else args.dtype].torch

@@ -19,7 +19,7 @@ from ..dtypes import BY_NAME, MODEL_DTYPES
 from ..errors import ArtifactError
 from ..model import M3ForCausalLM
 from ..safetensors_io import header_sha256, read_tensor, require_regular_file
-from .manifest import MANIFEST, GraphInfo, Manifest, sha256_file
+from .manifest import KV_FP8, MANIFEST, SCALE_POOLS, GraphInfo, Manifest, sha256_file
 
 QUANTIZED = {torch.float8_e4m3fn, torch.uint8}  # copied bit for bit, never converted
 
@@ -167,9 +167,14 @@ def _check_graph_signatures(m: Manifest, where: Path) -> None:
             if t.name in ("hidden", "hidden_out") and last != cfg.hidden_size:
                 raise ArtifactError(f"{where}: graph {gname!r} {t.name} has shape {list(t.shape)}, the config says "
                                     f"hidden_size {cfg.hidden_size}")
-            if "cache" in t.name and (len(t.shape) < 2 or t.shape[1] != m.page_size):
+            scale = t.name.split(".")[0].removesuffix("_out") in SCALE_POOLS
+            if ("cache" in t.name or scale) and (len(t.shape) < 2 or t.shape[1] != m.page_size):
                 raise ArtifactError(f"{where}: graph {gname!r} pool {t.name} has shape {list(t.shape)}, but "
                                     f"page_size is {m.page_size} (pools are [pages, page_size, ...])")
+            want = "float32" if scale else "uint8" if m.cache_dtype == KV_FP8 else m.cache_dtype
+            if ("cache" in t.name or scale and m.cache_dtype == KV_FP8) and t.dtype != want:
+                raise ArtifactError(f"{where}: graph {gname!r} pool {t.name} is {t.dtype}, but kv_cache_dtype "
+                                    f"{m.cache_dtype} pools are {want}")
 
 
 def load_torch_model(path: str | Path | Artifact, device="cpu", dtype: torch.dtype | None = None

@@ -28,6 +28,7 @@ from ..model import M3ForCausalLM
 from ..output_dir import check_free_space, check_replaceable, make_parent, os_errors_as, staging, staging_prefix
 from ..preprocess.settings import FILES as PREPROCESSOR_FILES
 from ..ops import DOMAIN, OPS, OPSET_VERSION
+from ..ops import kv_fp8 as kv_fp8_format
 from ..ops import mxfp8 as mx
 from ..safetensors_io import nbytes, write_safetensors
 from ..sources import is_preset
@@ -127,7 +128,7 @@ def _prepare_out(out: Path, force: bool, source: str) -> None:
 def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weights: str | None = None,
                     page_size: int = 16, force: bool = False, progress: bool = True, in_place: bool = False,
                     split_layers: int | None = None, flavour: str | None = None,
-                    lower: tuple[str, ...] | None = None) -> Path:
+                    lower: tuple[str, ...] | None = None, kv_cache_dtype: str | None = None) -> Path:
     """Export ``source`` (checkpoint directory or preset name) to the artifact directory ``out``.
 
     From a checkpoint nothing is loaded: tensors stream one at a time into the artifact's weight file. With
@@ -140,6 +141,9 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     ``lowering.py``, experimental; ``lower`` names the m3 ops it lowers, default ``lowering.DEFAULT``, e.g. the
     opt-in ``PagedAttention``), recorded under the manifest's ``flavours``. ``dtype`` ``"auto"`` is the
     checkpoint's own dtype in place (nothing converted that need not be) and float32 otherwise.
+    ``kv_cache_dtype`` (``--kv-cache-dtype``): ``auto`` (None) or the model dtype's name, pools of the model dtype;
+    ``fp8``, E4M3 pools carried as uint8 codes with an fp32 scale pool each (``docs/ops.md`` §1 and §9), the
+    manifest's ``kv_cache_dtype`` then ``float8_e4m3fn``.
     """
     if dtype != AUTO and dtype not in MODEL_DTYPES:
         raise ArtifactError(f"--dtype must be one of {[AUTO, *MODEL_DTYPES]}, got {dtype!r}")
@@ -159,8 +163,9 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
             raise ArtifactError("--lower applies to --flavour ort-contrib only")
         if not lower or set(lower) - set(LOWERABLE):
             raise ArtifactError(f"--lower takes m3 ops among {', '.join(LOWERABLE)}, got {','.join(lower)!r}")
+    kv_fp8 = _kv_fp8(kv_cache_dtype, dtype, flavour, lower)
     opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers,
-                flavour=flavour, lower=lower)
+                flavour=flavour, lower=lower, kv_fp8=kv_fp8)
     if in_place:
         return _export_in_place(source, force, **opts)
     out = Path(out).absolute()
@@ -169,6 +174,28 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
         _export_into(tmp, source, in_place=False, **opts)
         _replace(tmp, out)
     return out
+
+
+def _kv_fp8(kv_cache_dtype: str | None, dtype: str, flavour: str | None, lower: tuple[str, ...] | None) -> bool:
+    """``--kv-cache-dtype`` -> whether the graphs take FP8 (uint8 code + scale) pools. Otherwise the pools have the
+    model dtype, so ``bf16`` needs ``--dtype bfloat16``; the flavours whose kernels read no FP8 cache refuse
+    ``fp8`` here, before any work."""
+    from ..dtypes import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+        raise ArtifactError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "bf16" and dtype != "bfloat16":
+        raise ArtifactError(f"--kv-cache-dtype bf16: exported pools have the model dtype (--dtype {dtype}); export "
+                            "with --dtype bfloat16 for a bf16 cache, or --kv-cache-dtype fp8 / auto")
+    if kv_cache_dtype != "fp8":
+        return False
+    if flavour == "tensorrt":
+        raise ArtifactError("--kv-cache-dtype fp8 with --flavour tensorrt: the TensorRT plugins read no FP8 cache; "
+                            "export the TensorRT flavour with the model dtype's cache (--kv-cache-dtype auto)")
+    if flavour == "ort-contrib" and "PagedAttention" in (lower or ()):
+        raise ArtifactError("--kv-cache-dtype fp8 with --lower PagedAttention: com.microsoft.PagedAttention writes "
+                            "and reads model-dtype pools, not E4M3 codes with scales; lower MoE / MXFP8Linear only")
+    return True
 
 
 def _export_in_place(source: str, force: bool, **opts) -> Path:
@@ -277,7 +304,7 @@ def source_dtype(ckpt, layout) -> str:
 
 def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_size: int,
                  progress: bool, in_place: bool, split_layers: int | None, flavour: str | None = None,
-                 lower: tuple[str, ...] | None = None) -> None:
+                 lower: tuple[str, ...] | None = None, kv_fp8: bool = False) -> None:
     opened = None if is_preset(source) else open_checkpoint(source)  # config and shards checked before any bar
     limit = (opened[1] if opened is not None else preset(source)).max_position_embeddings
     if page_size > limit:
@@ -306,23 +333,25 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
         steps.update(2)
 
         buffers = {"rotary.inv_freq": meta.rotary._inv_freq()}  # the only buffer; tiny, computed, not stored
-        plans = [("model", "model.onnx", lambda: trace_step(meta, page_size), step_signature(meta).aliases)]
+        plans = [("model", "model.onnx", lambda: trace_step(meta, page_size, kv_fp8=kv_fp8),
+                  step_signature(meta, kv_fp8=kv_fp8).aliases)]
         parts = []
         if split_layers:
             for j, start in enumerate(range(0, cfg.num_hidden_layers, split_layers)):
                 layers = range(start, min(start + split_layers, cfg.num_hidden_layers))
                 parts.append({"graph": f"model.part{j}", "layers": [layers.start, layers.stop]})
-                plans.append((f"model.part{j}", f"model.part{j}.onnx", (lambda r=layers: trace_step(meta, page_size, r)),
-                              step_signature(meta, layers).aliases))
-        plans += [(f"mtp{k}", f"mtp{k}.onnx", (lambda k=k: trace_mtp(meta, k, page_size)),
-                   mtp_signature().aliases) for k in range(n_mtp)]
+                plans.append((f"model.part{j}", f"model.part{j}.onnx",
+                              (lambda r=layers: trace_step(meta, page_size, r, kv_fp8)),
+                              step_signature(meta, layers, kv_fp8).aliases))
+        plans += [(f"mtp{k}", f"mtp{k}.onnx", (lambda k=k: trace_mtp(meta, k, page_size, kv_fp8)),
+                   mtp_signature(kv_fp8).aliases) for k in range(n_mtp)]
         if cfg.vision is not None:  # the vision tower + projector, one media item per run
             plans.append(("vision", VISION_FILE, lambda: trace_vision(meta), VISION_SIGNATURE.aliases))
             steps.total += 1
         graphs = {}
         for key, file, trace, aliases in plans:
             steps.set_postfix_str(f"exporting {file}")
-            proto = finalize(trace(), tensors, buffers, tmp)
+            proto = finalize(trace(), tensors, buffers, tmp, kv_fp8)
             (tmp / file).write_bytes(proto.SerializeToString(deterministic=True))
             if not in_place:  # in place, data references resolve only once the graph sits next to the shards
                 _check_graph(tmp / file)
@@ -348,6 +377,7 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
         manifest = Manifest(
             config=cfg, dtype=of_torch(dtype).name, mxfp8=mxfp8, page_size=page_size,
             mtp_modules=n_mtp, source=_describe(source),
+            kv_cache_dtype=of_torch(kv_fp8_format.FP8 if kv_fp8 else dtype).name,
             opset={"domain": DOMAIN, "version": OPSET_VERSION, "onnx_opset": ONNX_OPSET, "ops": dict(OPS)},
             graphs=graphs, tensors=tensors, files=files, tools=_tools(), parts=parts, flavours=flavours,
         )

@@ -25,8 +25,10 @@ from ..dtypes import BY_NAME
 from ..model import Batch, M3ForCausalLM
 from ..model.batch import Segment, build_batch
 from ..model.media import place_rows
+from ..ops import kv_fp8 as kv_fp8_format
 from ..safetensors_io import TensorEntry
 from .functions import functions_for
+from .manifest import SCALE_POOLS
 from .schemas import ONNX_OPSET
 from .translation import translation_table
 from .weights import ParamEntry
@@ -34,6 +36,9 @@ from .zero_copy import assemble
 
 BATCH_INPUTS = (*Batch.input_names(), "logits_indices")  # what every step graph takes besides tokens and pools
 POOLS = ("k_cache", "v_cache", "index_k_cache")  # per layer; dense layers have no index keys
+# An FP8 (E4M3) cache (``--kv-cache-dtype fp8``): each pool holds uint8 codes and has an fp32 scale pool, a graph
+# input and aliased output after the layer's pools (the order of ``M3ForCausalLM.cache_shapes(scales=True)``).
+SCALES = SCALE_POOLS
 # A vision-language model's step graph (its first part) also takes media embeddings placed over the token
 # embeddings: rows [M] of the step's tokens take media_embeds [M, hidden]. Text-only steps feed M = 0, so a decode
 # step adds one ScatterND with no updates over its [T, hidden] embeddings (an inputs_embeds input instead would
@@ -52,17 +57,18 @@ class StepGraph(nn.Module):
 
     The first part takes ``input_ids``, later parts the residual stream ``hidden_in``; the last part applies the
     final norm and lm_head (``logits``, ``hidden``), earlier ones hand on ``hidden_out``. Caches in and out, per layer.
-    With a vision tower the first part also takes ``MEDIA_INPUTS`` (after the pools).
+    With a vision tower the first part also takes ``MEDIA_INPUTS`` (after the pools). ``kv_fp8``: each layer's
+    pools are uint8 E4M3 code pools followed by their scale pools.
     """
 
-    def __init__(self, model: M3ForCausalLM, layers: range | None = None):
+    def __init__(self, model: M3ForCausalLM, layers: range | None = None, kv_fp8: bool = False):
         super().__init__()
         setattr(self, ROOT, model)
         n = model.config.num_hidden_layers
         self.layers = layers or range(n)
         self.first, self.last = self.layers.start == 0, self.layers.stop == n
         self.media = self.first and model.config.vision is not None
-        arity = [len(s) for s in model.cache_shapes(1, 1)]
+        arity = [len(s) for s in model.cache_shapes(1, 1, scales=kv_fp8)]
         self.cache_arity = [arity[i] for i in self.layers]
 
     def forward(self, *inputs):
@@ -97,11 +103,12 @@ class MTPGraph(nn.Module):
         self.k = k
 
     def forward(self, *inputs):
-        """Inputs in ``mtp_signature`` order: input_ids, hidden, the batch, logits_indices, the three pools."""
+        """Inputs in ``mtp_signature`` order: input_ids, hidden, the batch, logits_indices, the three pools (and
+        their three scale pools with an FP8 cache)."""
         input_ids, hidden = inputs[:2]
-        batch, (logits_indices, k_cache, v_cache, index_k_cache) = Batch.from_inputs(inputs[2:])
+        batch, (logits_indices, *pools) = Batch.from_inputs(inputs[2:])
         logits, out, cache, sel = getattr(self, ROOT).mtp_step(
-            self.k, input_ids, hidden, batch, (k_cache, v_cache, index_k_cache), logits_indices, inplace=False
+            self.k, input_ids, hidden, batch, tuple(pools), logits_indices, inplace=False
         )
         return (logits.float(), out, *cache, sel)
 
@@ -115,7 +122,13 @@ class GraphSignature:
     aliases: dict[str, str]  # cache output -> the cache input it updates in place
 
 
-def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSignature:
+def _layer_pools(sparse: bool, kv_fp8: bool) -> tuple[str, ...]:
+    """A layer's pool names in cache-tuple order: the pools, then (FP8) their scale pools."""
+    n = 3 if sparse else 2
+    return POOLS[:n] + (SCALES[:n] if kv_fp8 else ())
+
+
+def step_signature(model: M3ForCausalLM, layers: range | None = None, kv_fp8: bool = False) -> GraphSignature:
     cfg = model.config
     layers = layers or range(cfg.num_hidden_layers)
     first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
@@ -123,7 +136,7 @@ def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSi
     ins = ["input_ids" if first else "hidden_in", *batch]
     outs, aliases, sel = (["logits", "hidden"] if last else ["hidden_out"]), {}, []
     for i in layers:
-        for n in POOLS if cfg.is_sparse_layer(i) else POOLS[:2]:
+        for n in _layer_pools(cfg.is_sparse_layer(i), kv_fp8):
             ins.append(f"{n}.{i}")
             outs.append(f"{n}_out.{i}")
             aliases[f"{n}_out.{i}"] = f"{n}.{i}"
@@ -134,18 +147,20 @@ def step_signature(model: M3ForCausalLM, layers: range | None = None) -> GraphSi
     return GraphSignature(tuple(ins), tuple(outs + sel), aliases)
 
 
-def mtp_signature() -> GraphSignature:
+def mtp_signature(kv_fp8: bool = False) -> GraphSignature:
+    pools = _layer_pools(True, kv_fp8)
     return GraphSignature(
-        ("input_ids", "hidden", *BATCH_INPUTS, *POOLS),
-        ("logits", "hidden_out", *(f"{p}_out" for p in POOLS), "selection"),
-        {f"{p}_out": p for p in POOLS},
+        ("input_ids", "hidden", *BATCH_INPUTS, *pools),
+        ("logits", "hidden_out", *(f"{p}_out" for p in pools), "selection"),
+        {f"{p}_out": p for p in pools},
     )
 
 
-def _example(model: M3ForCausalLM, page_size: int, layers: str):
+def _example(model: M3ForCausalLM, page_size: int, layers: str, kv_fp8: bool = False):
     """Meta-device inputs of a mixed batch (a 4-token prefill chunk after 2 cached tokens, plus a 3-token
     verify), sized so that no dynamic dimension is 0 or 1 or equal to another (T 7, B 2, N 5, max_pages >= 11,
-    pages >= 32) for any page size: the tracer must not specialise or unify them.
+    pages >= 32) for any page size: the tracer must not specialise or unify them. ``kv_fp8``: uint8 code pools
+    (float8 pools viewed as their bytes) and fp32 scale pools.
     -> (input_ids, Batch, logits_indices, pools)."""
     lens, new = [6, 9], [4, 3]
     pages_per = [-(-n // page_size) for n in lens]
@@ -153,15 +168,16 @@ def _example(model: M3ForCausalLM, page_size: int, layers: str):
                 for first, p, n, q in zip((0, pages_per[0]), pages_per, lens, new)]
     ids, batch = build_batch(segments, page_size, min_table_width=max(pages_per) + 10)
     num_pages = sum(pages_per) + 30
-    dtype = model.model.embed_tokens.weight.dtype
-    pools = [p for layer in model.allocate_caches(num_pages, page_size, dtype, "meta", layers) for p in layer]
+    dtype = kv_fp8_format.FP8 if kv_fp8 else model.model.embed_tokens.weight.dtype
+    pools = [p.view(torch.uint8) if p.dtype == kv_fp8_format.FP8 else p
+             for layer in model.allocate_caches(num_pages, page_size, dtype, "meta", layers) for p in layer]
     logits_indices = torch.tensor([3, 5, 6, 1, 2], dtype=torch.int64)
     return ids.to("meta"), batch.to("meta"), logits_indices.to("meta"), pools
 
 
 # Symbolic dimensions of every graph input by name (pools are named "<pool>" or "<pool>.<layer>").
 INPUT_DIMS = {"input_ids": ("T",), "hidden_in": ("T",), "hidden": ("T",), "logits_indices": ("N",),
-              **Batch.input_dims(), **dict.fromkeys(POOLS, ("pages",)), **dict.fromkeys(MEDIA_INPUTS, ("M",))}
+              **Batch.input_dims(), **dict.fromkeys(POOLS + SCALES, ("pages",)), **dict.fromkeys(MEDIA_INPUTS, ("M",))}
 
 
 def dynamic_shapes(names: tuple[str, ...]) -> tuple:
@@ -172,29 +188,30 @@ def dynamic_shapes(names: tuple[str, ...]) -> tuple:
     return tuple({axis: symbols[s] for axis, s in enumerate(INPUT_DIMS[name.split(".")[0]])} for name in names)
 
 
-def trace_step(model: M3ForCausalLM, page_size: int, layers: range | None = None) -> ir.Model:
-    """The whole model, or (``layers``) one part of a split export."""
+def trace_step(model: M3ForCausalLM, page_size: int, layers: range | None = None, kv_fp8: bool = False) -> ir.Model:
+    """The whole model, or (``layers``) one part of a split export; ``kv_fp8``: on FP8 (uint8 code) pools."""
     layers = layers or range(model.config.num_hidden_layers)
-    graph = StepGraph(model, layers)
-    ids, batch, logits_indices, pools = _example(model, page_size, "main")
-    arity = [len(s) for s in model.cache_shapes(1, 1)]
+    graph = StepGraph(model, layers, kv_fp8)
+    ids, batch, logits_indices, pools = _example(model, page_size, "main", kv_fp8)
+    dtype = model.model.embed_tokens.weight.dtype
+    arity = [len(s) for s in model.cache_shapes(1, 1, scales=kv_fp8)]
     first_pool = sum(arity[:layers.start])
     pools = pools[first_pool:first_pool + sum(graph.cache_arity)]
-    x = ids if graph.first else torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype,
-                                            device="meta")
+    x = ids if graph.first else torch.empty((ids.numel(), model.config.hidden_size), dtype=dtype, device="meta")
     head = (logits_indices,) if graph.last else ()  # logits_indices belongs to the part with the head
     media = ()
     if graph.media:  # 4 media rows (of T = 7): equal to no other dynamic dimension
         media = (torch.tensor([1, 2, 3, 5]).to("meta"),
-                 torch.empty((4, model.config.hidden_size), dtype=pools[0].dtype, device="meta"))
-    return torch_to_onnx(graph, (x, *batch.inputs(), *head, *pools, *media), step_signature(model, layers))
+                 torch.empty((4, model.config.hidden_size), dtype=dtype, device="meta"))
+    return torch_to_onnx(graph, (x, *batch.inputs(), *head, *pools, *media), step_signature(model, layers, kv_fp8))
 
 
-def trace_mtp(model: M3ForCausalLM, k: int, page_size: int) -> ir.Model:
-    ids, batch, logits_indices, pools = _example(model, page_size, "mtp")
-    hidden = torch.empty((ids.numel(), model.config.hidden_size), dtype=pools[0].dtype, device="meta")
-    args = (ids, hidden, *batch.inputs(), logits_indices, *pools[:3])
-    return torch_to_onnx(MTPGraph(model, k), args, mtp_signature())
+def trace_mtp(model: M3ForCausalLM, k: int, page_size: int, kv_fp8: bool = False) -> ir.Model:
+    ids, batch, logits_indices, pools = _example(model, page_size, "mtp", kv_fp8)
+    hidden = torch.empty((ids.numel(), model.config.hidden_size), dtype=model.model.embed_tokens.weight.dtype,
+                         device="meta")
+    args = (ids, hidden, *batch.inputs(), logits_indices, *pools[:len(_layer_pools(True, kv_fp8))])  # module 0's pools: all modules' are alike
+    return torch_to_onnx(MTPGraph(model, k), args, mtp_signature(kv_fp8))
 
 
 def torch_to_onnx(module: nn.Module, args, sig: GraphSignature, shapes: tuple | None = None) -> ir.Model:
@@ -219,8 +236,9 @@ def torch_to_onnx(module: nn.Module, args, sig: GraphSignature, shapes: tuple | 
 
 
 def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str, torch.Tensor],
-             base_dir: Path) -> onnx.ModelProto:
-    """Point parameters at their bytes, fold and clean the graph, attach the m3 function bodies.
+             base_dir: Path, kv_fp8: bool = False) -> onnx.ModelProto:
+    """Point parameters at their bytes, fold and clean the graph, attach the m3 function bodies (``kv_fp8``: the
+    cache readers' bodies on uint8 E4M3 code pools with scale inputs, ``functions.body``).
 
     Parameters are never folded into other constants, so each stays named initializers whose bytes are the
     tensor map's ranges; a parameter stored as several pieces (checkpoint tensors referenced in place) is
@@ -265,7 +283,7 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     )(model)
     _assemble_pieces(graph, {n: weights[n] for n in pieced}, base_dir)
     used = {n.op_type for n in graph.all_nodes() if n.domain == "m3"}
-    for fn in functions_for(used):
+    for fn in functions_for(used, kv_fp8):
         f = ir.serde.deserialize_function(fn)
         model.functions[f.identifier()] = f
     model.ir_version = IR_VERSION

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     import onnx
 
 FORMAT = "m3export.artifact"
+KV_FP8 = "float8_e4m3fn"  # kv_cache_dtype of an FP8 cache (m3export.dtypes' name of torch.float8_e4m3fn)
+# An FP8 cache's float32 row-scale pools, named as the ops' scale inputs; graph inputs ``<name>.<layer>`` beside
+# ``k_cache.<layer>``, ... (export/graphs.py)
+SCALE_POOLS = ("k_scale", "v_scale", "index_k_scale")
 FORMAT_VERSION = 1
 
 
@@ -94,6 +98,15 @@ class Manifest:
     parts: list[dict[str, Any]] = field(default_factory=list)
     # other flavours of the graphs written beside them, e.g. "tensorrt" (m3export/export/tensorrt_flavour.py)
     flavours: dict[str, Any] = field(default_factory=dict)
+    # the cache pools' dtype (an m3export.dtypes name; None: the model dtype). "float8_e4m3fn" (export
+    # --kv-cache-dtype fp8): the graphs carry each pool as uint8 E4M3 codes with a float32 scale pool per row
+    # (docs/ops.md §1 and §9); artifacts written before the field have model-dtype pools.
+    kv_cache_dtype: str | None = None
+
+    @property
+    def cache_dtype(self) -> str:
+        """The dtype the cache pools hold (what ``--kv-cache-dtype auto`` means for this artifact)."""
+        return self.kv_cache_dtype or self.dtype
 
     def to_json(self) -> dict:
         return {
@@ -112,6 +125,7 @@ class Manifest:
             "tools": self.tools,
             "parts": self.parts,
             "flavours": self.flavours,
+            "kv_cache_dtype": self.cache_dtype,
         }
 
     @classmethod
@@ -157,7 +171,18 @@ class Manifest:
             graphs=graphs, tensors=tensors, files=field("files", dict), tools=field("tools", dict),
             parts=_parts(raw.get("parts", []), graphs, config.num_hidden_layers, where),
             flavours=_flavours(raw.get("flavours", {}), where),
+            kv_cache_dtype=_kv_cache_dtype(raw.get("kv_cache_dtype"), where),
         )
+
+
+def _kv_cache_dtype(value: Any, where: str) -> str | None:
+    """A model dtype or ``float8_e4m3fn``; absent (older artifacts): None, the model dtype."""
+    from ..dtypes import MODEL_DTYPES
+
+    allowed = (*MODEL_DTYPES, KV_FP8)
+    if value is not None and value not in allowed:
+        raise ArtifactError(f"{where}: kv_cache_dtype {value!r} is not one of {', '.join(allowed)}")
+    return value
 
 
 def _flavours(flavours: Any, where: str) -> dict[str, Any]:

@@ -162,6 +162,13 @@ def write_flavour_files(directory: Path, graphs: dict, max_model_len: int, names
 
 def write_flavour(artifact, max_model_len: int, graphs: list[str] | None = None) -> dict:
     """The flavour of an exported artifact's graphs (``write_flavour_files`` in its directory); the artifact's own
-    files are never touched, an earlier build's flavour files are replaced."""
+    files are never touched, an earlier build's flavour files are replaced. An artifact with an FP8 cache is
+    refused: the plugins read no E4M3 pools."""
+    from .manifest import KV_FP8
+
+    if artifact.manifest.cache_dtype == KV_FP8:
+        raise ArtifactError(f"{artifact.root}: exported with an FP8 cache (kv_cache_dtype {KV_FP8}), which the "
+                            "TensorRT plugins do not read; export it again without --kv-cache-dtype fp8 to build "
+                            "TensorRT engines")
     return write_flavour_files(artifact.root, artifact.graphs, max_model_len, graphs,
                                protected=set(artifact.manifest.files))

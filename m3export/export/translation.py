@@ -1,4 +1,5 @@
-"""torch -> ONNX translation of the ``m3`` custom ops: each becomes exactly one ``m3::<Op>`` node.
+"""torch -> ONNX translation of the ``m3`` custom ops: each becomes exactly one ``m3::<Op>`` node, except the FP8
+cache's code writer ``m3::quantize_kv_rows``, which becomes standard ONNX ops (``kv_fp8_onnx.encode_rows``).
 
 The dynamo exporter passes tensor arguments positionally and reads the ``int`` / ``float`` annotations to turn
 the remaining torch-op arguments into ONNX attributes, so each function mirrors its torch op's signature.
@@ -6,30 +7,61 @@ the remaining torch-op arguments into ONNX attributes, so each function mirrors 
 
 from __future__ import annotations
 
+import numpy as np
+import onnx_ir as ir
 import onnxscript
 import torch
 
 from ..ops import DOMAIN, OPSET_VERSION
-from .schemas import register_schemas
+from .kv_fp8_onnx import encode_rows
+from .schemas import ONNX_OPSET, register_schemas
 
 m3 = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+_onnx = onnxscript.values.Opset("", ONNX_OPSET)
+
+
+class _TracedOps:
+    """The emitter interface of ``onnx_builder.Builder`` (``b.<Op>(...)``, ``b.const(value, dtype)``) over the
+    exporter's tracer, so an encoder written once for function bodies (``kv_fp8_onnx.encode_rows``) also
+    emits its nodes straight into a traced graph."""
+
+    def const(self, value, dtype=np.int64):
+        return _onnx.Constant(value=ir.tensor(np.asarray(value, dtype=dtype)))
+
+    def __getattr__(self, op_type: str):
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+        return getattr(_onnx, op_type)
+
+
+def _quantize_kv_rows(x):
+    """Standard ONNX nodes, no m3 node: every runtime that runs ScatterND runs the FP8 cache write, byte-equal to
+    ``kv_fp8.quantize_rows`` (``tests/test_kv_fp8_onnx.py``)."""
+    return encode_rows(_TracedOps(), x)
+
+
+def _scales(*scales) -> tuple:
+    """The FP8 cache's scale pools, the ops' optional trailing inputs: all given (uint8 code pools) or none."""
+    return () if scales[0] is None else scales
 
 
 def _lightning_indexer(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions,
-                       block_size: int, topk_blocks: int, local_blocks: int, init_blocks: int):
+                       block_size: int, topk_blocks: int, local_blocks: int, init_blocks: int, index_k_scale=None):
     return m3.LightningIndexer(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions,
-                               block_size=block_size, topk_blocks=topk_blocks, local_blocks=local_blocks,
-                               init_blocks=init_blocks)
+                               *_scales(index_k_scale), block_size=block_size, topk_blocks=topk_blocks,
+                               local_blocks=local_blocks, init_blocks=init_blocks)
 
 
-def _paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale: float):
-    return m3.PagedAttention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale=scale)
+def _paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, scale: float,
+                     k_scale=None, v_scale=None):
+    return m3.PagedAttention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions,
+                             *_scales(k_scale, v_scale), scale=scale)
 
 
 def _sparse_paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions, block_idx,
-                            block_size: int, scale: float):
+                            block_size: int, scale: float, k_scale=None, v_scale=None):
     return m3.SparsePagedAttention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, positions,
-                                   block_idx, block_size=block_size, scale=scale)
+                                   block_idx, *_scales(k_scale, v_scale), block_size=block_size, scale=scale)
 
 
 def _moe(x, router_weight, e_score_correction_bias, w13, w2, shared_w13, shared_w2, top_k: int,
@@ -62,4 +94,5 @@ def translation_table() -> dict:
         ops.moe.default: _moe,
         ops.moe_mxfp8.default: _moe_mxfp8,
         ops.mxfp8_linear.default: _mxfp8_linear,
+        ops.quantize_kv_rows.default: _quantize_kv_rows,
     }

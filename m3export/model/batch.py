@@ -145,8 +145,14 @@ def write_pool(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, in
 def write_pool_fp8(pool: torch.Tensor, scale_pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor,
                    inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``write_pool`` for an FP8 (E4M3) pool: each row of ``values`` quantised with its own fp32 scale
-    (``m3export.ops.kv_fp8``), the bytes into ``pool`` and the scale into ``scale_pool`` at the same slots."""
-    from m3export.ops.kv_fp8 import quantize_rows
+    (``m3export.ops.kv_fp8``), the bytes into ``pool`` and the scale into ``scale_pool`` at the same slots.
+    A ``uint8`` pool holds the E4M3 codes (the ONNX form of an FP8 pool): its rows come from the op
+    ``m3::quantize_kv_rows`` (the same bytes), which an export traces as one node and translates to standard ONNX
+    ops, so the exported write is a ScatterND of codes and one of scales, in place like every pool write."""
+    import m3export.ops.kv_fp8 as kv_fp8
 
-    q, scale = quantize_rows(values)
+    if pool.dtype == torch.uint8:
+        q, scale = torch.ops.m3.quantize_kv_rows(values)
+    else:
+        q, scale = kv_fp8.quantize_rows(values)
     return write_pool(pool, slots, q, inplace), write_pool(scale_pool, slots, scale, inplace)

@@ -3,7 +3,7 @@
 ``docs/ops.md`` is the written specification; the functions here are its reference implementations.
 """
 
-from . import attention, indexer, moe, mxfp8  # noqa: F401  (registration side effects)
+from . import attention, indexer, kv_fp8, moe, mxfp8  # noqa: F401  (registration side effects)
 from . import autograd  # noqa: F401  (gradients of the differentiable ops: training)
 
 OPS = {

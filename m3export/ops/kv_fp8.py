@@ -49,6 +49,23 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(FP8), scale
 
 
+def quantize_codes_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m3::quantize_kv_rows``: ``quantize_rows`` with the E4M3 values as their bit patterns, ``uint8`` (the
+    ONNX form of an FP8 pool, ``read_pool``). An op of its own so that a traced cache write of a code pool
+    stays one node, which the exporter translates to ``export/kv_fp8_onnx.encode_rows`` (standard ONNX ops, the
+    same bytes), never into float8 casts that no ONNX scatter takes; eager, it is this function."""
+    q, scale = quantize_rows(x)
+    return q.view(torch.uint8), scale
+
+
+quantize_kv_rows = torch.library.custom_op("m3::quantize_kv_rows", quantize_codes_reference, mutates_args=())
+
+
+@quantize_kv_rows.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[:-1], dtype=SCALE_DTYPE)
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [..., D] float8_e4m3fn, scale [...] -> [..., D] ``float(q) * scale`` computed in ``dtype``'s precision
     (fp32 for the contract; float64 when the conformance oracle asks, then exact)."""

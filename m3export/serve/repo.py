@@ -175,6 +175,13 @@ def write_repository(source: str, out: str | Path, *, backend: str | None = None
     if instances < 1:
         raise RepositoryError(f"instances must be >= 1, got {instances}")
     src = resolve_source(source, backend)
+    kv_cache_dtype = (engine_args or {}).get("kv_cache_dtype")
+    if src.kind == ARTIFACT and backend != "torch" and kv_cache_dtype not in (None, "auto"):
+        from ..runtime.backends import check_exported_cache_dtype
+
+        # here, not when Triton loads the model: the graphs run with the cache dtype they were exported with
+        # (``auto``, the default, is that dtype: an FP8 artifact is served with its FP8 cache)
+        check_exported_cache_dtype(backend, src.location, kv_cache_dtype)
     if copy and src.kind == "preset":
         raise RepositoryError(f"{source} is a preset: there is nothing to copy (drop --copy)")
     repo = Path(out).resolve()

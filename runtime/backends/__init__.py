@@ -30,34 +30,41 @@ def make_torch_backend(model: torch.nn.Module, enforce_eager: bool = False, kv_c
 
 
 def check_exported_cache_dtype(backend: str, artifact: str | Path, kv_cache_dtype: str | None) -> None:
-    """Backends that run the exported graphs use the pools those graphs declare (their dtype is recorded in
-    manifest.json with every graph signature): asking for another cache dtype is one clear error. ``artifact`` may
-    be a TensorRT engine directory, whose engines run the graphs of the artifact its ``build.json`` names."""
+    """Backends that run the exported graphs use the pools those graphs declare (manifest.json's
+    ``kv_cache_dtype``: the model dtype, or ``float8_e4m3fn`` for an ``export --kv-cache-dtype fp8`` artifact,
+    whose pools are uint8 E4M3 codes with fp32 scale pools): ``auto`` takes whatever the artifact has, asking for
+    another cache dtype is one clear error. ``artifact`` may be a TensorRT engine directory, whose engines run the
+    graphs of the artifact its ``build.json`` names."""
     if kv_cache_dtype in (None, "auto"):
         return
     from m3export.build.engine import built_from, is_engine_dir, read_build
     from m3export.dtypes import BY_NAME
     from m3export.errors import BackendUnavailable
     from m3export.export.artifact import load_artifact
-    from m3export.ops.kv_fp8 import FP8, resolve_cache_dtype
+    from m3export.ops.kv_fp8 import cache_dtype_name, resolve_cache_dtype
 
     source, where = artifact, str(artifact)
     if is_engine_dir(artifact):  # TensorRT engines run the graphs (pools included) of the artifact they came from
         source = built_from(read_build(artifact), artifact)
         where = f"{artifact} (TensorRT engines built from {source})"
     manifest = load_artifact(source, verify_checksums=False).manifest
-    pools = {t.dtype for g in manifest.graphs.values() for t in g.inputs
-             if t.name.split(".")[0] in ("k_cache", "v_cache", "index_k_cache")}
-    exported = BY_NAME[pools.pop() if len(pools) == 1 else manifest.dtype].torch
-    wanted = resolve_cache_dtype(kv_cache_dtype, exported)
-    if wanted == FP8:
-        raise BackendUnavailable(
-            f"--kv-cache-dtype fp8: the {backend} backend runs {artifact}'s exported graphs, whose caches are "
-            f"{exported}; ONNX has no Gather / ScatterND on float8 in any opset, so no artifact carries FP8 pools "
-            "yet: use --backend torch for an FP8 cache")
+    exported = BY_NAME[manifest.cache_dtype].torch
+    wanted = resolve_cache_dtype(kv_cache_dtype, BY_NAME[manifest.dtype].torch)
     if wanted != exported:
-        raise BackendUnavailable(f"--kv-cache-dtype {kv_cache_dtype}: {where} was exported with {exported} "
-                                 f"caches and the {backend} backend runs those graphs as exported")
+        raise BackendUnavailable(
+            f"--kv-cache-dtype {kv_cache_dtype}: {where} was exported with {cache_dtype_name(exported)} caches, not "
+            f"{cache_dtype_name(wanted)}, and the {backend} backend runs those graphs as exported (export again with "
+            f"--kv-cache-dtype {kv_cache_dtype}, or --backend torch, which takes any)")
+
+
+def _artifact_cache_dtype(manifest, kv_cache_dtype: str | None) -> str | None:
+    """The torch backend's ``--kv-cache-dtype`` on an exported artifact: ``auto`` is the artifact's own cache
+    dtype (``fp8`` for an FP8 artifact, so every backend runs it alike), anything else as asked."""
+    from m3export.export.manifest import KV_FP8
+
+    if kv_cache_dtype in (None, "auto") and manifest.cache_dtype == KV_FP8:
+        return "fp8"
+    return kv_cache_dtype
 
 
 def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -75,12 +82,13 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
         from m3export.export.artifact import load_artifact, load_torch_model
 
         # Start-up checks structure and sizes; hashing every weight byte is `m3export verify`'s job.
-        model = load_torch_model(load_artifact(artifact, verify_checksums=False), device, dtype)
+        art = load_artifact(artifact, verify_checksums=False)
+        model = load_torch_model(art, device, dtype)
         if str(device).startswith("cuda"):
             from m3export.plugins.kernels import use_on
 
             use_on(device)
-        return make_torch_backend(model, enforce_eager, kv_cache_dtype)
+        return make_torch_backend(model, enforce_eager, _artifact_cache_dtype(art.manifest, kv_cache_dtype))
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
 
