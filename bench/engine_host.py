@@ -12,7 +12,13 @@ runs on the device and its one device-to-host copy is included), and times each 
   logits are, then the copy of the chosen ids to the host);
 * ``detokenize``: incremental detokenization and stop strings (only with ``--tokenizer``: without one the
   engine works on ids and this is ~0);
+* ``draft``: with ``--speculative K``, the MTP drafter's work around its module calls (catch-up and chain
+  batches, proposals; the module calls themselves return fixed logits instantly, so every draft equals the
+  verify row's argmax only by chance: most rounds end at their first draft);
 * ``other``: the rest of ``Engine.step`` (bookkeeping, outputs).
+
+``host_reads_per_step``: the engine's device-to-host reads per step (``runtime/device_drafts.HOST_READS``; each
+waits for the device on a GPU): 1 (the step's decision) with or without speculation.
 
 Per batch size and sampling mode (greedy; sampled with temperature / top-k / top-p and a seed; greedy with 5
 logprobs) it reports microseconds per step per phase. On a GPU every phase ends with a synchronisation so device
@@ -20,6 +26,7 @@ work is charged to the phase that launched it (this adds a few microseconds per 
 
   python bench/engine_host.py                          # CPU: batch 1 / 8 / 64; bench/results/engine_host_cpu.json
   python bench/engine_host.py --device cuda            # on the H200: bench/results/engine_host_cuda.json
+  python bench/engine_host.py --speculative 0,2        # + speculative rounds of 2 drafts (one MTP module)
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from m3export.config import preset  # noqa: E402
 from m3export.runtime import Engine, SamplingParams  # noqa: E402
 from m3export.runtime.backends.base import Backend  # noqa: E402
 
-PHASES = ("schedule", "build_batch", "backend", "sample", "detokenize")
+PHASES = ("schedule", "build_batch", "backend", "sample", "detokenize", "draft")
 MODES = {
     "greedy": lambda i: SamplingParams(temperature=0),
     "sampled": lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=i),
@@ -52,20 +59,26 @@ MODES = {
 class NoComputeBackend(Backend):
     """Fixed random logits and zero hidden states of the right shapes on ``device``, made once; no pools (the
     engine only addresses pages). Random, not zero, logits: the sampler should see real data. Like the CUDA
-    default (``GraphedTorchBackend``) it takes host batches and copies them to the device itself."""
+    default (``GraphedTorchBackend``) it takes host batches and copies them to the device itself, and token ids
+    already there. ``mtp``: one MTP module, which returns the same fixed rows."""
 
     name = "no-compute"
 
-    def __init__(self, cfg, max_rows: int, device: torch.device):
+    def __init__(self, cfg, max_rows: int, device: torch.device, mtp: bool = False):
         self.config = cfg
         self.device = device
+        self.mtp = mtp
         g = torch.Generator().manual_seed(0)
         self._logits = torch.randn(max_rows, cfg.vocab_size, generator=g).to(device)
         self._hidden = torch.zeros(1, cfg.hidden_size, device=device)  # one row, expanded to the step's tokens
 
     @property
     def num_mtp_modules(self) -> int:
-        return 0
+        return 1 if self.mtp else 0
+
+    @property
+    def takes_device_token_ids(self) -> bool:
+        return True
 
     def page_bytes(self, page_size: int) -> int:
         return 1
@@ -84,7 +97,9 @@ class NoComputeBackend(Backend):
         return self._logits[:logits_indices.shape[0]], self._hidden.expand(input_ids.shape[0], -1)
 
     def mtp_forward(self, module, input_ids, hidden, batch, logits_indices):
-        raise RuntimeError("no MTP modules")
+        if not self.mtp:
+            raise RuntimeError("no MTP modules")
+        return self.forward(input_ids, batch, logits_indices)
 
 
 class PhaseTimers:
@@ -113,6 +128,8 @@ class PhaseTimers:
         patches = [(eng.scheduler, "schedule", "schedule"), (engine_module, "build_batch", "build_batch"),
                    (eng.backend, "forward", "backend"), (engine_module, "decide", "sample"),
                    (IncrementalDetokenizer, "append", "detokenize"), (IncrementalDetokenizer, "release", "detokenize")]
+        if eng.drafter is not None:
+            patches.append((eng.drafter, "run", "draft"))
         saved = [(obj, name, obj.__dict__.get(name) if isinstance(obj, type) else getattr(obj, name))
                  for obj, name, _ in patches]
         for obj, name, phase in patches:
@@ -127,11 +144,15 @@ class PhaseTimers:
                     delattr(obj, name)  # the instance attribute goes; the method shows through again
 
 
-def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer) -> dict:
-    be = NoComputeBackend(cfg, batch, device)  # one sampled row per request (no speculation)
+def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer,
+        speculative: int = 0) -> dict:
+    from m3export.runtime.device_drafts import HOST_READS
+
+    be = NoComputeBackend(cfg, batch * (1 + speculative), device, mtp=speculative > 0)  # sampled rows per step
     page = 64
-    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 1),
-                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len))
+    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 2),
+                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len),
+                 num_speculative_tokens=speculative)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
@@ -140,17 +161,21 @@ def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_t
     eng.step()  # the prefill step (all prompts fit one step), and every kernel / allocation warmed up
     timers = PhaseTimers(device)
     steps = 0
+    reads = HOST_READS.copy()
     with timers.timing(eng):
         t = time.perf_counter()
         while eng.has_unfinished():
             eng.step()
             steps += 1
         total = time.perf_counter() - t
+    reads = sum((HOST_READS - reads).values())
     per = {k: v / steps * 1e6 for k, v in timers.seconds.items()}
     per["other"] = total / steps * 1e6 - sum(per.values())
     host = total / steps * 1e6 - per["backend"]
-    return dict(batch=batch, mode=mode, decode_steps=steps, us_per_step=per, engine_us_per_step=host,
-                engine_us_per_token=host / batch)
+    tokens = batch * (new_tokens - 1)  # every token after the prefill step's first
+    return dict(batch=batch, mode=mode, speculative=speculative, decode_steps=steps, us_per_step=per,
+                engine_us_per_step=host, engine_us_per_token=host * steps / tokens,
+                host_reads_per_step=reads / steps)
 
 
 def main() -> int:
@@ -162,6 +187,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json of M3's vocabulary, to time detokenizing")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--speculative", default="0", help="drafts per round, comma-separated (0: no speculation)")
     ap.add_argument("--json", default=None, help="default bench/results/engine_host_<device type>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -179,9 +205,10 @@ def main() -> int:
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected {', '.join(MODES)})")
-        for b in [int(v) for v in args.batches.split(",")]:
-            rows.append(run(cfg, device, b, mode, args.prompt_len, args.new_tokens, tokenizer))
-            print(rows[-1], flush=True)
+        for k in [int(v) for v in args.speculative.split(",")]:
+            for b in [int(v) for v in args.batches.split(",")]:
+                rows.append(run(cfg, device, b, mode, args.prompt_len, args.new_tokens, tokenizer, k))
+                print(rows[-1], flush=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "vocab": cfg.vocab_size, "threads": args.threads,
            "tokenizer": args.tokenizer, "rows": rows}
@@ -189,10 +216,12 @@ def main() -> int:
     print(f"\nengine work per decode step, microseconds (vocabulary {cfg.vocab_size}, {res['device']}, "
           f"{args.threads} thread(s)); {out}")
     cols = PHASES + ("other",)
-    print(f"{'mode':>8} {'batch':>5} " + " ".join(f"{c:>11}" for c in cols) + f" {'engine':>8} {'per tok':>8}")
+    print(f"{'mode':>8} {'k':>2} {'batch':>5} " + " ".join(f"{c:>11}" for c in cols)
+          + f" {'engine':>8} {'per tok':>8} {'reads':>5}")
     for r in rows:
-        print(f"{r['mode']:>8} {r['batch']:>5} " + " ".join(f"{r['us_per_step'][c]:>11.0f}" for c in cols)
-              + f" {r['engine_us_per_step']:>8.0f} {r['engine_us_per_token']:>8.1f}")
+        print(f"{r['mode']:>8} {r['speculative']:>2} {r['batch']:>5} "
+              + " ".join(f"{r['us_per_step'][c]:>11.0f}" for c in cols)
+              + f" {r['engine_us_per_step']:>8.0f} {r['engine_us_per_token']:>8.1f} {r['host_reads_per_step']:>5.2f}")
     return 0
 
 

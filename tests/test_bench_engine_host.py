@@ -27,8 +27,18 @@ def test_engine_host_splits_the_step_into_phases(tmp_path):
                                                              ("sampled", 2)]
     for r in res["rows"]:
         phases = r["us_per_step"]
-        assert set(phases) == {"schedule", "build_batch", "backend", "sample", "detokenize", "other"}
+        assert set(phases) == {"schedule", "build_batch", "backend", "sample", "detokenize", "draft", "other"}
         assert r["decode_steps"] == 2 and phases["sample"] > 0 and phases["schedule"] > 0
+        assert phases["draft"] == 0 and r["host_reads_per_step"] == 1
+
+
+def test_engine_host_times_speculative_rounds(tmp_path):
+    out = tmp_path / "eh.json"
+    _run("engine_host.py", "--batches", "2", "--modes", "greedy", "--new-tokens", "6", "--speculative", "2",
+         "--json", str(out))
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["speculative"] == 2 and r["us_per_step"]["draft"] > 0
+    assert r["host_reads_per_step"] == 1  # the verify decision; the drafts stay where the logits are
 
 
 def test_long_prefill_runs_every_length_in_chunks(tmp_path):
