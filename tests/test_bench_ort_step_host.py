@@ -1,0 +1,24 @@
+"""bench/ort_step_host.py on the CPU EP: it runs end to end, and its count of a steady step's IOBinding calls is 0
+(PagedSession binds once; tests/test_paged_session_binding.py counts them in detail)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "ort_step_host.py"
+
+
+def test_cpu_run_writes_rows_and_a_steady_step_binds_nothing(tiny_artifact, tmp_path):
+    out = tmp_path / "host.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
+                          "--threads", "1", "--reps", "2", "--shapes", "1x20,2x40", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["provider"] == "CPUExecutionProvider" and res["pools"] > 0
+    assert [(r["batch"], r["context"]) for r in res["rows"]] == [(1, 20), (2, 40)]
+    for row in res["rows"]:
+        assert row["binding_calls"] == 0 and row["step_ms"] > 0 and row["host_us"] > 0
