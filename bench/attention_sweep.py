@@ -4,12 +4,17 @@
     python3 bench/attention.py --sweep --device cpu --out /tmp/attention_sweep_cpu.json   # logic only
 
 Groups, after issue 11's unmet targets (``docs/performance.md``): ``sparse-decode`` (copy bandwidth at batch
->= 16), ``sparse-prefill`` (bf16 TFLOP/s), ``indexer-scan`` (the scan launch alone, copy bandwidth, batch 1 at
-128k) and ``topk`` (the block top-16 launch alone). Every (variant, shape) is checked the way
-``bench/attention.py`` checks the defaults, on the same inputs: selections equal to the reference's up to fp32
-near-ties (the conformance suite's rule), attention within 4 * 2^-9 * max|V|. Decode is checked on its first (up
-to) 4 sequences and prefill on its last 64 tokens, each against a reference called for those alone (it gathers
-only their context). Decode is timed from CUDA-graph replays (kernel time, page sets cycled so that small inputs
+>= 16), ``indexer-scan`` (the scan launch alone, copy bandwidth, batch 1 at 128k), ``topk`` (the block top-16
+launch alone), ``sparse-prefill`` (bf16 TFLOP/s on the bench's inputs: independent random index queries, so
+neighbouring tokens select unrelated blocks) and ``sparse-prefill-smooth`` (the same with index queries that
+drift slowly along the prompt, a moving average of white noise over ``SMOOTH_TOKENS`` tokens, so neighbours
+select mostly the same blocks, as neighbouring tokens of real text tend to: how much a query tile of several
+tokens can share depends on exactly that, and each "union" row records the tiles' distinct blocks over top-k).
+
+Every (variant, shape) is checked the way ``bench/attention.py`` checks the defaults, on the same inputs:
+selections equal to the reference's up to fp32 near-ties (the conformance suite's rule), attention within
+4 * 2^-9 * max|V|. Decode is checked on its first (up to) 4 sequences and prefill on its last 64 tokens, each
+against a reference called for those alone (it gathers only their context). Decode is timed from CUDA-graph replays (kernel time, page sets cycled so that small inputs
 do not run from L2), prefill eagerly (the "union" loop's tile lists included). FLOPs and bytes are counted as
 ``bench/attention.py`` counts them, and the ceilings (copy rate, bf16 matmul rate) are measured in the same run.
 
@@ -46,12 +51,14 @@ DIMS = {
 SHAPES = {  # decode: (batch, context); prefill: prompt length (one sequence)
     "cuda": {"sparse-decode": [(1, 4096), (1, 131072), (16, 32768), (64, 32768)],
              "sparse-prefill": [4096, 16384, 65536],
+             "sparse-prefill-smooth": [16384, 65536],
              "indexer-scan": [(1, 4096), (1, 131072), (8, 32768), (8, 131072)],
              "topk": [(1, 4096), (1, 131072), (64, 32768)]},
-    "cpu": {"sparse-decode": [(1, 64), (1, 128), (3, 128)], "sparse-prefill": [80],
+    "cpu": {"sparse-decode": [(1, 64), (1, 128), (3, 128)], "sparse-prefill": [80], "sparse-prefill-smooth": [80],
             "indexer-scan": [(1, 64), (1, 128), (3, 128)], "topk": [(1, 64), (1, 128), (3, 128)]},
 }
-GROUPS = ("sparse-decode", "sparse-prefill", "indexer-scan", "topk")
+GROUPS = ("sparse-decode", "indexer-scan", "topk", "sparse-prefill", "sparse-prefill-smooth")
+SMOOTH_TOKENS = {"cuda": 64, "cpu": 8}
 CHECK_SEQS, CHECK_TAIL = 4, 64
 
 
@@ -113,8 +120,8 @@ class Sweep:
     def pools(self):
         """One shuffled pool of K, V and index keys large enough for every shape of the chosen groups."""
         dm = self.dims
-        need = [b * c for g in self.groups if g != "sparse-prefill" for b, c in self.shapes[g]]
-        need += [n for n in self.shapes["sparse-prefill"]] if "sparse-prefill" in self.groups else []
+        need = [b * c for g in self.groups if not g.startswith("sparse-prefill") for b, c in self.shapes[g]]
+        need += [n for g in self.groups if g.startswith("sparse-prefill") for n in self.shapes[g]]
         self.pages = -(-max(need) // dm["page"]) + 64
         shape = (self.pages, dm["page"])
         self.kc = torch.randn(*shape, dm["hkv"], dm["d"], device=self.dev, dtype=torch.bfloat16)
@@ -181,7 +188,8 @@ class Sweep:
         rates = "" if self.cpu or not seconds else (
             f"{nbytes / seconds / 1e12:6.2f} TB/s ({100 * r['frac_copy_bw']:5.1f}%)  "
             f"{flops / seconds / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ")
-        print(f"{group:14s} {str(shape):14s} {variant:22s} {t}  {rates}{'ok' if ok else 'FAILED'} {detail}",
+        more = "".join(f"  {k} {v:.3g}" for k, v in (extra or {}).items())
+        print(f"{group:21s} {str(shape):14s} {variant:20s} {t}  {rates}{'ok' if ok else 'FAILED'} {detail}{more}",
               flush=True)
 
     def variants(self, module, part):
@@ -244,12 +252,18 @@ class Sweep:
 
         self.each_variant("sparse-decode", (bsz, ctx), self.SPA, "decode", run)
 
-    def sparse_prefill(self, n):
+    def sparse_prefill(self, n, group):
         from m3export.ops.attention import sparse_paged_attention_reference
 
         dm = self.dims
         s = self.paged(1, n, n)
-        iq = torch.randn(n, dm["hi"], dm["di"], device=self.dev, dtype=torch.bfloat16)
+        if group == "sparse-prefill-smooth":  # token t's index query: the mean of noise rows t .. t + w - 1
+            w = SMOOTH_TOKENS[self.dev.type]
+            noise = torch.randn(n + w - 1, dm["hi"] * dm["di"], device=self.dev)
+            cs = torch.cat([torch.zeros_like(noise[:1]), noise.cumsum(0)])
+            iq = ((cs[w:] - cs[:-w]) / w**0.5).view(n, dm["hi"], dm["di"]).to(torch.bfloat16)
+        else:
+            iq = torch.randn(n, dm["hi"], dm["di"], device=self.dev, dtype=torch.bfloat16)
         q = torch.randn(n, dm["hq"], dm["d"], device=self.dev, dtype=torch.bfloat16)
         sel = self.LI.forward(iq, self.ikc, *s, dm["bs"], dm["topk"], dm["local"], dm["init"])
         tail = min(CHECK_TAIL, n)
@@ -273,7 +287,7 @@ class Sweep:
                 extra = dict(union_blocks_per_tile_over_topk=cnt.float().mean().item() / dm["topk"])
             return self.eager_time(fn), nbytes, flops, ok, detail, extra
 
-        self.each_variant("sparse-prefill", n, self.SPA, "prefill", run)
+        self.each_variant(group, n, self.SPA, "prefill", run)
 
     @staticmethod
     def _tiles(qsl, n, tokens):
@@ -323,6 +337,7 @@ class Sweep:
     def winners(self):
         modules = {"sparse-decode": ("sparse_paged_attention", self.SPA, "decode"),
                    "sparse-prefill": ("sparse_paged_attention", self.SPA, "prefill"),
+                   "sparse-prefill-smooth": ("sparse_paged_attention", self.SPA, "prefill"),
                    "indexer-scan": ("lightning_indexer", self.LI, "scan"),
                    "topk": ("lightning_indexer", self.LI, "topk")}
         for group in self.groups:
@@ -373,8 +388,8 @@ class Sweep:
             for shape in self.shapes[group]:
                 if group == "sparse-decode":
                     self.sparse_decode(*shape)
-                elif group == "sparse-prefill":
-                    self.sparse_prefill(shape)
+                elif group.startswith("sparse-prefill"):
+                    self.sparse_prefill(shape, group)
                 else:
                     self.indexer("scan" if group == "indexer-scan" else "topk", *shape)
         self.winners()
