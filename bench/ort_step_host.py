@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -25,29 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import decode_batch  # noqa: E402  (bench/decode.py: the decode step's batch)
+from ort_gpu import timed_ms  # noqa: E402  (bench/ort_gpu.py: median ms, until done or until it returns)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
 BINDING_CALLS = ("bind_input", "bind_output", "bind_ortvalue_input", "bind_ortvalue_output", "get_outputs")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn, reps: int, device: torch.device, until_done: bool) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        if until_done:
-            _sync(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    _sync(device)
-    return sorted(times)[len(times) // 2]
 
 
 def count_binding_calls(fn) -> int:
@@ -107,13 +87,13 @@ def main() -> int:
         ids = torch.zeros(batch, dtype=torch.int64, device=device)
         rows = torch.arange(batch, device=device)
         step = lambda: backend.forward(ids, b, rows)  # noqa: E731 - its outputs dropped, as the engine does
-        step_ms = median_ms(step, args.reps, device, until_done=True)
-        enqueue_ms = median_ms(step, args.reps, device, until_done=False)
+        step_ms = timed_ms(step, args.reps, device, until_done=True)
+        enqueue_ms = timed_ms(step, args.reps, device, until_done=False)
         calls = count_binding_calls(step)
         run = session.session.run_with_iobinding
         session.session.run_with_iobinding = lambda *a: None  # the session's own work only
         try:
-            host_us = median_ms(step, args.reps, device, until_done=False) * 1e3
+            host_us = timed_ms(step, args.reps, device, until_done=False) * 1e3
         finally:
             del session.session.run_with_iobinding  # the class's method again
         assert session.session.run_with_iobinding.__func__ is run.__func__
