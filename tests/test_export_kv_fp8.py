@@ -112,6 +112,8 @@ def test_onnxruntime_fp8_artifact_generates_the_torch_fp8_tokens_and_cache(fp8_a
     ort_engine = Engine.from_artifact(fp8_artifact, backend="onnxruntime", **kw)
     torch_engine = Engine.from_artifact(fp8_artifact, backend="torch", **kw)
     assert torch_engine.backend.dtype == kv_fp8.FP8
+    # the pool budget counts the same bytes on both: uint8 codes and fp32 scales (the MTP module's included)
+    assert ort_engine.backend.page_bytes(16) == torch_engine.backend.page_bytes(16)
     outs = [e.generate(prompts, GREEDY) for e in (ort_engine, torch_engine)]
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert all(e.stats.draft_tokens > 0 and e.stats.prefill_tokens > 0 for e in (ort_engine, torch_engine))
@@ -191,3 +193,35 @@ def test_export_command_takes_the_option(capsys):
     assert "pools are uint8 E4M3 codes with fp32 scale pools" in text and "--kv-cache-dtype fp8 # E4M3 cache" in text
     assert main(["export", "--preset", "tiny", "--out", "x", "-tp", "2", "--kv-cache-dtype", "fp8"]) == 2
     assert "not with --kv-cache-dtype fp8" in capsys.readouterr().err
+
+
+# ONNX Runtime's CUDA EP registrations of the ops only the FP8 cache's encoder adds to a step graph (same source
+# as tests/test_ort_cuda_kernel_types.py: ORT's docs/OperatorKernels.md, CUDAExecutionProvider; the encoder feeds
+# them fp32 only).
+_ENCODER_OPS = {"Log": ((0,), {"DOUBLE", "FLOAT", "FLOAT16"}),  # 13+
+                "Floor": ((0,), {"DOUBLE", "FLOAT", "FLOAT16"}),  # 13+
+                "Round": ((0,), {"DOUBLE", "FLOAT", "FLOAT16"})}  # 11+
+
+
+@pytest.mark.parametrize("graph", ["model", "mtp0"])
+def test_every_fp8_cache_node_has_a_cuda_kernel_for_its_types(fp8_artifact, graph):
+    """The code pools' Gather / ScatterND (uint8), the decode table lookup and the encoder's arithmetic all have
+    kernels in ORT's CUDA EP for the types they are fed, so an FP8 step stays on the GPU (function bodies
+    inlined as ORT does; the bf16 graphs' other nodes: tests/test_ort_cuda_kernel_types.py)."""
+    from tests.test_ort_cuda_kernel_types import CUDA_EP, typed_nodes
+
+    table = {**CUDA_EP, **_ENCODER_OPS}
+    model = onnx.load(str(load_artifact(fp8_artifact, verify_checksums=False).path(graph)), load_external_data=False)
+    missing, unknown, uint8_moves = set(), set(), 0
+    for where, node, types in typed_nodes(model):
+        if node.op_type not in table:
+            unknown.add(node.op_type)
+            continue
+        positions, allowed = table[node.op_type]
+        for i in range(len(types)) if positions is None else positions:
+            if i < len(types) and node.input[i] and types[i] not in allowed:
+                missing.add(f"{where or '/'} {node.op_type} input {i}: {types[i]}")
+        uint8_moves += node.op_type in ("Gather", "ScatterND") and types[0] == "UINT8"
+    assert not unknown, f"ops without a CUDA EP registration in the table: {sorted(unknown)}"
+    assert not missing, f"nodes ORT's CUDA EP has no kernel for: {sorted(missing)}"
+    assert uint8_moves >= 3  # the pools' writes and the readers' gathers really are on codes

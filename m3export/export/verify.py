@@ -125,7 +125,7 @@ class Report:
     steps: int = 0
     outputs: dict[str, Stat] = field(default_factory=dict)
     selections: dict[str, Agreement] = field(default_factory=dict)
-    cache_codes: dict[str, Agreement] = field(default_factory=dict)  # FP8 pools: E4M3 codes equal to the reference's
+    cache_codes: dict[str, Agreement] = field(default_factory=dict)  # FP8 pools: the written rows' E4M3 codes
     greedy: dict[str, Agreement] = field(default_factory=dict)
     pools_in_place: int = 0
     exercised: int = 0  # tokens that saw more blocks than the indexer keeps
@@ -195,14 +195,19 @@ class _Comparison:
     def close(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
         self.report.outputs.setdefault(name, Stat()).update(self.dtype.to_torch(got).float(), ref.float())
 
-    def pool(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
-        """A cache pool after the step. FP8 pools (uint8 E4M3 codes in the graph, float8 in the reference):
-        the codes, equal up to near-ties (``Agreement.update_codes``); their scale pools are float32 outputs
-        judged like any other."""
+    def pool(self, name: str, got: np.ndarray, ref: torch.Tensor, slots: torch.Tensor) -> None:
+        """A cache pool after the step. FP8 pools (uint8 E4M3 codes in the graph, float8 in the reference): the
+        codes of the rows this step wrote (``slots``; each row counted once), equal up to near-ties
+        (``Agreement.update_codes``); their scale pools are float32 outputs compared whole, like any pool."""
         if ref.dtype != kv_fp8.FP8:
             self.close(name, got, ref)
             return
-        self.report.cache_codes.setdefault(name, Agreement()).update_codes(torch.from_numpy(got), ref.view(torch.uint8))
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, *t.shape[2:])[slots]
+
+        codes = self.report.cache_codes.setdefault(name, Agreement())
+        codes.update_codes(rows(torch.from_numpy(got)), rows(ref.view(torch.uint8)))
 
     def selection(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
         self.report.selections.setdefault(name, Agreement()).update(torch.from_numpy(got), ref)
@@ -268,7 +273,7 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
                 cmp.selection(f"model:selection.{i}", got[f"selection.{i}"], sel)
             cmp.greedy("model:logits", got["logits"], ref.logits)
             for name, pool in zip(main.pool_inputs, (p for layer in caches for p in layer)):
-                cmp.pool(f"model:{name}", main.pools[name], pool)
+                cmp.pool(f"model:{name}", main.pools[name], pool, batch.slot_mapping)
 
             nxt = ref.logits.argmax(-1)
             active = [b for b, n in enumerate(step) if n]
@@ -286,7 +291,7 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
                 cmp.selection(f"mtp{k}:selection", out["selection"], sel)
                 cmp.greedy(f"mtp{k}:logits", out["logits"], logits)
                 for name, pool in zip(sess.pool_inputs, cache):
-                    cmp.pool(f"mtp{k}:{name}", sess.pools[name], pool)
+                    cmp.pool(f"mtp{k}:{name}", sess.pools[name], pool, batch.slot_mapping)
 
             for b, end in zip(active, ends):
                 done[b] += step[b]
