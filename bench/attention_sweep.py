@@ -1,6 +1,6 @@
 """Launch-parameter sweep of the attention kernels: each kernel's ``DEFAULTS`` against its module's ``VARIANTS``.
 
-    python3 bench/attention.py --sweep [--out bench/results/attention_sweep.json] [--budget-s 180]
+    python3 bench/attention.py --sweep [--out bench/results/attention_sweep.json] [--budget-s 190]
     python3 bench/attention.py --sweep --device cpu --out /tmp/attention_sweep_cpu.json   # logic only
 
 Groups, after issue 11's unmet targets (``docs/performance.md``): ``sparse-decode`` (copy bandwidth at batch
@@ -52,7 +52,7 @@ SHAPES = {  # decode: (batch, context); prefill: prompt length (one sequence)
     "cuda": {"sparse-decode": [(1, 4096), (1, 131072), (16, 32768), (64, 32768)],
              "sparse-prefill": [4096, 16384, 65536],
              "sparse-prefill-smooth": [16384, 65536],
-             "indexer-scan": [(1, 4096), (1, 131072), (8, 32768), (8, 131072)],
+             "indexer-scan": [(1, 4096), (1, 131072), (8, 32768)],
              "topk": [(1, 4096), (1, 131072), (64, 32768)]},
     "cpu": {"sparse-decode": [(1, 64), (1, 128), (3, 128)], "sparse-prefill": [80], "sparse-prefill-smooth": [80],
             "indexer-scan": [(1, 64), (1, 128), (3, 128)], "topk": [(1, 64), (1, 128), (3, 128)]},
@@ -65,7 +65,7 @@ CHECK_SEQS, CHECK_TAIL = 4, 64
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/attention_sweep.json")
-    ap.add_argument("--budget-s", type=float, default=180.0,
+    ap.add_argument("--budget-s", type=float, default=190.0,
                     help="start no measurement after this many seconds (what was measured is kept)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
@@ -218,6 +218,8 @@ class Sweep:
     def check_selection(self, sel, ref, iq, args):
         from m3export.ops.conformance import Verdict, _compare_selection, upcast
 
+        if torch.equal(sel, ref):
+            return True, "equal"
         dm = self.dims
         v = Verdict()
         _compare_selection(sel, ref, upcast([iq, self.ikc, *args]),

@@ -37,6 +37,9 @@ ATTENTION_CASES = {
 }
 INDEXER_CASES = ("decode-one-token-seqs", "many-blocks-top16")
 SCHEDULE_ONLY = ("num_warps", "num_stages")
+# Settings the launcher accepts that no variant uses now: the "union" loop with one token per program.
+UNLISTED = {"decode": {"union-decode": dict(loop="union")}, "prefill": {"union-one-token": dict(tile_tokens=1,
+                                                                                                 loop="union")}}
 
 
 def distinct(defaults: dict, variants: dict) -> list[str]:
@@ -65,7 +68,7 @@ def _paged(name):
 
 def _attention_params():
     for mode, cases in ATTENTION_CASES.items():
-        for variant in distinct(SPA.DEFAULTS[mode], SPA.VARIANTS[mode]):
+        for variant in distinct(SPA.DEFAULTS[mode], {**SPA.VARIANTS[mode], **UNLISTED[mode]}):
             for name, dtype in cases:
                 yield pytest.param(mode, variant, name, dtype, id=f"{mode}-{variant}-{name}")
 
@@ -88,7 +91,7 @@ def test_sparse_attention_variant_matches_reference(mode, variant, name, dtype):
         noise = torch.randint(-1, (max(paged.seq_lens.tolist()) - 1) // bs + 3, (t, hkv, 4), generator=paged.gen,
                               dtype=torch.int32)
         sel = torch.cat([noise, own.view(t, 1, 1).expand(t, hkv, 1), noise[..., :1]], dim=-1)
-    settings = dict(SPA.VARIANTS[mode][variant])
+    settings = dict({**SPA.VARIANTS[mode], **UNLISTED[mode]}[variant])
     if name == "blocks-of-32":
         settings["block_n"] = 16
     ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5)

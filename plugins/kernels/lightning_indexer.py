@@ -47,11 +47,9 @@ DEFAULTS = {
 VARIANTS = {
     "scan": {
         "waves4": dict(waves=4, max_splits=1024),
-        "waves8": dict(waves=8, max_splits=1024),
         "waves8-min2": dict(waves=8, max_splits=1024, min_split_tiles=2),
         "min4": dict(min_split_tiles=4),
         "n128-waves4": dict(block_n=128, waves=4, max_splits=1024),
-        "n128-w8-waves4": dict(block_n=128, num_warps=8, waves=4, max_splits=1024),
         "s4-waves4-min2": dict(num_stages=4, waves=4, max_splits=1024, min_split_tiles=2),
     },
     "topk": {
@@ -59,7 +57,6 @@ VARIANTS = {
         "rounds-w2": dict(num_warps=2),
         "bitonic-w1": dict(method="bitonic", num_warps=1),
         "bitonic-w4": dict(method="bitonic"),
-        "bitonic-w8": dict(method="bitonic", num_warps=8),
     },
 }
 
