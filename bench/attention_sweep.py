@@ -14,9 +14,10 @@ tokens can share depends on exactly that, and each "union" row records the tiles
 Every (variant, shape) is checked the way ``bench/attention.py`` checks the defaults, on the same inputs:
 selections equal to the reference's up to fp32 near-ties (the conformance suite's rule), attention within
 4 * 2^-9 * max|V|. Decode is checked on its first (up to) 4 sequences and prefill on its last 64 tokens, each
-against a reference called for those alone (it gathers only their context). Decode is timed from CUDA-graph replays (kernel time, page sets cycled so that small inputs
-do not run from L2), prefill eagerly (the "union" loop's tile lists included). FLOPs and bytes are counted as
-``bench/attention.py`` counts them, and the ceilings (copy rate, bf16 matmul rate) are measured in the same run.
+against a reference called for those alone (it gathers only their context). Decode is timed from CUDA-graph
+replays (kernel time, page sets cycled so that small inputs do not run from L2), prefill eagerly (the "union"
+loop's tile lists included). FLOPs and bytes are counted as ``bench/attention.py`` counts them, and the ceilings
+(copy rate, bf16 matmul rate) are measured in the same run.
 
 A group's winner is the variant with the smallest geometric mean of (its time / the defaults' time) over the
 group's shapes measured for every variant, among variants whose every check passed; the sweep prints the

@@ -136,25 +136,6 @@ def test_indexer_variant_selects_exactly_as_reference(part, variant, name):
     assert torch.equal(got.cpu(), ref)
 
 
-@pytest.mark.parametrize("variant", distinct(LI.DEFAULTS["topk"], LI.VARIANTS["topk"]))
-@pytest.mark.parametrize("values", ["zeros", "small-integers"])
-def test_topk_variant_breaks_ties_as_reference(variant, values):
-    """Exact ties (every score 0; integer scores with many equal block maxima) and -inf padding: forced blocks
-    first in ascending id, then the lower id among equal scores, -1 past the visible blocks."""
-    paged = Paged([23, 6, 40], [23, 6, 2], 4, seed=1)
-    attrs = (4, 4, 2, 1)
-    if values == "zeros":
-        q, pool = paged.randn(paged.tokens, 2, 16), paged.pool(16, values=lambda *s: torch.zeros(*s))
-    else:
-        ints = lambda *s: torch.randint(-1, 2, s, generator=paged.gen).float()  # noqa: E731
-        q, pool = ints(paged.tokens, 2, 16), paged.pool(16, values=ints)
-    ref = lightning_indexer_reference(q, pool, *paged.args("cpu"), *attrs)
-    assert (ref == -1).any()
-    got = LI.forward(q.to(DEVICE), pool.to(DEVICE), *paged.args(), *attrs,
-                     config={"topk": LI.VARIANTS["topk"][variant]})
-    assert torch.equal(got.cpu(), ref)
-
-
 def test_settings_refuse_unknown_names():
     paged = Paged([9], [1], 4, seed=2)
     q, pool = paged.randn(1, 2, 16), paged.pool(16)

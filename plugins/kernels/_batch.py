@@ -34,6 +34,18 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+def launch_settings(kernel: str, defaults: dict, config: dict | None, part: str) -> dict:
+    """``defaults[part]`` (a kernel module's DEFAULTS table) with the entries of ``config[part]``; a name the table
+    does not have is refused by name, so a misspelt setting never silently keeps its default."""
+    cfg = dict(defaults[part])
+    extra = (config or {}).get(part, {})
+    unknown = set(extra) - set(cfg)
+    if unknown:
+        raise ValueError(f"{kernel}: unknown {part} settings {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(extra)
+    return cfg
+
+
 def splits_for(device: torch.device, programs: int, most: int, waves: int = _WAVES) -> int:
     """How many pieces to cut each program's context into so that the launch has about ``waves`` programs per
     multiprocessor (1..most)."""

@@ -11,7 +11,7 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
 2. ``_block_topk``: one program per (token, head) over at most ``ceil(max_pages * page_size / block_size)``
    blocks: forced blocks (local / init) as +inf, blocks after the token's own as -inf, then ``topk`` rounds of
    "largest value, lowest id among equals": exactly the reference's stable descending order; -inf -> -1.
-   The ``"bitonic"`` form (``_block_topk_bitonic``) gives the same ids from one bitonic top-k (``tl.topk``) over
+   The ``"bitonic"`` method gives the same ids from one bitonic top-k (``tl.topk``) over
    one int64 key per block, (order-preserving bits of the score) << 32 | (NB_PAD - 1 - id): keys are distinct and
    their descending order is "larger score first, lower id among equal scores" (0.0 and -0.0 made one value
    first, as float comparison has them equal).
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, mma, next_pow2, query_tiles, sequence_of,
-                     splits_for, tokens_per_tile)
+from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, query_tiles,
+                     sequence_of, splits_for, tokens_per_tile)
 from ._fp8 import widen
 
 OP = "m3::lightning_indexer"
@@ -59,17 +59,6 @@ VARIANTS = {
         "bitonic-w4": dict(method="bitonic"),
     },
 }
-
-
-def settings(config: dict | None, part: str) -> dict:
-    """DEFAULTS[part] with the entries of ``config[part]`` (unknown keys refused by name)."""
-    cfg = dict(DEFAULTS[part])
-    extra = (config or {}).get(part, {})
-    unknown = set(extra) - set(cfg)
-    if unknown:
-        raise ValueError(f"lightning_indexer: unknown {part} settings {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(extra)
-    return cfg
 
 
 @triton.jit
@@ -130,8 +119,8 @@ def _index_scan(
 @triton.jit
 def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
-    NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
-    INIT: tl.constexpr,
+    NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -142,37 +131,22 @@ def _block_topk(
     forced = visible & ((c > own - LOCAL) | (c < INIT))
     v = tl.where(forced, float("inf"), v)
     base = out_ptr + t.to(tl.int64) * so_t + h * so_h
-    for i in tl.static_range(TOPK):
-        top = tl.max(v, axis=0)
-        pick = tl.min(tl.where(v == top, c, NB_PAD), axis=0)
-        tl.store(base + i, tl.where(top == float("-inf"), -1, pick))
-        v = tl.where(c == pick, float("-inf"), v)
-
-
-@triton.jit
-def _block_topk_bitonic(
-    scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
-    NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    own = (tl.load(pos_ptr + t) // BS).to(tl.int32)
-    c = tl.arange(0, NB_PAD)
-    visible = (c <= own) & (c < NB)
-    v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c, mask=visible, other=float("-inf"))
-    forced = visible & ((c > own - LOCAL) | (c < INIT))
-    v = tl.where(forced, float("inf"), v)
-    bits = v.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so they must be one key value
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
-    key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c).to(tl.int64)
-    top = tl.topk(key, TOPK_PAD)  # descending
-    pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-    NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
-    i = tl.arange(0, TOPK_PAD)
-    tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + i, tl.where((top >> 32) == NEG_INF, -1, pick),
-             mask=i < TOPK)
+    if METHOD == "rounds":
+        for i in tl.static_range(TOPK):
+            top = tl.max(v, axis=0)
+            pick = tl.min(tl.where(v == top, c, NB_PAD), axis=0)
+            tl.store(base + i, tl.where(top == float("-inf"), -1, pick))
+            v = tl.where(c == pick, float("-inf"), v)
+    else:  # "bitonic": one key per block, (order-preserving score bits) << 32 | (NB_PAD - 1 - id), top-k of keys
+        bits = v.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so one key value
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
+        key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c).to(tl.int64)
+        top = tl.topk(key, TOPK_PAD)  # descending
+        pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+        NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
+        i = tl.arange(0, TOPK_PAD)
+        tl.store(base + i, tl.where((top >> 32) == NEG_INF, -1, pick), mask=i < TOPK)
 
 
 def forward(
@@ -230,7 +204,7 @@ def scan(
     """The first launch alone: block maxima [T, H, NB] fp32, NB = blocks of the widest block table (entries past a
     token's own block are not written)."""
     _check(index_q, index_k_cache, block_size, index_k_scale)
-    cfg = settings(config, "scan")
+    cfg = launch_settings("lightning_indexer", DEFAULTS, config, "scan")
     t, h, d = index_q.shape
     b = seq_lens.shape[0]
     page = index_k_cache.shape[1]
@@ -278,19 +252,16 @@ def block_topk(
     config: dict | None = None,
 ) -> torch.Tensor:
     """The second launch alone: block maxima [T, H, NB] (as ``scan`` leaves them) -> ids [T, H, topk_blocks]."""
-    cfg = settings(config, "topk")
+    cfg = launch_settings("lightning_indexer", DEFAULTS, config, "topk")
     t, h, nb = scores.shape
     out = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=scores.device)  # every id is written
     pos = positions.contiguous()
-    common = (scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1))
-    if cfg["method"] == "rounds":
-        _block_topk[(t, h)](*common, NB=nb, NB_PAD=next_pow2(max(nb, 2)), BS=block_size, TOPK=topk_blocks,
-                            LOCAL=local_blocks, INIT=init_blocks, num_warps=cfg["num_warps"])
-    elif cfg["method"] == "bitonic":
-        topk_pad = next_pow2(max(topk_blocks, 2))
-        _block_topk_bitonic[(t, h)](*common, NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad), BS=block_size,
-                                    TOPK=topk_blocks, TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks,
-                                    num_warps=cfg["num_warps"])
-    else:
+    if cfg["method"] not in ("rounds", "bitonic"):
         raise ValueError(f"lightning_indexer: topk method {cfg['method']!r} is not 'rounds' or 'bitonic'")
+    topk_pad = next_pow2(max(topk_blocks, 2))
+    _block_topk[(t, h)](
+        scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad), BS=block_size, TOPK=topk_blocks, TOPK_PAD=topk_pad,
+        LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], num_warps=cfg["num_warps"],
+    )
     return out

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (dot_precision, interpreted, log2_ceil, next_pow2, query_tiles, sequence_of, splits_for,
-                     tokens_per_tile)
+from ._batch import (dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, query_tiles, sequence_of,
+                     splits_for, tokens_per_tile)
 from ._splitk import LOG2E, Partials, attend_tile
 from .paged_attention import _check, scale_pools
 
@@ -65,13 +65,8 @@ VARIANTS = {
 
 
 def settings(config: dict | None, mode: str) -> dict:
-    """DEFAULTS[mode] with the entries of ``config[mode]`` (unknown keys or loop forms refused by name)."""
-    cfg = dict(DEFAULTS[mode])
-    extra = (config or {}).get(mode, {})
-    unknown = set(extra) - set(cfg)
-    if unknown:
-        raise ValueError(f"sparse_paged_attention: unknown {mode} settings {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(extra)
+    """DEFAULTS[mode] with the entries of ``config[mode]`` (unknown names or loop forms refused by name)."""
+    cfg = launch_settings("sparse_paged_attention", DEFAULTS, config, mode)
     if cfg["loop"] not in _LOOPS:
         raise ValueError(f"sparse_paged_attention: loop {cfg['loop']!r} is not one of {_LOOPS}")
     return cfg
@@ -100,6 +95,21 @@ def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Te
     ids = torch.sort(torch.where(repeat, big, ids), dim=-1).values
     count = (ids != big).sum(-1, dtype=torch.int32)
     return ids.to(torch.int32).contiguous(), count.contiguous()
+
+
+@triton.jit
+def _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K: tl.constexpr, BS: tl.constexpr):
+    """Visit ``visit`` = (token ``visit // K`` of the tile, selection slot ``visit % K``) -> (block id, whether the
+    tile reads the block here, the rows whose token selected it). A block is read once per tile, at its first
+    occurrence (an earlier token, or an earlier slot of this token), for every row whose token selected it;
+    -1 and blocks after the tile's last position are never read."""
+    i = visit // K
+    slot = visit % K
+    c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
+    earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
+    seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
+    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+    return c, (c >= 0) & (c * BS <= last) & (seen == 0), wants
 
 
 @triton.jit
@@ -171,15 +181,7 @@ def _sparse_paged_attention(
     bt_row = bt_ptr + seq.to(tl.int64) * sbt_b
     if LOOP == "nested":
         for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
-            i = visit // K
-            slot = visit % K
-            c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
-            # a block is read once per tile, at its first occurrence (earlier token, or earlier slot of this
-            # token), for every row whose token selected it
-            earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
-            seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
-            wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
-            use = (c >= 0) & (c * BS <= last) & (seen == 0)
+            c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
             for sub in range(0, tl.where(use, SUB, 0)):
                 m_i, l_i, acc = _attend_block(
                     q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
@@ -211,14 +213,9 @@ def _sparse_paged_attention(
                     c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
                     seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
                     wants = row_ok
+                    use = (c >= 0) & (c * BS <= last) & (seen == 0)
                 else:
-                    i = visit // K
-                    slot = visit % K
-                    c = tl.load(sel_base + (start + i).to(tl.int64) * ss_t + slot)
-                    earlier = ((rel[:, None] < i) | ((rel[:, None] == i) & (kk[None, :] < slot))) & (sel_rows == c)
-                    seen = tl.max(tl.max(earlier.to(tl.int32), axis=1), axis=0)
-                    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
-                use = (c >= 0) & (c * BS <= last) & (seen == 0)
+                    c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
             # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
             m_i, l_i, acc = _attend_block(
                 q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
