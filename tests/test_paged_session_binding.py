@@ -101,6 +101,7 @@ def test_a_steady_decode_step_binds_and_allocates_nothing(session, monkeypatch):
     rebound = {k.split(":", 1)[1] for k in changed if k.startswith("bind_") and ":" in k}
     with_t = {t.name for t in (*session.graph.inputs, *session.graph.outputs) if "T" in t.shape}
     assert rebound == with_t and not rebound & set(session.pool_inputs)
+    assert not any(changed[f"torch.{fn}"] for fn in Calls.ALLOCATORS), "smaller shapes fit the buffers"
     for position, token in ((4, 13), (5, 2)):  # decode steps: the same shapes, new contents
         steady = calls.step(session, feeds([[token]], [position]))
         assert steady == Counter(), f"a steady step bound or allocated {dict(steady)}"
