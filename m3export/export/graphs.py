@@ -222,6 +222,11 @@ def torch_to_onnx(module: nn.Module, args, sig: GraphSignature, shapes: tuple | 
     registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registry_log.level
     registry_log.setLevel(logging.ERROR)  # "torchvision is not installed" for ops M3 never uses
+    # torch_lib's index_put on a uint8 pool (the FP8 cache's code pools) builds a Constant whose empty attribute
+    # list onnx_ir reports as an "ambiguous attribute type" once per write: noise, the node is right
+    attr_log = logging.getLogger("onnx_ir._convenience")
+    attr_level = attr_log.level
+    attr_log.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation chatter; failures still raise
@@ -232,6 +237,7 @@ def torch_to_onnx(module: nn.Module, args, sig: GraphSignature, shapes: tuple | 
             )
     finally:
         registry_log.setLevel(level)
+        attr_log.setLevel(attr_level)
     return program.model
 
 
