@@ -100,13 +100,35 @@ def test_fp8_artifact_declares_code_and_scale_pools(fp8_artifact):
         2 * cfg.num_hidden_layers + sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
 
 
+def _assert_same_cache(ort_engine: Engine, torch_engine: Engine) -> None:
+    """The two engines' pools, pool by pool (the graphs' alias order is the model's cache-tuple order): scales within
+    fp32 rounding of each other (the rows come out of up to four layers of fp32 matmuls summed in different orders
+    by the two runtimes: ~1e-6 relative measured, 1e-5 allowed, ten times below verify's fp32 tolerance of 1e-4),
+    E4M3 codes equal except near-ties one code step apart, which need a row value within that rounding of an E4M3
+    midpoint (``Agreement.update_codes``), at most one code in a thousand."""
+    be_ort, be_torch = ort_engine.backend, torch_engine.backend
+    ort_pools = [(s, n) for s in (be_ort._main, *be_ort._mtp) for n in s.pool_inputs]
+    torch_pools = [p for layer in be_torch._caches for p in layer] + \
+        [p for layer in be_torch._mtp_caches for p in layer]
+    assert len(ort_pools) == len(torch_pools)
+    codes, written = Agreement(), 0
+    for (session, name), ref in zip(ort_pools, torch_pools):
+        got = session.pool_tensors[name].cpu()
+        if ref.dtype == kv_fp8.FP8:
+            assert got.dtype == torch.uint8
+            codes.update_codes(got, ref.view(torch.uint8))
+            written += int((ref.view(torch.uint8) != 0).sum())
+        else:
+            assert got.dtype == ref.dtype == torch.float32, name
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=0, msg=name)
+    assert written > 10_000 and codes.acceptable, codes
+    assert codes.total - codes.same <= codes.total // 1000, codes
+
+
 def test_onnxruntime_fp8_artifact_generates_the_torch_fp8_tokens_and_cache(fp8_artifact):
     """Chunked prefill (5 tokens a step) and MTP drafts (2 per step): the onnxruntime backend on the artifact's
     graphs and the torch backend with its FP8 cache (``auto`` on an FP8 artifact) give the same greedy tokens,
-    and afterwards hold the same cache: scales within fp32 rounding of each other (the rows come out of up to four
-    layers of fp32 matmuls summed in different orders by the two runtimes: ~1e-6 relative measured, 1e-5 allowed,
-    ten times below verify's fp32 tolerance of 1e-4), E4M3 codes equal except near-ties one code step apart,
-    which need a row value within that rounding of an E4M3 midpoint (``Agreement.update_codes``)."""
+    and afterwards hold the same cache (``_assert_same_cache``)."""
     prompts = [[5, 17, 99, 3, 44, 8, 123, 7, 61, 2, 90, 33, 12], [250, 6, 71], [14, 15, 16, 200, 31, 9, 48, 120]]
     kw = dict(page_size=16, num_pages=16, max_num_batched_tokens=5, num_speculative_tokens=2)
     ort_engine = Engine.from_artifact(fp8_artifact, backend="onnxruntime", **kw)
@@ -118,24 +140,24 @@ def test_onnxruntime_fp8_artifact_generates_the_torch_fp8_tokens_and_cache(fp8_a
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert all(e.stats.draft_tokens > 0 and e.stats.prefill_tokens > 0 for e in (ort_engine, torch_engine))
     assert ort_engine.stats.accepted_tokens == torch_engine.stats.accepted_tokens  # the drafts agree too
+    _assert_same_cache(ort_engine, torch_engine)
 
-    be_ort, be_torch = ort_engine.backend, torch_engine.backend
-    ort_pools = [(s, n) for s in (be_ort._main, *be_ort._mtp) for n in s.pool_inputs]
-    torch_pools = [p for layer in be_torch._caches for p in layer] + \
-        [p for layer in be_torch._mtp_caches for p in layer]
-    assert len(ort_pools) == len(torch_pools)
-    codes, written = Agreement(), 0
-    for (session, name), ref in zip(ort_pools, torch_pools):
-        got = session.pool_tensors[name]
-        if ref.dtype == kv_fp8.FP8:
-            assert got.dtype == torch.uint8
-            codes.update_codes(got, ref.view(torch.uint8))
-            written += int((ref.view(torch.uint8) != 0).sum())
-        else:
-            assert got.dtype == ref.dtype == torch.float32, name
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=0, msg=name)
-    assert written > 10_000 and codes.acceptable, codes
-    assert codes.total - codes.same <= codes.total // 1000, codes
+
+@pytest.mark.gpu
+def test_cuda_provider_runs_the_fp8_artifact_as_the_torch_fp8_cache_does(fp8_artifact):
+    """On ONNX Runtime's CUDA EP (code and scale pools in device memory, bound in place; fp32 GEMMs without TF32,
+    ``providers.EXACT_FP32``) the fp8 artifact gives the torch backend's greedy tokens on the CPU with its FP8
+    cache, MTP drafts and chunked prefill included, and the same cache (``_assert_same_cache``)."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available():
+        pytest.skip("needs onnxruntime-gpu and a CUDA device")
+    prompts = [[5, 17, 99, 3, 44, 8, 123, 7, 61, 2, 90, 33, 12], [250, 6, 71], [14, 15, 16, 200, 31, 9, 48, 120]]
+    kw = dict(page_size=16, num_pages=16, max_num_batched_tokens=5, num_speculative_tokens=2)
+    cuda = Engine.from_artifact(fp8_artifact, backend="onnxruntime", provider="cuda", **kw)
+    assert {(t.device.type, t.dtype) for t in cuda.backend._main.pool_tensors.values()} == \
+        {("cuda", torch.uint8), ("cuda", torch.float32)}
+    cpu = Engine.from_artifact(fp8_artifact, backend="torch", **kw)
+    assert [o.token_ids for o in cuda.generate(prompts, GREEDY)] == [o.token_ids for o in cpu.generate(prompts, GREEDY)]
+    _assert_same_cache(cuda, cpu)
 
 
 def test_verify_passes_on_an_fp8_artifact(fp8_artifact):
