@@ -12,10 +12,10 @@ allowed set is exactly the reference's (order and duplicates do not matter).
 
 Launch parameters are the table ``DEFAULTS`` (one entry for decode-like batches, one for prefill); ``forward(...,
 config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Two
-loop forms besides the default "nested" walk (a dynamic inner loop over a block's key tiles, which the compiler
-cannot software-pipeline): "flat" walks (visit, key tile) pairs in one loop of fixed trip count and masks the
-loads of skipped visits instead of branching around them, so loads of the next tile can be in flight
-(``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's sorted
+loop forms besides the default "nested" walk (an inner loop over one block's key tiles, so the compiler's software
+pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the
+loads of skipped visits instead of branching around them, so the next block's loads can be in flight while this
+one is computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's sorted
 list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
 per-visit de-duplication. Every form computes the same allowed set; only the summation order of the online
 softmax differs (the blocks' order).
