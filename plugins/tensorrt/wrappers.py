@@ -43,10 +43,10 @@ def m3_sparse_paged_attention(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr
                               K_PAD: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
                               BLOCK_N: tl.constexpr, PREC: tl.constexpr, QK_SCALE: tl.constexpr):
     spa._sparse_paged_attention(
-        q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, sel_ptr, out_ptr,
-        out_ptr, out_ptr, out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D, PAGE * HKV * DV, HKV * DV, DV,
-        0, 0, 0, 0, max_pages, HKV * K, K, HQ * DV, DV, QK_SCALE, False, HQ, G, G_PAD, 1, ROWS, D, BLOCK_D, DV,
-        BLOCK_DV, PAGE, BS, K, K_PAD, LOG2_SEQS, BLOCK_N, 1, PREC, False)
+        q_ptr, k_ptr, v_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, sel_ptr, sel_ptr,
+        sel_ptr, out_ptr, out_ptr, out_ptr, out_ptr, num_seqs, HQ * D, D, PAGE * HKV * D, HKV * D, D,
+        PAGE * HKV * DV, HKV * DV, DV, 0, 0, 0, 0, max_pages, HKV * K, K, HQ * DV, DV, QK_SCALE, False, HQ, G, G_PAD,
+        1, ROWS, D, BLOCK_D, DV, BLOCK_DV, PAGE, BS, K, K_PAD, LOG2_SEQS, BLOCK_N, 1, "nested", PREC, False)
 
 @triton.jit
 def m3_lightning_indexer_scan(q_ptr, k_ptr, bt_ptr, qsl_ptr, pos_ptr, num_seqs, max_pages, num_blocks,
@@ -63,7 +63,7 @@ def m3_lightning_indexer_topk(scores_ptr, pos_ptr, num_blocks, out_ptr, H: tl.co
                               NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, LOCAL: tl.constexpr,
                               INIT: tl.constexpr):
     li._block_topk(scores_ptr, pos_ptr, out_ptr, H * num_blocks, num_blocks, H * TOPK, TOPK, NB, NB_PAD, BS, TOPK,
-                   LOCAL, INIT)
+                   TOPK, LOCAL, INIT, "rounds")
 
 @triton.jit
 def m3_mxfp8_linear(x_ptr, w_ptr, s_ptr, rows, y_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
