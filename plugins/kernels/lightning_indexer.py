@@ -49,7 +49,8 @@ VARIANTS = {
         "waves4": dict(waves=4, max_splits=1024),
         "waves8-min2": dict(waves=8, max_splits=1024, min_split_tiles=2),
         "min4": dict(min_split_tiles=4),
-        "n128-waves4": dict(block_n=128, waves=4, max_splits=1024),
+        "n256-waves4": dict(block_n=256, waves=4, max_splits=1024),
+        "w8-waves4": dict(num_warps=8, waves=4, max_splits=1024),
         "s4-waves4-min2": dict(num_stages=4, waves=4, max_splits=1024, min_split_tiles=2),
     },
     "topk": {
