@@ -86,9 +86,8 @@ class PendingDrafts:
 
 def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]]) -> torch.Tensor:
     """Token ids (host or device) with each (row, round, flat index) of ``places`` taking that draft's value,
-    on the rounds' device, without reading anything back: ``ids`` arrives there by one queued copy (when on the
-    host), the indices by another, and each round's values are gathered and scattered there. No places: ``ids``
-    as it is."""
+    on the rounds' device, without reading anything back: host ids travel with the indices in one queued copy,
+    and each round's values are gathered and scattered there. No places: ``ids`` as it is."""
     if not places:
         return ids
     device = places[0][1].tokens.device
@@ -97,14 +96,13 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
         _, dst, srcs = rounds.setdefault(id(rnd), (rnd, [], []))
         dst.append(row)
         srcs.append(src)
-    index = to_device(torch.tensor([i for _, dst, src in rounds.values() for i in (*dst, *src)], dtype=torch.int64),
-                      device)
-    out = to_device(ids.to(torch.int64), device) if ids.device.type == "cpu" else ids.to(device, torch.int64)
-    if out.data_ptr() == ids.data_ptr():
-        out = out.clone()  # never write into the caller's tensor
-    start = 0
-    for rnd, dst, src in rounds.values():
-        n = len(dst)
-        out[index[start:start + n]] = rnd.tokens.view(-1)[index[start + n:start + 2 * n]]
-        start += 2 * n
+    index = torch.tensor([i for _, dst, src in rounds.values() for i in (*dst, *src)], dtype=torch.int64)
+    on_host = ids.device.type == "cpu"
+    n = ids.numel() if on_host else 0
+    packed = to_device(torch.cat([ids.reshape(-1).to(torch.int64), index]) if on_host else index, device)
+    out, start = (packed[:n] if on_host else ids.to(device, torch.int64).clone()), n  # never the caller's tensor
+    for rnd, dst, _ in rounds.values():
+        k = len(dst)
+        out[packed[start:start + k]] = rnd.tokens.view(-1)[packed[start + k:start + 2 * k]]
+        start += 2 * k
     return out

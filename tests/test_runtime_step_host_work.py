@@ -205,3 +205,20 @@ def test_gpu_a_graphed_speculative_step_synchronises_once(k):
         torch.cuda.set_sync_debug_mode(0)
     assert [outs[f"r{i}"] for i in range(len(ps))] == want
     assert syncs and max(syncs) <= 1, syncs
+
+
+def test_fill_tokens_takes_drafts_of_several_rounds_and_leaves_the_ids_alone():
+    from m3export.runtime.device_drafts import RoundDrafts, fill_tokens
+
+    a, b = RoundDrafts(2, 3, torch.device("cpu")), RoundDrafts(1, 2, torch.device("cpu"))
+    a.put(0, [0, 1], torch.tensor([10, 20]))
+    a.put(1, [1], torch.tensor([21]))
+    b.put(0, [0], torch.tensor([30]))
+    b.put(1, [0], torch.tensor([31]))
+    ids = torch.tensor([1, 0, 0, 2, 0, 3, 0, 0])
+    got = fill_tokens(ids, [(1, a, a.flat(1, 0)), (2, a, a.flat(1, 1)), (4, a, a.flat(0, 0)),
+                            (6, b, b.flat(0, 0)), (7, b, b.flat(0, 1))])
+    assert got.tolist() == [1, 20, 21, 2, 10, 3, 30, 31]
+    assert ids.tolist() == [1, 0, 0, 2, 0, 3, 0, 0]
+    assert fill_tokens(ids, []) is ids
+    assert a.host() == [[10, -1, -1], [20, 21, -1]]
