@@ -100,6 +100,28 @@ def test_sparse_attention_variant_matches_reference(mode, variant, name, dtype):
     _assert_attention_close(got, ref, v)
 
 
+@pytest.mark.parametrize("mode, loop, name", [("decode", "flat", "decode-one-token-seqs"),
+                                              ("prefill", "flat", "mixed-with-empty-seq"),
+                                              ("prefill", "union", "mixed-with-empty-seq")])
+def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
+    """The loop forms read FP8 pools as the default does (E4M3 bytes, per-row scales; the same attend_tile). fp32
+    queries, so the comparison is as tight as tests/test_kernels_attention.py's fp32 bound (the E4M3 values and
+    scales are exact in fp32; bf16 adds only the output and P roundings the other tests already bound)."""
+    from m3export.ops.kv_fp8 import dequantize_rows, quantize_rows
+
+    paged, (bs, topk, local, init) = _paged(name)
+    hq, hkv, d, t = 4, 2, 32, paged.tokens
+    q = paged.randn(t, hq, d)
+    (k, ks), (v, vs) = quantize_rows(paged.pool(hkv, d)), quantize_rows(paged.pool(hkv, d))
+    sel = lightning_indexer_reference(paged.randn(t, hkv, d), paged.pool(d), *paged.args("cpu"), bs, topk, local,
+                                      init)
+    ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5, ks, vs)
+    settings = dict(loop=loop, **({"tile_tokens": 1 if loop == "flat" else 4} if mode == "prefill" else {}))
+    got = SPA.forward(*[x.to(DEVICE) for x in (q, k, v)], *paged.args(), sel.to(DEVICE), bs, d**-0.5,
+                      ks.to(DEVICE), vs.to(DEVICE), config={mode: settings})
+    _assert_attention_close(got, ref, dequantize_rows(v, vs))
+
+
 def test_tile_unions_are_each_tiles_distinct_usable_blocks():
     """Against a set per (tile, KV head) built in Python: ids >= 0 and not after the selecting token's own block,
     each once, ascending; the count; padding after."""
