@@ -40,6 +40,7 @@ CUDA_EP = {
     "Clip": ((0,), {"DOUBLE", "FLOAT", "FLOAT16", "INT64", "INT8", "UINT64", "UINT8"}),  # 13+: no bfloat16
     "Concat": (None, FIXED),
     "Constant": ((), set()),
+    "CumSum": ((0,), {"DOUBLE", "FLOAT", "INT32", "INT64"}),  # 14+ (the axis input lives on the host)
     "Cos": ((0,), {"DOUBLE", "FLOAT", "FLOAT16"}), "Sin": ((0,), {"DOUBLE", "FLOAT", "FLOAT16"}),
     "Equal": ((0, 1), COMPARE | {"BOOL"}),
     "Less": ((0, 1), COMPARE), "Greater": ((0, 1), COMPARE),

@@ -142,6 +142,28 @@ class SequenceLayout:
         return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
 
 
+def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str) -> str:
+    """The ids of ``TopK(scores)``'s ``values`` [T, H, k] with ties given to the lower id, whatever ``TopK`` did.
+
+    ONNX specifies that ``TopK`` puts the lower index first among equal values, but ONNX Runtime's CUDA kernel
+    does not keep that rule (the first H200 run: 85 % of the forced blocks' +inf ties in another order). The
+    values of a top k are the same whatever the tie rule, so only the ids are re-derived from them: slot j's id
+    is the r-th lowest id c with ``scores[c] == values[j]``, r = #{j' < j : values[j'] == values[j]} (a
+    ``CumSum`` of the equality mask counts each candidate's rank). Cost ``[T, H, k, NB]``, below the
+    ``[T, H, L]`` score matrix whenever ``k < block_size``. A slot whose value equals no score (NaN) keeps
+    ``TopK``'s id."""
+    kk = b.Range(b.const(0), _dim(b, values, 2), b.const(1))
+    earlier = b.Less(b.Unsqueeze(kk, b.const([0])), b.Unsqueeze(kk, b.const([1])))  # [k (j), k (j')]: j' < j
+    same = b.Equal(b.Unsqueeze(values, b.const([2])), b.Unsqueeze(values, b.const([3])))  # [T, H, k (j), k (j')]
+    rank = b.ReduceSum(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([3]), keepdims=1)  # [T,H,k,1]
+    equal = b.Equal(b.Unsqueeze(scores, b.const([2])), b.Unsqueeze(values, b.const([3])))  # [T, H, k, NB]
+    nth = b.CumSum(b.Cast(equal, to=TensorProto.INT32), b.const(-1))  # 1-based rank of each equal candidate
+    hit = b.And(equal, b.Equal(nth, b.Add(rank, b.const(1, np.int32))))  # exactly one per slot (or none: NaN)
+    ids = b.Range(b.const(1), b.Add(_dim(b, scores, 2), b.const(1)), b.const(1))  # 1-based: 0 means no hit
+    found = b.ReduceSum(b.Where(hit, ids, b.const(0)), b.const([3]), keepdims=0)  # [T, H, k]
+    return b.Where(b.Greater(found, b.const(0)), b.Sub(found, b.const(1)), topk_ids)
+
+
 def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     """Scores of every token against its sequence's index keys, which are gathered once per sequence per step
     (``[B, L, D]``), not once per token: a prefill chunk of T tokens reads its context once, and the only
@@ -176,6 +198,7 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     topk = b.attr(Ref("topk_blocks", INT))
     k = b.Min(topk, nb)
     values, idx = b.TopK(block_max, _vec(b, k), axis=-1, largest=1, sorted=1, n_out=2)
+    idx = _lowest_ids_first(b, block_max, values, idx)
     idx = b.Where(b.Equal(values, neg), b.const(-1), idx)
     # -1 for the topk - k slots past the blocks there are (a Concat: ORT's CUDA EP has no int64 Pad, so a Pad
     # here would run on the CPU EP, a device -> host -> device copy inside the step)
