@@ -190,10 +190,22 @@ def test_moe_gemv_ties_and_clamps():
 
 
 @cpu_only
+@pytest.mark.parametrize("config", [None, {"BLOCK_M": 16}], ids=["default", "grouped"])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
-def test_moe_one_token_most_experts_empty(fmt):
-    # One token reaches 2 of 16 experts: 14 experts have no rows, the permutation has a single used block.
-    _check_moe(MoECase(1, 64, 32, 32, 16, 2, seed=2), torch.float32, fmt)
+def test_moe_one_token_most_experts_empty(fmt, config):
+    # One token reaches 2 of 16 experts: 14 experts have no rows. The default launch at one token is the GEMV path
+    # (moe.default_config); the grouped tiles, where the permutation has a single used block, are forced too.
+    _check_moe(MoECase(1, 64, 32, 32, 16, 2, seed=2), torch.float32, fmt, config=config)
+
+
+@cpu_only
+@pytest.mark.parametrize("t,fmt", [(1, "mxfp8"), (1, "bf16"), (8, "bf16"), (8, "mxfp8"), (20, "mxfp8"),
+                                   (80, "mxfp8"), (80, "bf16")])
+def test_moe_default_config_per_batch_bucket(t, fmt):
+    # Each branch of moe.default_config (GEMV at 1 token and at <= 8 with bf16 weights, the 16-row tensor-core
+    # tiles at 8, the 64-wide N tiles above 8 tokens with MXFP8, 64-row blocks in MXFP8 prefill, 128-row blocks
+    # with bf16 weights) through the launcher's own default, bf16 activations as the model runs.
+    _check_moe(MoECase(t, 96, 32, 64, 3, 2, seed=10 + t), torch.bfloat16, fmt)
 
 
 @cpu_only
@@ -237,14 +249,16 @@ def test_moe_rejects_mismatched_weights():
 
 # ---------------------------------------------------------------------------------------------------- linear
 @cpu_only
-@pytest.mark.parametrize("mode", [0, 1, "gemv"])
+@pytest.mark.parametrize("mode", [0, 1, "gemv", "default"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
 def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     w, s = mxfp8.quantize(torch.randn(n, k))
     s[0, 0] = 0  # the subnormal scale 2^-127 (one UE8M0 byte that cannot be built by an exponent shift)
     x = torch.randn(*lead, k).to(dt)
-    config = {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64} if mode == "gemv" else {"MX_MODE": mode, "BLOCK_K": 64}
+    # "default": no config, i.e. mxfp8_linear.gemv_config at one row (the GEMV tile), tile_config above.
+    config = ({"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64} if mode == "gemv" else None if mode == "default"
+              else {"MX_MODE": mode, "BLOCK_K": 64})
     got = linear_kernel.run_linear(x, w, s, config=config)
     want = ref.mxfp8_linear_reference(x, w, s)
     _close(got, want, ref.mxfp8_linear_reference(x.double(), w, s) if dt != torch.float32 else None)

@@ -3,7 +3,7 @@
 At one to a few rows a 16-row tensor-core tile carries one useful row and feeding ``tl.dot`` costs a layout
 shuffle through shared memory for every weight tile; a GEMV is bound by the weight stream alone. The primitives
 here serve the MoE decode path (``moe_gemv.py``) and ``m3::mxfp8_linear`` at decode (``linear_gemv`` below, chosen
-by ``mxfp8_linear.tile_config`` only where the H200 measured it faster). Semantics are the references': weights
+by ``mxfp8_linear.gemv_config`` only where the H200 measured it faster). Semantics are the references': weights
 (E4M3 x UE8M0, exactly) in the activation dtype, fp32 products and sums, the output rounded once.
 """
 

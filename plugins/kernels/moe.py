@@ -16,6 +16,8 @@ Semantics: ``m3export.ops.moe.moe_reference`` (``docs/ops.md`` §5-6). Launches,
 Weights are read tile by tile in their stored dtype (bf16, or E4M3 + UE8M0 dequantised on chip, never as a whole).
 At decode a row block holds 16 rows (the smallest tensor-core tile) and the grid is spread over narrow N tiles, so
 each selected expert's bytes are streamed once by many programs; in prefill blocks of 64-128 rows feed wgmma.
+At one token (and up to 8 with bf16 weights) the launcher takes the CUDA-core GEMV path of ``moe_gemv.py`` instead
+(``default_config``: the tiles measured fastest on the H200 per batch bucket and weight format).
 Differences from the reference are rounding only: the reference sums the routed experts in the activation dtype,
 in expert order; this sums them in fp32 (more accurate by a few roundings in bf16, the same to ~1e-6 in fp32).
 """
@@ -138,8 +140,9 @@ def _combine(y_ptr, out_ptr, T, sy_t, sy_s, so_t, scaling, H: tl.constexpr, TOP_
 def block_m_for(num_assignments: int, num_experts: int) -> int:
     """Rows per block from the mean assignments per expert: 16 (the smallest tensor-core tile) at decode, 64 or
     128 in prefill. Larger blocks amortise each weight tile's load and dequantisation over more rows; smaller
-    ones waste fewer padding rows (each expert in use pads up to BLOCK_M - 1). On the H200 at 4k tokens over 128
-    experts (mean 128), 128-row blocks ran 2.8x faster than 64-row ones (docs/performance.md)."""
+    ones waste fewer padding rows (each expert in use pads up to BLOCK_M - 1). With MXFP8 weights the launcher's
+    default overrides 128 with 64 (``default_config``: 64-row blocks with tl.dot_scaled ran 1.2-1.3x faster at
+    4k / 16k tokens on the H200); bf16 weights keep this table."""
     mean = num_assignments / max(1, num_experts)
     if mean <= 16:
         return 16
@@ -163,6 +166,35 @@ def gemm_config(block_m: int, mx_mode2: bool = True) -> dict:
     if block_m <= 64:
         return dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=mode)
     return dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=mode)
+
+
+# The CUDA-core GEMV decode tile (moe_gemv.py) that ran fastest on the H200 at batch 1 for MXFP8 and bf16 experts
+# and at batch 8 for bf16 experts (bench/moe.py sweep, 2026-11-30 20:05 UTC, commit d5443e6; docs/performance.md).
+GEMV_DECODE = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4)
+
+
+def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool) -> dict:
+    """The launcher's choice when the caller gives no ``config``, per batch bucket and weight format: the winners
+    of the H200 sweep (2026-11-30 20:05 UTC, commit d5443e6; 128 experts, H 6144, I 3072, top-4; graph replays).
+
+    * GEMV_DECODE (CUDA cores, no permutation) at one token (MXFP8 212 -> 150 us, bf16 242 -> 183 us), and up to 8
+      tokens with bf16 weights (943 -> 915 us); MXFP8 at 8 tokens stays on the 16-row tensor-core tiles (683 us;
+      the GEMV tiles took 763-910). Batches 2-7 are not measured: bf16 sits between two GEMV wins, MXFP8 keeps
+      the tensor cores from 2 tokens on (GEMV MXFP8 lost by 12 % at 8).
+    * MXFP8 above 8 tokens with 16-row blocks: 64-wide N tiles with 128-deep K tiles (2352 -> 2160 us at 64).
+    * MXFP8 in prefill (more than 16 assignments per expert): 64-row blocks with ``gemm_config(64)`` (4k tokens
+      19.0 -> 14.7 ms, 16k 62.2 -> 52.5 ms); bf16 weights keep 128-row blocks (not measured at 64).
+    Returned as an override dict, so the shared expert gets exactly the tiles the sweep ran it with. Every tile
+    here computes the same function (rounding points unchanged, sums in fp32 in another order)."""
+    if t == 1 or (not mxfp8 and t <= 8):
+        return dict(GEMV_DECODE)
+    if not mxfp8:
+        return {}
+    if block_m_for(num_assignments, num_experts) > 16:
+        return {"BLOCK_M": 64}
+    if t > 8:
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1)
+    return {}
 
 
 def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,
@@ -214,7 +246,8 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
             owned: tuple[int, int] | None = None) -> torch.Tensor:
     """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
     ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config, or ``GEMV`` with
-    BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``).
+    BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``); None takes
+    ``default_config`` (the measured winners per batch bucket and weight format).
 
     ``owned`` = (first, count): expert parallelism (``m3export.parallel``). The router scores every expert;
     ``w13`` / ``w2`` hold only experts first .. first + count - 1, and only the assignments to them are computed
@@ -244,6 +277,10 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         return out
     ids, route_w = route(x, router_weight, bias, top_k)
     n = t * top_k
+    if config is None:
+        config = default_config(t, n, e, scales[0] is not None)
+        if owned is not None and config.get("GEMV"):  # the GEMV path computes every expert: grouped tiles instead
+            config = {}
     if owned is not None:
         if (config or {}).get("GEMV"):
             raise ValueError("moe: the GEMV decode path does not take owned experts (expert parallelism)")

@@ -1,7 +1,8 @@
 """The MoE decode path without tensor cores: one program per (assignment, column tile), weights dotted on CUDA cores.
 
 Not a kernel module (it is not in ``KERNEL_MODULES``): ``moe.run_moe`` launches it when its config says
-``GEMV`` (``bench/moe.py`` sweeps it; it is not the default until measured). At decode nearly every expert a batch
+``GEMV``, by default at one token and at up to 8 with bf16 weights (``moe.default_config``: measured faster there
+on the H200; ``bench/moe.py`` sweeps its tiles). At decode nearly every expert a batch
 reaches gets one token (batch 8 over 128 experts: ~30 experts for 32 assignments), so a 16-row tensor-core tile
 carries one useful row, and feeding ``tl.dot`` costs layout shuffles through shared memory for every weight tile.
 Here each program streams one expert's ``[BLOCK_N, H]`` slab for one token and reduces it in registers: no

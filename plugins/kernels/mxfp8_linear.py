@@ -162,6 +162,15 @@ def tile_config(m: int, mx_mode2: bool = True) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=mode)
 
 
+def gemv_config(m: int) -> dict | None:
+    """The CUDA-core GEMV tile (``gemv.py``) where the H200 measured it faster than ``tile_config``'s: one row
+    (8192 x 6144: 35.5 -> 29.7 us, 6144 x 8192: 42.7 -> 33.5 us; sweep of 2026-11-30 20:05 UTC, commit d5443e6).
+    At 8 rows the tensor-core tiles won (33 / 42 us against 119-179), so only m == 1 takes it."""
+    if m == 1:
+        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4)
+    return None
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return run_linear(x, weight, weight_scale)
 
@@ -169,8 +178,8 @@ def forward(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -
 def run_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: dict | None = None
                ) -> torch.Tensor:
     """The launcher; ``config`` overrides the tiles (benchmarks): BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-    num_stages, MX_MODE, or ``GEMV`` (the CUDA-core path of ``gemv.py``) with BLOCK_N, BLOCK_K, num_warps,
-    num_stages."""
+    num_stages, MX_MODE over ``tile_config``'s tensor-core tiles, or ``GEMV`` (the CUDA-core path of ``gemv.py``)
+    with BLOCK_N, BLOCK_K, num_warps, num_stages. None: ``gemv_config`` where it applies, else ``tile_config``."""
     check_mxfp8("mxfp8_linear weight", weight, weight_scale)
     n, k = weight.shape
     if x.shape[-1] != k:
@@ -183,7 +192,9 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    cfg = tile_config(m, mx_mode2_available(x.dtype)) | (config or {})
+    if config is None:
+        config = gemv_config(m) or {}
+    cfg = config if config.get("GEMV") else tile_config(m, mx_mode2_available(x.dtype)) | config
     if cfg.get("GEMV"):  # the CUDA-core decode path (gemv.py); imported here: gemv.py builds on this module
         from .gemv import linear_gemv
 
