@@ -20,3 +20,5 @@ def test_smoke_run_writes_rows_with_both_backends(tiny_artifact, tmp_path):  # n
     assert res["provider"] == "CPUExecutionProvider" and len(res["rows"]) == 2
     for row in res["rows"]:
         assert row["greedy_same"] and row["torch_ms"] > 0 and row["ort_plain_ms"] > 0
+        # the torch backend of the GPU run (graphed: one scratch page more than asked for) fills ORT's pools
+        assert row["pool_pages"]["torch"] == row["pool_pages"]["ort"] + 1
