@@ -223,7 +223,7 @@ def test_the_cache_dtype_check_reads_the_artifact_an_engine_directory_was_built_
     meta = engine_metadata("10.13.0", (9, 0), "H200", LIMITS, {}, {}, {}, [])
     (tmp_path / "build.json").write_text(json.dumps({**meta, "artifact": str(tiny_artifact)}))
     with pytest.raises(BackendUnavailable, match=rf"--kv-cache-dtype bf16: {tmp_path} \(TensorRT engines built "
-                                                 rf"from {tiny_artifact}\) was exported with torch.float32 caches"):
+                                                 rf"from {tiny_artifact}\) was exported with float32 caches, not bfloat16"):
         Engine.from_artifact(tmp_path, backend="tensorrt", kv_cache_dtype="bf16")
     (tmp_path / "build.json").write_text(json.dumps(meta))
     with pytest.raises(ArtifactError, match="build.json names no artifact"):
