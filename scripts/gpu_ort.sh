@@ -4,7 +4,7 @@
 # torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; a
 # steady CUDA step binding and allocating nothing; the dense layers lowered to com.microsoft.PagedAttention against
 # the torch backend), then a `mini` bf16 artifact with
-# the ort-contrib flavour (MoE, MXFP8Linear and PagedAttention lowered) and bench/ort_gpu.py (plain vs lowered vs
+# the ort-contrib flavour (MoE and MXFP8Linear lowered; PagedAttention is rejected, lowering.REJECTED) and bench/ort_gpu.py (plain vs lowered vs
 # torch, batch 1 / 8 x context 4k / 32k, roofline), then `verify` on it if time is left. Every step has its own
 # time limit, cut to what is left of the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script
 # ends in time; a step with too little time left is skipped and says so. Everything lands in $OUT (./out), in five
@@ -60,7 +60,7 @@ if [ "$DRY" = 1 ]; then
   PROVIDER=cpu BIG_PRESET=tiny BIG_DTYPE=float16 LOWER=MoE,MXFP8Linear BENCH_ARGS="--smoke"
   export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}"
 else
-  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER=MoE,MXFP8Linear,PagedAttention BENCH_ARGS=""
+  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER=MoE,MXFP8Linear BENCH_ARGS=""
   if ! ls .c1/part.* >/dev/null 2>&1; then
     echo "no .c1/part.*: carry onnxruntime-gpu (scripts/pack_ort_gpu.py + chunk-for-gpu)" | tee -a "$OUT/summary.txt"
     exit 2

@@ -111,6 +111,7 @@ def test_manifest_records_the_lowerings(fp16_artifact):
     assert model["applied"] == ["MoE", "PagedAttention"] and model["kept"] == {}
     assert model["lowered"]["PagedAttention"] == len(_dense_layers(art.config)) and model["not_requested"] == {}
     assert 0.0 < model["gain_rounding"] <= 2.0 ** -11
+    assert set(model["rejected"]) == {"PagedAttention"} and "REJECTED" in model["rejected"]["PagedAttention"]
     assert mtp["lowered"]["PagedAttention"] == 0 and "gain_rounding" not in mtp  # MTP layers are sparse
     plain = onnx.load(str(fp16_artifact / "model.onnx"), load_external_data=False)
     again, _ = lower(plain, LOWERABLE, art.config)
@@ -125,6 +126,20 @@ def test_lower_needs_the_ort_contrib_flavour(tmp_path):
         export_artifact("tiny", tmp_path / "a", lower=("PagedAttention",))
     with pytest.raises(ArtifactError, match="--lower takes m3 ops among"):
         export_artifact("tiny", tmp_path / "a", flavour="ort-contrib", lower=("SparsePagedAttention",))
+
+
+def test_rejected_paged_attention_lowering_warns_with_the_measurement(tmp_path):
+    """The H200 rejected the PagedAttention lowering (docs/ops.md §9): asking for it warns with the measurement
+    before any export work (here the export then stops at a separate refusal, the fp8 cache, so nothing runs)."""
+    from m3export.errors import ArtifactError
+    from m3export.export.exporter import export_artifact
+    from m3export.export.lowering import REJECTED
+
+    assert "PagedAttention" in REJECTED and "3.77" in REJECTED["PagedAttention"]
+    with pytest.warns(UserWarning, match=r"--lower PagedAttention: REJECTED on the H200 .*3\.77"), \
+            pytest.raises(ArtifactError):
+        export_artifact("tiny", tmp_path / "a", dtype="bfloat16", flavour="ort-contrib", lower=("PagedAttention",),
+                        kv_cache_dtype="fp8")
 
 
 def test_fp32_graph_keeps_the_m3_node_and_says_why(tiny_artifact):

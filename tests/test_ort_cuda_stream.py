@@ -104,13 +104,19 @@ def bf16_lowered(tmp_path_factory):
 
 @pytest.mark.gpu
 @CUDA_EP
-def test_lowered_paged_attention_matches_torch(bf16_lowered):
-    """Teacher-forced prefill + 6 decode steps (the torch backend's greedy tokens fed to all): ORT-CUDA with the
-    dense layers lowered to com.microsoft.PagedAttention stays within twice the plain ORT graph's own distance to
-    the torch backend (floor: one bf16 ulp of the logit scale). Why twice: the lowering's extra error is the norm
-    gain (1 + w) rounded to bf16 (<= 2^-8 relative) and a different rounding order inside the op, i.e. about one
-    more bf16 rounding of q and k, the same size as the roundings in which two bf16 implementations already
-    differ. Greedy tokens agree wherever the torch backend's top-2 margin exceeds that bound."""
+def test_lowered_paged_attention_distance_to_torch(bf16_lowered):
+    """The measurement behind the PagedAttention lowering's rejection (``lowering.REJECTED``, docs/ops.md §9),
+    REPORTED, not asserted: the lowering is not used, so its distance is information for re-measuring (e.g. a
+    newer onnxruntime-gpu), printed as a warning with the bound a kept lowering would have to meet.
+
+    Teacher-forced prefill + 6 decode steps (the torch backend's greedy tokens fed to all), ORT-CUDA with the
+    dense layers lowered to com.microsoft.PagedAttention against the torch backend. The bound: twice the plain
+    ORT graph's own distance to the torch backend (floor: one bf16 ulp of the logit scale), since the lowering's
+    extra error should be the norm gain (1 + w) rounded to bf16 (<= 2^-8 relative) and another rounding order
+    inside the op, about one more bf16 rounding of q and k. The first H200 run: 3.77 against a bound of 2.42.
+    What IS asserted: the lowered graph loads and runs on the CUDA EP and gives finite logits."""
+    import warnings
+
     from m3export.model.batch import Segment, build_batch
     from m3export.runtime.backends import create_backend
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
@@ -140,7 +146,10 @@ def test_lowered_paged_attention_matches_torch(bf16_lowered):
     want, base, low = torch.cat(want), torch.cat(base), torch.cat(low)
     ulp = 2.0 ** -8 * want.abs().max().item()
     bound = max(2 * (base - want).abs().max().item(), ulp)
-    assert (low - want).abs().max().item() <= bound
+    assert torch.isfinite(low).all()
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
-    assert torch.equal(low.argmax(-1)[clear], want.argmax(-1)[clear])
+    same = int((low.argmax(-1)[clear] == want.argmax(-1)[clear]).sum())
+    warnings.warn(f"REJECTED PagedAttention lowering, measured: max abs logit difference to the torch backend "
+                  f"{(low - want).abs().max().item():.4g} (a kept lowering: <= {bound:.4g}); greedy tokens equal on "
+                  f"{same} of {int(clear.sum())} clear-margin rows", UserWarning)

@@ -163,6 +163,9 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
             raise ArtifactError("--lower applies to --flavour ort-contrib only")
         if not lower or set(lower) - set(LOWERABLE):
             raise ArtifactError(f"--lower takes m3 ops among {', '.join(LOWERABLE)}, got {','.join(lower)!r}")
+        from .lowering import warn_rejected
+
+        warn_rejected(tuple(lower))
     kv_fp8 = _kv_fp8(kv_cache_dtype, dtype, flavour, lower)
     opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers,
                 flavour=flavour, lower=lower, kv_fp8=kv_fp8)
