@@ -36,21 +36,59 @@ H, I, I_SHARED, TOP_K = 6144, 3072, 3072, 4
 DEV = "cuda"
 SMOKE = False  # --smoke: tiny dims on CPU tensors under the Triton interpreter, host timers (checks the script)
 ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
-# Tile variants tried with MXFP8 weights when --sweep is on; MX_MODE 0 gathers each element's scale, 1 broadcasts
-# one scale per 32 columns, 2 is tl.dot_scaled; GEMV is the CUDA-core path of moe_gemv.py (one program per token and
-# expert). The best is reported next to the launcher's default, each with its own error against the oracle.
-# CUDA-core GEMV tiles that compile for sm_90 without register spills (scripts/compile_moe_kernels_sm90.py); also
-# swept for bf16 weights and for m3::mxfp8_linear at decode.
-GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-              dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-              dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
-              dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4)]
-DECODE_SWEEP = [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
-                dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=0),
-                dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
-                *GEMV_SWEEP]
-PREFILL_SWEEP = [(64, None), (128, dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2))]
+# Tile variants tried when --sweep is on, next to the launcher's default (config None: moe.default_config, the
+# winners of the sweep of 2026-11-30 20:05 UTC, commit d5443e6), each with its own error against the oracle.
+# MX_MODE 0 gathers each element's scale, 1 broadcasts one scale per 32 columns, 2 is tl.dot_scaled; GEMV is the
+# CUDA-core path of moe_gemv.py (one program per token and expert); BLOCK_M 16 without GEMV forces the grouped
+# tensor-core path where the default is GEMV. Round 2: around the winners (the default GEMV tile is BN 8, BK 256,
+# 2 warps, 4 stages); SPLIT_K splits each GEMV's K loop over programs (fp32 partials, the last program of a tile
+# sums them in split order and applies the epilogue) so that more CTAs stream the few experts of batch 1.
+GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4),
+              dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=4),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=4),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=1, num_stages=4),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=3),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=6),
+              dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4)]
+SPLITK_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, SPLIT_K=2),
+                dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, SPLIT_K=4),
+                dict(GEMV=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=4)]
+# Decode batches up to 8: the GEMV tiles, split-K at batch 1, and the grouped tensor-core default for comparison.
+SMALL_BATCH_SWEEP = [dict(BLOCK_M=16), *GEMV_SWEEP]
+# Decode batches from 8 (MXFP8 weights): 16-row tensor-core tiles around the batch-64 winner (BN 64, BK 128, 4 warps,
+# 4 stages, MX_MODE 1) and the batch-8 one (BN 32, BK 128).
+TC_DECODE_SWEEP = [dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
+                   dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, MX_MODE=1),
+                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=1),
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4, MX_MODE=1),
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2)]
+# Prefill (full configs: BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The
+# MXFP8 default is {BLOCK_M 64} = BN 64, BK 64, 4 warps, 3 stages, tl.dot_scaled; bf16's is 128-row blocks.
+PREFILL_SWEEP = {
+    "mxfp8": [dict(BLOCK_M=128),
+              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=2),
+              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, MX_MODE=2),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=2),
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, MX_MODE=2),
+              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=1),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=1)],
+    "bf16": [dict(BLOCK_M=64),
+             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)],
+}
+
+
+def decode_variants(fmt: str, batch: int) -> list:
+    """The decode sweep at one batch: GEMV tiles up to 8 tokens (split-K at one), tensor-core tiles from 8 (MXFP8)."""
+    out = list(SMALL_BATCH_SWEEP) if batch <= 8 else []
+    if batch == 1:
+        out += SPLITK_SWEEP
+    if fmt == "mxfp8" and batch >= 8:
+        out += TC_DECODE_SWEEP
+    return out
 
 
 def linear_decode(bw: float, sweep: int) -> list:
@@ -69,7 +107,12 @@ def linear_decode(bw: float, sweep: int) -> list:
             want = mx.dequantize(w, sc).float() @ x.float().T
             need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
             tried = []
-            for cfg in [None] + (GEMV_SWEEP if sweep else []):
+            # One row: the GEMV tiles around the default (mxfp8_linear.gemv_config) and the tensor-core tiles (any
+            # config without GEMV is merged over tile_config); eight rows: the tensor-core default against a wider
+            # N tile (the GEMV tiles lost there by 3-4x in the last sweep).
+            sweep_m = ([dict(MX_MODE=1), *GEMV_SWEEP] if m == 1
+                       else [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1)])
+            for cfg in [None] + (sweep_m if sweep else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
                     err = rel_err(klin.run_linear(x, w, sc, config=cfg), want.T)
@@ -196,7 +239,7 @@ def main() -> int:
     ap.add_argument("--prefill", default="4096,16384")
     ap.add_argument("--formats", default="mxfp8,bf16")
     ap.add_argument("--sweep", type=int, default=1,
-                    help="try the tile variants in DECODE_SWEEP / PREFILL_SWEEP (MXFP8 weights)")
+                    help="try the tile variants (decode_variants, PREFILL_SWEEP, the linear GEMV tiles)")
     ap.add_argument("--json", default=str(RESULTS / "moe_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU under the Triton interpreter: checks "
                     "that the script runs end to end (numbers meaningless)")
@@ -251,7 +294,7 @@ def main() -> int:
             ids, _ = moe_routing.route(x, layer.router, layer.bias, TOP_K)
             touched = int(torch.unique(ids).numel())
             need = touched * per + shared + layer.router.numel() * 4 + 2 * x.numel() * 2
-            variants = [None] + ((DECODE_SWEEP if fmt == "mxfp8" else GEMV_SWEEP) if args.sweep else [])
+            variants = [None] + (decode_variants(fmt, b) if args.sweep else [])
             want = oracle(fmt, x)
             tried = []
             for cfg in variants:
@@ -279,11 +322,10 @@ def main() -> int:
         for t in prefills:
             x = torch.randn(t, H, device=DEV, generator=g).bfloat16()
             flops = 2 * t * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
-            variants = [(None, None)] + (PREFILL_SWEEP if args.sweep and fmt == "mxfp8" else [])
+            variants = [None] + (PREFILL_SWEEP[fmt] if args.sweep else [])
             want = oracle(fmt, x) if t <= 4096 else None  # the fp32 oracle loops over experts: affordable at 4k
             tried = []
-            for bm, cfg in variants:
-                config = None if bm is None else {"BLOCK_M": bm, **(cfg or {})}
+            for config in variants:
                 try:
                     ms = eager_time_ms(lambda: run(fmt, x, config))
                     err = rel_err(run(fmt, x, config), want) if want is not None else None

@@ -85,27 +85,33 @@ def variants(quick: bool):
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
-    gemv_tiles = ((32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 3), (64, 256, 8, 3))
-    for bn, bk, gw, gs in gemv_tiles if not quick else ():
+    # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): the default (moe.GEMV_DECODE) and bench/moe.py's GEMV sweep.
+    gemv_tiles = ((8, 256, 2, 4, 1), (4, 256, 2, 4, 1), (4, 512, 1, 4, 1), (8, 512, 2, 4, 1), (8, 256, 1, 4, 1),
+                  (8, 256, 4, 4, 1), (16, 256, 2, 4, 1), (8, 256, 2, 4, 2), (16, 256, 2, 4, 4), (32, 256, 4, 4, 4))
+    for bn, bk, gw, gs, split in gemv_tiles[:1] if quick else gemv_tiles:
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
             sigs = {
                 "gate_up": (moe_gemv._gate_up_gemv, {
-                    "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "sx_t": "i32", "sw_e": "i64",
+                    "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "part_ptr": "*fp32",
+                    "cnt_ptr": "*i32", "sx_t": "i32", "sw_e": "i64",
                     "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sa_p": "i32",
                     "alpha": "fp32", "limit": "fp32"}),
                 "down": (moe_gemv._down_gemv, {
                     "act_ptr": "*bf16", **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
+                    "part_ptr": "*fp32", "cnt_ptr": "*i32",
                     "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32",
                     "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}),
             }
             for kind, (fn, sig) in sigs.items():
-                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk)
-                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w{gw} s{gs}", fn,
-                            sig, consts, gw, gs))
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w{gw} s{gs} "
+                            f"split{split}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
+        if split > 1:  # the linear GEMV has no split-K
+            continue
         out.append((f"{'linear/gemv':12} mxfp8 BN{bn:<3} BK{bk:<3} w{gw} s{gs}", gemv._linear_gemv, sig,
                     dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk), gw, gs))
     for m in (1, 64, 512):

@@ -180,6 +180,18 @@ def test_moe_gemv_path(fmt, dt):
 
 
 @cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_gemv_split_k(fmt, dt):
+    # SPLIT_K 3 over H 160 in K tiles of 32: splits of 64 columns, the last one half past H (masked); over I 32
+    # the second and third splits lie wholly past I (their partials are zeros). One token and four, shared expert
+    # wider than the routed ones.
+    for t in (1, 4):
+        _check_moe(MoECase(t, 160, 32, 64, 7, 3, seed=11 + t), dt, fmt,
+                   config={"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3})
+
+
+@cpu_only
 def test_moe_gemv_ties_and_clamps():
     case = MoECase(6, 64, 32, 32, 6, 2, gain=2.0, seed=9, tie_rows=((2, 5),))
     case.bias[1] += 10.0
