@@ -170,8 +170,9 @@ def main() -> int:
                "ort_enqueue_ms": o_enqueue, "plain_max_abs_logit_diff": plain_diff,
                "ort_over_torch": o_ms / t_ms,
                "ort_over_first_context": o_ms / first[batch], "roofline_ms_all_experts": roof_ms,
-               "greedy_same": same, "pool_pages": {"torch": int(torch_be._caches[0][0].shape[0]),
-                                                    "ort": int(next(iter(ort_be._main.pool_tensors.values())).shape[0])},
+               "greedy_same": same,
+               "pool_pages": {"torch": int(torch_be._caches[0][0].shape[0]),
+                              "ort": int(next(iter(ort_be._main.pool_tensors.values())).shape[0])},
                **lowered}
         res["rows"].append(row)
         low = (f"  lowered {lowered['ort_lowered_ms']:.2f} ms "

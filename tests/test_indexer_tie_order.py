@@ -19,8 +19,8 @@ from onnx import helper, numpy_helper
 from m3export.export import functions
 from m3export.ops import conformance as conf
 
-TIE_CASES = ["score-ties", "score-ties-no-forced", "forced-beyond-topk", "nan-tails-empty-shared-batch", "mixed-prefill-decode",
-             "6k-tiny-dims"]
+TIE_CASES = ["score-ties", "score-ties-no-forced", "forced-beyond-topk", "nan-tails-empty-shared-batch",
+             "mixed-prefill-decode", "6k-tiny-dims"]
 
 
 def tie_reversing_topk(fn: onnx.FunctionProto) -> onnx.FunctionProto:

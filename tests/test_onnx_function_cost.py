@@ -2,9 +2,9 @@
 
 Each body is inlined into a one-node model whose every intermediate becomes a graph output; ONNX Runtime's CPU
 provider then reports the shape of everything the body builds. The sparse attention body must gather only the
-selected blocks (nothing grows with the context beyond views of ``block_tables``), and the indexer body must
-read its sequence's index keys once per step: no ``[T, L, D]`` per-token copy of the context. The bodies'
-values are the conformance suite's business (``tests/test_op_conformance.py``, long tiny-dim cases included).
+selected blocks (nothing of the keys' size grows with the context, only a block bookkeeping of ints), and the
+indexer body must read its sequence's index keys once per step: no ``[T, L, D]`` per-token copy of the context.
+The bodies' values are the conformance suite's business (``tests/test_op_conformance.py``, long tiny-dim cases included).
 """
 
 from __future__ import annotations
@@ -54,16 +54,26 @@ def _sparse(ctx: int):
     return conf._sparse_case([ctx, 300, 200], [1, 4, 6], 16, INDEX, "indexer", **HEADS)(gen)
 
 
-def test_sparse_attention_body_gathers_only_the_selected_blocks():
-    (short, attrs), (long, _) = _sparse(1000), _sparse(8000)
-    small, large = intermediate_sizes("SparsePagedAttention", short, attrs), intermediate_sizes(
-        "SparsePagedAttention", long, attrs)
-    views = {t.numel() for t in long}  # reshapes of the inputs (pools, block tables) are views, not reads
-    grown = {name: (small[name], n) for name, n in large.items() if n > small[name] and n not in views}
-    assert not grown, f"tensors that grow with the context: {grown}"
-    t, hkv, k = long[-1].shape
-    gathered = t * hkv * k * INDEX["block_size"] * HEADS["d"]  # the selected keys (and values), fp32
-    assert max(n for n in large.values() if n not in views) == gathered
+@pytest.mark.parametrize("ctx", [1000, 8000])
+def test_sparse_attention_body_gathers_only_the_selected_blocks(ctx):
+    """Keys, values and scores are gathered per (sequence, KV head) over the blocks its tokens selected, N <=
+    min(tokens * K, blocks of its context): their size does not depend on the context of a decoding sequence. What
+    does grow with it is the block bookkeeping, one int per (token slot, KV head, block of the context, +1), with no
+    head-dim factor: a [T, L, D] per-token context copy or a [B, L, Hkv, D] dense gather exceeds both bounds
+    (704000 and 384000 elements here at 8000 against 27648 and 18036)."""
+    new, page, bs = [1, 4, 6], 16, INDEX["block_size"]
+    inputs, attrs = _sparse(ctx)
+    sizes = intermediate_sizes("SparsePagedAttention", inputs, attrs)
+    views = {t.numel() for t in inputs}  # reshapes of the inputs (pools, block tables) are views, not reads
+    b, tmax, k = len(new), max(new), INDEX["topk_blocks"]
+    hkv, groups, d = HEADS["hkv"], HEADS["hq"] // HEADS["hkv"], HEADS["d"]
+    nb = (ctx - 1) // bs + 1  # blocks of the longest context in the step
+    n = max(min(q * k, -(-c // bs)) for q, c in zip(new, [ctx, 300, 200]))  # most blocks one sequence selects
+    selected = b * hkv * n * bs * max(d, tmax * groups)  # gathered keys [B, Hkv, N*bs, D] / scores [.., Tmax*G, N*bs]
+    bookkeeping = b * tmax * hkv * (nb + 1)
+    over = {name: size for name, size in sizes.items() if size not in views and size > max(selected, bookkeeping)}
+    assert not over, f"tensors beyond the selected blocks and the block bookkeeping: {over}"
+    assert max(selected, bookkeeping) < min(sum(new) * ctx * d, b * ctx * hkv * d)  # the bounds mean something
 
 
 @pytest.mark.parametrize("new", [[40, 1, 1], [1, 1, 1]], ids=["prefill-chunk", "decode"])

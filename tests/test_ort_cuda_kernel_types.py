@@ -62,6 +62,7 @@ CUDA_EP = {
     "Reshape": ((0,), FIXED | FP8), "Shape": ((0,), FIXED | FP8),  # 19-20
     "Scan": (None, FIXED | FP8),  # 19+
     "ScatterND": ((0, 2), FIXED),  # 18+
+    "ScatterElements": ((0, 2), FIXED),  # 18+
     "Sigmoid": ((0,), FLOATS), "Softmax": ((0,), FLOATS), "Sqrt": ((0,), FLOATS),
     "Slice": ((0,), FIXED), "Split": ((0,), FIXED),
     "Squeeze": ((0,), FIXED), "Unsqueeze": ((0,), FIXED), "Transpose": ((0,), FIXED),  # 13-20

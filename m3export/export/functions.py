@@ -5,7 +5,8 @@ whose (domain, name) matches a model-local function. The bodies follow the refer
 ``m3export.ops`` step by step (same fp32 accumulation points, same tie-breaking), and cost what the op costs
 where standard ops allow it:
 
-* sparse attention gathers only each token's selected blocks, ``[T, Hkv, K * block_size, ...]``: flat in context;
+* sparse attention gathers only the selected blocks, per sequence and KV head ``[B, Hkv, N * block_size, ...]``
+  (N: most blocks one sequence's tokens select), flat in context for decode, no more than dense for a prefill;
 * the indexer and dense attention read each sequence's context once per step (``SequenceLayout``), not once
   per token;
 * the MoE runs a ``Scan`` over experts, each step computing only the tokens routed to that expert.
@@ -84,18 +85,14 @@ def _function(name: str, b: Builder, outputs: list[str], kv_fp8: bool = False) -
 
 
 # ---------------------------------------------------------------------------------------------- indexer
-class SequenceLayout:
-    """Tokens regrouped by sequence, so that per-sequence data (an index-key context) is read once per step.
+class TokenGroups:
+    """Tokens regrouped by sequence: ``seq[t]`` is token t's sequence and ``col[t]`` its rank among that sequence's
+    new tokens; a ``[T, ...]`` tensor scattered to ``[B, Tmax, ...]`` (Tmax = most new tokens of one sequence) can
+    then meet a ``[B, ...]`` one in a batched MatMul, and ``GatherND`` with ``index`` brings the ``[B, Tmax, ...]``
+    result back to tokens. Padded rows compute on zeros and are dropped: the waste is ``B * Tmax - T`` rows, none
+    for pure decode or uniform verify batches and for a lone prefill."""
 
-    ``seq[t]`` is token t's sequence and ``col[t]`` its rank among that sequence's new tokens; a ``[T, ...]``
-    tensor scattered to ``[B, Tmax, ...]`` (Tmax = most new tokens of one sequence) can then meet a ``[B, L, ...]``
-    one in a batched MatMul, and ``GatherND`` with ``index`` brings the ``[B, Tmax, ...]`` result back to tokens.
-    Padded rows compute on zeros and are dropped: the waste is ``B * Tmax - T`` rows, none for pure decode or
-    uniform verify batches and for a lone prefill.
-    """
-
-    def __init__(self, b: Builder, block_tables: str, query_start_loc: str, seq_lens: str, positions: str,
-                 pool: str):
+    def __init__(self, b: Builder, query_start_loc: str, positions: str, seq_lens: str):
         self.b = b
         qsl = b.Cast(query_start_loc, to=I64)
         starts = b.Slice(qsl, b.const([0]), b.const([-1]))
@@ -107,6 +104,27 @@ class SequenceLayout:
         self.index = b.Concat(b.Unsqueeze(self.seq, b.const([1])), b.Unsqueeze(col, b.const([1])), axis=1)  # [T, 2]
         self.num_seqs = _dim(b, seq_lens, 0)
         self.tmax = b.ReduceMax(b.Sub(ends, starts), keepdims=0)
+
+    def padded(self, x: str) -> str:
+        """[T, *rest] -> [B, Tmax, *rest], zeros where a sequence has fewer new tokens."""
+        b = self.b
+        shape = b.Concat(_vec(b, self.num_seqs), _vec(b, self.tmax), b.Shape(x, start=1), axis=0)
+        return b.ScatterND(b.Expand(b.CastLike(b.const(0.0, np.float32), x), shape), self.index, x)
+
+    def positions(self, positions: str) -> str:
+        """[B, Tmax] positions of the regrouped tokens, -1 on padding rows."""
+        b = self.b
+        shape = b.Concat(_vec(b, self.num_seqs), _vec(b, self.tmax), axis=0)
+        return b.ScatterND(b.Expand(b.const(-1), shape), self.index, positions)
+
+
+class SequenceLayout(TokenGroups):
+    """``TokenGroups`` plus every sequence's context, so that per-sequence data (an index-key context) is read once
+    per step: ``gather`` gives ``[B, L, ...]``, L = max(positions) + 1."""
+
+    def __init__(self, b: Builder, block_tables: str, query_start_loc: str, seq_lens: str, positions: str,
+                 pool: str):
+        super().__init__(b, query_start_loc, positions, seq_lens)
         # Keys 0 .. L-1 of every sequence, L = max(positions) + 1; slots past a sequence's length point at slot 0
         # (their pages may hold anything, even ids outside the pool) and are masked per token later.
         self.length = b.Add(b.ReduceMax(positions, keepdims=0), b.const(1))
@@ -130,12 +148,6 @@ class SequenceLayout:
             return b.Gather(flat, self.slots, axis=0)
 
         return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
-
-    def padded(self, x: str) -> str:
-        """[T, *rest] -> [B, Tmax, *rest], zeros where a sequence has fewer new tokens."""
-        b = self.b
-        shape = b.Concat(_vec(b, self.num_seqs), _vec(b, self.tmax), b.Shape(x, start=1), axis=0)
-        return b.ScatterND(b.Expand(b.CastLike(b.const(0.0, np.float32), x), shape), self.index, x)
 
     def num_blocks(self, block_size: str) -> str:
         b = self.b
@@ -208,27 +220,6 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
 
 
 # ---------------------------------------------------------------------------------------------- attention
-def _token_sequences(b: Builder, query_start_loc: str, positions: str) -> str:
-    """Token t's sequence, ``#{b : query_start_loc[b + 1] <= t}``, [T] int64."""
-    tokens = b.Range(b.const(0), _dim(b, positions, 0), b.const(1))
-    ends = b.Slice(b.Cast(query_start_loc, to=I64), b.const([1]), b.const([np.iinfo(np.int64).max]))
-    started = b.LessOrEqual(b.Unsqueeze(ends, b.const([0])), b.Unsqueeze(tokens, b.const([1])))  # [T, B]
-    return b.ReduceSum(b.Cast(started, to=I64), b.const([1]), keepdims=0)
-
-
-def _grouped_attention(b: Builder, keys: str, values: str, allowed: str) -> str:
-    """Softmax attention of ``q`` over fp32 ``keys`` / ``values`` [T, Hkv, S, D] where ``allowed`` [T, Hkv, S];
-    returns [T, Hq, Dv] in q's dtype. Values of keys not allowed are zeroed (0 * NaN would leak otherwise)."""
-    hkv = b.Shape("k_cache", start=2, end=3)
-    q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), b.Shape("q", start=2), axis=0))
-    scores = b.Mul(b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2])), b.attr(Ref("scale", FLOAT)))  # [T,Hkv,G,S]
-    probs = b.Softmax(b.Where(b.Unsqueeze(allowed, b.const([2])), scores, b.const(-INF, np.float32)), axis=-1)
-    values = b.Where(b.Unsqueeze(allowed, b.const([3])), values, b.const(0.0, np.float32))
-    out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
-    out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
-    return b.CastLike(out, "q")
-
-
 def paged_attention(kv_fp8: bool = False) -> FunctionProto:
     """Each sequence's keys and values are gathered once per step (``[B, L, Hkv, D]``, ``SequenceLayout``) and
     its new tokens' queries meet them in one batched MatMul, ``[B, Hkv, Tmax * G, L]`` scores: a prefill chunk of
@@ -243,8 +234,7 @@ def paged_attention(kv_fp8: bool = False) -> FunctionProto:
     q = b.Transpose(q, perm=[0, 2, 1, 3, 4])  # [B, Hkv, Tmax, G, D]
     scores = b.MatMul(q, b.Unsqueeze(b.Transpose(keys, perm=[0, 2, 3, 1]), b.const([2])))  # [B, Hkv, Tmax, G, L]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
-    shape = b.Concat(_vec(b, seqs.num_seqs), _vec(b, seqs.tmax), axis=0)
-    pos = b.ScatterND(b.Expand(b.const(-1), shape), seqs.index, "positions")  # [B, Tmax]; -1: padding rows
+    pos = seqs.positions("positions")  # [B, Tmax]; -1: padding rows
     visible = b.LessOrEqual(b.Unsqueeze(seqs.key_pos, b.const([0, 1])), b.Unsqueeze(pos, b.const([2])))  # [B,Tmax,L]
     probs = b.Softmax(b.Where(b.Unsqueeze(visible, b.const([1, 3])), scores, b.const(-INF, np.float32)), axis=-1)
     # Values no token of the sequence can see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
@@ -258,51 +248,84 @@ def paged_attention(kv_fp8: bool = False) -> FunctionProto:
 
 
 def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
-    """Gathers only the selected blocks: ``[T, Hkv, K * block_size]`` keys and values per step, whatever the
-    context length (the dense body's ``[T, L, ...]`` context never appears).
+    """Gathers, per sequence and KV head, only the blocks its tokens selected: ``[B, Hkv, N * block_size]`` keys
+    and values, N = most distinct blocks one (sequence, head) selected in the step. A decode step has N <= K
+    whatever the context (cost flat in context); a verify step N <= tokens * K; a prefill chunk N <= the blocks
+    of its context, so it costs what dense attention over that context costs, where a per-token gather
+    (``[T, Hkv, K * block_size, D]``) grew with T * K * block_size: 4.7e9 elements for the `mini` verify's
+    4480-token prefill step, past the 2^31 elements ONNX Runtime's CUDA element-wise kernels index (the first
+    H200 run: an illegal memory access at the Cast after that gather).
 
-    A selected id counts once (later duplicates are dropped), and only if it is a block the token can see
-    (``0 <= id <= position // block_size``); the keys of a counted block are visible up to the token's position.
-    Everything not counted is redirected to a valid slot of the token's own first page and masked, so ids of
-    any value, padding in ``block_tables`` and whatever unused pool rows hold never reach the result.
+    Key ``j`` is allowed for (token t, group g) iff its block is one of ``block_idx[t, g]`` that counts (``0 <= id
+    <= position // block_size``; duplicates and order do not matter) and ``j <= positions[t]``. Keys not stored
+    (unused list slots, keys past a sequence's length) are redirected to pool row 0 and masked, their values
+    zeroed, so ids of any value, padding in ``block_tables`` and whatever unused pool rows hold never reach the
+    result; every gather index is in range by construction.
     """
     b = Builder("")
     bs = b.attr(Ref("block_size", INT))
-    seq = _token_sequences(b, "query_start_loc", "positions")
+    tok = TokenGroups(b, "query_start_loc", "positions", "seq_lens")
     blk = b.Cast("block_idx", to=I64)  # [T, Hkv, K]
-    pos = b.Unsqueeze("positions", b.const([1, 2]))  # [T, 1, 1]
-    kk = b.Range(b.const(0), _dim(b, "block_idx", 2), b.const(1))
-    earlier = b.Less(b.Unsqueeze(kk, b.const([0])), b.Unsqueeze(kk, b.const([1])))  # [K (k), K (k')]: k' < k
-    same = b.Equal(b.Unsqueeze(blk, b.const([3])), b.Unsqueeze(blk, b.const([2])))  # [T, Hkv, K, K]
-    dup = b.ReduceMax(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([3]), keepdims=0)
-    counted = b.And(b.And(b.GreaterOrEqual(blk, b.const(0)), b.LessOrEqual(blk, b.Div(pos, bs))),
-                    b.Not(b.Cast(dup, to=TensorProto.BOOL)))  # [T, Hkv, K]
-    keys_pos = b.Add(b.Unsqueeze(b.Mul(b.Where(counted, blk, b.const(0)), bs), b.const([3])),
-                     b.Range(b.const(0), bs, b.const(1)))  # [T, Hkv, K, bs]
-    allowed = b.And(b.Unsqueeze(counted, b.const([3])), b.LessOrEqual(keys_pos, b.Unsqueeze(pos, b.const([3]))))
-    keys_pos = b.Where(allowed, keys_pos, b.const(0))
+    counted = b.And(b.GreaterOrEqual(blk, b.const(0)),
+                    b.LessOrEqual(blk, b.Div(b.Unsqueeze("positions", b.const([1, 2])), bs)))  # [T, Hkv, K]
+    nb = b.Add(b.Div(b.ReduceMax("positions", keepdims=0), bs), b.const(1))  # blocks of the step's longest context
+    # chosen[t, g, c] = 1 iff token t's group g reads block c (ids that do not count go to column nb, dropped)
+    wide = b.Concat(b.Shape("block_idx", end=2), _vec(b, b.Add(nb, b.const(1))), axis=0)
+    ones = b.Expand(b.const(1, np.int32), b.Shape("block_idx"))
+    chosen = b.ScatterElements(b.Expand(b.const(0, np.int32), wide), b.Where(counted, blk, nb), ones, axis=2)
+    chosen = b.Transpose(tok.padded(b.Slice(chosen, b.const([0]), _vec(b, nb), b.const([2]))),
+                         perm=[0, 2, 1, 3])  # [B, Hkv, Tmax, NB]
+    used = b.ReduceMax(chosen, b.const([2]), keepdims=0)  # [B, Hkv, NB]: blocks any token of the sequence reads
+    n = b.Max(b.ReduceMax(b.ReduceSum(used, b.const([2]), keepdims=0), keepdims=0), b.const(1, np.int32))
+    # used ids ascending (distinct finite keys -id: no TopK tie matters), then unused slots (-inf, masked)
+    key = b.Where(b.Cast(used, to=TensorProto.BOOL), b.Neg(b.Cast(b.Range(b.const(0), nb, b.const(1)), to=F32)),
+                  b.const(-INF, np.float32))
+    top, lst = b.TopK(key, _vec(b, b.Cast(n, to=I64)), axis=-1, largest=1, sorted=1, n_out=2)  # [B, Hkv, N]
 
+    keys_pos = b.Add(b.Unsqueeze(b.Mul(lst, bs), b.const([3])), b.Range(b.const(0), bs, b.const(1)))  # [B,Hkv,N,bs]
+    stored = b.And(b.Unsqueeze(b.Greater(top, b.const(-INF, np.float32)), b.const([3])),
+                   b.Less(keys_pos, b.Unsqueeze(b.Cast("seq_lens", to=I64), b.const([1, 2, 3]))))
+    keys_pos = b.Where(stored, keys_pos, b.const(0))
     page = _dim(b, "k_cache", 1)
     max_pages = _dim(b, "block_tables", 1)
     rows = b.Reshape(b.Cast("block_tables", to=I64), b.const([-1]))  # [B * max_pages]
-    row_of = b.Unsqueeze(b.Mul(seq, max_pages), b.const([1, 2, 3]))  # [T, 1, 1, 1]
+    row_of = b.Unsqueeze(b.Mul(b.Range(b.const(0), tok.num_seqs, b.const(1)), max_pages), b.const([1, 2, 3]))
     pages = b.Gather(rows, b.Add(row_of, b.Div(keys_pos, page)), axis=0)
-    slots = b.Add(b.Mul(pages, page), b.Mod(keys_pos, page))  # [T, Hkv, K, bs]
+    slots = b.Where(stored, b.Add(b.Mul(pages, page), b.Mod(keys_pos, page)), b.const(0))  # [B, Hkv, N, bs]
     hkv = _dim(b, "k_cache", 2)
     heads = b.Unsqueeze(b.Range(b.const(0), hkv, b.const(1)), b.const([0, 2, 3]))  # [1, Hkv, 1, 1]
-    flat_shape = b.Concat(b.Shape("block_idx", end=2), b.const([-1]), axis=0)  # [T, Hkv, K * bs]
+    flat_shape = b.Concat(b.Shape(lst, end=2), b.const([-1]), axis=0)  # [B, Hkv, N * bs]
     index = b.Reshape(b.Add(b.Mul(slots, hkv), heads), flat_shape)
 
-    def rows(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [T, Hkv, K * bs, *rest]
+    def rows_of(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [B, Hkv, N * bs, *rest]
         rows_of_pool = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=3), axis=0))
         return b.Gather(rows_of_pool, index, axis=0)
 
-    def gather(pool: str, scale: str) -> str:  # -> fp32 [T, Hkv, K * bs, D]
-        return decode_rows(b, rows(pool), rows(scale)) if kv_fp8 else b.Cast(rows(pool), to=F32)
+    def gather(pool: str, scale: str) -> str:  # -> fp32 [B, Hkv, N * bs, D]
+        return decode_rows(b, rows_of(pool), rows_of(scale)) if kv_fp8 else b.Cast(rows_of(pool), to=F32)
 
     keys, values = gather("k_cache", "k_scale"), gather("v_cache", "v_scale")
-    out = _grouped_attention(b, keys, values, b.Reshape(allowed, flat_shape))
-    return _function("SparsePagedAttention", b, [out], kv_fp8)
+    # allowed [B, Hkv, Tmax, N, bs]: the token's own blocks, keys up to its position (padding rows: none)
+    lists = b.Expand(b.Unsqueeze(lst, b.const([2])), b.Concat(b.Shape(chosen, end=3), b.Shape(lst, start=2), axis=0))
+    member = b.GatherElements(chosen, lists, axis=3)  # [B, Hkv, Tmax, N]: slot n's block is one of the token's
+    pos = b.Unsqueeze(tok.positions("positions"), b.const([1, 3, 4]))  # [B, 1, Tmax, 1, 1]
+    allowed = b.And(b.And(b.Unsqueeze(b.Cast(member, to=TensorProto.BOOL), b.const([4])),
+                          b.Unsqueeze(stored, b.const([2]))),
+                    b.LessOrEqual(b.Unsqueeze(keys_pos, b.const([2])), pos))
+    allowed = b.Reshape(allowed, b.Concat(b.Shape(allowed, end=3), b.const([1, -1]), axis=0))  # [B,Hkv,Tmax,1,S]
+
+    q = tok.padded(b.Cast("q", to=F32))  # [B, Tmax, Hq, D]
+    q = b.Reshape(q, b.Concat(b.const([0, 0]), b.Shape("k_cache", start=2, end=3), b.const([-1]),
+                              b.Shape("q", start=2), axis=0))  # [B, Tmax, Hkv, G, D]
+    q = b.Transpose(q, perm=[0, 2, 1, 3, 4])  # [B, Hkv, Tmax, G, D]
+    scores = b.MatMul(q, b.Unsqueeze(b.Transpose(keys, perm=[0, 1, 3, 2]), b.const([2])))  # [B, Hkv, Tmax, G, S]
+    scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
+    probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
+    values = b.Where(b.Unsqueeze(b.Reshape(stored, flat_shape), b.const([3])), values, b.const(0.0, np.float32))
+    out = b.MatMul(probs, b.Unsqueeze(values, b.const([2])))  # [B, Hkv, Tmax, G, Dv]
+    out = b.GatherND(b.Transpose(out, perm=[0, 2, 1, 3, 4]), tok.index)  # [T, Hkv, G, Dv]
+    out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
+    return _function("SparsePagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -1,0 +1,99 @@
+"""Every index the cache readers' ONNX bodies feed to a Gather / GatherND / GatherElements / ScatterND /
+ScatterElements lies in ``[0, dim)``, on adversarial batches: block tables padded with page ids past the pool,
+selections holding -1, duplicates and ids past the sequence, sequences with no new token, pages smaller than blocks.
+
+Why: ONNX Runtime's CPU kernels reject an out-of-range index (or wrap a negative one), its CUDA kernels read
+whatever the address holds, so a body that relied on either would pass on the CPU and corrupt or crash on the GPU
+(the first H200 run died with an illegal memory access inside ``SparsePagedAttention``'s body). The bodies redirect
+every padded or masked slot to a valid one; this checks it on the values ORT actually computes: the inlined body
+with every intermediate made a graph output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper, inliner
+
+from m3export.export.functions import body
+from m3export.export.schemas import SPEC_BY_NAME, opset_imports, register_schemas
+from m3export.ops import conformance as conf
+
+INDEXED = {"Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements"}
+
+
+def out_of_range(node: onnx.NodeProto, values: dict[str, np.ndarray]) -> str | None:
+    """What is wrong with ``node``'s indices (None when every one is in ``[0, dim)``)."""
+    data, idx = values[node.input[0]], values[node.input[1]]
+    if idx.size == 0:
+        return None
+    if node.op_type in ("Gather", "GatherElements", "ScatterElements"):
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % data.ndim
+        low, high, dim = int(idx.min()), int(idx.max()), data.shape[axis]
+        return None if 0 <= low and high < dim else f"indices {low} .. {high} on an axis of {dim}"
+    m = idx.shape[-1]  # GatherND / ScatterND (batch_dims 0): the last axis indexes data's first m axes
+    flat = idx.reshape(-1, m)
+    for i in range(m):
+        low, high, dim = int(flat[:, i].min()), int(flat[:, i].max()), data.shape[i]
+        if low < 0 or high >= dim:
+            return f"indices {low} .. {high} on axis {i} of {dim}"
+    return None
+
+
+def run_every_value(op: str, inputs, attrs) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The inlined body of ``m3::op`` run by ORT's CPU provider; every named value it computes, inputs included."""
+    register_schemas()
+    spec = SPEC_BY_NAME[op]
+    names = [p.name for p in spec.inputs]
+    graph = helper.make_graph(
+        [helper.make_node(op, names, [spec.outputs[0].name], domain="m3", **attrs)], op,
+        [helper.make_tensor_value_info(n, conf._onnx_type(t.dtype), list(t.shape)) for n, t in zip(names, inputs)],
+        [helper.make_tensor_value_info(spec.outputs[0].name, onnx.TensorProto.UNDEFINED, None)],
+    )
+    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[body(op)])
+    model.ir_version = 10
+    model = onnx.shape_inference.infer_shapes(inliner.inline_local_functions(model))
+    typed = {v.name: v for v in model.graph.value_info}
+    outs = [o for node in model.graph.node for o in node.output if o in typed]
+    del model.graph.output[:]
+    model.graph.output.extend(typed[o] for o in outs)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {n: t.numpy() for n, t in zip(names, inputs)}
+    return model, {**feeds, **dict(zip(outs, sess.run(None, feeds)))}
+
+
+CASES = ["LightningIndexer/nan-tails-empty-shared-batch", "LightningIndexer/page-smaller-than-block",
+         "PagedAttention/nan-tails-empty-shared-batch", "PagedAttention/page-smaller-than-block",
+         "SparsePagedAttention/nan-tails-empty-shared-batch-random",
+         "SparsePagedAttention/nan-tails-empty-shared-batch-indexer",
+         "SparsePagedAttention/page-smaller-than-block-random", "SparsePagedAttention/6k-tiny-dims-random"]
+
+
+@pytest.mark.parametrize("case_id", CASES)
+def test_every_body_index_is_in_range(case_id):
+    case = conf.CASES[case_id]
+    inputs, attrs = case.inputs(torch.float32)
+    model, values = run_every_value(case.op, inputs, conf.scalar_attributes(attrs))
+    checked, bad = 0, []
+    for node in model.graph.node:
+        if node.op_type not in INDEXED:
+            continue
+        assert node.input[0] in values and node.input[1] in values, f"{node.name}: untyped operands"
+        checked += 1
+        why = out_of_range(node, values)
+        if why:
+            bad.append(f"{node.op_type} {node.name}: {why}")
+    assert checked >= 3 and not bad, bad
+
+
+def test_the_check_catches_a_padded_id_used_as_an_index():
+    """The same check on a body that gathers a -1 padded selection as a page index fails (the check can fail)."""
+    pool = np.zeros((5, 4), np.float32)
+    node = helper.make_node("Gather", ["pool", "ids"], ["rows"], axis=0)
+    assert out_of_range(node, {"pool": pool, "ids": np.array([0, -1, 3])}) == "indices -1 .. 3 on an axis of 5"
+    assert out_of_range(node, {"pool": pool, "ids": np.array([0, 5])}) == "indices 0 .. 5 on an axis of 5"
+    nd = helper.make_node("GatherND", ["pool", "at"], ["rows"])
+    assert out_of_range(nd, {"pool": pool, "at": np.array([[4, 3], [0, 4]])}) == "indices 3 .. 4 on axis 1 of 4"
