@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper, inliner
+from onnx import helper
 
-from m3export.export.functions import body
-from m3export.export.schemas import SPEC_BY_NAME, opset_imports, register_schemas
 from m3export.ops import conformance as conf
+from tests.onnx_body_values import run_every_value
 
 INDEXED = {"Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements"}
 
@@ -41,28 +39,6 @@ def out_of_range(node: onnx.NodeProto, values: dict[str, np.ndarray]) -> str | N
         if low < 0 or high >= dim:
             return f"indices {low} .. {high} on axis {i} of {dim}"
     return None
-
-
-def run_every_value(op: str, inputs, attrs) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The inlined body of ``m3::op`` run by ORT's CPU provider; every named value it computes, inputs included."""
-    register_schemas()
-    spec = SPEC_BY_NAME[op]
-    names = [p.name for p in spec.inputs]
-    graph = helper.make_graph(
-        [helper.make_node(op, names, [spec.outputs[0].name], domain="m3", **attrs)], op,
-        [helper.make_tensor_value_info(n, conf._onnx_type(t.dtype), list(t.shape)) for n, t in zip(names, inputs)],
-        [helper.make_tensor_value_info(spec.outputs[0].name, onnx.TensorProto.UNDEFINED, None)],
-    )
-    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[body(op)])
-    model.ir_version = 10
-    model = onnx.shape_inference.infer_shapes(inliner.inline_local_functions(model))
-    typed = {v.name: v for v in model.graph.value_info}
-    outs = [o for node in model.graph.node for o in node.output if o in typed]
-    del model.graph.output[:]
-    model.graph.output.extend(typed[o] for o in outs)
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {n: t.numpy() for n, t in zip(names, inputs)}
-    return model, {**feeds, **dict(zip(outs, sess.run(None, feeds)))}
 
 
 CASES = ["LightningIndexer/nan-tails-empty-shared-batch", "LightningIndexer/page-smaller-than-block",

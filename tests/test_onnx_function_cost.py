@@ -10,38 +10,19 @@ The bodies' values are the conformance suite's business (``tests/test_op_conform
 from __future__ import annotations
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper, inliner
 
-from m3export.export.functions import BUILDERS
-from m3export.export.schemas import SPEC_BY_NAME, opset_imports, register_schemas
 from m3export.ops import conformance as conf
+from tests.onnx_body_values import run_every_value
 
 
 def intermediate_sizes(op: str, inputs: list[torch.Tensor], attrs: dict) -> dict[str, int]:
     """Element count of every tensor the inlined body of ``m3::op`` computes on ``inputs`` (fp32 inputs)."""
-    register_schemas()
-    spec = SPEC_BY_NAME[op]
-    names = [p.name for p in spec.inputs]
-    graph = helper.make_graph(
-        [helper.make_node(op, names, [spec.outputs[0].name], domain="m3", **attrs)], op,
-        [helper.make_tensor_value_info(n, conf._onnx_type(t.dtype), list(t.shape)) for n, t in zip(names, inputs)],
-        [helper.make_tensor_value_info(spec.outputs[0].name, onnx.TensorProto.UNDEFINED, None)],
-    )
-    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[BUILDERS[op]()])
-    model.ir_version = 10
-    model = onnx.shape_inference.infer_shapes(inliner.inline_local_functions(model))
-    typed = {v.name: v for v in model.graph.value_info}
-    outs = [o for node in model.graph.node for o in node.output if o in typed]
+    model, values = run_every_value(op, inputs, attrs)
+    outs = [o for node in model.graph.node for o in node.output if o in values]
     assert len(outs) > 20, "shape inference typed too few intermediates for this check to mean anything"
-    del model.graph.output[:]
-    model.graph.output.extend(typed[o] for o in outs)
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    values = sess.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
-    return {o: int(np.prod(v.shape)) for o, v in zip(outs, values)}
+    return {o: int(np.prod(values[o].shape)) for o in outs}
 
 
 INDEX = dict(block_size=16, topk_blocks=4, local_blocks=1, init_blocks=1)
