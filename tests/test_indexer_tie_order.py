@@ -1,4 +1,5 @@
-"""The LightningIndexer body's selections do not depend on how ``TopK`` orders equal values.
+"""The LightningIndexer body's selections (and the MoE body's routing) do not depend on how ``TopK`` orders equal
+values.
 
 Why: ONNX says ``TopK`` puts the lower index first among equal values, and ONNX Runtime's CPU kernel does, but its
 CUDA kernel does not (the first H200 run: block selections 85 % equal to the reference in every sparse layer,
@@ -69,6 +70,17 @@ def has_ties_in_selection(case: conf.Case) -> bool:
     want = conf.oracle(case, torch.float32).long()
     picked = torch.gather(key, -1, want.clamp(min=0)).masked_fill(want < 0, float("nan"))
     return bool((picked[..., 1:] == picked[..., :-1]).any())
+
+
+def test_moe_routing_ignores_topk_tie_order(monkeypatch):
+    """The MoE body's router TopK too: experts 1, 4 and 6 route identically and win, top-2 must be 1 and 4."""
+    case = conf.CASES["MoE/routing-ties"]
+    inputs, attrs = case.inputs(torch.float32)
+    want = conf.oracle(case, torch.float32)
+    plain = functions.body
+    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False: tie_reversing_topk(plain(op, kv_fp8)))
+    got = conf.run_onnx("MoE", inputs, conf.scalar_attributes(attrs), torch.float32)
+    assert conf.compare(case, torch.float32, got, inputs, attrs, want).ok
 
 
 @pytest.mark.parametrize("name", TIE_CASES)

@@ -155,24 +155,26 @@ class SequenceLayout(TokenGroups):
 
 
 def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str) -> str:
-    """The ids of ``TopK(scores)``'s ``values`` [T, H, k] with ties given to the lower id, whatever ``TopK`` did.
+    """The ids of ``TopK(scores)``'s ``values`` [..., k] (last axis) with ties given to the lower id, whatever
+    ``TopK`` did.
 
     ONNX specifies that ``TopK`` puts the lower index first among equal values, but ONNX Runtime's CUDA kernel
-    does not keep that rule (the first H200 run: 85 % of the forced blocks' +inf ties in another order). The
-    values of a top k are the same whatever the tie rule, so only the ids are re-derived from them: slot j's id
-    is the r-th lowest id c with ``scores[c] == values[j]``, r = #{j' < j : values[j'] == values[j]} (a
-    ``CumSum`` of the equality mask counts each candidate's rank). Cost ``[T, H, k, NB]``, below the
-    ``[T, H, L]`` score matrix whenever ``k < block_size``. A slot whose value equals no score (NaN) keeps
-    ``TopK``'s id."""
-    kk = b.Range(b.const(0), _dim(b, values, 2), b.const(1))
+    does not keep that rule (the first H200 run: 85 % of the indexer's selections, whose forced blocks tie at
+    +inf, in another order). The values of a top k are the same whatever the tie rule, so only the ids are
+    re-derived from them: slot j's id is the r-th lowest id c with ``scores[c] == values[j]``, r = #{j' < j :
+    values[j'] == values[j]} (a ``CumSum`` of the equality mask ranks each candidate). Cost ``[..., k, NB]``:
+    for the indexer below its ``[T, H, L]`` score matrix whenever ``k < block_size``. A slot whose value equals
+    no score (NaN) keeps ``TopK``'s id."""
+    kk = b.Range(b.const(0), b.Squeeze(b.Shape(values, start=-1), b.const([0])), b.const(1))
     earlier = b.Less(b.Unsqueeze(kk, b.const([0])), b.Unsqueeze(kk, b.const([1])))  # [k (j), k (j')]: j' < j
-    same = b.Equal(b.Unsqueeze(values, b.const([2])), b.Unsqueeze(values, b.const([3])))  # [T, H, k (j), k (j')]
-    rank = b.ReduceSum(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([3]), keepdims=1)  # [T,H,k,1]
-    equal = b.Equal(b.Unsqueeze(scores, b.const([2])), b.Unsqueeze(values, b.const([3])))  # [T, H, k, NB]
+    same = b.Equal(b.Unsqueeze(values, b.const([-2])), b.Unsqueeze(values, b.const([-1])))  # [..., k (j), k (j')]
+    rank = b.ReduceSum(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([-1]), keepdims=1)  # [..., k, 1]
+    equal = b.Equal(b.Unsqueeze(scores, b.const([-2])), b.Unsqueeze(values, b.const([-1])))  # [..., k, NB]
     nth = b.CumSum(b.Cast(equal, to=TensorProto.INT32), b.const(-1))  # 1-based rank of each equal candidate
     hit = b.And(equal, b.Equal(nth, b.Add(rank, b.const(1, np.int32))))  # exactly one per slot (or none: NaN)
-    ids = b.Range(b.const(1), b.Add(_dim(b, scores, 2), b.const(1)), b.const(1))  # 1-based: 0 means no hit
-    found = b.ReduceSum(b.Where(hit, ids, b.const(0)), b.const([3]), keepdims=0)  # [T, H, k]
+    n = b.Squeeze(b.Shape(scores, start=-1), b.const([0]))
+    ids = b.Range(b.const(1), b.Add(n, b.const(1)), b.const(1))  # 1-based: 0 means no hit
+    found = b.ReduceSum(b.Where(hit, ids, b.const(0)), b.const([-1]), keepdims=0)  # [..., k]
     return b.Where(b.Greater(found, b.const(0)), b.Sub(found, b.const(1)), topk_ids)
 
 
@@ -341,7 +343,8 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
     logits = b.MatMul(b.Cast("x", to=F32), b.Transpose(b.Cast("router_weight", to=F32), perm=[1, 0]))
     scores = b.Sigmoid(logits)  # [T, E]
     biased = b.Add(scores, b.Cast("e_score_correction_bias", to=F32))
-    _, idx = b.TopK(biased, _vec(b, b.attr(Ref("top_k", INT))), axis=-1, largest=1, sorted=1, n_out=2)
+    top, idx = b.TopK(biased, _vec(b, b.attr(Ref("top_k", INT))), axis=-1, largest=1, sorted=1, n_out=2)
+    idx = _lowest_ids_first(b, biased, top, idx)  # exact ties to the lower expert id on every EP
     w = b.GatherElements(scores, idx, axis=1)
     w = b.Div(w, b.ReduceSum(w, b.const([1]), keepdims=1))  # [T, k]
 
