@@ -73,3 +73,21 @@ def test_the_check_catches_a_padded_id_used_as_an_index():
     assert out_of_range(node, {"pool": pool, "ids": np.array([0, 5])}) == "indices 0 .. 5 on an axis of 5"
     nd = helper.make_node("GatherND", ["pool", "at"], ["rows"])
     assert out_of_range(nd, {"pool": pool, "at": np.array([[4, 3], [0, 4]])}) == "indices 3 .. 4 on axis 1 of 4"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers(),
+                    reason="needs onnxruntime-gpu and a CUDA device")
+@pytest.mark.parametrize("case_id", [c.id for op in ("SparsePagedAttention", "PagedAttention")
+                                     for c in conf.cases_for(op) if not c.fp8])
+def test_cache_reader_bodies_on_the_cuda_ep_match_the_reference(case_id):
+    """The same adversarial batches (and the 16k cases the CPU skips) through ORT's CUDA kernels, fp32 with TF32
+    off: within the conformance suite's tolerance of the reference. An index the CPU wraps or rejects would read
+    another row (or fault) here."""
+    case = conf.CASES[case_id]
+    inputs, attrs = case.inputs(torch.float32)
+    got = conf.run_onnx(case.op, inputs, conf.scalar_attributes(attrs), torch.float32,
+                        providers=[("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"])
+    verdict = conf.compare(case, torch.float32, got, inputs, attrs, conf.oracle(case, torch.float32))
+    assert verdict.ok, verdict.failures[:5]
+

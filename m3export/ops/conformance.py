@@ -720,9 +720,10 @@ def _onnx_type(dtype: torch.dtype) -> int:
 
 
 def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.dtype,
-             kv_fp8: bool = False) -> torch.Tensor:
+             kv_fp8: bool = False, providers: list | None = None) -> torch.Tensor:
     """Build, shape-infer, check and run a one-node model of ``m3::op`` in ONNX Runtime on the CPU (``kv_fp8``:
-    the body reading uint8 E4M3 pools with their scale pools, given as the trailing inputs)."""
+    the body reading uint8 E4M3 pools with their scale pools, given as the trailing inputs; ``providers``: ORT's
+    session providers instead, e.g. the CUDA EP for the GPU tests)."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
@@ -747,7 +748,7 @@ def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.
     if out_type.elem_type != _onnx_type(out_dtype):
         raise AssertionError(f"{op}: shape inference gives element type {out_type.elem_type}")
     onnx.checker.check_model(inferred, full_check=True)
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=providers or ["CPUExecutionProvider"])
 
     def value(t: torch.Tensor):
         t = t.contiguous()
