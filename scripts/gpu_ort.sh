@@ -2,10 +2,10 @@
 # ONNX Runtime on the H200 (issue 16), in one call of at most ~8 minutes: onnxruntime-gpu unpacked from the carried
 # parts, `m3export verify --provider cuda` on the tiny model, the GPU tests (a sync-free ORT-CUDA step equal to the
 # torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; a
-# steady CUDA step binding and allocating nothing; the dense layers lowered to com.microsoft.PagedAttention against
-# the torch backend), then a `mini` bf16 artifact with
-# the ort-contrib flavour (MoE and MXFP8Linear lowered; PagedAttention is rejected, lowering.REJECTED) and bench/ort_gpu.py (plain vs lowered vs
-# torch, batch 1 / 8 x context 4k / 32k, roofline), then `verify` on it if time is left. Every step has its own
+# steady CUDA step binding and allocating nothing; the rejected PagedAttention lowering's distance to the torch
+# backend, reported; the indexer / MoE bodies' tie rule and the attention bodies' adversarial and 16k cases under
+# ORT's CUDA kernels), then a `mini` bf16 artifact with the ort-contrib flavour (MoE and MXFP8Linear lowered;
+# PagedAttention is rejected, lowering.REJECTED) and bench/ort_gpu.py (plain vs lowered vs torch, batch 1 / 8 x context 4k / 32k, roofline), then `verify` on it if time is left. Every step has its own
 # time limit, cut to what is left of the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script
 # ends in time; a step with too little time left is skipped and says so. Everything lands in $OUT (./out), in five
 # files (a call brings back at most 8): gpu_ort.log (every step's output), summary.txt (each step's exit code and
@@ -96,7 +96,8 @@ step export_tiny 120 $M export --preset tiny --dtype float32 --out /tmp/ortgpu-a
 step verify_tiny 120 $M verify /tmp/ortgpu-art/tiny --provider "$PROVIDER" --fast
 # GPU tests (they skip, with their reason, without onnxruntime-gpu and a CUDA device)
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short --durations=5 \
-    tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py tests/test_paged_session_binding.py
+    tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py tests/test_paged_session_binding.py \
+    tests/test_indexer_tie_order.py tests/test_onnx_body_indices.py
 step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
     --out /tmp/ortgpu-art/big --force
 timeout 30 python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
