@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # ONNX Runtime on the H200 (issue 16), in one call of at most ~8 minutes: onnxruntime-gpu unpacked from the carried
 # parts, `m3export verify --provider cuda` on the tiny model, the GPU tests (a sync-free ORT-CUDA step equal to the
-# torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; a
-# steady CUDA step binding and allocating nothing; the rejected PagedAttention lowering's distance to the torch
-# backend, reported; the indexer / MoE bodies' tie rule and the attention bodies' adversarial and 16k cases under
-# ORT's CUDA kernels), then a `mini` bf16 artifact with the ort-contrib flavour (MoE and MXFP8Linear lowered;
-# PagedAttention is rejected, lowering.REJECTED) and bench/ort_gpu.py (plain vs lowered vs torch, batch 1 / 8 x
-# context 4k / 32k, roofline), then `verify` on it if time is left. Every step has its own time limit, cut to
-# what is left of the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little time left is skipped and says so. Everything lands in $OUT (./out), in five
-# files (a call brings back at most 8): gpu_ort.log (every step's output), summary.txt (each step's exit code and
-# time), ort_gpu_h200.json (the benchmark), flavour_record.json (the lowerings the manifest records), gpu.txt.
+# torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; a steady
+# CUDA step binding and allocating nothing; the rejected PagedAttention lowering's distance to the torch backend,
+# reported; the indexer / MoE bodies' tie rule and the attention bodies' adversarial and 16k cases under ORT's CUDA
+# kernels), then a `mini` bf16 artifact with the ort-contrib flavour (MoE and MXFP8Linear lowered; PagedAttention is
+# rejected, lowering.REJECTED) and bench/ort_gpu.py (plain vs lowered vs torch, batch 1 / 8 x context 4k / 32k,
+# roofline), then `verify` on it if time is left. Every step has its own time limit, cut to what is left of the script's
+# budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little time left is
+# skipped and says so. Everything lands in $OUT (./out), in five files (a call brings back at most 8): gpu_ort.log
+# (every step's output), summary.txt (each step's exit code and time), ort_gpu_h200.json (the benchmark),
+# flavour_record.json (the lowerings the manifest records), gpu.txt.
 #
 # onnxruntime-gpu is not on the machine: carry it in parts .c1 .. .cN (`scripts/pack_ort_gpu.py ... --parts 2`:
 # two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s
