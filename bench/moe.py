@@ -44,16 +44,16 @@ ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # 2 warps, 4 stages); SPLIT_K splits each GEMV's K loop over programs (fp32 partials, the last program of a tile
 # sums them in split order and applies the epilogue) so that more CTAs stream the few experts of batch 1.
 GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4),
-              dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=1, num_stages=4),
               dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=3),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=6),
-              dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4)]
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=2, num_stages=4),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=1),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=2, num_stages=4, PREFETCH=2),
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PREFETCH=2),
+              dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2),
+              dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4, PREFETCH=2)]
 SPLITK_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, SPLIT_K=2),
-                dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, SPLIT_K=4),
-                dict(GEMV=1, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=4)]
+                dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2, PREFETCH=1),
+                dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=4, PREFETCH=2)]
 # Decode batches up to 8: the GEMV tiles, split-K at batch 1, and the grouped tensor-core default for comparison.
 SMALL_BATCH_SWEEP = [dict(BLOCK_M=16), *GEMV_SWEEP]
 # Decode batches from 8 (MXFP8 weights): 16-row tensor-core tiles around the batch-64 winner (BN 64, BK 128, 4 warps,

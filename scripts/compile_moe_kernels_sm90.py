@@ -43,13 +43,24 @@ def resources(cubin: bytes) -> dict:
     return {"regs": int(m[1]), "stack": int(m[2]), "static_smem": int(m[3])} if m else {"raw": out.stdout[-200:]}
 
 
+UNIT_STRIDES = ("sw_k", "ss_k")  # weights and scales are contiguous along K in every launch
+
+
 def build(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> dict:
+    """Compile as the JIT specialises a launch at the mini / release dims: pointers 16-byte aligned, the K strides
+    equal to 1 (compile-time constants), every other stride a multiple of 16. Without these hints Triton can prove
+    no vector width, so it neither pipelines the loads (no cp.async) nor vectorises them, and registers and
+    spills read far worse than what runs (an earlier version of this script did that)."""
+    constexprs = {**{n: 1 for n in UNIT_STRIDES if n in signature}, **constexprs}
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
-    k = triton.compile(ASTSource(fn, sig, constexprs), target=TARGET,
+    names = [n for n in sig]
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or (n.startswith("s") and sig[n] in ("i32", "i64")))}
+    k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET,
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
     return {**resources(k.asm["cubin"]), "smem": k.metadata.shared, "wgmma": "wgmma" in ptx,
-            "mma": "mma.sync" in ptx}
+            "mma": "mma.sync" in ptx, "cp_async": "cp.async" in ptx}
 
 
 def moe_signature(mx: bool, kind: str) -> dict:
@@ -64,12 +75,26 @@ def moe_signature(mx: bool, kind: str) -> dict:
             "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}
 
 
+def _bench_gemv_sweep() -> list:
+    """bench/moe.py's GEMV and split-K tiles (imported from the script, so the two lists cannot drift apart)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import moe as bench_moe
+
+    seen, out = set(), []
+    for c in (*bench_moe.GEMV_SWEEP, *bench_moe.SPLITK_SWEEP):
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def variants(quick: bool):
     """(label, kernel, signature, constexprs, warps, stages) for every MoE / linear tile the code may launch."""
     out = []
     tiles = [(bm, moe_kernels.gemm_config(bm), True) for bm in (16, 64, 128)]
     if not quick:
-        for n, k, w, s in [(32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]:
+        for n, k, w, s in [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3)]:  # (64, 128): the batch > 8 default
             tiles.append((16, dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, MX_MODE=1), False))
         for mode in (0, 2):
             tiles.append((16, {**moe_kernels.gemm_config(16), "MX_MODE": mode}, False))
@@ -85,10 +110,11 @@ def variants(quick: bool):
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
-    # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): the default (moe.GEMV_DECODE) and bench/moe.py's GEMV sweep.
-    gemv_tiles = ((8, 256, 2, 4, 1), (4, 256, 2, 4, 1), (4, 512, 1, 4, 1), (8, 512, 2, 4, 1), (8, 256, 1, 4, 1),
-                  (8, 256, 4, 4, 1), (16, 256, 2, 4, 1), (8, 256, 2, 4, 2), (16, 256, 2, 4, 4), (32, 256, 4, 4, 4))
-    for bn, bk, gw, gs, split in gemv_tiles[:1] if quick else gemv_tiles:
+    # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K, PREFETCH): the default (moe.GEMV_DECODE) and bench/moe.py's GEMV
+    # sweep (its tiles are listed there with what this check printed for them).
+    gemv_tiles = [(8, 256, 2, 4, 1, 0), *((c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"],
+                                          c.get("SPLIT_K", 1), c.get("PREFETCH", 0)) for c in _bench_gemv_sweep())]
+    for bn, bk, gw, gs, split, prefetch in gemv_tiles[:1] if quick else gemv_tiles:
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
@@ -105,15 +131,16 @@ def variants(quick: bool):
                     "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}),
             }
             for kind, (fn, sig) in sigs.items():
-                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                              PREFETCH=prefetch)
                 out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w{gw} s{gs} "
-                            f"split{split}", fn, sig, consts, gw, gs))
+                            f"split{split} pf{prefetch}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
-        out.append((f"{'linear/gemv':12} mxfp8 BN{bn:<3} BK{bk:<3} w{gw} s{gs}", gemv._linear_gemv, sig,
-                    dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk), gw, gs))
+        out.append((f"{'linear/gemv':12} mxfp8 BN{bn:<3} BK{bk:<3} w{gw} s{gs} pf{prefetch}", gemv._linear_gemv,
+                    sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch), gw, gs))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]
@@ -131,7 +158,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     failed = 0
-    print(f"{'kernel / variant':58} {'regs':>4} {'stack':>5} {'smem':>6} dot")
+    print(f"{'kernel / variant':58} {'regs':>4} {'stack':>5} {'smem':>6} dot   loads")
     for label, fn, sig, consts, warps, stages in variants(args.quick):
         try:
             r = build(fn, sig, consts, warps, stages)
@@ -141,7 +168,8 @@ def main() -> int:
             failed += 1
             continue
         dot = "wgmma" if r["wgmma"] else "mma" if r["mma"] else "fma"
-        print(f"{label:58} {r.get('regs', '?'):>4} {r.get('stack', '?'):>5} {r['smem']:>6} {dot}", flush=True)
+        print(f"{label:58} {r.get('regs', '?'):>4} {r.get('stack', '?'):>5} {r['smem']:>6} {dot:5} "
+              f"{'cp.async' if r['cp_async'] else 'sync'}", flush=True)
     return 1 if failed else 0
 
 

@@ -181,14 +181,16 @@ def test_moe_gemv_path(fmt, dt):
 
 @cpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_moe_gemv_split_k(fmt, dt):
+@pytest.mark.parametrize("dt,split,prefetch", [(torch.float32, 3, 0), (torch.bfloat16, 3, 0),
+                                               (torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2),
+                                               (torch.float32, 1, 2)])
+def test_moe_gemv_split_k_and_prefetch(fmt, dt, split, prefetch):
     # SPLIT_K 3 over H 160 in K tiles of 32: splits of 64 columns, the last one half past H (masked); over I 32
-    # the second and third splits lie wholly past I (their partials are zeros). One token and four, shared expert
-    # wider than the routed ones.
+    # the second and third splits lie wholly past I (their partials are zeros). PREFETCH loads 1 or 2 K steps
+    # ahead, past each split's end too (masked). One token and four, shared expert wider than the routed ones.
     for t in (1, 4):
         _check_moe(MoECase(t, 160, 32, 64, 7, 3, seed=11 + t), dt, fmt,
-                   config={"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3})
+                   config={"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split, "PREFETCH": prefetch})
 
 
 @cpu_only
@@ -261,7 +263,7 @@ def test_moe_rejects_mismatched_weights():
 
 # ---------------------------------------------------------------------------------------------------- linear
 @cpu_only
-@pytest.mark.parametrize("mode", [0, 1, "gemv", "default"])
+@pytest.mark.parametrize("mode", [0, 1, "gemv", "gemv_prefetch", "default"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
 def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
@@ -270,6 +272,7 @@ def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     x = torch.randn(*lead, k).to(dt)
     # "default": no config, i.e. mxfp8_linear.gemv_config at one row (the GEMV tile), tile_config above.
     config = ({"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64} if mode == "gemv" else None if mode == "default"
+              else {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64, "PREFETCH": 2} if mode == "gemv_prefetch"
               else {"MX_MODE": mode, "BLOCK_K": 64})
     got = linear_kernel.run_linear(x, w, s, config=config)
     want = ref.mxfp8_linear_reference(x, w, s)

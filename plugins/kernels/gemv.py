@@ -44,6 +44,70 @@ def row_dot(x3, acc3, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLO
 
 
 @triton.jit
+def _load_tile(x_row, w_rows, s_rows, k0, k_end, sw_k, ss_k, n_ok, BLOCK_K: tl.constexpr, MXFP8: tl.constexpr):
+    """The raw bytes of one K step (columns k0 .. k0 + BLOCK_K below ``k_end``): weights [BN, G, 32] in their
+    stored dtype, UE8M0 scales [BN, G] (MXFP8; else a placeholder), activations [1, G, 32] unconverted. Nothing
+    is converted here, so a tile loaded ahead holds one register per 4 E4M3 values while it is in flight."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, G)
+    k3 = k0 + g[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    w = tl.load(w_rows[:, None, None] + k3 * sw_k, mask=n_ok[:, None, None] & (k3 < k_end), other=0.0)
+    x = tl.load(x_row + k3, mask=k3 < k_end, other=0.0)
+    gg = k0 // 32 + g
+    if MXFP8:
+        s = tl.load(s_rows[:, None] + gg[None, :] * ss_k, mask=n_ok[:, None] & (gg[None, :] * 32 < k_end),
+                    other=127)
+    else:
+        s = gg
+    return w, s, x
+
+
+@triton.jit
+def _dot_tile(acc3, w, s, x, MXFP8: tl.constexpr, DT: tl.constexpr):
+    """``row_dot``'s arithmetic on a tile loaded by ``_load_tile`` (the same products, in the same order)."""
+    if MXFP8:
+        w3 = _e4m3_value(w) * _scale_value(s)[:, :, None]
+        if DT != tl.bfloat16:
+            w3 = cast(w3, DT).to(tl.float32)
+    else:
+        w3 = w.to(tl.float32)
+    return acc3 + w3 * x.to(tl.float32)
+
+
+@triton.jit
+def stream_dot(x_row, w_rows, s_rows, sw_k, ss_k, n_ok, k_lo, KS: tl.constexpr, K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP8: tl.constexpr, DT: tl.constexpr,
+               PREFETCH: tl.constexpr):
+    """W[rows, k_lo : k_lo + KS] @ x[k_lo : k_lo + KS] (fp32 [BN]) with PREFETCH (1 or 2) K steps loaded ahead.
+
+    Why: the element-wise accumulator of ``row_dot`` costs one fp32 register per weight element of a K step, so a
+    program has one step's loads in flight, and at the registers a gate-up program needs (168 at BN 8 / BK 256 /
+    2 warps for sm_90, ``scripts/compile_moe_kernels_sm90.py``) 6 programs = 12 warps fit on an SM, about 24 KB
+    of weights in flight: short of what HBM latency needs at 4.3 TB/s. Streaming gate and up one after the other
+    halves the accumulators, and raw bytes held for the next steps are cheaper than accumulators (96 registers at
+    BN 8 / BK 128 / PREFETCH 2: 10 programs per SM, ~30 KB in flight). Sums are ``row_dot``'s, exactly (same
+    products, same element-wise order, one reduction at the end)."""
+    k_end = tl.minimum(k_lo + KS, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+    w_a, s_a, x_a = _load_tile(x_row, w_rows, s_rows, k_lo, k_end, sw_k, ss_k, n_ok, BLOCK_K, MXFP8)
+    if PREFETCH == 1:
+        for kk in range(0, KS, BLOCK_K):
+            w_b, s_b, x_b = _load_tile(x_row, w_rows, s_rows, k_lo + kk + BLOCK_K, k_end, sw_k, ss_k, n_ok,
+                                       BLOCK_K, MXFP8)
+            acc = _dot_tile(acc, w_a, s_a, x_a, MXFP8, DT)
+            w_a, s_a, x_a = w_b, s_b, x_b
+    else:
+        w_b, s_b, x_b = _load_tile(x_row, w_rows, s_rows, k_lo + BLOCK_K, k_end, sw_k, ss_k, n_ok, BLOCK_K, MXFP8)
+        for kk in range(0, KS, BLOCK_K):
+            w_c, s_c, x_c = _load_tile(x_row, w_rows, s_rows, k_lo + kk + 2 * BLOCK_K, k_end, sw_k, ss_k, n_ok,
+                                       BLOCK_K, MXFP8)
+            acc = _dot_tile(acc, w_a, s_a, x_a, MXFP8, DT)
+            w_a, s_a, x_a = w_b, s_b, x_b
+            w_b, s_b, x_b = w_c, s_c, x_c
+    return reduce_rows(acc)
+
+
+@triton.jit
 def reduce_rows(acc3):
     return tl.sum(tl.sum(acc3, axis=2), axis=1)
 
@@ -58,7 +122,8 @@ def x_tile(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m, N,
-                 K: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 K: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     """Program (n-tile, row): y[row, tile] = x[row] @ W[tile]^T."""
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -67,11 +132,17 @@ def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m,
     n_ok = n < N
     w_rows = w_ptr + n.to(tl.int64) * sw_n
     s_rows = s_ptr + n.to(tl.int64) * ss_n
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = x_tile(x_ptr + row * sx_m, k0, K, BLOCK_K)
-        acc = row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K, BLOCK_K, MXFP8, dt)
-    tl.store(y_ptr + row * sy_m + n, cast(reduce_rows(acc), y_ptr.dtype.element_ty), mask=n_ok)
+    if PREFETCH == 0:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = x_tile(x_ptr + row * sx_m, k0, K, BLOCK_K)
+            acc = row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K, BLOCK_K, MXFP8, dt)
+        out = reduce_rows(acc)
+    else:
+        KS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+        out = stream_dot(x_ptr + row * sx_m, w_rows, s_rows, sw_k, ss_k, n_ok, 0, KS, K, BLOCK_N, BLOCK_K, MXFP8,
+                         dt, PREFETCH)
+    tl.store(y_ptr + row * sy_m + n, cast(out, y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def linear_gemv(x2, weight, weight_scale, y, cfg: dict) -> None:
@@ -82,6 +153,6 @@ def linear_gemv(x2, weight, weight_scale, y, cfg: dict) -> None:
     _linear_gemv[(triton.cdiv(n, bn), m)](
         x2, weight, weight_scale, y, x2.stride(0), weight.stride(0), weight.stride(1),
         weight_scale.stride(0), weight_scale.stride(1), y.stride(0), n,
-        K=k, MXFP8=True, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", 128),
+        K=k, MXFP8=True, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", 128), PREFETCH=cfg.get("PREFETCH", 0),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )

@@ -13,6 +13,9 @@ batch 1's few experts are streamed by more CTAs: each stores its fp32 partial su
 tile to arrive (a per-tile arrival counter, zeroed per call) adds the partials in split order, then applies the
 epilogue. Deterministic (the order of the adds does not depend on which program arrives last), no extra launch.
 
+``PREFETCH`` 1 or 2 (config key; 0 by default) streams gate and up one after the other with that many K steps
+raw bytes loaded ahead (``gemv.stream_dot``): more bytes in flight per SM for the same registers.
+
 Semantics are ``moe.py``'s: weights (E4M3 x UE8M0 scale, exactly, per element) are rounded to the activation
 dtype as the reference casts them, products and sums are fp32, the gate-up output is rounded to the activation
 dtype before SwiGLU-OAI, each expert's output before the routing weight.
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import reduce_rows as _reduce, row_dot as _row_dot, x_tile as _x3
+from .gemv import reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, x_tile as _x3
 from .mxfp8_linear import cast
 
 
@@ -33,7 +36,7 @@ def _gate_up_gemv(
     x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, part_ptr, cnt_ptr,
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (a, n-tile, split): routed, ``a`` is the assignment token * top_k + slot (expert ``ids[a]``); shared,
     ``a`` is the token (expert 0 of a stack of one). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's
@@ -52,22 +55,30 @@ def _gate_up_gemv(
     n_ok = n < I
     w_g = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
     s_g = s_ptr + e * ss_e + n.to(tl.int64) * ss_n
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-    KS: tl.constexpr = ((H + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # K per split, a multiple of BLOCK_K
-    for kk in range(0, KS, BLOCK_K):
-        k0 = pid_k * KS + kk  # past H in the last split: masked loads, zeros added
-        x = _x3(x_ptr + tok.to(tl.int64) * sx_t, k0, H, BLOCK_K)
-        acc_g = _row_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
-        acc_u = _row_dot(x, acc_u, w_g + I * sw_n, s_g + I * ss_n, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
+    KS: tl.constexpr = ((H + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # K per split
+    x_row = x_ptr + tok.to(tl.int64) * sx_t
+    if PREFETCH == 0:  # gate and up in one loop, one K step in flight
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        for kk in range(0, KS, BLOCK_K):
+            k0 = pid_k * KS + kk  # past H in the last split: masked loads, zeros added
+            x = _x3(x_row, k0, H, BLOCK_K)
+            acc_g = _row_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
+            acc_u = _row_dot(x, acc_u, w_g + I * sw_n, s_g + I * ss_n, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
+        acc_g = _reduce(acc_g)
+        acc_u = _reduce(acc_u)
+    else:  # gate, then up, each streamed with PREFETCH K steps in flight (gemv.stream_dot)
+        acc_g = _stream(x_row, w_g, s_g, sw_k, ss_k, n_ok, pid_k * KS, KS, H, BLOCK_N, BLOCK_K, MXFP8, dt, PREFETCH)
+        acc_u = _stream(x_row, w_g + I * sw_n, s_g + I * ss_n, sw_k, ss_k, n_ok, pid_k * KS, KS, H, BLOCK_N,
+                        BLOCK_K, MXFP8, dt, PREFETCH)
     out = act_ptr + a.to(tl.int64) * sa_p + n
     if SPLIT_K == 1:
-        _swiglu_store(_reduce(acc_g), _reduce(acc_u), out, n_ok, alpha, limit, dt)
+        _swiglu_store(acc_g, acc_u, out, n_ok, alpha, limit, dt)
     else:
         rows = tl.num_programs(0)
         part = part_ptr + a.to(tl.int64) * (2 * I) + n
-        tl.store(part + pid_k.to(tl.int64) * rows * (2 * I), _reduce(acc_g), mask=n_ok)
-        tl.store(part + pid_k.to(tl.int64) * rows * (2 * I) + I, _reduce(acc_u), mask=n_ok)
+        tl.store(part + pid_k.to(tl.int64) * rows * (2 * I), acc_g, mask=n_ok)
+        tl.store(part + pid_k.to(tl.int64) * rows * (2 * I) + I, acc_u, mask=n_ok)
         if _arrive_last(cnt_ptr + a * tl.num_programs(1) + pid_n, SPLIT_K):
             _swiglu_store(_sum_splits(part, rows * (2 * I), n_ok, SPLIT_K),
                           _sum_splits(part + I, rows * (2 * I), n_ok, SPLIT_K), out, n_ok, alpha, limit, dt)
@@ -105,7 +116,7 @@ def _down_gemv(
     act_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, route_w_ptr, part_ptr, cnt_ptr,
     sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (routed), y[token, top_k] = act @ w2^T (shared).
     With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr`` int32 [rows, n-tiles]."""
@@ -125,19 +136,24 @@ def _down_gemv(
     n_ok = n < H
     w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
     s_rows = s_ptr + e * ss_e + n.to(tl.int64) * ss_n
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
     KS: tl.constexpr = ((I + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
-    for kk in range(0, KS, BLOCK_K):
-        k0 = pid_k * KS + kk
-        x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
-        acc = _row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, dt)
+    if PREFETCH == 0:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        for kk in range(0, KS, BLOCK_K):
+            k0 = pid_k * KS + kk
+            x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
+            acc = _row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, dt)
+        acc = _reduce(acc)
+    else:
+        acc = _stream(act_ptr + a.to(tl.int64) * sa_p, w_rows, s_rows, sw_k, ss_k, n_ok, pid_k * KS, KS, I, BLOCK_N,
+                      BLOCK_K, MXFP8, dt, PREFETCH)
     out = y_ptr + tok.to(tl.int64) * sy_t + slot * sy_s + n
     if SPLIT_K == 1:
-        _weighted_store(_reduce(acc), out, n_ok, route_w_ptr + a, ROUTED, dt)
+        _weighted_store(acc, out, n_ok, route_w_ptr + a, ROUTED, dt)
     else:
         rows = tl.num_programs(0)
         part = part_ptr + a.to(tl.int64) * H + n
-        tl.store(part + pid_k.to(tl.int64) * rows * H, _reduce(acc), mask=n_ok)
+        tl.store(part + pid_k.to(tl.int64) * rows * H, acc, mask=n_ok)
         if _arrive_last(cnt_ptr + a * tl.num_programs(1) + pid_n, SPLIT_K):
             _weighted_store(_sum_splits(part, rows * H, n_ok, SPLIT_K), out, n_ok, route_w_ptr + a, ROUTED, dt)
 
@@ -156,8 +172,9 @@ def launch(x, act, act_s, y, ids, route_w, routed13, routed2, shared13, shared2,
     """The four GEMV launches of one MoE call (``moe.run_moe`` allocates the buffers and combines)."""
     t = x.shape[0]
     bn, bk, split = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128), int(cfg.get("SPLIT_K", 1))
-    if split < 1:
-        raise ValueError(f"moe: SPLIT_K must be >= 1, got {split}")
+    prefetch = int(cfg.get("PREFETCH", 0))
+    if split < 1 or prefetch not in (0, 1, 2):
+        raise ValueError(f"moe: SPLIT_K must be >= 1 and PREFETCH 0, 1 or 2, got {split} and {prefetch}")
     launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     gate_up = ((routed13, t * top_k, act, i, True), (shared13, t, act_s, i_s, False))
     down = ((routed2, t * top_k, act, i, True), (shared2, t, act_s, i_s, False))
@@ -173,13 +190,13 @@ def launch(x, act, act_s, y, ids, route_w, routed13, routed2, shared13, shared2,
         _gate_up_gemv[(rows, triton.cdiv(width, bn), split)](
             x, w.w, w.s, out, ids, part, cnt[offsets[j]:] if split > 1 else cnt, x.stride(0), *w.strides(),
             out.stride(0), alpha, limit,
-            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, PREFETCH=prefetch,
             **launch_kw,
         )
     for j, (w, rows, a, width, routed) in enumerate(down, start=2):
         _down_gemv[(rows, triton.cdiv(h, bn), split)](
             a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split > 1 else cnt, a.stride(0), *w.strides(),
             y.stride(0), y.stride(1),
-            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, PREFETCH=prefetch,
             **launch_kw,
         )
