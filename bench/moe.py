@@ -43,51 +43,46 @@ ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # tensor-core path where the default is GEMV. Round 2: around the winners (the default GEMV tile is BN 8, BK 256,
 # 2 warps, 4 stages); SPLIT_K splits each GEMV's K loop over programs (fp32 partials, the last program of a tile
 # sums them in split order and applies the epilogue) so that more CTAs stream the few experts of batch 1.
-GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=2, num_stages=4),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=1),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=2, num_stages=4, PREFETCH=2),
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PREFETCH=2),
-              dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2),
-              dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4, PREFETCH=2)]
-SPLITK_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, SPLIT_K=2),
-                dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2, PREFETCH=1),
-                dict(GEMV=1, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=4, PREFETCH=2)]
-# Decode batches up to 8: the GEMV tiles, split-K at batch 1, and the grouped tensor-core default for comparison.
-SMALL_BATCH_SWEEP = [dict(BLOCK_M=16), *GEMV_SWEEP]
-# Decode batches from 8 (MXFP8 weights): 16-row tensor-core tiles around the batch-64 winner (BN 64, BK 128, 4 warps,
-# 4 stages, MX_MODE 1) and the batch-8 one (BN 32, BK 128).
+# Registers / spills / pipelining of each tile: scripts/compile_moe_kernels_sm90.py (tiles that spilled there or
+# sat at 255 registers with one program per SM were left out). Compiling is most of the sweep's time, so the lists
+# are short: one H200 call of `timeout 240 python3 bench/moe.py` must run them all.
+GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),  # 72 regs (default: 168)
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=1),  # 118
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=2, num_stages=4, PREFETCH=2),  # 96
+              dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2)]  # 80
+SPLITK_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2, PREFETCH=1)]
+# 16-row tensor-core tiles: the batch-8 default (BN 32), the batch-64 one (BN 64, BK 128), tl.dot_scaled at BN 64
+# (on sm_90 it computes the product transposed, the weights' rows as wgmma's 64-row M: BN 32 wasted half of it in
+# the last sweep), and wider / deeper tiles.
 TC_DECODE_SWEEP = [dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
                    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
-                   dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, MX_MODE=1),
-                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=1),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4, MX_MODE=1),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2)]
-# Prefill (full configs: BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The
-# MXFP8 default is {BLOCK_M 64} = BN 64, BK 64, 4 warps, 3 stages, tl.dot_scaled; bf16's is 128-row blocks.
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
+                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=1)]
+# Decode batches up to 8: the grouped tensor-core path (the old default at one token) and tl.dot_scaled at BN 64
+# next to the GEMV tiles.
+SMALL_BATCH_TC = [dict(BLOCK_M=16), dict(BLOCK_M=16, **TC_DECODE_SWEEP[2])]
+# Prefill (BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The MXFP8 default is
+# {BLOCK_M 64} = BN 64, BK 64, 4 warps, 3 stages, tl.dot_scaled (164 registers, 3 programs per SM); bf16's is
+# 128-row blocks (BN 64, BK 64, 8 warps, 3 stages).
 PREFILL_SWEEP = {
-    "mxfp8": [dict(BLOCK_M=128),
-              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=2),
-              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, MX_MODE=2),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2),
+    "mxfp8": [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, MX_MODE=2),
               dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=2),
-              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, MX_MODE=2),
-              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, MX_MODE=1),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=1)],
-    "bf16": [dict(BLOCK_M=64),
-             dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-             dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)],
+              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, MX_MODE=2),
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2)],
+    "bf16": [dict(BLOCK_M=64)],
 }
 
 
 def decode_variants(fmt: str, batch: int) -> list:
-    """The decode sweep at one batch: GEMV tiles up to 8 tokens (split-K at one), tensor-core tiles from 8 (MXFP8)."""
-    out = list(SMALL_BATCH_SWEEP) if batch <= 8 else []
+    """The decode sweep at one batch: GEMV tiles up to 8 tokens (split-K at one), the 16-row tensor-core tiles from
+    8 tokens with MXFP8 weights, the grouped path's old default and tl.dot_scaled otherwise up to 8."""
+    out = list(GEMV_SWEEP) if batch <= 8 else []
     if batch == 1:
         out += SPLITK_SWEEP
     if fmt == "mxfp8" and batch >= 8:
         out += TC_DECODE_SWEEP
+    elif batch <= 8:
+        out += SMALL_BATCH_TC
     return out
 
 
@@ -319,6 +314,7 @@ def main() -> int:
                        variants=tried)
             res["decode"].append(row)
             print(json.dumps(row), flush=True)
+            write_results(res, args.json)  # after every row: a run cut by its time limit keeps what it measured
         for t in prefills:
             x = torch.randn(t, H, device=DEV, generator=g).bfloat16()
             flops = 2 * t * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
@@ -341,6 +337,7 @@ def main() -> int:
                        rel_err_kernel=default["rel_err"], variants=tried)
             res["prefill"].append(row)
             print(json.dumps(row), flush=True)
+            write_results(res, args.json)
 
     res["linear"] = linear_decode(bw, args.sweep) if "mxfp8" in formats else []
 

@@ -301,6 +301,28 @@ def test_gpu_moe_mxfp8_mini_dims(t):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("config", [{"GEMV": 1, "BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "SPLIT_K": 2,
+                                     "PREFETCH": 1},
+                                    {"GEMV": 1, "BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2, "SPLIT_K": 3,
+                                     "PREFETCH": 2}], ids=["split2_pf1", "split3_pf2"])
+def test_gpu_moe_gemv_split_k_mini_dims(config):
+    # Split-K's arrival counters and cross-program partials only race on a real device: mini dims, 16 experts, one
+    # token and four, replayed twice from the same buffers (the counters are zeroed per call).
+    for t in (1, 4):
+        case = MoECase(t, 6144, 3072, 3072, 16, 4, gain=0.02, seed=12 + t)
+        args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+        want = ref.moe_mxfp8_reference(*args, *case.attrs())
+        want64 = ref.moe_mxfp8_reference(*_as64(args), *case.attrs())
+        first = None
+        for _ in range(2):
+            got = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=config)
+            _close(got, want, want64)
+            assert first is None or torch.equal(got, first)  # deterministic: partials added in split order
+            first = got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 def test_gpu_mxfp8_checkpoint_stays_mxfp8_and_generates(tmp_path):
     # Bring-up on a real (synthetic, tiny) MXFP8 checkpoint: the weights stay E4M3 + UE8M0 on the GPU (resident
     # bytes about the checkpoint's, not the 2x of a bf16 dequantisation) and greedy decoding through the MXFP8
