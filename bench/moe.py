@@ -38,7 +38,8 @@ SMOKE = False  # --smoke: tiny dims on CPU tensors under the Triton interpreter,
 ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # Tile variants tried when --sweep is on, next to the launcher's default (config None: moe.default_config, the
 # winners of the sweep of 2026-11-30 20:05 UTC, commit d5443e6), each with its own error against the oracle.
-# MX_MODE 0 gathers each element's scale, 1 broadcasts one scale per 32 columns, 2 is tl.dot_scaled; GEMV is the
+# MX_MODE 0 gathers each element's scale, 1 broadcasts one scale per 32 columns, 2 is tl.dot_scaled; GU_FUSED 1 makes
+# the gate and up tiles one dot of twice the width (moe._gate_up); PREFETCH loads GEMV K steps ahead; GEMV is the
 # CUDA-core path of moe_gemv.py (one program per token and expert); BLOCK_M 16 without GEMV forces the grouped
 # tensor-core path where the default is GEMV. Round 2: around the winners (the default GEMV tile is BN 8, BK 256,
 # 2 warps, 4 stages); SPLIT_K splits each GEMV's K loop over programs (fp32 partials, the last program of a tile
@@ -57,7 +58,8 @@ SPLITK_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, 
 TC_DECODE_SWEEP = [dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
                    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
                    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
-                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=1)]
+                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=1),
+                   dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1, GU_FUSED=1)]
 # Decode batches up to 8: the grouped tensor-core path (the old default at one token) and tl.dot_scaled at BN 64
 # next to the GEMV tiles.
 SMALL_BATCH_TC = [dict(BLOCK_M=16), dict(BLOCK_M=16, **TC_DECODE_SWEEP[2])]
@@ -66,10 +68,11 @@ SMALL_BATCH_TC = [dict(BLOCK_M=16), dict(BLOCK_M=16, **TC_DECODE_SWEEP[2])]
 # 128-row blocks (BN 64, BK 64, 8 warps, 3 stages).
 PREFILL_SWEEP = {
     "mxfp8": [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, MX_MODE=2),
-              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=2),
-              dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, MX_MODE=2),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2)],
-    "bf16": [dict(BLOCK_M=64)],
+              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2),
+              dict(BLOCK_M=64, GU_FUSED=1),  # the default's tiles, gate and up as one dot (195 registers)
+              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2, GU_FUSED=1),  # 109
+              dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2, GU_FUSED=1)],  # 146
+    "bf16": [dict(BLOCK_M=64), dict(BLOCK_M=128, GU_FUSED=1)],
 }
 
 

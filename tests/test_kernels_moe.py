@@ -185,12 +185,23 @@ def test_moe_gemv_path(fmt, dt):
                                                (torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2),
                                                (torch.float32, 1, 2)])
 def test_moe_gemv_split_k_and_prefetch(fmt, dt, split, prefetch):
-    # SPLIT_K 3 over H 160 in K tiles of 32: splits of 64 columns, the last one half past H (masked); over I 32
+    # SPLIT_K 3 over H 160 in K tiles of 64: splits of 64 columns, the last one half past H (masked); over I 32
     # the second and third splits lie wholly past I (their partials are zeros). PREFETCH loads 1 or 2 K steps
-    # ahead, past each split's end too (masked). One token and four, shared expert wider than the routed ones.
-    for t in (1, 4):
-        _check_moe(MoECase(t, 160, 32, 64, 7, 3, seed=11 + t), dt, fmt,
-                   config={"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split, "PREFETCH": prefetch})
+    # ahead, past each split's end too (masked). Four tokens, shared expert wider than the routed ones.
+    _check_moe(MoECase(4, 160, 32, 64, 7, 3, seed=15), dt, fmt,
+               config={"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split, "PREFETCH": prefetch})
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_gate_up_fused_tile(fmt, dt):
+    # GU_FUSED: gate and up rows interleaved in one weight tile; I 96 is not a multiple of the N tile (64), so the
+    # last tile's gate and up rows are half masked; 16-row blocks (9 tokens) and 64-row ones (40 tokens, 3
+    # experts), clamps active (gain 2).
+    for t, e, gain in ((9, 7, 0.2), (40, 3, 2.0)):
+        _check_moe(MoECase(t, 64, 96, 64, e, 3 if e > 3 else 2, gain=gain, seed=20 + t), dt, fmt,
+                   config={"GU_FUSED": 1, "BLOCK_N": 64, "BLOCK_K": 32, "MX_MODE": 1})
 
 
 @cpu_only

@@ -44,8 +44,11 @@ def _gate_up(
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    MX_MODE: tl.constexpr,
+    MX_MODE: tl.constexpr, GU_FUSED: tl.constexpr = 0,
 ):
+    """GU_FUSED 1: the gate and up tiles as one [2 x BLOCK_N, BLOCK_K] weight tile, rows interleaved (gate n, up n,
+    ...), so each K step is one dot of twice the width instead of two (one wgmma of N = 2 x BLOCK_N, the activation
+    tile read once), split back into gate and up in the epilogue. The same products and sums per output."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,17 +66,32 @@ def _gate_up(
     dt = x_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    w_g = w_ptr + e.to(tl.int64) * sw_e + n.to(tl.int64) * sw_n  # gate rows; the up rows are I further
-    s_g = s_ptr + e.to(tl.int64) * ss_e + n.to(tl.int64) * ss_n
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & (k[None, :] < H),
-                    other=0.0)
-        acc_g = weight_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
-        acc_u = weight_dot(x, acc_u, w_g + I * sw_n, s_g + I * ss_n, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8,
-                           MX_MODE, F32, PREC)
+    if GU_FUSED:
+        j = tl.arange(0, 2 * BLOCK_N)
+        r = pid_n * BLOCK_N + j // 2  # row j: gate row r (j even) or up row I + r (j odd)
+        r_ok = r < I
+        r = r + (j % 2) * I
+        w_r = w_ptr + e.to(tl.int64) * sw_e + r.to(tl.int64) * sw_n
+        s_r = s_ptr + e.to(tl.int64) * ss_e + r.to(tl.int64) * ss_n
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & (k[None, :] < H),
+                        other=0.0)
+            acc = weight_dot(x, acc, w_r, s_r, k0, sw_k, ss_k, r_ok, H, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
+        acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        w_g = w_ptr + e.to(tl.int64) * sw_e + n.to(tl.int64) * sw_n  # gate rows; the up rows are I further
+        s_g = s_ptr + e.to(tl.int64) * ss_e + n.to(tl.int64) * ss_n
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & (k[None, :] < H),
+                        other=0.0)
+            acc_g = weight_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
+            acc_u = weight_dot(x, acc_u, w_g + I * sw_n, s_g + I * ss_n, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8,
+                               MX_MODE, F32, PREC)
     # SwiGLU-OAI on the GEMM output rounded to the activation dtype, as the reference computes it.
     gate = tl.minimum(cast(acc_g, dt).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(cast(acc_u, dt).to(tl.float32), -limit), limit)
@@ -217,7 +235,7 @@ def _launch_down(act, w: "_Weights", y, blocks: ExpertBlocks | None, route_w, nu
     _down[(grid_m, cdiv(h, cfg["BLOCK_N"]))](
         act, w.w, w.s, y, rows, block_expert, route_w if routed else act, num_rows, act.stride(0), *w.strides(),
         y.stride(0), y.stride(1), H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32,
-        PREC=prec, **cfg,
+        PREC=prec, **{k: v for k, v in cfg.items() if k != "GU_FUSED"},  # a gate-up key
     )
 
 
@@ -245,7 +263,8 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
             swiglu_limit, scales=(None, None, None, None), config: dict | None = None,
             owned: tuple[int, int] | None = None) -> torch.Tensor:
     """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
-    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config, or ``GEMV`` with
+    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config (and GU_FUSED, see
+    ``_gate_up``), or ``GEMV`` with
     BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``); None takes
     ``default_config`` (the measured winners per batch bucket and weight format).
 
