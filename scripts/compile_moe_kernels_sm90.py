@@ -100,6 +100,8 @@ def variants(quick: bool):
             tiles.append((16, {**moe_kernels.gemm_config(16), "MX_MODE": mode}, False))
         for mode in (0, 1):
             tiles.append((128, {**moe_kernels.gemm_config(128), "MX_MODE": mode}, False))
+        for bm in (16, 64, 128):  # gate and up as one dot (moe._gate_up GU_FUSED)
+            tiles.append((bm, {**moe_kernels.gemm_config(bm), "GU_FUSED": 1}, False))
     for bm, cfg, default in tiles:
         for mx in (True, False):
             if not mx and not default:  # MX_MODE variants only matter for MXFP8 weights
@@ -107,8 +109,13 @@ def variants(quick: bool):
             for kind, fn in (("gate_up", moe_kernels._gate_up), ("down", moe_kernels._down)):
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
                               BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"] if mx else 0)
+                if cfg.get("GU_FUSED"):
+                    if kind != "gate_up":
+                        continue
+                    consts["GU_FUSED"] = 1
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
-                         f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}")
+                         f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
+                         f"{' gu' if cfg.get('GU_FUSED') else ''}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K, PREFETCH): the default (moe.GEMV_DECODE) and bench/moe.py's GEMV
     # sweep (its tiles are listed there with what this check printed for them).
