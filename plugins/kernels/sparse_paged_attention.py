@@ -38,9 +38,11 @@ DEFAULTS = {
     # tile_tokens: tokens of one sequence per program (None: ``tokens_per_tile`` up to 64 rows; 1: one program
     # per token); block_n: key tile (at most the block); waves: programs per multiprocessor the selection
     # splits aim for; max_splits: most splits (None: top-k x tile tokens); loop: "nested" | "flat" | "union".
-    "decode": dict(block_n=64, num_warps=4, num_stages=2, waves=2, max_splits=None, loop="nested"),
-    "prefill": dict(tile_tokens=None, block_n=64, num_warps=4, num_stages=2, waves=2, max_splits=None,
-                    loop="nested"),
+    # H200 sweep 2026-11-30 22:12 UTC (bench/results/attention_sweep.json): decode "flat-n128-s3" 0.94x the
+    # earlier nested defaults' time (geometric mean of batch 1 / 16 / 64), prefill "token-flat-n64-s3" 0.84x.
+    "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat"),
+    "prefill": dict(tile_tokens=1, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
+                    loop="flat"),
 }
 _LOOPS = ("nested", "flat", "union")
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
