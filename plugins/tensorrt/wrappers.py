@@ -74,7 +74,8 @@ def m3_mxfp8_linear(x_ptr, w_ptr, s_ptr, rows, y_ptr, N: tl.constexpr, K: tl.con
 
 
 
-# MoE as permutation-free GEMV steps (moe_gemv.py): weights [E, N, K] contiguous, activations contiguous.
+# MoE as permutation-free GEMV steps (moe_gemv.py): weights [E, N, K] contiguous, activations contiguous. Plugins
+# run without split-K or prefetch (SPLIT_K 1, PREFETCH 0), so the split-K scratch pointers are placeholders.
 @triton.jit
 def m3_moe_route(logits_ptr, bias_ptr, num_tokens, ids_ptr, w_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -85,8 +86,8 @@ def m3_moe_route(logits_ptr, bias_ptr, num_tokens, ids_ptr, w_ptr, E: tl.constex
 def _gate_up(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
              ROUTED: tl.constexpr, MXFP8: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gemv._gate_up_gemv(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, H, 2 * I * H, H, 1, 2 * I * (H // 32), H // 32, 1, I,
-                       ALPHA, LIMIT, H, I, TOP_K, ROUTED, MXFP8, BLOCK_N, BLOCK_K)
+    gemv._gate_up_gemv(x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, act_ptr, ids_ptr, H, 2 * I * H, H, 1, 2 * I * (H // 32), H // 32, 1, I,
+                       ALPHA, LIMIT, H, I, TOP_K, ROUTED, MXFP8, BLOCK_N, BLOCK_K, 1, 0)
 
 
 @triton.jit
@@ -117,8 +118,8 @@ def m3_moe_shared_gate_up_mxfp8(x_ptr, w_ptr, s_ptr, act_ptr, H: tl.constexpr, I
 @triton.jit
 def _down(act_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
           ROUTED: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    gemv._down_gemv(act_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, rw_ptr, I, H * I, I, 1, H * (I // 32), I // 32, 1,
-                    (TOP_K + 1) * H, H, H, I, TOP_K, ROUTED, MXFP8, BLOCK_N, BLOCK_K)
+    gemv._down_gemv(act_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, rw_ptr, y_ptr, ids_ptr, I, H * I, I, 1, H * (I // 32), I // 32, 1,
+                    (TOP_K + 1) * H, H, H, I, TOP_K, ROUTED, MXFP8, BLOCK_N, BLOCK_K, 1, 0)
 
 
 @triton.jit
