@@ -42,7 +42,11 @@ E4M3_SUBNORMAL_ABS = 2.0**-10  # half the subnormal spacing 2^-9, relative to th
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (q [..., D] float8_e4m3fn, scale [...] float32), as the module says."""
     xf = x.to(torch.float32)
-    scale = xf.abs().amax(-1) / E4M3_MAX
+    amax = xf.abs().amax(-1)
+    # A tensor divisor, not the Python float: PyTorch's CUDA division by a CPU scalar multiplies by its rounded
+    # reciprocal (amax * fl(1/448) differs from amax / 448 in the last bit for some rows), so the reference
+    # gave other scales, and then other codes, on the GPU than on the CPU, the kernels and ONNX (all divide).
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xf / safe.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     q = torch.where((scale > 0).unsqueeze(-1), q, torch.zeros_like(q))
