@@ -31,6 +31,18 @@ from .schemas import FLOAT, INT, ONNX_OPSET, SPEC_BY_NAME
 I64 = TensorProto.INT64
 F32 = TensorProto.FLOAT
 INF = float("inf")
+# What a ``TopK`` input holds where there is nothing to rank (a block no key of the token can see, a list slot no
+# block fills): finite and above float32's lowest value, never -inf. ONNX Runtime's CUDA ``TopK`` (its bitonic
+# path, axes up to 256 wide) pads the axis to a power of two with ``lowest()`` = -3.40e38 at ids past the axis,
+# and that padding outranks a real -inf: a top k reaching into -inf entries came back with padding ids (>= the
+# axis length) and values -3.40e38 (the H200: 85 % of the tiny model's selections, 54 % of `mini`'s, equal to
+# the reference). With this value the real entries outrank the padding, and ``_unranked`` catches both.
+NOTHING = -3.0e38
+
+
+def _unranked(b: Builder, values: str) -> str:
+    """Which top-k slots hold no ranked entry: ``NOTHING`` or a provider's padding below it."""
+    return b.LessOrEqual(values, b.const(NOTHING, np.float32))
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
@@ -158,10 +170,10 @@ def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str) -> st
     """The ids of ``TopK(scores)``'s ``values`` [..., k] (last axis) with ties given to the lower id, whatever
     ``TopK`` did.
 
-    ONNX specifies that ``TopK`` puts the lower index first among equal values, but ONNX Runtime's CUDA kernel
-    does not keep that rule (the first H200 run: 85 % of the indexer's selections, whose forced blocks tie at
-    +inf, in another order). The values of a top k are the same whatever the tie rule, so only the ids are
-    re-derived from them: slot j's id is the r-th lowest id c with ``scores[c] == values[j]``, r = #{j' < j :
+    ONNX specifies that ``TopK`` puts the lower index first among equal values, but not every provider keeps
+    that rule (TensorRT's TopK promises no order among ties; ORT's CUDA kernels do keep it: the H200's 85 % was
+    the padding ``NOTHING`` guards against), and forced blocks tie at +inf on every token. The values of a top k
+    are the same whatever the tie rule, so only the ids are re-derived from them: slot j's id is the r-th lowest id c with ``scores[c] == values[j]``, r = #{j' < j :
     values[j'] == values[j]} (a ``CumSum`` of the equality mask ranks each candidate). Cost ``[..., k, NB]``:
     for the indexer below its ``[T, H, L]`` score matrix whenever ``k < block_size``. A slot whose value equals
     no score (NaN) keeps ``TopK``'s id."""
@@ -211,9 +223,10 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
 
     topk = b.attr(Ref("topk_blocks", INT))
     k = b.Min(topk, nb)
+    block_max = b.Max(block_max, b.const(NOTHING, np.float32))  # blocks nothing sees: -inf -> NOTHING
     values, idx = b.TopK(block_max, _vec(b, k), axis=-1, largest=1, sorted=1, n_out=2)
     idx = _lowest_ids_first(b, block_max, values, idx)
-    idx = b.Where(b.Equal(values, neg), b.const(-1), idx)
+    idx = b.Where(_unranked(b, values), b.const(-1), idx)
     # -1 for the topk - k slots past the blocks there are (a Concat: ORT's CUDA EP has no int64 Pad, so a Pad
     # here would run on the CPU EP, a device -> host -> device copy inside the step)
     fill = b.Expand(b.const(-1), b.Concat(b.Shape(idx, end=2), _vec(b, b.Sub(topk, k)), axis=0))
@@ -279,13 +292,15 @@ def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
                          perm=[0, 2, 1, 3])  # [B, Hkv, Tmax, NB]
     used = b.ReduceMax(chosen, b.const([2]), keepdims=0)  # [B, Hkv, NB]: blocks any token of the sequence reads
     n = b.Max(b.ReduceMax(b.ReduceSum(used, b.const([2]), keepdims=0), keepdims=0), b.const(1, np.int32))
-    # used ids ascending (distinct finite keys -id: no TopK tie matters), then unused slots (-inf, masked)
+    # used ids ascending (distinct finite keys -id: no TopK tie matters), then unused slots (NOTHING, masked)
     key = b.Where(b.Cast(used, to=TensorProto.BOOL), b.Neg(b.Cast(b.Range(b.const(0), nb, b.const(1)), to=F32)),
-                  b.const(-INF, np.float32))
+                  b.const(NOTHING, np.float32))
     top, lst = b.TopK(key, _vec(b, b.Cast(n, to=I64)), axis=-1, largest=1, sorted=1, n_out=2)  # [B, Hkv, N]
+    filled = b.Not(_unranked(b, top))  # [B, Hkv, N]
+    lst = b.Where(filled, lst, b.const(0))  # a provider's padding id (past the axis) never indexes `chosen`
 
     keys_pos = b.Add(b.Unsqueeze(b.Mul(lst, bs), b.const([3])), b.Range(b.const(0), bs, b.const(1)))  # [B,Hkv,N,bs]
-    stored = b.And(b.Unsqueeze(b.Greater(top, b.const(-INF, np.float32)), b.const([3])),
+    stored = b.And(b.Unsqueeze(filled, b.const([3])),
                    b.Less(keys_pos, b.Unsqueeze(b.Cast("seq_lens", to=I64), b.const([1, 2, 3]))))
     keys_pos = b.Where(stored, keys_pos, b.const(0))
     page = _dim(b, "k_cache", 1)
