@@ -6,6 +6,13 @@ table, a chunked prefill continued in a mixed batch with a decode, multi-token (
 decodes. Both sides start from zeroed pools and process the same tokens (the reference's greedy choices), so
 every output, every cache pool, every block selection and every greedy token can be compared step by step.
 The MTP graphs get the reference's main-model hidden state, so each graph is judged on its own.
+
+Selections are equal up to near-tie swaps that the artifact's dtype cannot resolve (``selection_ties``: a bound
+from the dtype's unit roundoff, essentially exact for fp32). Each step runs ONNX Runtime first; the reference's
+sparse attention then reads ONNX Runtime's selection in the rows accepted as near-ties (teacher forcing through
+``M3ForCausalLM.step(choose_blocks=...)``), so one swap is judged once instead of moving that token's attention
+output, and with it every later layer's cache rows, by O(1). Logits and caches then compare with the dtype's
+tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from ..model.media import place_rows
 from ..ops import kv_fp8
 from .artifact import Artifact, load_artifact, load_torch_model
 from .manifest import KV_FP8
+from .selection_ties import SelectionAgreement, SelectionJudge
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 
@@ -124,7 +132,7 @@ class Report:
     tolerance: float
     steps: int = 0
     outputs: dict[str, Stat] = field(default_factory=dict)
-    selections: dict[str, Agreement] = field(default_factory=dict)
+    selections: dict[str, SelectionAgreement] = field(default_factory=dict)
     cache_codes: dict[str, Agreement] = field(default_factory=dict)  # FP8 pools: the written rows' E4M3 codes
     greedy: dict[str, Agreement] = field(default_factory=dict)
     pools_in_place: int = 0
@@ -134,15 +142,16 @@ class Report:
     @property
     def passed(self) -> bool:
         return (all(s.ok(self.tolerance) for s in self.outputs.values())
-                and all(a.exact for a in self.selections.values())
-                and all(a.acceptable for a in (*self.greedy.values(), *self.cache_codes.values())))
+                and all(a.acceptable for a in (*self.selections.values(), *self.greedy.values(),
+                                               *self.cache_codes.values())))
 
     def lines(self) -> list[str]:
         out = [f"{'output':34s} {'max abs':>10s} {'max rel':>10s}  status"]
         for name, s in self.outputs.items():
             out.append(f"{name:34s} {s.max_abs:10.3e} {s.max_rel:10.3e}  {s.status(self.tolerance)}")
         for name, a in self.selections.items():
-            out.append(f"{name:34s} block selection agreement {a}  {'ok' if a.exact else 'MISMATCH'}")
+            out.append(f"{name:34s} block selection agreement {a}  {'ok' if a.acceptable else 'MISMATCH'}")
+            out.extend(f"  not a near-tie: {e}" for e in a.examples)
         for name, a in self.cache_codes.items():
             out.append(f"{name:34s} E4M3 code agreement       {a}  {'ok' if a.acceptable else 'MISMATCH'}")
         for name, a in self.greedy.items():
@@ -189,8 +198,9 @@ class _Pages:
 class _Comparison:
     """Accumulates one report from (ONNX Runtime numpy output, PyTorch tensor) pairs."""
 
-    def __init__(self, report: Report, dtype: str):
+    def __init__(self, report: Report, dtype: str, cfg):
         self.report, self.dtype = report, BY_NAME[dtype]
+        self.judge = SelectionJudge(cfg, dtype)
 
     def close(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
         self.report.outputs.setdefault(name, Stat()).update(self.dtype.to_torch(got).float(), ref.float())
@@ -209,8 +219,21 @@ class _Comparison:
         codes = self.report.cache_codes.setdefault(name, Agreement())
         codes.update_codes(rows(torch.from_numpy(got)), rows(ref.view(torch.uint8)))
 
-    def selection(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
-        self.report.selections.setdefault(name, Agreement()).update(torch.from_numpy(got), ref)
+    def teacher(self, name: str, got: np.ndarray, batch, step: int):
+        """The ``ChooseBlocks`` hook of one sparse layer: compares ONNX Runtime's selection ``got`` with the
+        reference's own and returns what the reference's attention reads: ONNX Runtime's rows where they are
+        equal or near-tie swaps, the reference's own where they mismatch (reported)."""
+        got_t = torch.from_numpy(got)
+
+        def choose(own, index_q, index_k_pool, index_k_scale):
+            agreement = self.report.selections.setdefault(name, SelectionAgreement())
+            accepted = self.judge(agreement, got_t, own, index_q, index_k_pool, index_k_scale, batch,
+                                  where=f"step {step}, ")
+            if got_t.shape != own.shape:
+                return own
+            return torch.where(accepted[..., None], got_t.to(own.dtype), own)
+
+        return choose
 
     def greedy(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
         self.report.greedy.setdefault(name, Agreement()).update_greedy(torch.from_numpy(got), ref.float())
@@ -226,7 +249,7 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
     art = path if isinstance(path, Artifact) else load_artifact(path, verify_checksums=hash_files)
     cfg, page = art.config, art.page_size
     report = Report(TOLERANCE.get(art.manifest.dtype, 1e-4) if tolerance is None else tolerance)
-    cmp = _Comparison(report, art.manifest.dtype)
+    cmp = _Comparison(report, art.manifest.dtype, cfg)
     model: M3ForCausalLM = load_torch_model(art)
     dtype = model.model.embed_tokens.weight.dtype
 
@@ -264,13 +287,13 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
             media = _media_rows(ids.numel(), cfg.hidden_size, dtype, gen, first=report.steps == 0) \
                 if any(t.name == "media_rows" for t in main.graph.inputs) else None
             embeds = None if media is None else place_rows(model.model.embed_tokens(ids), *media)
-            ref = model.step(ids, batch, caches, every, inputs_embeds=embeds)
             extra = {} if media is None else {"media_rows": media[0], "media_embeds": media[1]}
             got = main.run(batch.feeds(input_ids=ids, logits_indices=every, **extra))
+            hooks = {i: cmp.teacher(f"model:selection.{i}", got[f"selection.{i}"], batch, report.steps)
+                     for i in sparse}
+            ref = model.step(ids, batch, caches, every, inputs_embeds=embeds, choose_blocks=hooks.get)
             cmp.close("model:logits", got["logits"], ref.logits)
             cmp.close("model:hidden", got["hidden"], ref.hidden)
-            for i, sel in zip(sparse, ref.selections):
-                cmp.selection(f"model:selection.{i}", got[f"selection.{i}"], sel)
             cmp.greedy("model:logits", got["logits"], ref.logits)
             for name, pool in zip(main.pool_inputs, (p for layer in caches for p in layer)):
                 cmp.pool(f"model:{name}", main.pools[name], pool, batch.slot_mapping)
@@ -283,12 +306,13 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
                 after = done[b] + step[b]
                 shifted[end] = tokens[b][after] if after < len(tokens[b]) else nxt[end]
             for k, (sess, cache) in enumerate(zip(mtps, mtp_caches)):
-                logits, hidden_out, cache, sel = model.mtp_step(k, shifted, ref.hidden, batch, cache, every)
                 out = sess.run({**batch.feeds(input_ids=shifted, logits_indices=every),
                                 "hidden": cmp.dtype.to_numpy(ref.hidden)})
+                logits, hidden_out, cache, _ = model.mtp_step(
+                    k, shifted, ref.hidden, batch, cache, every,
+                    choose_blocks=cmp.teacher(f"mtp{k}:selection", out["selection"], batch, report.steps))
                 cmp.close(f"mtp{k}:logits", out["logits"], logits)
                 cmp.close(f"mtp{k}:hidden_out", out["hidden_out"], hidden_out)
-                cmp.selection(f"mtp{k}:selection", out["selection"], sel)
                 cmp.greedy(f"mtp{k}:logits", out["logits"], logits)
                 for name, pool in zip(sess.pool_inputs, cache):
                     cmp.pool(f"mtp{k}:{name}", sess.pools[name], pool, batch.slot_mapping)

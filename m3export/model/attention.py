@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -22,6 +24,13 @@ def _use_fused(x: torch.Tensor, inplace: bool) -> bool:
     except ImportError:
         return False
     return active()
+
+
+ChooseBlocks = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""Optional per-layer hook of a sparse layer: (its own selection [T, H, K], the index queries [T, H, D] it was
+computed from, the index-key pool after this step's write, that pool's scale pool or None) -> the selection the
+sparse attention reads. ``m3export verify`` uses it to feed a near-tie swap of another runtime back into the
+reference (teacher forcing); None, the default everywhere, keeps the layer's own selection."""
 
 
 class Indexer(nn.Module):
@@ -90,8 +99,11 @@ class Attention(nn.Module):
                              f"{n} scale pools; got {len(cache)} of {cache[0].dtype}")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch,
-                cache: tuple[torch.Tensor, ...], inplace: bool):
+                cache: tuple[torch.Tensor, ...], inplace: bool, choose_blocks: ChooseBlocks | None = None):
         """x [T, H] -> (out [T, H], updated cache tuple, selected blocks [T, Hkv, K] or None).
+
+        ``choose_blocks`` (sparse layers, see ``ChooseBlocks``) replaces the selection the attention reads; the
+        returned selection is the one it read.
 
         ``cache`` is (k, v) on dense layers and (k, v, index_k) on sparse ones; with FP8 (E4M3) pools their fp32
         scale pools follow in the same order: (k, v, k_scale, v_scale) / (k, v, index_k, k_scale, v_scale,
@@ -126,6 +138,8 @@ class Attention(nn.Module):
             iq, ik = self.indexer.keys_and_queries(x, cos, sin)
             pools[2], scales[2] = _write(pools[2], scales[2], batch.slot_mapping, ik, inplace)
         sel = self.indexer.select(iq, pools[2], batch, scales[2])
+        if choose_blocks is not None:
+            sel = choose_blocks(sel, iq, pools[2], scales[2])
         o = torch.ops.m3.sparse_paged_attention(*args, sel, self.cfg.index_block_size, self.scale, *kv_scales)
         return self.o_proj(o.reshape(t, -1)), tuple(pools + (scales if fp8 else [])), sel
 

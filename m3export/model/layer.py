@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..config import M3Config
-from .attention import Attention
+from .attention import Attention, ChooseBlocks
 from .batch import Batch
 from .mlp import MoE, DenseMLP
 from .norm import RMSNorm
@@ -20,7 +20,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, sparse_attention, mxfp8)
         self.mlp = MoE(cfg, mxfp8) if moe else DenseMLP(cfg, cfg.dense_intermediate_size, mxfp8)
 
-    def forward(self, h: torch.Tensor, cos, sin, batch: Batch, cache, inplace: bool):
-        a, cache, sel = self.self_attn(self.input_layernorm(h), cos, sin, batch, cache, inplace)
+    def forward(self, h: torch.Tensor, cos, sin, batch: Batch, cache, inplace: bool,
+                choose_blocks: ChooseBlocks | None = None):
+        a, cache, sel = self.self_attn(self.input_layernorm(h), cos, sin, batch, cache, inplace, choose_blocks)
         h = h + a
         return h + self.mlp(self.post_attention_layernorm(h)), cache, sel

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.m3.*)
 from ..config import M3Config
 from ..errors import MediaError
+from .attention import ChooseBlocks
 from .batch import Batch
 from .layer import DecoderLayer
 from .media import VisionEncoder, encode_items, place_tokens
@@ -96,22 +98,28 @@ class M3ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ runtime path
     def step(self, input_ids: torch.Tensor, batch: Batch, caches: list, logits_indices: torch.Tensor | None = None,
-             inplace: bool = True, inputs_embeds: torch.Tensor | None = None) -> StepOutput:
+             inplace: bool = True, inputs_embeds: torch.Tensor | None = None,
+             choose_blocks: Callable[[int], ChooseBlocks | None] | None = None) -> StepOutput:
         """One forward over a flattened mixed batch; writes the new tokens' K/V/index keys into the pools.
 
-        ``inputs_embeds`` [T, H], when given, replaces the token embeddings (media tokens already placed)."""
+        ``inputs_embeds`` [T, H], when given, replaces the token embeddings (media tokens already placed).
+        ``choose_blocks(layer)``, when given, returns sparse layer ``layer``'s ``ChooseBlocks`` hook (or None):
+        given selections, as ``m3export verify`` feeds another runtime's near-tie swaps back; None computes them."""
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h, new_caches, selections = self.run_layers(h, batch, caches, range(len(self.model.layers)), inplace)
+        h, new_caches, selections = self.run_layers(h, batch, caches, range(len(self.model.layers)), inplace,
+                                                    choose_blocks)
         logits, hidden = self.head(h, logits_indices)
         return StepOutput(logits, hidden, new_caches, selections)
 
-    def run_layers(self, h: torch.Tensor, batch: Batch, caches: list, layers: range, inplace: bool = True):
+    def run_layers(self, h: torch.Tensor, batch: Batch, caches: list, layers: range, inplace: bool = True,
+                   choose_blocks: Callable[[int], ChooseBlocks | None] | None = None):
         """Decoder layers ``layers`` on the residual stream h [T, H] (``caches`` are those layers' pools, in order);
-        one group of layers is what a split export puts in one graph."""
+        one group of layers is what a split export puts in one graph. ``choose_blocks``: as in ``step``."""
         cos, sin = self.rotary(batch.positions, h.dtype)
         new_caches, selections = [], []
         for i, cache in zip(layers, caches):
-            h, cache, sel = self.model.layers[i](h, cos, sin, batch, cache, inplace)
+            hook = None if choose_blocks is None else choose_blocks(i)
+            h, cache, sel = self.model.layers[i](h, cos, sin, batch, cache, inplace, hook)
             new_caches.append(cache)
             if sel is not None:
                 selections.append(sel)
@@ -124,15 +132,17 @@ class M3ForCausalLM(nn.Module):
         return self.lm_head(picked), hidden
 
     def mtp_step(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch, cache,
-                 logits_indices: torch.Tensor | None = None, inplace: bool = True):
+                 logits_indices: torch.Tensor | None = None, inplace: bool = True,
+                 choose_blocks: ChooseBlocks | None = None):
         """MTP module ``k``: input_ids are the *next* tokens x_{t+1}, hidden the h_t they pair with.
 
         Returns (logits at logits_indices, pre-norm output hidden [T, H] for chaining, cache, selection).
+        ``choose_blocks``: the module's sparse layer's ``ChooseBlocks`` hook (None: its own selection).
         """
         e = self.model.embed_tokens(input_ids)
         e = torch.where((batch.positions == 0)[:, None], torch.zeros_like(e), e)
         cos, sin = self.rotary(batch.positions, e.dtype)
-        out, normed, cache, sel = self.mtp[k](e, hidden, cos, sin, batch, cache, inplace)
+        out, normed, cache, sel = self.mtp[k](e, hidden, cos, sin, batch, cache, inplace, choose_blocks)
         picked = normed if logits_indices is None else normed.index_select(0, logits_indices)
         return self.lm_head(picked), out, cache, sel
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import M3Config
+from .attention import ChooseBlocks
 from .batch import Batch
 from .layer import DecoderLayer
 from .linear import Linear
@@ -26,8 +27,9 @@ class MTPModule(nn.Module):
         self.transformer_layer = DecoderLayer(cfg, sparse_attention=True, moe=True, mxfp8=mxfp8)
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: Batch, cache, inplace: bool):
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: Batch, cache, inplace: bool,
+                choose_blocks: ChooseBlocks | None = None):
         """embeds [T, H] of the next tokens (zeroed at position 0), hidden [T, H] -> (out, normed, cache, sel)."""
         z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        out, cache, sel = self.transformer_layer(z, cos, sin, batch, cache, inplace)
+        out, cache, sel = self.transformer_layer(z, cos, sin, batch, cache, inplace, choose_blocks)
         return out, self.final_layernorm(out), cache, sel
