@@ -19,16 +19,36 @@ to the activation dtype, another rounding order inside the fused ops) is about o
 values two 16-bit implementations already round differently (``tests/test_ort_cuda_stream.py`` uses the same
 bound). ``ort_enqueue_ms`` is how long ``forward`` takes to return before the device finishes: well under the
 step on a sync-free path (ORT on torch's stream), the whole step where something waits on the host.
+``torch_graphs``: whether the torch backend's timed steps replayed CUDA graphs (the reference the ratios need on
+the GPU; a row timed eagerly there fails the script). Before each shape's ``allocate`` the bench releases the
+graphed backend's graphs and their memory pool (``fresh_pools``): ``GraphedTorchBackend.allocate`` drops its
+graphs but keeps the pool handle, and capturing into a pool whose graphs are all gone trips torch's allocator
+(``beginAllocateToPool``: ``use_count > 0`` INTERNAL ASSERT), which turned graphs off for every later row of the
+2026-11-30 H200 run.
+
+``--profile`` adds, for the first shape, where one steady ORT step's time goes (``profile`` in the JSON, a table
+on stdout), per variant: ONNX Runtime's own profiler over ``--profile-steps`` steps after two warm-up steps (in
+sessions of their own, so the timed rows carry no profiling cost) gives each node's host time (self time:
+a Scan / Loop / If node's time less its body's), ranked by op type and by node, the nodes per execution provider
+(CPU-placed nodes in a CUDA run), and the Memcpy nodes (a ``MemcpyToHost`` waits for the device: the step's host
+syncs). On CUDA, torch's profiler (CUPTI sees every kernel of the process, ORT's included) records the same steps'
+GPU kernels: kernels and busy milliseconds per step, the top kernels by total time. Busy time well under the step
+means the step is launch- or sync-bound, not bandwidth-bound.
 
   python bench/ort_gpu.py --artifact art/mini-bf16              # H200 + onnxruntime-gpu: table + JSON
   python bench/ort_gpu.py --smoke --artifact art/tiny           # CPU script check (CPU EP, fp32 tiny artifact)
+  python bench/ort_gpu.py --artifact art/mini-bf16 --shapes 1x4096 --profile   # where an ORT-CUDA step goes
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -80,6 +100,169 @@ def copy_pages(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src[:dst.shape[0]])
 
 
+def fresh_pools(torch_be, pages: int, page: int) -> None:
+    """``torch_be.allocate``, its CUDA graphs (and their memory pool) released first: the next capture takes a new
+    pool handle (module docstring: the stale handle is what failed on the H200)."""
+    release = getattr(torch_be, "release_graphs", None)
+    if release is not None:
+        release()
+    torch_be.allocate(pages, page)
+
+
+def fill_ort_pools(ort_be, torch_be) -> None:
+    """ORT's pools hold the torch backend's bytes (graph order: one pool list per layer)."""
+    session = ort_be._main
+    for name, pool in zip(session.pool_inputs, (p for layer in torch_be._caches for p in layer)):
+        copy_pages(session.pool_tensors[name], pool, name)
+
+
+CONTROL_FLOW = {"Scan", "Loop", "If"}  # nodes whose profiled time includes their body's nodes
+
+
+def _node_self_times(nodes: list[dict]) -> list[tuple[dict, float]]:
+    """Each node event with its self time in us: its duration less the events nested inside it (a Scan's body
+    runs inside the Scan's event, on the same thread)."""
+    out = []
+    for tid in {e["tid"] for e in nodes}:
+        stack: list[list] = []  # [event, self us, end]
+        for e in sorted((e for e in nodes if e["tid"] == tid), key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1][2] <= e["ts"]:
+                out.append(tuple(stack.pop()[:2]))
+            if stack and e["ts"] + e["dur"] <= stack[-1][2]:
+                stack[-1][1] -= e["dur"]
+            stack.append([e, float(e["dur"]), e["ts"] + e["dur"]])
+        out.extend(tuple(x[:2]) for x in stack)
+    return out
+
+
+def summarize_ort_profile(events: list[dict], steps: int, top: int = 15) -> dict:
+    """Where the last ``steps`` runs of an ONNX Runtime profile (chrome-trace events, ``end_profiling``'s file)
+    spent host time: per op type and per node (self time, ms per step), per execution provider, and the Memcpy
+    nodes. Times are ORT's host-side node times: on a GPU EP a node's time is its kernel launches (and any wait),
+    not the kernel's run time."""
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])[-steps:]
+    if len(runs) < steps:
+        raise ValueError(f"ONNX Runtime's profile holds {len(runs)} runs, {steps} asked for")
+    windows = [(r["ts"], r["ts"] + r["dur"]) for r in runs]
+    nodes = [e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
+             and any(a <= e["ts"] < b for a, b in windows)]
+    timed = _node_self_times(nodes)
+    by_op: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    by_node: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    by_provider: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e, self_us in timed:
+        args = e.get("args", {})
+        op, provider = args.get("op_name", "?"), args.get("provider", "?")
+        for table, key in ((by_op, (op, provider)), (by_node, (e["name"][:-len("_kernel_time")], op, provider)),
+                           (by_provider, provider)):
+            table[key][0] += 1
+            table[key][1] += self_us
+    node_us = sum(us for _, us in timed) or 1.0
+
+    def ranked(table: dict, fields) -> list[dict]:
+        rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{**dict(zip(fields, key)), "count_per_step": n / steps, "host_ms_per_step": us / steps / 1e3,
+                 "share": us / node_us} for key, (n, us) in rows]
+
+    memcpy = {}
+    for (op, _), (n, _) in by_op.items():
+        if op.startswith("Memcpy"):
+            memcpy[op] = memcpy.get(op, 0) + n / steps
+    kernels = [e for e in events if e.get("cat") == "Kernel" and any(a <= e["ts"] < b for a, b in windows)]
+    return {
+        "steps": steps,
+        "step_host_ms": statistics.median(r["dur"] for r in runs) / 1e3,
+        "nodes_per_step": len(nodes) / steps,
+        "node_host_ms_per_step": node_us / steps / 1e3,
+        "providers": {p: {"nodes_per_step": n / steps, "host_ms_per_step": us / steps / 1e3}
+                      for p, (n, us) in sorted(by_provider.items())},
+        "cpu_placed_nodes_per_step": by_provider.get("CPUExecutionProvider", [0])[0] / steps,
+        "memcpy_nodes_per_step": memcpy,
+        "memcpy_to_host_nodes": sorted({k[0] for k in by_node if k[1] == "MemcpyToHost"})[:top],
+        "top_op_types": ranked(by_op, ("op_type", "provider")),
+        "top_nodes": ranked(by_node, ("node", "op_type", "provider")),
+        # kernel events only in an onnxruntime built with CUDA profiling (the released wheels are not)
+        "ort_kernel_events_per_step": len(kernels) / steps,
+    }
+
+
+def summarize_kernels(prof, steps: int, top: int = 15) -> dict:
+    """GPU kernels of a ``torch.profiler`` run over ``steps`` steps: count and busy ms per step, top kernels by
+    total time (a kernel's name cut at its argument list)."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            name = e.name.split("(")[0][:160]
+            totals[name][0] += 1
+            totals[name][1] += e.time_range.elapsed_us()
+    busy = sum(us for _, us in totals.values()) or 1.0
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": sum(n for n, _ in totals.values()) / steps,
+            "busy_ms_per_step": busy / steps / 1e3,
+            "top_kernels": [{"kernel": k, "count_per_step": n / steps, "ms_per_step": us / steps / 1e3,
+                             "share": us / busy} for k, (n, us) in rows]}
+
+
+def profile_variant(art, provider, flavour, torch_be, pages: int, page: int, step, steps: int) -> dict:
+    """A fresh session of ``flavour`` with ONNX Runtime's profiler on (and torch's, for the GPU kernels, on CUDA):
+    two warm-up steps, then ``steps`` profiled ones of ``step(backend)``; the summaries of both profilers."""
+    import onnxruntime as ort
+
+    from m3export.plugins.onnxruntime.session import PagedSession
+    from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+    be = OnnxRuntimeBackend(art, provider, flavour=flavour)
+    with tempfile.TemporaryDirectory(prefix="ort_profile_") as tmp:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "step")
+        be._main = PagedSession.from_artifact(art, "model", flavour=flavour, providers=be.provider, options=options)
+        be.allocate(pages, page)
+        fill_ort_pools(be, torch_be)
+        device = be.device
+        for _ in range(2):
+            step(be)
+        _sync(device)
+        gpu = {"note": "no CUDA device: host times only"}
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step(be)
+                _sync(device)
+            try:
+                gpu = summarize_kernels(prof, steps)
+            except Exception as e:  # noqa: BLE001 - torch's event API differs between versions: say so, keep ORT's
+                gpu = {"error": f"{type(e).__name__}: {e}"[:500]}
+        else:
+            for _ in range(steps):
+                step(be)
+        events = json.loads(Path(be._main.session.end_profiling()).read_text())
+    return {**summarize_ort_profile(events, steps), "gpu": gpu}
+
+
+def print_profile(name: str, prof: dict) -> None:
+    print(f"\nprofile {name}: step {prof['step_host_ms']:.2f} ms host, {prof['nodes_per_step']:.0f} nodes "
+          f"({prof['node_host_ms_per_step']:.2f} ms), CPU-placed {prof['cpu_placed_nodes_per_step']:.0f}, "
+          f"memcpy {prof['memcpy_nodes_per_step'] or 0}")
+    gpu = prof["gpu"]
+    if "busy_ms_per_step" in gpu:
+        print(f"  GPU: {gpu['kernels_per_step']:.0f} kernels, busy {gpu['busy_ms_per_step']:.2f} ms per step")
+        for k in gpu["top_kernels"][:8]:
+            print(f"    {k['ms_per_step']:8.3f} ms {k['share']:6.1%} x{k['count_per_step']:<6.0f} {k['kernel'][:90]}")
+    else:
+        print(f"  GPU: {gpu}")
+    print("  host time by op type (self, per step):")
+    for r in prof["top_op_types"][:10]:
+        print(f"    {r['host_ms_per_step']:8.3f} ms {r['share']:6.1%} x{r['count_per_step']:<6.0f} {r['op_type']} "
+              f"({r['provider']})")
+
+
 def main() -> int:
     global SMOKE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,6 +272,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "ort_gpu_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="CPU EP, short contexts: checks the script, measures nothing")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile steady ORT steps at the first shape (ORT's profiler; torch's for the GPU kernels)")
+    ap.add_argument("--profile-steps", type=int, default=5, help="steps profiled per variant (default: %(default)s)")
     args = ap.parse_args()
     SMOKE = args.smoke
 
@@ -133,13 +319,14 @@ def main() -> int:
     g = torch.Generator(device=device).manual_seed(0)
     for batch, context in shapes:
         b, pages = decode_batch(batch, context, page, device)
-        for be in (x for x in (ort_be, lowered_be, torch_be) if x is not None):
+        ort_variants = [be for be in (ort_be, lowered_be) if be is not None]
+        for be in ort_variants:
             be.allocate(pages, page)
+        fresh_pools(torch_be, pages, page)
         for pool in (p for layer in torch_be._caches for p in layer):
             pool.normal_(0.0, 1.0, generator=g)
-        for session in [be._main for be in (ort_be, lowered_be) if be is not None]:  # the same bytes, graph order
-            for name, pool in zip(session.pool_inputs, (p for layer in torch_be._caches for p in layer)):
-                copy_pages(session.pool_tensors[name], pool, name)
+        for be in ort_variants:  # the same bytes
+            fill_ort_pools(be, torch_be)
         ids = torch.randint(0, cfg.vocab_size, (batch,), generator=g, device=device)
         rows = torch.arange(batch, device=device)
         with torch.no_grad():
@@ -147,7 +334,10 @@ def main() -> int:
             lt, _ = torch_be.forward(ids, b, rows)
             same = bool((lo.argmax(-1) == lt.argmax(-1)).all())
             plain_diff = float((lo - lt).abs().max())
+            replays = getattr(torch_be, "replays", 0)
             t_ms = timed_ms(lambda: torch_be.forward(ids, b, rows), args.reps, device)
+            # every timed torch step (2 warm-up + reps) replayed a graph; None where graphs are off (CPU)
+            graphed = getattr(torch_be, "replays", 0) - replays == args.reps + 2 if device.type == "cuda" else None
             o_ms = timed_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device)
             o_enqueue = timed_ms(lambda: ort_be.forward(ids, b, rows), args.reps, device, until_done=False)
             lowered = {}
@@ -163,6 +353,12 @@ def main() -> int:
                                "lowered_within_bound": diff <= bound}
                 except Exception as e:  # noqa: BLE001 - e.g. a kernel ORT lacks for these shapes
                     lowered = {"lowered_error": f"{type(e).__name__}: {e}"[:2000]}
+        if args.profile and "profile" not in res:  # the first shape: the headline row
+            res["profile"] = {"batch": batch, "context": context}
+            for name, flavour, be in (("plain", None, ort_be), ("lowered", "ort-contrib", lowered_be)):
+                if be is not None:
+                    res["profile"][name] = profile_variant(art, provider, flavour, torch_be, pages, page,
+                                                           lambda x: x.forward(ids, b, rows), args.profile_steps)
         first.setdefault(batch, o_ms)
         roof_ms = step_bytes(torch_be.model, cfg, batch, context, elt, {
             i: cfg.num_local_experts for i in range(cfg.num_hidden_layers)}) / bw * 1e3
@@ -170,7 +366,7 @@ def main() -> int:
                "ort_enqueue_ms": o_enqueue, "plain_max_abs_logit_diff": plain_diff,
                "ort_over_torch": o_ms / t_ms,
                "ort_over_first_context": o_ms / first[batch], "roofline_ms_all_experts": roof_ms,
-               "greedy_same": same,
+               "greedy_same": same, "torch_graphs": graphed,
                "pool_pages": {"torch": int(torch_be._caches[0][0].shape[0]),
                               "ort": int(next(iter(ort_be._main.pool_tensors.values())).shape[0])},
                **lowered}
@@ -181,10 +377,16 @@ def main() -> int:
                else f"  lowered: {lowered['lowered_error'][:80]}" if lowered else "")
         print(f"{batch:5d} {context:7d} {t_ms:9.2f} {o_ms:9.2f} {o_enqueue:8.2f} {o_ms / t_ms:9.2f} "
               f"{o_ms / first[batch]:8.2f} "
-              f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}{low}", flush=True)
+              f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}{low}"
+              f"{'  torch EAGER (graphs off: ratio not against the graphed backend)' if graphed is False else ''}",
+              flush=True)
+    for name in ("plain", "lowered"):
+        if name in res.get("profile", {}):
+            print_profile(f"{name} (batch {res['profile']['batch']}, context {res['profile']['context']})",
+                          res["profile"][name])
     write_results(res, args.json)
     return 0 if all(r["greedy_same"] and r.get("lowered_greedy_same", True) and r.get("lowered_within_bound", True)
-                    for r in res["rows"]) else 1
+                    and r["torch_graphs"] is not False for r in res["rows"]) else 1
 
 
 if __name__ == "__main__":
