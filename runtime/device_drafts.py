@@ -91,6 +91,9 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
     if not places:
         return ids
     device = places[0][1].tokens.device
+    view = _all_from_one_round(ids, places)
+    if view is not None:
+        return view
     rounds: dict[int, tuple[RoundDrafts, list[int], list[int]]] = {}
     for row, rnd, src in places:
         _, dst, srcs = rounds.setdefault(id(rnd), (rnd, [], []))
@@ -106,3 +109,18 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
         out[packed[start:start + k]] = rnd.tokens.view(-1)[packed[start + k:start + 2 * k]]
         start += 2 * k
     return out
+
+
+def _all_from_one_round(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]]) -> torch.Tensor | None:
+    """When every id is a draft of one round, in rows evenly spaced in its tensor (an MTP chain step: each drafting
+    request's previous draft), those drafts as a view of the round's tensor: no copy, no index sent to the device,
+    no gather (a chain step made all three, per MTP call). Else None. Consumers only read their ids."""
+    rnd = places[0][1]
+    n = ids.shape[0]
+    if len(places) != n or any(p[1] is not rnd for p in places) or [p[0] for p in places] != list(range(n)):
+        return None
+    first = places[0][2]
+    stride = places[1][2] - first if n > 1 else 1
+    if stride <= 0 or any(p[2] != first + stride * j for j, p in enumerate(places)):
+        return None
+    return rnd.tokens.view(-1)[first:first + stride * (n - 1) + 1:stride]

@@ -37,7 +37,9 @@ reference ops are not (they read lengths on the host), and a failed capture turn
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import torch
 
 from m3export.model.batch import Batch
@@ -141,32 +143,35 @@ def pad_ragged(input_ids: torch.Tensor, batch: Batch, q: int, scratch_page: int,
     return ids, padded, rows
 
 
-def _on_device_at_once(device: torch.device, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Integer host tensors on a CUDA ``device`` in one copy, queued without waiting for the device (as int64
-    views of one pinned buffer, ``sampling.to_device``): a copy from pageable memory synchronises the stream, and
-    a step's six inputs copied one by one made six host-device round trips per replay, which left the GPU idle
-    between the calls of a speculative round. Tensors already on the device (input ids holding drafts that stayed
-    there, ``device_drafts``) are taken as they are; elsewhere (CPU) everything is."""
-    host = [i for i, x in enumerate(tensors) if x.device.type == "cpu"]
-    if device.type != "cuda" or not host:
-        return list(tensors)
-    flat = to_device(torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in host]), device)
-    out, start = list(tensors), 0
-    for i in host:
-        out[i] = flat[start:start + tensors[i].numel()].view(tensors[i].shape)
-        start += tensors[i].numel()
-    return out
-
-
 def _own_fp32(x: torch.Tensor) -> torch.Tensor:
     """A float32 copy the next replay cannot overwrite: ``.float()`` of a 16-bit output already is one."""
     return x.clone() if x.dtype == torch.float32 else x.float()
+
+
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _field_views(buffer, layout, as_dtype) -> dict:
+    """Each (name, shape, dtype, byte offset) of ``layout`` as a view of the byte ``buffer`` (numpy or torch)."""
+    return {name: as_dtype(buffer[at:at + math.prod(shape) * dtype.itemsize], dtype).reshape(shape)
+            for name, shape, dtype, at in layout}
+
+
+def _head(view, value: torch.Tensor):
+    """The leading part of a static field that ``value`` (fewer rows, and for block tables fewer columns) fills."""
+    return view[:value.shape[0]] if value.dim() == 1 else view[:value.shape[0], :value.shape[1]]
 
 
 class DecodeInputs:
     """The static input buffers of one (bucket, q) shape: what a captured graph reads, refilled before every replay.
 
     Real sequences fill the first B slots; padding sequences have q tokens at positions 0 .. q-1 of the scratch page.
+
+    Every integer input (ids, logits rows, positions, slots, context lengths, block tables) is a view of one device
+    byte buffer, and a step fills all of them with one host-to-device copy of a host image of that buffer, made
+    from a template that already holds the padding (``fill``). Filling field by field took about 16 device
+    operations (a copy per field, then the padding tails) per call, and a speculative round makes k + 1 such calls
+    (k MTP calls, one verify step), each as launch-bound as the replay itself on a small model.
     """
 
     def __init__(self, bucket: int, q: int, table_width: int, scratch_page: int, page_size: int, device,
@@ -176,54 +181,73 @@ class DecodeInputs:
         sequence); a step asking for fewer gets padding rows past its own."""
         self.bucket, self.q = bucket, q
         rows = bucket * q
+        device = torch.device(device)
         self.hidden = None if hidden is None else torch.zeros(rows, hidden[0], dtype=hidden[1], device=device)
-        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.logits_indices = torch.arange(rows if logits_rows is None else logits_rows, dtype=torch.int64,
-                                           device=device)
+        self._hidden_rows = 0  # rows of ``hidden`` that hold a step's values (past them: zeros)
+        n_logits = rows if logits_rows is None else logits_rows
+        # (name, shape, dtype) of each field in the buffer: the int64 ones first, so every view is aligned.
+        fields = [("input_ids", (rows,), torch.int64), ("logits_indices", (n_logits,), torch.int64),
+                  ("positions", (rows,), torch.int64), ("slot_mapping", (rows,), torch.int64),
+                  ("seq_lens", (bucket,), torch.int32), ("block_tables", (bucket, table_width), torch.int32)]
+        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in fields]
+        layout = [(name, shape, dtype, sum(sizes[:i])) for i, (name, shape, dtype) in enumerate(fields)]
+        nbytes = sum(sizes)
+        # The host image of the buffer with every row padding (``_template``), and the image a step writes its
+        # real rows into (numpy: a field write costs a fraction of a torch operation's dispatch).
+        self._template = np.zeros(nbytes, dtype=np.uint8)
+        t = _field_views(self._template, layout, lambda x, dtype: x.view(_NUMPY[dtype]))
+        t["logits_indices"][:] = np.arange(n_logits)
+        offsets = np.tile(np.arange(q), bucket)
+        t["positions"][:] = offsets
+        t["slot_mapping"][:] = scratch_page * page_size + offsets
+        t["seq_lens"][:] = q
+        t["block_tables"][:, 0] = scratch_page
+        self._image = self._template.copy()
+        self._host = _field_views(self._image, layout, lambda x, dtype: x.view(_NUMPY[dtype]))
+        self._pinned = device.type == "cuda"
+        self._buffer = torch.from_numpy(self._template.copy()).to(device)  # never the template itself
+        d = _field_views(self._buffer, layout, lambda x, dtype: x.view(dtype))
+        self.input_ids, self.logits_indices = d["input_ids"], d["logits_indices"]
         self.batch = Batch(
-            positions=torch.zeros(rows, dtype=torch.int64, device=device),
+            positions=d["positions"],
             query_start_loc=torch.arange(0, rows + 1, q, dtype=torch.int32, device=device),
-            seq_lens=torch.full((bucket,), q, dtype=torch.int32, device=device),
-            block_tables=torch.zeros((bucket, table_width), dtype=torch.int32, device=device),
-            slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
+            seq_lens=d["seq_lens"],
+            block_tables=d["block_tables"],
+            slot_mapping=d["slot_mapping"],
         )
-        offsets = torch.arange(q, device=device).repeat(bucket)
-        self._pad_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        self._pad_positions = offsets
-        self._pad_slots = scratch_page * page_size + offsets
-        self._scratch_page = scratch_page
+        self._static = d
 
     def fill(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
              hidden: torch.Tensor | None = None) -> None:
         """Copy a step of B <= bucket sequences of q tokens each in (from the host or the device); the rest becomes
-        scratch-page padding. ``logits_indices``: at most as many rows as the graph computes, or none (then
-        nothing is copied)."""
-        t, b, w = input_ids.shape[0], batch.seq_lens.shape[0], batch.block_tables.shape[1]
-        s = self.batch
-        if w > s.block_tables.shape[1]:
-            raise ValueError(f"block table of {w} pages is wider than the captured {s.block_tables.shape[1]}")
-        input_ids, logits_indices, positions, seq_lens, slots, tables = _on_device_at_once(
-            self.input_ids.device, input_ids, logits_indices, batch.positions, batch.seq_lens, batch.slot_mapping,
-            batch.block_tables)
-        self.input_ids[:t].copy_(input_ids)
-        self.input_ids[t:].zero_()
-        n = logits_indices.shape[0]
-        if n:
-            self.logits_indices[:n].copy_(logits_indices)
-            self.logits_indices[n:].copy_(self._pad_rows[n:self.logits_indices.shape[0]])
+        scratch-page padding. ``logits_indices``: at most as many rows as the graph computes (past them: padding
+        rows), or none. Host values travel in one copy (queued, from pinned memory: no wait for the device);
+        a value already on the device (ids holding drafts that stayed there, an MTP module's hidden states) is
+        one device copy more."""
+        t, w = input_ids.shape[0], batch.block_tables.shape[1]
+        if w > self.batch.block_tables.shape[1]:
+            raise ValueError(f"block table of {w} pages is wider than the captured {self.batch.block_tables.shape[1]}")
+        np.copyto(self._image, self._template)
+        later = []  # (field, device value): copied after the host image lands
+        for name, value in (("input_ids", input_ids), ("logits_indices", logits_indices),
+                            ("positions", batch.positions), ("slot_mapping", batch.slot_mapping),
+                            ("seq_lens", batch.seq_lens), ("block_tables", batch.block_tables)):
+            if value.device.type == "cpu":
+                _head(self._host[name], value)[...] = value.numpy()
+            else:
+                later.append((name, value))
+        image = torch.from_numpy(self._image)
+        # pin_memory() copies the image into a block of torch's caching host allocator, which keeps the block
+        # until the queued copy has read it, so the image may be rewritten by the next step at once.
+        self._buffer.copy_(image.pin_memory() if self._pinned else image, non_blocking=self._pinned)
+        for name, value in later:
+            _head(self._static[name], value).copy_(value)
         if self.hidden is not None:
-            self.hidden[:t].copy_(hidden)
-            self.hidden[t:].zero_()
-        s.positions[:t].copy_(positions)
-        s.positions[t:].copy_(self._pad_positions[t:])
-        s.seq_lens[:b].copy_(seq_lens)
-        s.seq_lens[b:].fill_(self.q)
-        s.slot_mapping[:t].copy_(slots)
-        s.slot_mapping[t:].copy_(self._pad_slots[t:])
-        s.block_tables[:b, :w].copy_(tables)
-        s.block_tables[:b, w:].zero_()
-        s.block_tables[b:].zero_()
-        s.block_tables[b:, 0] = self._scratch_page
+            if t:
+                self.hidden[:t].copy_(hidden)
+            if self._hidden_rows > t:  # rows a longer step filled before: padding rows read zeros again
+                self.hidden[t:self._hidden_rows].zero_()
+            self._hidden_rows = t
         # query_start_loc is arange(0, bucket * q + 1, q) for every such step.
 
 
