@@ -116,27 +116,54 @@ def decode_batch(batch: int, context: int, page: int, device):
     return b, batch * pages
 
 
-def step_bytes(model, cfg, batch: int, context: int, elt: int, touched: dict[int, int]) -> int:
-    """Bytes one decode step must read (see the module docstring)."""
-    total = 0
+def param_family(name: str) -> str | None:
+    """The kernel family of ``bench/decode_profile.py`` that reads this parameter in a decode step; None for
+    parameters a text decode step never reads (MTP modules, the vision tower and its projector)."""
+    if name.startswith(("mtp.", "vision_tower.", "multi_modal_projector.")):
+        return None
+    if "embed_tokens" in name:
+        return "embedding"
+    if name.startswith("lm_head."):
+        return "lm_head"
+    if ".mlp.gate." in name:
+        return "MoE routing"
+    if ".mlp.experts.w13" in name or ".mlp.shared_experts.gate_up_proj." in name:
+        return "MoE gate-up"
+    if ".mlp.experts.w2" in name or ".mlp.shared_experts.down_proj." in name:
+        return "MoE down"
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return "norms / rope / cache write"
+    return "linear"
+
+
+def step_bytes_by_family(model, cfg, batch: int, context: int, elt: int, touched: dict[int, int]) -> dict[str, int]:
+    """Bytes one decode step must read (see the module docstring), split by the kernel family that reads them."""
+    out: dict[str, int] = {}
     for name, p in model.named_parameters():
-        if name.startswith("mtp."):
+        family = param_family(name)
+        if family is None:
             continue
         size = p.numel() * p.element_size()
-        if "embed_tokens" in name:
+        if family == "embedding":
             size = batch * p.shape[-1] * p.element_size()
         elif ".mlp.experts." in name:
             layer = int(name.split(".")[2])
             size = size // cfg.num_local_experts * touched[layer]
-        total += size
+        out[family] = out.get(family, 0) + size
     kv = cfg.num_key_value_heads * cfg.head_dim * 2 * elt
     selected = min(context + 1, cfg.index_topk_blocks * cfg.index_block_size)
     for i in range(cfg.num_hidden_layers):
         if cfg.is_sparse_layer(i):
-            total += batch * ((context + 1) * cfg.index_head_dim * elt + selected * kv)
+            out["indexer scan"] = out.get("indexer scan", 0) + batch * (context + 1) * cfg.index_head_dim * elt
+            out["sparse attention"] = out.get("sparse attention", 0) + batch * selected * kv
         else:
-            total += batch * (context + 1) * kv
-    return total
+            out["dense attention"] = out.get("dense attention", 0) + batch * (context + 1) * kv
+    return out
+
+
+def step_bytes(model, cfg, batch: int, context: int, elt: int, touched: dict[int, int]) -> int:
+    """Bytes one decode step must read (see the module docstring)."""
+    return sum(step_bytes_by_family(model, cfg, batch, context, elt, touched).values())
 
 
 def touched_experts(model, ids, batch) -> dict[int, int]:
