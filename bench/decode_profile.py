@@ -31,7 +31,6 @@ import argparse
 import bisect
 import dataclasses
 import difflib
-import json
 import os
 import re
 import sys
@@ -113,21 +112,24 @@ def busy_intervals(kernels: list[Kernel]) -> list[tuple[float, float]]:
 def step_summary(kernels: list[Kernel]) -> dict:
     """Span (first start to last end), busy time (union), gaps = span - busy, launches, the widest gaps and the
     kernels on either side of them, and device time / launches per family (overlapping kernels each count their
-    own time, so the families' times can exceed the busy time when kernels run concurrently)."""
+    own time, so the families' times can exceed the busy time when kernels run concurrently); each gap is charged
+    to the family of the kernel that ends it (``gap_before_us``: the launch latency of that family's kernels)."""
     if not kernels:
         return dict(launches=0, span_us=0.0, busy_us=0.0, gaps_us=0.0, widest_gaps=[], families={})
     ks = sorted(kernels, key=lambda k: k.start)
     busy = busy_intervals(ks)
     span = busy[-1][1] - busy[0][0]
     busy_us = sum(b - a for a, b in busy)
+    fams: dict[str, dict] = {}
     gaps = []
     for (_, a_end), (b_start, _) in zip(busy, busy[1:]):
         before = max((k for k in ks if k.end <= a_end), key=lambda k: k.end)
         after = ks[bisect.bisect_left([k.start for k in ks], b_start)]
         gaps.append(dict(us=b_start - a_end, after=before.name, before=after.name))
-    fams: dict[str, dict] = {}
+        f = fams.setdefault(family(after.name, after.scope), dict(us=0.0, launches=0, gap_before_us=0.0, kernels={}))
+        f["gap_before_us"] += b_start - a_end
     for k in ks:
-        f = fams.setdefault(family(k.name, k.scope), dict(us=0.0, launches=0, kernels={}))
+        f = fams.setdefault(family(k.name, k.scope), dict(us=0.0, launches=0, gap_before_us=0.0, kernels={}))
         f["us"] += k.end - k.start
         f["launches"] += 1
         f["kernels"][k.name] = f["kernels"].get(k.name, 0) + 1
@@ -145,6 +147,7 @@ def combine_steps(steps: list[dict], bytes_by_family: dict[str, int], bandwidth:
     names = [f for f in FAMILIES if any(f in s["families"] for s in steps) or f in bytes_by_family]
     for f in names:
         us = sum(s["families"].get(f, {}).get("us", 0.0) for s in steps) / n
+        gap = sum(s["families"].get(f, {}).get("gap_before_us", 0.0) for s in steps) / n
         launches = sum(s["families"].get(f, {}).get("launches", 0) for s in steps) / n
         kernels: dict[str, int] = {}
         for s in steps:
@@ -152,7 +155,7 @@ def combine_steps(steps: list[dict], bytes_by_family: dict[str, int], bandwidth:
                 kernels[k] = kernels.get(k, 0) + c
         need = bytes_by_family.get(f)
         frac = need / (us * 1e-6) / bandwidth if need and us > 0 and bandwidth == bandwidth else None
-        out["families"][f] = dict(us=us, launches=launches, bytes=need, fraction_of_bandwidth=frac,
+        out["families"][f] = dict(us=us, launches=launches, gap_before_us=gap, bytes=need, fraction_of_bandwidth=frac,
                                   kernels={k: c / n for k, c in sorted(kernels.items(), key=lambda kv: -kv[1])})
     return out
 
@@ -229,13 +232,18 @@ def _is_label(evt) -> bool:
 
 def eager_launches(events) -> list[tuple[str, str]]:
     """(kernel name, module scope) of every device kernel of an eager step, in device order: each kernel's scope is
-    that of the host op it is linked to (the profiler's correlation id)."""
+    that of the host op it is linked to (the profiler's correlation id). Where the profiler's events carry no
+    links, the kernels each host op lists (``FunctionEvent.kernels``, in the ops' start order) stand in."""
     cpu, dev = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     scopes = Scopes(events)
+    kernels = sorted((e for e in events if e.device_type == dev and not _is_label(e)), key=lambda e: e.time_range.start)
+    if not any(getattr(e, "linked_correlation_id", 0) for e in kernels):
+        host = sorted((e for e in events if e.device_type == cpu and getattr(e, "kernels", None)),
+                      key=lambda e: e.time_range.start)
+        return [(k.name, scopes.at(e.time_range.start)) for e in host for k in e.kernels]
     ops = {e.id: e for e in events if e.device_type == cpu and not getattr(e, "linked_correlation_id", 0)}
     out = []
-    for e in sorted((e for e in events if e.device_type == dev and not _is_label(e)),
-                    key=lambda e: e.time_range.start):
+    for e in kernels:
         linked = getattr(e, "linked_correlation_id", 0)
         op = ops.get(linked) if linked else None  # 0: linked to no host op
         out.append((e.name, scopes.at(op.time_range.start) if op is not None else ""))
@@ -355,13 +363,14 @@ def print_table(res: dict) -> None:
               f"device span {r['span_us']:.0f} us = busy {r['busy_us']:.0f} + gaps {r['gaps_us']:.0f}; "
               f"{r['launches']:.0f} launches per step (eager step: {r['eager_launches']}); "
               f"{r['bytes_needed'] / 1e6:.0f} MB must be read; host {r['host_ms_per_step']:.2f} ms per step")
-        print(f"  {'family':<28} {'us':>8} {'%':>5} {'launches':>8} {'MB':>8} {'% of bw':>7}  kernels")
+        print(f"  {'family':<28} {'us':>8} {'%':>5} {'launches':>8} {'gap us':>7} {'MB':>8} {'% of bw':>7}  kernels")
         for f, v in r["families"].items():
             mb = f"{v['bytes'] / 1e6:8.1f}" if v["bytes"] else f"{'-':>8}"
             frac = f"{100 * v['fraction_of_bandwidth']:7.0f}" if v["fraction_of_bandwidth"] else f"{'-':>7}"
             share = 100 * v["us"] / r["span_us"] if r["span_us"] else float("nan")
             names = ", ".join(f"{k} x{c:g}" for k, c in list(v["kernels"].items())[:3])
-            print(f"  {f:<28} {v['us']:8.1f} {share:5.1f} {v['launches']:8.1f} {mb} {frac}  {names[:90]}")
+            print(f"  {f:<28} {v['us']:8.1f} {share:5.1f} {v['launches']:8.1f} {v['gap_before_us']:7.1f} {mb} {frac}  "
+                  f"{names[:90]}")
         print(f"  {'gaps (device idle)':<28} {r['gaps_us']:8.1f} "
               f"{100 * r['gaps_us'] / r['span_us'] if r['span_us'] else float('nan'):5.1f}")
         for gp in r["widest_gaps"][:3]:

@@ -59,6 +59,11 @@ def test_gaps_are_the_idle_time_between_the_first_start_and_the_last_end():
     assert s["widest_gaps"][0] == dict(us=6.0, after="c", before="d")
     assert s["widest_gaps"][1] == dict(us=5.0, after="a", before="b")
     assert s["families"]["elementwise"]["us"] == 10 + 5 + 7 + 1 and s["families"]["elementwise"]["launches"] == 4
+    assert s["families"]["elementwise"]["gap_before_us"] == 11.0
+    # each gap is charged to the family of the kernel that ends it
+    s = dp.step_summary([dp.Kernel("_index_scan", 0.0, 10.0), dp.Kernel("_block_topk", 12.0, 13.0),
+                         dp.Kernel("_sparse_paged_attention", 16.0, 20.0)])
+    assert [s["families"][f]["gap_before_us"] for f in ("indexer scan", "top-k", "sparse attention")] == [0, 2, 3]
 
 
 def test_combined_steps_give_each_family_its_fraction_of_bandwidth():
@@ -97,6 +102,12 @@ def test_device_events_are_split_into_steps_and_linked_to_their_scopes():
     ]
     assert dp.eager_launches(events) == [("_gate_up_gemv", "layer/moe"), ("vectorized_elementwise_kernel", "layer"),
                                          ("_index_scan", ""), ("late", "")]
+    # a profiler without correlation links: the kernels each host op lists stand in
+    unlinked = [_evt("m3scope:moe", 10, 40), _evt("m3::moe_mxfp8", 11, 39), _evt("aten::add", 45, 46),
+                _evt("_gate_up_gemv", 60, 70, "cuda")]
+    unlinked[1].kernels = [SimpleNamespace(name="_route"), SimpleNamespace(name="_gate_up_gemv")]
+    unlinked[2].kernels = [SimpleNamespace(name="add_kernel")]
+    assert dp.eager_launches(unlinked) == [("_route", "moe"), ("_gate_up_gemv", "moe"), ("add_kernel", "")]
     ranges = dp.step_ranges(events)
     assert ranges == [(0, 100), (200, 300)]
     steps = dp.device_kernels(events, ranges)
