@@ -1,6 +1,7 @@
 """Launch-parameter sweep of the attention kernels: each kernel's ``DEFAULTS`` against its module's ``VARIANTS``.
 
     python3 bench/attention.py --sweep [--out bench/results/attention_sweep.json] [--budget-s 190]
+    python3 bench/attention.py --sweep --only sparse-decode:16x32768,indexer-scan:1x131072   # chosen shapes
     python3 bench/attention.py --sweep --device cpu --out /tmp/attention_sweep_cpu.json   # logic only
 
 Groups, after issue 11's unmet targets (``docs/performance.md``): ``sparse-decode`` (copy bandwidth at batch
@@ -13,15 +14,20 @@ tokens can share depends on exactly that, and each "union" row records the tiles
 
 Every (variant, shape) is checked the way ``bench/attention.py`` checks the defaults, on the same inputs:
 selections equal to the reference's up to fp32 near-ties (the conformance suite's rule), attention within
-4 * 2^-9 * max|V|. Decode is checked on its first (up to) 4 sequences and prefill on its last 64 tokens, each
+``paged_attention.output_error_bound``. Decode is checked on its first (up to) 4 sequences and prefill on its last 64 tokens, each
 against a reference called for those alone (it gathers only their context). Decode is timed from CUDA-graph
 replays (kernel time, page sets cycled so that small inputs do not run from L2), prefill eagerly (the "union"
 loop's tile lists included). FLOPs and bytes are counted as ``bench/attention.py`` counts them, and the ceilings
 (copy rate, bf16 matmul rate) are measured in the same run.
 
+Every variant is a complete setting (``VARIANTS`` in the kernel modules); one equal to the current ``DEFAULTS``
+is not timed again. ``--only GROUP:SHAPE,...`` times just those shapes (decode, scan and top-k shapes are
+``BATCHxCONTEXT``, prefill ones the prompt length, e.g. ``sparse-prefill:16384``), so a short GPU call can
+spend its seconds where a target is missed.
+
 A group's winner is the variant with the smallest geometric mean of (its time / the defaults' time) over the
 group's shapes measured for every variant, among variants whose every check passed; the sweep prints the
-``DEFAULTS`` entry to copy into the kernel module. It also prints the batch-1 ratio (indexer scan + top-k +
+``DEFAULTS`` entry to copy into the kernel module (the winning variant's settings). It also prints the batch-1 ratio (indexer scan + top-k +
 sparse decode at 128k over 4k) with the defaults and with the winners. Measurements stop being started after
 ``--budget-s`` seconds; the JSON is written after every shape, so a run cut short keeps what it measured.
 
@@ -70,19 +76,45 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no measurement after this many seconds (what was measured is kept)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
+    ap.add_argument("--only", default="",
+                    help="comma-separated GROUP:SHAPE, e.g. sparse-decode:16x32768,indexer-scan:1x131072 "
+                         "(BATCHxCONTEXT; prefill groups: the prompt length); overrides --groups")
     args = ap.parse_args(argv)
     groups = [g for g in args.groups.split(",") if g]
     if set(groups) - set(GROUPS):
         raise SystemExit(f"attention_sweep: unknown groups {sorted(set(groups) - set(GROUPS))}; known: {GROUPS}")
+    shapes = None
+    if args.only:
+        shapes = only_shapes(args.only)
+        groups = list(shapes)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
     elif not torch.cuda.is_available():
         raise SystemExit("bench/attention.py --sweep needs a CUDA device (or --device cpu for a logic check)")
-    return Sweep(args.device, groups, args.budget_s, args.out).run()
+    return Sweep(args.device, groups, args.budget_s, args.out, shapes).run()
+
+
+def only_shapes(spec: str) -> dict:
+    """``--only`` -> {group: [shapes]}, in the order given; a group or shape outside ``GROUPS`` refused by name.
+    Any shape is accepted (not only those of ``SHAPES``), so e.g. batch 16 at 128k can be timed too."""
+    chosen: dict = {}
+    for item in filter(None, spec.split(",")):
+        group, _, shape = item.partition(":")
+        if group not in GROUPS:
+            raise SystemExit(f"attention_sweep: --only {item!r}: unknown group {group!r}; known: {GROUPS}")
+        try:
+            parsed = int(shape) if group.startswith("sparse-prefill") else tuple(int(x) for x in shape.split("x"))
+        except ValueError:
+            parsed = None
+        if parsed is None or (isinstance(parsed, tuple) and len(parsed) != 2):
+            want = "a prompt length" if group.startswith("sparse-prefill") else "BATCHxCONTEXT"
+            raise SystemExit(f"attention_sweep: --only {item!r}: shape {shape!r} is not {want}")
+        chosen.setdefault(group, []).append(parsed)
+    return chosen
 
 
 class Sweep:
-    def __init__(self, device: str, groups: list[str], budget_s: float, out: str):
+    def __init__(self, device: str, groups: list[str], budget_s: float, out: str, shapes: dict | None = None):
         import triton
 
         from m3export.plugins.kernels import lightning_indexer, sparse_paged_attention
@@ -91,7 +123,7 @@ class Sweep:
         self.cpu = device == "cpu"
         self.dev = torch.device(device)
         self.dims = DIMS[device]
-        self.shapes = SHAPES[device]
+        self.shapes = shapes or SHAPES[device]
         self.groups, self.out = groups, out
         self.t0, self.budget_s = time.monotonic(), budget_s
         self.res = {"device": torch.cuda.get_device_name() if not self.cpu else "cpu (interpreter)",
@@ -190,11 +222,14 @@ class Sweep:
             f"{nbytes / seconds / 1e12:6.2f} TB/s ({100 * r['frac_copy_bw']:5.1f}%)  "
             f"{flops / seconds / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ")
         more = "".join(f"  {k} {v:.3g}" for k, v in (extra or {}).items())
-        print(f"{group:21s} {str(shape):14s} {variant:20s} {t}  {rates}{'ok' if ok else 'FAILED'} {detail}{more}",
+        print(f"{group:21s} {str(shape):14s} {variant:30s} {t}  {rates}{'ok' if ok else 'FAILED'} {detail}{more}",
               flush=True)
 
     def variants(self, module, part):
-        return [("default", {})] + list(module.VARIANTS[part].items())
+        """The defaults, then every variant that runs something else (a variant equal to the defaults, e.g. the
+        last sweep's winner, would only time the same launch twice)."""
+        return [("default", dict(module.DEFAULTS[part]))] + [
+            (name, settings) for name, settings in module.VARIANTS[part].items() if settings != module.DEFAULTS[part]]
 
     def each_variant(self, group, shape, module, part, run):
         """``run(settings) -> (seconds, bytes, flops, ok, detail, extra)`` for the defaults and every variant;
@@ -213,7 +248,9 @@ class Sweep:
 
     def check_attention(self, got, ref):
         err = (got.float() - ref.float()).abs().max().item()
-        bound = 4 * 2**-9 * self.vmax  # bf16 rounding of the softmax weights and the output (bench/attention.py)
+        from m3export.plugins.kernels.paged_attention import output_error_bound
+
+        bound = output_error_bound(torch.bfloat16, self.vmax)  # derived there from what the kernels round
         return err <= bound, f"max abs err {err:.2e} (bound {bound:.2e})"
 
     def check_selection(self, sel, ref, iq, args):
@@ -356,10 +393,10 @@ class Sweep:
                      for v in names if v not in bad and all((v, s) in times for s in shapes)}
             best = min(score, key=score.get)
             module_name, module, part = modules[group]
-            entry = {**module.DEFAULTS[part], **dict(module.VARIANTS[part].get(best, {}))}
+            entry = dict(module.VARIANTS[part][best]) if best != "default" else None
             self.res["winners"][group] = dict(variant=best, time_over_default=score[best], shapes=shapes,
                                               failed=sorted(bad), scores=score,
-                                              defaults_entry=entry if best != "default" else None)
+                                              defaults_entry=entry)
             print(f"WINNER {group}: {best} ({score[best]:.3f} x the defaults' time, geometric mean over "
                   f"{len(shapes)} shapes; failed: {sorted(bad) or 'none'})")
             if best != "default":
@@ -371,7 +408,7 @@ class Sweep:
             return next((r["seconds"] for r in self.res["rows"] if r["group"] == group and r["variant"] == variant
                          and r["shape"] == [1, ctx] and r["seconds"]), None)
 
-        ctxs = sorted({c for b, c in self.shapes["sparse-decode"] if b == 1})
+        ctxs = sorted({c for b, c in self.shapes.get("sparse-decode", []) if b == 1})
         if len(ctxs) < 2 or not {"sparse-decode", "indexer-scan", "topk"} <= set(self.groups):
             return
         lo, hi = ctxs[0], ctxs[-1]

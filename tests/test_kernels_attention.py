@@ -158,17 +158,37 @@ def test_indexer_rejects_bad_inputs():
 # ------------------------------------------------------------------------------------------------ attention
 def _assert_attention_close(got: torch.Tensor, ref: torch.Tensor, v: torch.Tensor) -> None:
     """fp32: within 1e-5 of the output's scale (the same fp32 math summed in another order, with online-softmax
-    rescaling). bf16: each output is a convex combination of V rows; the kernel rounds the softmax weights to
-    bf16 for the tensor-core product (relative 2^-9 each, so the combination moves by <= 2^-9 max|V|, and the
-    normaliser by as much again), and both sides round the output once (2^-9 each): <= 4 * 2^-9 max|V|."""
+    rescaling). 16-bit: ``paged_attention.output_error_bound`` (derived there from what the kernels round: P for
+    the tensor-core product, the output on each side, fp32 score and rescaling error), with max|V| as read."""
     got, ref = got.cpu().double(), ref.cpu().double()
     assert got.shape == ref.shape and torch.isfinite(got).all()
     if v.dtype == torch.float32:
         bound = 1e-5 * ref.abs().max().item()
     else:
-        bound = 4 * 2.0**-9 * v.float().nan_to_num(0).abs().max().item()
+        bound = paged_attention.output_error_bound(v.dtype, v.float().nan_to_num(0).abs().max().item())
     err = (got - ref).abs().max().item()
     assert err <= bound, f"max abs error {err:.3e} > bound {bound:.3e}"
+
+
+@pytest.mark.parametrize("wrong", ["scale-5%-off", "own-key-hidden"])
+def test_attention_bound_fails_a_wrong_kernel(wrong):
+    """The 16-bit bound is loose enough for every rounding the kernels do and still rejects kernels that are
+    wrong: a softmax temperature 5 % off (1.6x the bound here) or a causal mask one key short (24x). The "wrong
+    kernels" are the reference with the fault put in, on a bf16 prefill + decode batch; the kernel itself is
+    at 0.16x of the bound on it (and at 0.14-0.38x, 0.44-1.17 u max|V|, on the split-K bf16 cases, 6 seeds).
+    (The old bound, 2 u max|V|, left 1.7x headroom there; a 2-3 u worst case is reachable, as an FP8 case did.)"""
+    paged = Paged([22, 19, 12], [7, 1, 3], 5, seed=5)
+    hq, hkv, d = 4, 2, 32
+    q = paged.randn(paged.tokens, hq, d, dtype=torch.bfloat16)
+    k, v = paged.pool(hkv, d, dtype=torch.bfloat16), paged.pool(hkv, d, dtype=torch.bfloat16)
+    bt, qsl, sl, pos = paged.args("cpu")
+    ref = paged_attention_reference(q, k, v, bt, qsl, sl, pos, d**-0.5)
+    if wrong == "scale-5%-off":
+        bad = paged_attention_reference(q, k, v, bt, qsl, sl, pos, 1.05 * d**-0.5)
+    else:  # "own-key-hidden": each token sees keys 0 .. pos - 1 (a token at 0 keeps its one key)
+        bad = paged_attention_reference(q, k, v, bt, qsl, sl, (pos - 1).clamp(min=0), d**-0.5)
+    with pytest.raises(AssertionError, match="max abs error"):
+        _assert_attention_close(bad, ref, v)
 
 
 def test_paged_attention_matches_reference(case):

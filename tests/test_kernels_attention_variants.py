@@ -38,8 +38,8 @@ ATTENTION_CASES = {
 INDEXER_CASES = ("decode-one-token-seqs", "many-blocks-top16")
 SCHEDULE_ONLY = ("num_warps", "num_stages")
 # Settings the launcher accepts that no variant uses now: the "union" loop with one token per program.
-UNLISTED = {"decode": {"union-decode": dict(loop="union")}, "prefill": {"union-one-token": dict(tile_tokens=1,
-                                                                                                 loop="union")}}
+UNLISTED = {"decode": {"union-decode": {**SPA.DEFAULTS["decode"], "loop": "union"}},
+            "prefill": {"union-one-token": {**SPA.DEFAULTS["prefill"], "tile_tokens": 1, "loop": "union"}}}
 
 
 def distinct(defaults: dict, variants: dict) -> list[str]:
@@ -47,11 +47,40 @@ def distinct(defaults: dict, variants: dict) -> list[str]:
     seen = [{k: v for k, v in defaults.items() if k not in SCHEDULE_ONLY}]
     names = []
     for name, settings in variants.items():
-        semantic = {k: v for k, v in {**defaults, **settings}.items() if k not in SCHEDULE_ONLY}
+        semantic = {k: v for k, v in settings.items() if k not in SCHEDULE_ONLY}
         if semantic not in seen:
             seen.append(semantic)
             names.append(name)
     return names
+
+
+def describe(kernel: str, part: str, s: dict) -> str:
+    """The name a variant with settings ``s`` must have: every setting, in the order of the modules' comments."""
+    if kernel == "lightning_indexer" and part == "topk":
+        return f"{s['method']}-w{s['num_warps']}"
+    if kernel == "lightning_indexer":
+        words = [f"n{s['block_n']}"]
+        tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else [])
+    else:
+        tiles = [f"t{s['tile_tokens'] or 'auto'}"] if part == "prefill" else []
+        words = [s["loop"], *tiles, f"n{s['block_n']}"]
+        tail = [f"max{s['max_splits']}"] if s["max_splits"] else []
+    return "-".join(words + [f"w{s['num_warps']}", f"s{s['num_stages']}", f"waves{s['waves']}"] + tail)
+
+
+@pytest.mark.parametrize("module, part", [(SPA, "decode"), (SPA, "prefill"), (LI, "scan"), (LI, "topk")])
+def test_every_variant_is_a_complete_setting_named_for_what_it_runs(module, part):
+    """A variant names every key of DEFAULTS (no more), so changing DEFAULTS never changes what a variant runs;
+    its name is derived from its settings, so the name cannot lie. No two variants run the same settings."""
+    kernel = module.__name__.rsplit(".", 1)[-1]
+    assert len(module.VARIANTS[part]) >= 4
+    for name, settings in module.VARIANTS[part].items():
+        assert set(settings) == set(module.DEFAULTS[part]), f"{kernel} {part} {name}: keys differ from DEFAULTS"
+        assert name == describe(kernel, part, settings), f"{kernel} {part} {name} runs {settings}"
+        if module is SPA:
+            SPA.settings({part: settings}, part)  # a loop form the kernel has
+    runs = [tuple(sorted(s.items(), key=str)) for s in module.VARIANTS[part].values()]
+    assert len(set(runs)) == len(runs)
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +120,7 @@ def test_sparse_attention_variant_matches_reference(mode, variant, name, dtype):
         noise = torch.randint(-1, (max(paged.seq_lens.tolist()) - 1) // bs + 3, (t, hkv, 4), generator=paged.gen,
                               dtype=torch.int32)
         sel = torch.cat([noise, own.view(t, 1, 1).expand(t, hkv, 1), noise[..., :1]], dim=-1)
-    settings = dict({**SPA.VARIANTS[mode], **UNLISTED[mode]}[variant])
+    settings = dict({**SPA.VARIANTS[mode], **UNLISTED[mode]}[variant])  # complete: DEFAULTS plays no part
     if name == "blocks-of-32":
         settings["block_n"] = 16
     ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5)

@@ -38,27 +38,54 @@ DEFAULTS = {
     # context (the launch has slots x splits programs); min_split_tiles: when > 0, no more splits than
     # ceil(key tiles of the widest block table / min_split_tiles) (a shape, so still one launch per batch
     # shape), so short contexts do not launch programs that find no key.
-    # H200 sweep 2026-11-30 22:12 UTC: "waves4" 0.94x the earlier defaults' time; top-k "bitonic-w4" 0.61x.
+    # H200 sweep 2026-11-30 22:12 UTC: "n64-w4-s3-waves4-max1024" 0.94x the earlier defaults' time; top-k
+    # "bitonic-w4" 0.61x.
     "scan": dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys).
     "topk": dict(method="bitonic", num_warps=4),
 }
+
+
+def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0):
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, waves=waves, max_splits=max_splits,
+                min_split_tiles=min_split_tiles)
+
+
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
-# tests/test_kernels_attention_variants.py); a part's winner is copied into DEFAULTS by hand.
+# tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (n: key tile, w:
+# warps, s: stages, waves, max: most splits, min: min_split_tiles; topk: method, w: warps; the test derives every
+# name from its settings), so a change of DEFAULTS renames nothing; a part's winner is copied into DEFAULTS by
+# hand (the sweep skips a variant equal to the defaults).
+#
+# Scan at batch 1 / 128k on the H200 (59 % of copy bandwidth; 71 % at batch 8 / 32k): blocks of 128 keys raise
+# every key tile to 128 (n64 runs as n128 there), so the launch reads 1024 tiles of 32 KB (33.5 MB) from one query
+# tile. The defaults' 4 waves ask for 528 splits: 2 tiles each, 512 programs with work (the launcher now drops the
+# 16 empty ones); at ~96 KB of shared memory in 3 stages two programs fit on an SM, so 264 run at once, in two
+# waves of programs that are nearly all start (sequence, position, query, block table, then the first key tile:
+# dependent loads) and no steady streaming. The old defaults (256 splits of 4 tiles, one wave) were slower still
+# (54 %), so the variants below try the other corners: 2 stages (~64 KB: three programs per SM) with 342 splits of
+# 3 tiles (all resident at once) or 1024 splits of one tile (short programs, ~2.6 waves, each one's start hidden
+# under the others' streaming), and 128 long programs of 8 tiles in 4 stages (one per SM, three tiles in flight).
 VARIANTS = {
     "scan": {
-        "waves4": dict(waves=4, max_splits=1024),
-        "waves8-min2": dict(waves=8, max_splits=1024, min_split_tiles=2),
-        "min4": dict(min_split_tiles=4),
-        "n256-waves4": dict(block_n=256, waves=4, max_splits=1024),
-        "w8-waves4": dict(num_warps=8, waves=4, max_splits=1024),
-        "s4-waves4-min2": dict(num_stages=4, waves=4, max_splits=1024, min_split_tiles=2),
+        "n64-w4-s3-waves2-max256": _scan(64, 4, 3, 2, 256),  # the defaults before 2026-11-30 22:12
+        "n64-w4-s3-waves4-max1024": _scan(64, 4, 3, 4, 1024),
+        "n64-w4-s3-waves8-max1024-min2": _scan(64, 4, 3, 8, 1024, 2),
+        "n64-w4-s3-waves2-max256-min4": _scan(64, 4, 3, 2, 256, 4),
+        "n256-w4-s3-waves4-max1024": _scan(256, 4, 3, 4, 1024),
+        "n64-w8-s3-waves4-max1024": _scan(64, 8, 3, 4, 1024),
+        "n64-w4-s4-waves4-max1024-min2": _scan(64, 4, 4, 4, 1024, 2),
+        # aimed at batch 1 / 128k (above)
+        "n128-w4-s2-waves3-max1024": _scan(128, 4, 2, 3, 1024),
+        "n128-w4-s2-waves8-max1024": _scan(128, 4, 2, 8, 1024),
+        "n128-w4-s4-waves1-max1024": _scan(128, 4, 4, 1, 1024),
     },
     "topk": {
-        "rounds-w1": dict(num_warps=1),
-        "rounds-w2": dict(num_warps=2),
+        "rounds-w4": dict(method="rounds", num_warps=4),  # the defaults before 2026-11-30 22:12
+        "rounds-w1": dict(method="rounds", num_warps=1),
+        "rounds-w2": dict(method="rounds", num_warps=2),
         "bitonic-w1": dict(method="bitonic", num_warps=1),
-        "bitonic-w4": dict(method="bitonic"),
+        "bitonic-w4": dict(method="bitonic", num_warps=4),
     },
 }
 
@@ -230,6 +257,8 @@ def scan(
     if cfg["min_split_tiles"] > 0:
         most = min(most, cdiv(cdiv(block_tables.shape[1] * page, block_n), cfg["min_split_tiles"]))
     splits = splits_for(index_q.device, slots, most, cfg["waves"])
+    widest = cdiv(block_tables.shape[1] * page, block_n)  # key tiles of the widest block table
+    splits = cdiv(widest, cdiv(widest, splits))  # none left without a tile there (528 of 1024 -> 512 of 2 each)
     ks = index_k_scale.contiguous() if index_k_scale is not None else kc  # kc: never read (FP8 off)
     _index_scan[(slots, splits)](
         q, kc, ks, bt, pos, qsl, seq, start, end, scores, b,

@@ -28,6 +28,38 @@ _BLOCK_N = 64
 _MAX_SPLITS = 32
 
 
+def output_error_bound(dtype: torch.dtype, v_abs_max: float, fp8: bool = False) -> float:
+    """Largest |kernel - reference| either attention kernel (dense or sparse, any launch settings) may show on
+    16-bit inputs, from what it rounds; what the tests and benches check against.
+
+    Every output row is a convex combination o = sum_j w_j v_j, w_j = p_j / sum_i p_i. The reference computes
+    scores, softmax and P V in fp32 and rounds o once to ``dtype``. Let u be the dtype's unit roundoff (round to
+    nearest: 2^-8 for bf16, 7 fraction bits; 2^-11 for fp16). The kernel differs by:
+
+    1. P rounded to ``dtype`` for the tensor-core product: p_j (1 + d_j), |d_j| <= u (p_j <= 1 against the
+       running max, far above the subnormals), while the normaliser l sums the unrounded fp32 p_j. So the
+       numerator moves by sum_j w_j d_j v_j: at most u max|V|. FP8 pools: bf16 rounds p_j * scale_j instead (the
+       E4M3 values are exact in bf16), the same u; fp16 rounds the dequantised V to fp16 too: one more u max|V|.
+    2. Its output rounding: u |o'| <= u (1 + u) max|V|.
+    3. The reference's output rounding: u |o| <= u max|V|.
+    4. fp32: D-term score dots summed in other orders, exp2 against exp, the online rescaling by
+       exp2(m_old - m_new) once per key tile and the split-K merge perturb each weight by a relative eta on both
+       sides of w_j = p_j / sum p, which moves a convex combination by <= 2 eta max|V|. eta <= ~D * 2^-24 * S,
+       S = sum_i |q_i k_i| * scale * log2(e): S ~ 5 at D = 32 and ~ 10 at D = 128 on normal q and k (the
+       tests' and benches' inputs), so eta < 2^-13 and 2 eta < 2^-12.
+
+    Sum: (3 u + u^2 + 2^-12) max|V| (bf16: 3.06 * 2^-8 = 0.0120 max|V|; it was 4 * 2^-9 = 2 u before, which the
+    worst case of 1-3 exceeds: an FP8 bf16 case did by 2 %). Still a bound that fails a wrong kernel: a dropped or
+    extra key or a wrong scale moves outputs by a large fraction of max|V| (tests/test_kernels_attention.py:
+    a softmax scale 5 % off exceeds it 1.6x, a causal mask one key short 24x).
+    """
+    u = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(dtype)
+    if u is None:
+        raise ValueError(f"output_error_bound: {dtype} is not a 16-bit float (fp32 outputs are compared relatively)")
+    rounded_p = u * (2 if fp8 and dtype == torch.float16 else 1)
+    return (rounded_p + 2 * u + u * u + 2.0**-12) * v_abs_max
+
+
 @triton.jit
 def _paged_attention(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,

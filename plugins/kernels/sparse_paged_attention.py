@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, query_tiles, sequence_of,
-                     splits_for, tokens_per_tile)
+from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, query_tiles,
+                     sequence_of, splits_for, tokens_per_tile)
 from ._splitk import LOG2E, Partials, attend_tile
 from .paged_attention import _check, scale_pools
 
@@ -38,34 +38,67 @@ DEFAULTS = {
     # tile_tokens: tokens of one sequence per program (None: ``tokens_per_tile`` up to 64 rows; 1: one program
     # per token); block_n: key tile (at most the block); waves: programs per multiprocessor the selection
     # splits aim for; max_splits: most splits (None: top-k x tile tokens); loop: "nested" | "flat" | "union".
-    # H200 sweep 2026-11-30 22:12 UTC (bench/results/attention_sweep.json): decode "flat-n128-s3" 0.94x the
-    # earlier nested defaults' time (geometric mean of batch 1 / 16 / 64), prefill "token-flat-n64-s3" 0.84x.
+    # H200 sweep 2026-11-30 22:12 UTC (bench/results/attention_sweep.json): decode "flat-n128-w4-s3-waves2" 0.94x
+    # the earlier defaults' time (geometric mean of batch 1 / 16 / 64), prefill "flat-t1-n64-w4-s3-waves2" 0.84x.
     "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat"),
     "prefill": dict(tile_tokens=1, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
                     loop="flat"),
 }
 _LOOPS = ("nested", "flat", "union")
+
+
+def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None):
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, waves=waves, max_splits=max_splits,
+                loop=loop)
+
+
+def _prefill(loop, tile_tokens, block_n, num_warps, num_stages, waves=2, max_splits=None):
+    return dict(tile_tokens=tile_tokens, **_decode(loop, block_n, num_warps, num_stages, waves, max_splits))
+
+
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
-# tests/test_kernels_attention_variants.py); a mode's winner is copied into DEFAULTS by hand.
+# tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (loop, t: tile
+# tokens, n: key tile, w: warps, s: stages, waves, max: most splits; the test derives every name from its
+# settings), so a change of DEFAULTS renames nothing; a mode's winner is copied into DEFAULTS by hand (the sweep
+# skips a variant equal to the defaults).
+#
+# Decode at batch 16 / 32k on the H200 (52 % of copy bandwidth; 81 % at batch 64): 16 tokens x 4 KV heads = 64
+# programs before splitting, each over 16 blocks of 128 keys (64 KB of K and V per block). The defaults' waves=2
+# give 5 splits of 4 blocks (the fifth empty before the launcher dropped empty splits): 256 programs of 256 KB,
+# and with 128-key tiles in 3 stages (~192 KB of shared memory) one program per multiprocessor, so 132 SMs run
+# two waves of programs whose start (sequence search, selection, block table: ~5 dependent loads) overlaps
+# nothing. At batch 64 (512 programs of 8 blocks) that start is amortised, hence 81 %. The "...-max8/16" variants
+# aim at batch 16: 64-key tiles (~96 KB in 3 stages, ~64 KB in 2: two or three programs per SM, so one program's
+# start overlaps another's streaming) and 8 or 16 splits (512 or 1024 programs of 2 or 1 blocks: 1024 block
+# visits over 132 SMs is 7.8 each, 8 at most in whole programs); each split adds a 16-row fp32 partial (8 KB
+# written, read back by the merge) per 64 KB block it reads, so 16 splits cost 25 % more traffic, 8 splits 12 %.
 VARIANTS = {
     "decode": {
-        "nested-n128": dict(block_n=128),
-        "flat-n64-s3": dict(loop="flat", num_stages=3),
-        "flat-n128-s3": dict(loop="flat", block_n=128, num_stages=3),
-        "flat-n64-s3-waves1": dict(loop="flat", num_stages=3, waves=1),
-        "flat-n64-s3-waves4": dict(loop="flat", num_stages=3, waves=4),
-        "flat-n64-s4": dict(loop="flat", num_stages=4),
-        "flat-n64-w8-s3": dict(loop="flat", num_warps=8, num_stages=3),
+        "nested-n64-w4-s2-waves2": _decode("nested", 64, 4, 2, 2),  # the defaults before 2026-11-30 22:12
+        "nested-n128-w4-s2-waves2": _decode("nested", 128, 4, 2, 2),
+        "flat-n64-w4-s3-waves2": _decode("flat", 64, 4, 3, 2),  # batch 64's best then (76.4 us, 83 %)
+        "flat-n128-w4-s3-waves2": _decode("flat", 128, 4, 3, 2),
+        "flat-n64-w4-s3-waves1": _decode("flat", 64, 4, 3, 1),
+        "flat-n64-w4-s3-waves4": _decode("flat", 64, 4, 3, 4),
+        "flat-n64-w4-s4-waves2": _decode("flat", 64, 4, 4, 2),
+        "flat-n64-w8-s3-waves2": _decode("flat", 64, 8, 3, 2),
+        # aimed at batch 16 (above): 8 splits of 2 blocks, two / three programs per SM, or 128-key tiles
+        "flat-n64-w4-s3-waves4-max8": _decode("flat", 64, 4, 3, 4, 8),
+        "flat-n64-w4-s2-waves4-max8": _decode("flat", 64, 4, 2, 4, 8),
+        "flat-n128-w4-s3-waves4-max8": _decode("flat", 128, 4, 3, 4, 8),
+        # one block per split: 1024 programs at batch 16 (the most programs, the most partial traffic)
+        "flat-n64-w4-s3-waves8-max16": _decode("flat", 64, 4, 3, 8, 16),
     },
     "prefill": {
-        "token-flat-n64-s3": dict(tile_tokens=1, loop="flat", num_stages=3),
-        "token-flat-n128-s3": dict(tile_tokens=1, loop="flat", block_n=128, num_stages=3),
-        "token-flat-n64-w8-s4": dict(tile_tokens=1, loop="flat", num_warps=8, num_stages=4),
-        "union4-n128-s3": dict(tile_tokens=4, loop="union", block_n=128, num_stages=3),
-        "union4-n64-w8-s3": dict(tile_tokens=4, loop="union", num_warps=8, num_stages=3),
-        "union8-n64-w8-s3": dict(tile_tokens=8, loop="union", num_warps=8, num_stages=3),
-        "union8-n128-w8-s2": dict(tile_tokens=8, loop="union", block_n=128, num_warps=8, num_stages=2),
-        "union16-n64-w8-s2": dict(tile_tokens=16, loop="union", num_warps=8, num_stages=2),
+        "nested-tauto-n64-w4-s2-waves2": _prefill("nested", None, 64, 4, 2),  # the defaults before 22:12
+        "flat-t1-n64-w4-s3-waves2": _prefill("flat", 1, 64, 4, 3),
+        "flat-t1-n128-w4-s3-waves2": _prefill("flat", 1, 128, 4, 3),
+        "flat-t1-n64-w8-s4-waves2": _prefill("flat", 1, 64, 8, 4),
+        "union-t4-n128-w4-s3-waves2": _prefill("union", 4, 128, 4, 3),
+        "union-t4-n64-w8-s3-waves2": _prefill("union", 4, 64, 8, 3),
+        "union-t8-n64-w8-s3-waves2": _prefill("union", 8, 64, 8, 3),
+        "union-t8-n128-w8-s2-waves2": _prefill("union", 8, 128, 8, 2),  # best on smooth index queries (0.75x)
+        "union-t16-n64-w8-s2-waves2": _prefill("union", 16, 64, 8, 2),
     },
 }
 
@@ -297,7 +330,9 @@ def forward(
             uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
         else:
             uni, cnt = tile_unions(sel, pos, tstart, tend, tokens, block_size)
-    splits = splits_for(q.device, slots * hkv, min(tokens * topk, cfg["max_splits"] or tokens * topk), cfg["waves"])
+    visits = tokens * topk
+    splits = splits_for(q.device, slots * hkv, min(visits, cfg["max_splits"] or visits), cfg["waves"])
+    splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     block_n = min(cfg["block_n"], max(16, next_pow2(block_size)))
