@@ -20,8 +20,17 @@ different things), so they report acceptance and speed only.
 ``mtp/step``: MTP-module calls per target call (prefill steps included), what a round of drafts costs in calls.
 
 Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and MTP steps replay from CUDA graphs,
-all captured in the warm-up), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``), ``onnxruntime`` (an
-artifact exported in this run, ``--threads`` intra-op threads).
+all captured in the warm-up), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``),
+``torch-padded`` (the graphed backend's padded bucket shapes run eagerly, ``pad_eagerly``: the graphed path's
+host work on a CPU), ``onnxruntime`` (an artifact exported in this run, ``--threads`` intra-op threads).
+
+``--profile`` replaces the comparison with where a decode step's time goes, per backend and k (greedy, one
+request at a time): host microseconds per phase (engine step, target call, static-input fill, graph run, decision,
+drafting, MTP calls, proposals), then the same steps under ``torch.profiler``: each phase's device time and the
+CUDA runtime calls per step (kernel and graph launches, copies, waits); ``--trace-dir`` adds Chrome traces.
+
+  python bench/mtp_speculation.py --device cuda --profile --backends torch --prompts 4   # the graphed rounds
+  python bench/mtp_speculation.py --profile --backends torch-padded --prompts 2           # CPU stand-in
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 KS = (0, 1, 2, 3)
 TEMPERATURES = (0.0, 0.8)
-BACKENDS = ("torch", "torch-eager", "onnxruntime")
+BACKENDS = ("torch", "torch-eager", "torch-padded", "onnxruntime")
 
 
 @dataclass
@@ -98,6 +107,14 @@ def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threa
         if backend in ("torch", "torch-eager"):
             engines[k] = Engine.from_checkpoint(ckpt, device=device, enforce_eager=backend == "torch-eager",
                                                 **common)
+        elif backend == "torch-padded":
+            from m3export import load_model
+            from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+            from m3export.runtime.tokenizer import find_tokenizer
+
+            model = engines[KS[0]].backend.model if engines else load_model(ckpt, device=device)  # one copy
+            engines[k] = Engine(GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True),
+                                find_tokenizer(ckpt, model.config), **common)
         else:
             from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
             from m3export.runtime.tokenizer import find_tokenizer
@@ -135,6 +152,209 @@ def measure(engines: dict, clocks: dict, groups: list[list[list[int]]], temperat
     return tallies
 
 
+# ---------------------------------------------------------------------------------------------- --profile
+#: What ``--profile`` times, as (label, owner, attribute): the owner is resolved per engine ("engine", "scheduler",
+#: "backend", "drafter", "inputs" = the graphed backend's static-input class, or a module of the runtime for a
+#: function it imports by name). Phases nest (``engine.step`` holds all the others; ``target.forward`` holds its
+#: ``inputs.fill`` and ``graph.run``): each phase's time includes its children's.
+PHASES = (
+    ("engine.step", "engine", "step"),
+    ("schedule", "scheduler", "schedule"),
+    ("build_batch", "m3export.runtime.engine", "build_batch"),
+    ("build_batch", "m3export.runtime.drafter", "build_batch"),
+    ("fill_tokens", "m3export.runtime.engine", "fill_tokens"),
+    ("fill_tokens", "m3export.runtime.drafter", "fill_tokens"),
+    ("target.forward", "backend", "forward"),
+    ("decide", "engine", "_decide"),
+    ("settle", "engine", "_settle"),
+    ("draft", "drafter", "run"),
+    ("mtp.forward", "backend", "mtp_forward"),
+    ("propose", "drafter", "_propose"),
+    ("inputs.fill", "inputs", "fill"),
+    ("graph.run", "backend", "_run"),
+    ("output", "engine", "_output"),
+)
+#: CUDA runtime / driver calls counted per step in the profile: launches (kernels, graphs), copies, waits.
+RUNTIME_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch",
+                 "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                 "cudaEventSynchronize", "cudaStreamWaitEvent", "cudaHostAlloc")
+
+
+class PhaseTimer:
+    """Wraps the ``PHASES`` of one engine: host microseconds per phase (``time.perf_counter`` around the call, no
+    synchronisation: on a GPU this is the host's own work plus any wait inside the phase) and calls, plus a
+    ``torch.profiler.record_function`` range of the phase's name, so a profile attributes device time to the
+    phase that launched it. ``close()`` undoes every wrap."""
+
+    def __init__(self, engine):
+        import importlib
+
+        from m3export.runtime.backends import cuda_graph
+
+        owners = {"engine": engine, "scheduler": engine.scheduler, "backend": engine.backend,
+                  "drafter": engine.drafter, "inputs": cuda_graph.DecodeInputs}
+        self.host_s: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo = []
+        for label, owner, attr in PHASES:
+            obj = owners[owner] if owner in owners else importlib.import_module(owner)
+            if obj is None or not hasattr(obj, attr):
+                continue
+            inner = getattr(obj, attr)
+            had_own = attr in vars(obj)
+            setattr(obj, attr, self._wrap(label, inner, bound=owner != "inputs"))
+            self._undo.append((obj, attr, inner if had_own else None))
+        self.reset()
+
+    def _wrap(self, label, inner, bound: bool):
+        from torch.profiler import record_function
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            with record_function(label):
+                out = inner(*args, **kwargs)
+            self.host_s[label] += time.perf_counter() - start
+            self.calls[label] += 1
+            return out
+
+        return timed if bound else (lambda self_, *a, **k: timed(self_, *a, **k))
+
+    def reset(self) -> None:
+        self.host_s = {label: 0.0 for label, _, _ in PHASES}
+        self.calls = {label: 0 for label, _, _ in PHASES}
+
+    def close(self) -> None:
+        for obj, attr, inner in reversed(self._undo):
+            if inner is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, inner)
+
+
+def profile_engine(engine, prompts: list[list[int]], new_tokens: int, device: torch.device, trace: Path | None
+                   ) -> dict:
+    """One request at a time through ``engine`` (greedy), each request's prompt step left out of every number,
+    twice: first with ``PhaseTimer`` alone (host microseconds per phase and per decode step, wall time per decode
+    step), then under ``torch.profiler`` (CPU and, on a GPU, CUDA activity), which adds its own host overhead but
+    gives each phase's device time (kernels launched inside the phase's range, graph replays included) and the
+    CUDA runtime calls (launches, copies, waits) per step. ``trace``: a Chrome trace of the last request's
+    profiled decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from m3export.runtime import SamplingParams
+
+    be = engine.backend
+    counters = ("replays", "mtp_replays", "eager_steps", "eager_mtp_steps", "padded_mtp_steps")
+    counters = [c for c in counters if hasattr(be, c)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    timer = PhaseTimer(engine)
+    host_s = {label: 0.0 for label, _, _ in PHASES}
+    calls = {label: 0 for label, _, _ in PHASES}
+    events: dict[str, list[float]] = {}  # key -> [count, cpu us, device us], summed over the requests
+    steps = tokens = profiled_steps = 0
+    wall = 0.0
+    verify = 0
+    counted = {c: 0 for c in counters}  # the backend's counters over the timed decode steps
+    try:
+        for profiled in (False, True):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"profile-{int(profiled)}-{i}", prompt, params)
+                engine.step()  # the prompt (and the drafter's catch-up over it): not a decode step
+                sync()
+                if not profiled:
+                    timer.reset()
+                    before = {c: getattr(be, c) for c in counters}
+                    verify -= engine.stats.verify_steps
+                    start = time.perf_counter()
+                    while engine.has_unfinished():
+                        tokens += sum(len(o.new_token_ids) for o in engine.step())
+                        steps += 1
+                    sync()
+                    wall += time.perf_counter() - start
+                    verify += engine.stats.verify_steps
+                    for c in counters:
+                        counted[c] += getattr(be, c) - before[c]
+                    for label in host_s:
+                        host_s[label] += timer.host_s[label]
+                        calls[label] += timer.calls[label]
+                    continue
+                with profile(activities=activities) as prof:
+                    while engine.has_unfinished():
+                        engine.step()
+                        profiled_steps += 1
+                    sync()
+                for e in prof.key_averages():
+                    acc = events.setdefault(e.key, [0, 0.0, 0.0])
+                    acc[0] += e.count
+                    acc[1] += e.cpu_time_total
+                    acc[2] += getattr(e, "device_time_total", 0.0)
+                if trace is not None and i == len(prompts) - 1:
+                    prof.export_chrome_trace(str(trace))
+    finally:
+        timer.close()
+    phases = {}
+    for label in dict.fromkeys(label for label, _, _ in PHASES):
+        n, cpu, dev = events.get(label, (0, 0.0, 0.0))
+        phases[label] = {"calls_per_step": calls[label] / steps, "host_us_per_step": 1e6 * host_s[label] / steps,
+                         "profiled_host_us_per_step": cpu / profiled_steps,
+                         "device_us_per_step": dev / profiled_steps}
+    return {"decode_steps": steps, "tokens": tokens, "tokens_per_step": tokens / steps,
+            "wall_us_per_step": 1e6 * wall / steps, "wall_us_per_token": 1e6 * wall / tokens, "verify_steps": verify,
+            "phases": phases,
+            "runtime_calls_per_step": {name: events[name][0] / profiled_steps for name in RUNTIME_CALLS
+                                       if name in events},
+            "counters_per_step": {c: n / steps for c, n in counted.items()}}
+
+
+def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]], device: torch.device,
+                json_path: Path) -> int:
+    """``--profile``: ``profile_engine`` per backend and k (engines warmed up and every graph captured first, as
+    in the comparison), a table of the main phases, and the JSON."""
+    from m3export.runtime import SamplingParams
+
+    rows, t0 = [], time.perf_counter()
+    cols = ("engine.step", "target.forward", "inputs.fill", "graph.run", "decide", "draft", "mtp.forward",
+            "propose")
+    print(f"{'backend':12s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s}  host us per step: "
+          + " ".join(f"{c:>14s}" for c in cols) + f"  {'device us/step':>14s} {'launches':>8s} {'copies':>6s}",
+          flush=True)
+    for backend in backends:
+        engines = build_engines(backend, ckpt, None, args.device, args.threads, 1)
+        for k, eng in engines.items():
+            eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            if hasattr(eng.backend, "capture_shapes"):
+                eng.backend.capture_shapes(1, k + 2 if k else 1, eng.drafter.modules_used if eng.drafter else 0)
+            trace = Path(args.trace_dir) / f"mtp_profile_{backend}_k{k}.json" if args.trace_dir else None
+            if trace is not None:
+                trace.parent.mkdir(parents=True, exist_ok=True)
+            res = profile_engine(eng, prompts, args.new_tokens, device, trace)
+            res.update(backend=backend, k=k)
+            rows.append(res)
+            ph, rt = res["phases"], res["runtime_calls_per_step"]
+            launches = sum(v for n, v in rt.items() if "Launch" in n)
+            copies = sum(v for n, v in rt.items() if "Memcpy" in n)
+            print(f"{backend:12s} {k:2d} {res['tokens_per_step']:8.2f} {res['wall_us_per_step']:12.1f} "
+                  f"{res['wall_us_per_token']:8.1f}                   "
+                  + " ".join(f"{ph[c]['host_us_per_step']:14.1f}" for c in cols)
+                  + f"  {ph['engine.step']['device_us_per_step']:14.1f} {launches:8.1f} {copies:6.1f}", flush=True)
+        del engines
+    out = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(sys.argv), "checkpoint": str(ckpt),
+           "device": args.device,
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+           "threads": args.threads, "prompts": len(prompts), "prompt_len": args.prompt_len,
+           "new_tokens": args.new_tokens, "torch": torch.__version__, "elapsed_s": time.perf_counter() - t0,
+           "phases_note": "host_us_per_step: perf_counter around each phase, no synchronisation, phases nest "
+                          "(engine.step holds the others); profiled_host_us_per_step / device_us_per_step: the "
+                          "same ranges under torch.profiler (its overhead included) and the device time of what "
+                          "they launched",
+           "rows": rows}
+    write_results(out, json_path)
+    print(f"wrote {json_path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="checkpoint directory (default: the embedded trained model)")
@@ -150,6 +370,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch and ONNX Runtime intra-op)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the target and MTP calls (ms per call; on a GPU each call then synchronises)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the comparison: per decode step, host us per phase, device us per phase "
+                         "(torch.profiler) and CUDA runtime calls, per backend and k, greedy, one request at a time "
+                         "over --prompts prompts (default json: bench/results/mtp_speculation_profile_<device>.json)")
+    ap.add_argument("--trace-dir", default=None, help="with --profile: a Chrome trace per backend and k here")
     ap.add_argument("--json", default=None, help="default: bench/results/mtp_speculation_<device>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -163,7 +388,8 @@ def main() -> int:
     if min(args.prompts, args.prompt_len, args.new_tokens, args.batch, args.repeats, args.threads) < 1:
         ap.error("--prompts, --prompt-len, --new-tokens, --batch, --repeats and --threads must be >= 1")
     torch.set_num_threads(args.threads)
-    json_path = Path(args.json or Path(__file__).parent / "results" / f"mtp_speculation_{device.type}.json")
+    name = f"mtp_speculation_profile_{device.type}.json" if args.profile else f"mtp_speculation_{device.type}.json"
+    json_path = Path(args.json or Path(__file__).parent / "results" / name)
 
     from tokenizers import Tokenizer
 
@@ -180,6 +406,8 @@ def main() -> int:
         print(f"note: the held-out files give only {len(prompts)} windows of {args.prompt_len} tokens")
     groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if args.profile:
+        return run_profile(args, backends, ckpt, prompts, device, json_path)
 
     rows, table, t0 = [], [], time.perf_counter()
 

@@ -29,3 +29,28 @@ def test_one_run_gives_acceptance_speed_and_exactness_per_backend(tmp_path):
         assert (r["acceptance_length"] is None) == (k == 0)
         if temperature == 0.0:
             assert r["same_output_as_k0"] is True
+
+
+def test_profile_gives_per_phase_host_work_per_decode_step(tmp_path):
+    """``--profile`` on the CPU stand-in of the graphed backend (``torch-padded``: the padded shapes a graph
+    replays, run eagerly): per k, the decode steps after each prompt's, each with one target call, every target
+    and MTP call of a round in a bucket shape (an eager one would cost an eager step on the GPU), the phases'
+    calls consistent with that, and the profiler's ranges present."""
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--profile", "--backends", "torch-padded", "--prompts", "1",
+                          "--prompt-len", "16", "--new-tokens", "8", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = {r["k"]: r for r in res["rows"]}
+    assert set(rows) == {0, 1, 2, 3} and all(r["backend"] == "torch-padded" for r in rows.values())
+    for k, r in rows.items():
+        ph, steps = r["phases"], r["decode_steps"]
+        assert r["tokens"] == 7 and 0 < steps <= 7  # the prompt's step emitted the first of the 8
+        assert ph["engine.step"]["calls_per_step"] == 1 and ph["target.forward"]["calls_per_step"] == 1
+        assert r["counters_per_step"]["eager_steps"] == 0 and r["counters_per_step"]["eager_mtp_steps"] == 0
+        calls = ph["target.forward"]["calls_per_step"] + ph["mtp.forward"]["calls_per_step"]
+        assert abs(ph["inputs.fill"]["calls_per_step"] - calls) < 1e-9  # every call filled a bucket's inputs
+        assert (ph["draft"]["calls_per_step"] > 0) == (k > 0) and (r["verify_steps"] > 0) == (k > 0)
+        assert ph["engine.step"]["host_us_per_step"] >= ph["target.forward"]["host_us_per_step"] > 0
+        assert ph["engine.step"]["profiled_host_us_per_step"] > 0
