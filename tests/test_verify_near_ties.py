@@ -13,6 +13,7 @@ from m3export.export import selection_ties, verify
 from m3export.export.artifact import load_torch_model
 from m3export.export.selection_ties import SelectionAgreement, SelectionJudge, score_bound_factor
 from m3export.model.batch import Segment, build_batch
+from m3export.ops import kv_fp8
 from m3export.ops.indexer import lightning_indexer_reference
 
 
@@ -83,10 +84,12 @@ def test_bound_holds_for_operands_perturbed_as_the_derivation_assumes():
     assert bool((err <= bound).all()) and bool((err > 0.5 * bound).any())  # tight to 2x in the worst direction
 
 
-def test_a_runtime_rounding_its_operands_to_bfloat16_is_accepted():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_runtime_rounding_its_operands_to_bfloat16_is_accepted(fp8):
     """An indexer fed the reference's operands moved as a 16-bit runtime moves them (each element rounded to
-    bfloat16 after a relative perturbation of up to ROUNDINGS units) selects differently in some rows; every
-    such row is a near-tie under the bfloat16 bound, and not under the fp32 one."""
+    bfloat16 after a relative perturbation of up to ROUNDINGS - 1 units) selects differently in some rows; every
+    such row is a near-tie under the bfloat16 bound, and not under the fp32 one. With an FP8 index-key pool both
+    sides read the same codes and scales (only the queries move); the judge scores the dequantised keys."""
     gen = torch.Generator().manual_seed(0)
     cfg = _cfg(4, 8, 1, 1, 16)
     n, page = 256, 16
@@ -95,21 +98,26 @@ def test_a_runtime_rounding_its_operands_to_bfloat16_is_accepted():
     keys = torch.randn(n, 16, generator=gen)
     pool = torch.zeros(16, page, 16)
     pool.view(-1, 16)[batch.slot_mapping] = keys
-    own = _select(cfg, q, pool, batch)
-
     u = selection_ties.unit_roundoff("bfloat16")
 
     def as_runtime(x):
         noise = (torch.rand(x.shape, generator=gen) * 2 - 1) * (selection_ties.ROUNDINGS - 1) * u
         return (x * (1 + noise)).bfloat16().float()
 
-    q2, pool2 = as_runtime(q), as_runtime(pool)
-    got = _select(cfg, q2, pool2, batch)
+    scale, pool2 = None, as_runtime(pool)
+    if fp8:
+        pool, scale = kv_fp8.quantize_rows(pool)
+        pool2 = pool
+    select = functools.partial(lightning_indexer_reference, block_tables=batch.block_tables,
+                               query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                               positions=batch.positions, block_size=4, topk_blocks=8, local_blocks=1,
+                               init_blocks=1, index_k_scale=scale)
+    own, got = select(q, pool), select(as_runtime(q), pool2)
     assert bool((got != own).any()), "no row differs: the case checks nothing"
     bf16, fp32 = SelectionAgreement(), SelectionAgreement()
-    assert bool(SelectionJudge(cfg, "bfloat16")(bf16, got, own, q, pool, None, batch).all()), bf16.examples
+    assert bool(SelectionJudge(cfg, "bfloat16")(bf16, got, own, q, pool, scale, batch).all()), bf16.examples
     assert bf16.near_ties > 0 and bf16.acceptable
-    SelectionJudge(cfg, "float32")(fp32, got, own, q, pool, None, batch)
+    SelectionJudge(cfg, "float32")(fp32, got, own, q, pool, scale, batch)
     assert fp32.mismatched == bf16.near_ties and not fp32.acceptable
 
 
