@@ -57,15 +57,16 @@ def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0):
 # name from its settings), so a change of DEFAULTS renames nothing; a part's winner is copied into DEFAULTS by
 # hand (the sweep skips a variant equal to the defaults).
 #
-# Scan at batch 1 / 128k on the H200 (59 % of copy bandwidth; 71 % at batch 8 / 32k): blocks of 128 keys raise
-# every key tile to 128 (n64 runs as n128 there), so the launch reads 1024 tiles of 32 KB (33.5 MB) from one query
-# tile. The defaults' 4 waves ask for 528 splits: 2 tiles each, 512 programs with work (the launcher now drops the
-# 16 empty ones); at ~96 KB of shared memory in 3 stages two programs fit on an SM, so 264 run at once, in two
-# waves of programs that are nearly all start (sequence, position, query, block table, then the first key tile:
-# dependent loads) and no steady streaming. The old defaults (256 splits of 4 tiles, one wave) were slower still
-# (54 %), so the variants below try the other corners: 2 stages (~64 KB: three programs per SM) with 342 splits of
-# 3 tiles (all resident at once) or 1024 splits of one tile (short programs, ~2.6 waves, each one's start hidden
-# under the others' streaming), and 128 long programs of 8 tiles in 4 stages (one per SM, three tiles in flight).
+# Scan at batch 1 / 128k on the H200 (59 % of copy bandwidth; 71 % at batch 8 / 32k): blocks of 128 keys raise every
+# key tile to 128 (n64 runs as n128 there), so the launch reads 1024 tiles of 32 KB (33.5 MB) from one query tile. The
+# defaults' 4 waves ask for 528 splits: 2 tiles each, 512 programs with work (the launcher now drops the 16 empty
+# ones); at 64-96 KB of shared memory in 3 stages (an estimate: 2-3 buffered key tiles) two or three programs fit on
+# an SM, so 264-396 run at once, in about two waves of programs that are nearly all start (sequence, position, query,
+# block table, then the first key tile: dependent loads) and no steady streaming. The old defaults (256 splits of 4
+# tiles, one wave) were slower still (54 %), so the variants below try the other corners: 2 stages (32-64 KB: three or
+# more per SM) with 342 splits of 3 tiles (all resident at once) or 1024 splits of one tile (short programs, ~2.6
+# waves, each one's start hidden under the others' streaming), and 128 long programs of 8 tiles in 4 stages (one per
+# SM, three tiles in flight).
 VARIANTS = {
     "scan": {
         "n64-w4-s3-waves2-max256": _scan(64, 4, 3, 2, 256),  # the defaults before 2026-11-30 22:12

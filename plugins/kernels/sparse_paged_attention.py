@@ -63,15 +63,16 @@ def _prefill(loop, tile_tokens, block_n, num_warps, num_stages, waves=2, max_spl
 # skips a variant equal to the defaults).
 #
 # Decode at batch 16 / 32k on the H200 (52 % of copy bandwidth; 81 % at batch 64): 16 tokens x 4 KV heads = 64
-# programs before splitting, each over 16 blocks of 128 keys (64 KB of K and V per block). The defaults' waves=2
-# give 5 splits of 4 blocks (the fifth empty before the launcher dropped empty splits): 256 programs of 256 KB,
-# and with 128-key tiles in 3 stages (~192 KB of shared memory) one program per multiprocessor, so 132 SMs run
-# two waves of programs whose start (sequence search, selection, block table: ~5 dependent loads) overlaps
-# nothing. At batch 64 (512 programs of 8 blocks) that start is amortised, hence 81 %. The "...-max8/16" variants
-# aim at batch 16: 64-key tiles (~96 KB in 3 stages, ~64 KB in 2: two or three programs per SM, so one program's
-# start overlaps another's streaming) and 8 or 16 splits (512 or 1024 programs of 2 or 1 blocks: 1024 block
-# visits over 132 SMs is 7.8 each, 8 at most in whole programs); each split adds a 16-row fp32 partial (8 KB
-# written, read back by the merge) per 64 KB block it reads, so 16 splits cost 25 % more traffic, 8 splits 12 %.
+# programs before splitting, each over 16 blocks of 128 keys (64 KB of K and V per block). The defaults' waves=2 give
+# 5 splits of 4 blocks (the fifth empty before the launcher dropped empty splits): 256 programs of 256 KB, and with
+# 128-key tiles in 3 stages (128-192 KB of shared memory: 2-3 buffered K+V tiles, an estimate, not read from the
+# compiled kernel) one program per multiprocessor, so 132 SMs run two waves of programs whose start (sequence search,
+# selection, block table: ~5 dependent loads) overlaps nothing. At batch 64 (512 programs of 8 blocks) that start is
+# amortised, hence 81 %. The "...-max8/16" variants aim at batch 16: 64-key tiles (64-96 KB in 3 stages, 32-64 KB in
+# 2: two or more programs per SM, so one program's start overlaps another's streaming) and 8 or 16 splits (512 or 1024
+# programs of 2 or 1 blocks: 1024 block visits over 132 SMs is 7.8 each, 8 at most in whole programs); each split adds
+# a 16-row fp32 partial (8 KB written, read back by the merge) per 64 KB block it reads, so 16 splits cost 25 % more
+# traffic, 8 splits 12 %.
 VARIANTS = {
     "decode": {
         "nested-n64-w4-s2-waves2": _decode("nested", 64, 4, 2, 2),  # the defaults before 2026-11-30 22:12
