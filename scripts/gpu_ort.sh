@@ -4,13 +4,14 @@
 # torch backend; generation through the onnxruntime backend on CUDA equal to the torch backend token for token; a steady
 # CUDA step binding and allocating nothing; the rejected PagedAttention lowering's distance to the torch backend,
 # reported; the indexer / MoE bodies' tie rule and the attention bodies' adversarial and 16k cases under ORT's CUDA
-# kernels), then a `mini` bf16 artifact with the ort-contrib flavour (MoE and MXFP8Linear lowered; PagedAttention is
-# rejected, lowering.REJECTED) and bench/ort_gpu.py (plain vs lowered vs torch, batch 1 / 8 x context 4k / 32k,
-# roofline), then `verify` on it if time is left. Every step has its own time limit, cut to what is left of the script's
-# budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little time left is
-# skipped and says so. Everything lands in $OUT (./out), in five files (a call brings back at most 8): gpu_ort.log
-# (every step's output), summary.txt (each step's exit code and time), ort_gpu_h200.json (the benchmark),
-# flavour_record.json (the lowerings the manifest records), gpu.txt.
+# kernels; one pytest process per test file, each with its own limit), then a `mini` bf16 artifact with the
+# ort-contrib flavour (MoE and MXFP8Linear lowered; PagedAttention is rejected, lowering.REJECTED) and bench/ort_gpu.py
+# (plain vs lowered vs torch, batch 1 / 8 x context 4k / 32k, roofline), its --profile of batch 1 / 4k (where an
+# ORT step's time goes), then `verify` on it if time is left. Every step has its own time limit, cut to what is left of
+# the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little
+# time left is skipped and says so. Everything lands in $OUT (./out), in six files (a call brings back at most 8):
+# gpu_ort.log (every step's output), summary.txt (each step's exit code and time), ort_gpu_h200.json (the benchmark),
+# ort_gpu_profile_h200.json (the profile), flavour_record.json (the lowerings the manifest records), gpu.txt.
 #
 # onnxruntime-gpu is not on the machine: carry it in parts .c1 .. .cN (`scripts/pack_ort_gpu.py ... --parts 2`:
 # two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s
@@ -58,10 +59,10 @@ step() {
 }
 
 if [ "$DRY" = 1 ]; then
-  PROVIDER=cpu BIG_PRESET=tiny BIG_DTYPE=float16 LOWER=MoE,MXFP8Linear BENCH_ARGS="--smoke"
+  PROVIDER=cpu BIG_PRESET=tiny BIG_DTYPE=float16 LOWER=MoE,MXFP8Linear BENCH_ARGS="--smoke" PROFILE_SHAPES=""
   export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}"
 else
-  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER=MoE,MXFP8Linear BENCH_ARGS=""
+  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER=MoE,MXFP8Linear BENCH_ARGS="" PROFILE_SHAPES="--shapes 1x4096"
   if ! ls .c1/part.* >/dev/null 2>&1; then
     echo "no .c1/part.*: carry onnxruntime-gpu (scripts/pack_ort_gpu.py + chunk-for-gpu)" | tee -a "$OUT/summary.txt"
     exit 2
@@ -95,16 +96,26 @@ if '$PROVIDER' == 'cuda':
 M="python3 -m m3export.cli"
 step export_tiny 120 $M export --preset tiny --dtype float32 --out /tmp/ortgpu-art/tiny --force
 step verify_tiny 120 $M verify /tmp/ortgpu-art/tiny --provider "$PROVIDER" --fast
-# GPU tests (they skip, with their reason, without onnxruntime-gpu and a CUDA device)
-step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short --durations=5 \
-    tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py tests/test_paged_session_binding.py \
-    tests/test_indexer_tie_order.py tests/test_onnx_body_indices.py
+# GPU tests (they skip, with their reason, without onnxruntime-gpu and a CUDA device), one pytest process per file
+# with its own limit (at most GPU_TEST_LIMIT, and all of them together at most 240 s of the budget): a crash in one
+# file (the last call's "Fatal Python error: Aborted") costs that file only, its exit code is in summary.txt and
+# the next file runs. -v names each test as it starts, so a crash's log ends at the test that crashed.
+TESTS_END=$((SECONDS + 240))
+for f in tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py tests/test_paged_session_binding.py \
+    tests/test_indexer_tie_order.py tests/test_onnx_body_indices.py tests/test_bench_ort_gpu.py; do
+  limit=$((TESTS_END - SECONDS)); [ "$limit" -gt "${GPU_TEST_LIMIT:-90}" ] && limit=${GPU_TEST_LIMIT:-90}
+  step "gpu_tests $(basename "$f" .py)" "$limit" python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
+      --durations=3 "$f"
+done
 step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
     --out /tmp/ortgpu-art/big --force
 timeout 30 python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
 print(json.dumps(r, indent=1))" > "$OUT/flavour_record.json" 2>&1
 step bench 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
     --json "$OUT/ort_gpu_h200.json"
+# where a batch 1 / 4k ORT step's time goes (its own process: the timed rows above carry no profiler)
+step bench_profile 150 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
+    $PROFILE_SHAPES --profile --json "$OUT/ort_gpu_profile_h200.json"
 # last, with what is left of the budget: the big artifact through `verify` (its PyTorch reference runs on the host)
 step verify_big 150 $M verify /tmp/ortgpu-art/big --provider "$PROVIDER" --fast
 cat "$OUT/summary.txt"
