@@ -12,24 +12,26 @@ drift slowly along the prompt, a moving average of white noise over ``SMOOTH_TOK
 select mostly the same blocks, as neighbouring tokens of real text tend to: how much a query tile of several
 tokens can share depends on exactly that, and each "union" row records the tiles' distinct blocks over top-k).
 
-Every (variant, shape) is checked the way ``bench/attention.py`` checks the defaults, on the same inputs:
-selections equal to the reference's up to fp32 near-ties (the conformance suite's rule), attention within
-``paged_attention.output_error_bound``. Decode is checked on its first (up to) 4 sequences and prefill on its last 64 tokens, each
-against a reference called for those alone (it gathers only their context). Decode is timed from CUDA-graph
-replays (kernel time, page sets cycled so that small inputs do not run from L2), prefill eagerly (the "union"
-loop's tile lists included). FLOPs and bytes are counted as ``bench/attention.py`` counts them, and the ceilings
-(copy rate, bf16 matmul rate) are measured in the same run.
+Every (variant, shape) is checked the way ``bench/attention.py`` checks the defaults, on the same inputs: selections
+equal to the reference's up to fp32 near-ties (the conformance suite's rule), attention within
+``paged_attention.output_error_bound``. Decode is checked on its first (up to) 4 sequences and prefill on its last
+64 tokens, each against a reference called for those alone (it gathers only their context). Decode is timed from
+CUDA-graph replays (kernel time, page sets cycled so that small inputs do not run from L2), prefill eagerly (the
+"union" loop's tile lists included). FLOPs and bytes are counted as ``bench/attention.py`` counts them, and the
+ceilings (copy rate, bf16 matmul rate) are measured in the same run.
 
 Every variant is a complete setting (``VARIANTS`` in the kernel modules); one equal to the current ``DEFAULTS``
 is not timed again. ``--only GROUP:SHAPE,...`` times just those shapes (decode, scan and top-k shapes are
 ``BATCHxCONTEXT``, prefill ones the prompt length, e.g. ``sparse-prefill:16384``), so a short GPU call can
 spend its seconds where a target is missed.
 
-A group's winner is the variant with the smallest geometric mean of (its time / the defaults' time) over the
-group's shapes measured for every variant, among variants whose every check passed; the sweep prints the
-``DEFAULTS`` entry to copy into the kernel module (the winning variant's settings). It also prints the batch-1 ratio (indexer scan + top-k +
-sparse decode at 128k over 4k) with the defaults and with the winners. Measurements stop being started after
-``--budget-s`` seconds; the JSON is written after every shape, so a run cut short keeps what it measured.
+A group's winner is the variant with the smallest geometric mean of (its time / the defaults' time) over the group's
+shapes measured for every variant, among variants whose every check passed; the sweep prints the ``DEFAULTS`` entry
+to copy into the kernel module (the winning variant's settings). It also prints the batch-1 ratio (indexer scan +
+top-k + sparse decode at 128k over 4k) with the defaults and with the winners. Measurements stop being started after
+``--budget-s`` seconds; the JSON is written after every shape, so a run cut short keeps what it measured. On
+the GPU it ends with what the compiler made of each setting (``compiled_kernels``: shared memory, registers,
+programs per SM that these allow).
 
 ``--device cpu`` runs the same code at tiny dimensions under ``TRITON_INTERPRET=1`` (checks real, times
 meaningless): the way to check this script without a GPU.
@@ -421,6 +423,39 @@ class Sweep:
                 print(f"batch 1, scan + top-k + sparse, {label}: {hi} / {lo} = {ratio:.2f} "
                       f"({sum(a for a, _ in parts) * 1e6:.1f} / {sum(b for _, b in parts) * 1e6:.1f} us)")
 
+    def compiled_kernels(self):
+        """What the compiler made of each setting, to check the variants' reasoning (programs resident per SM):
+        for every compiled scan / sparse-attention kernel its shared memory, registers, spills, warps, stages and
+        the constexprs that tell the settings apart. Hopper: 228 KB of shared memory per SM (1 KB of it reserved
+        per program), 64k registers. Read from Triton's JIT cache; anything it does not expose is left out (a
+        diagnostic only, never a reason to fail the sweep)."""
+        rows = []
+        for fn in (self.SPA._sparse_paged_attention, self.LI._index_scan):
+            for entry in getattr(fn, "device_caches", {}).values():
+                for k in list(entry[0].values()):
+                    try:
+                        k._init_handles()
+                        consts = {fn.arg_names[i[0]]: v for i, v in k.src.constants.items()
+                                  if len(i) == 1 and isinstance(v, (bool, int, float, str))}
+                        shared, regs, warps = int(k.metadata.shared), k.n_regs, int(k.metadata.num_warps)
+                        rows.append(dict(
+                            kernel=k.name, shared_bytes=shared, n_regs=regs, n_spills=k.n_spills, num_warps=warps,
+                            num_stages=int(k.metadata.num_stages),
+                            per_sm_by_shared=233472 // (shared + 1024),
+                            per_sm_by_registers=65536 // (regs * 32 * warps) if regs else None,
+                            constexprs={n: consts[n] for n in ("TOKENS", "ROWS", "BLOCK_N", "SPLITS", "LOOP", "BS")
+                                        if n in consts}))
+                    except Exception as e:  # noqa: BLE001  (an attribute this Triton does not have)
+                        rows.append(dict(kernel=getattr(k, "name", "?"), error=f"{type(e).__name__}: {e}"[:200]))
+        self.res["compiled_kernels"] = rows
+        for r in rows:
+            if "error" in r:
+                print(f"compiled {r['kernel']}: {r['error']}")
+            else:
+                print(f"compiled {r['kernel']:24s} {r['constexprs']} warps {r['num_warps']} stages {r['num_stages']} "
+                      f"shared {r['shared_bytes'] / 1024:.0f} KB regs {r['n_regs']} spills {r['n_spills']}: "
+                      f"{r['per_sm_by_shared']} per SM by shared memory, {r['per_sm_by_registers']} by registers")
+
     def run(self) -> int:
         self.ceilings()
         self.pools()
@@ -434,6 +469,8 @@ class Sweep:
                     self.indexer("scan" if group == "indexer-scan" else "topk", *shape)
         self.winners()
         self.batch1_ratio()
+        if not self.cpu:
+            self.compiled_kernels()
         self.res["all_defaults_ok"] = all(r["ok"] for r in self.res["rows"] if r["variant"] == "default")
         write_results(self.res, self.out)
         failed = [f"{r['group']} {r['shape']} {r['variant']}" for r in self.res["rows"] if not r["ok"]]
