@@ -217,37 +217,37 @@ class MTPDrafter(Drafter):
         hidden at the last entry of each job in ``want`` (in that order). Input tokens that are this round's
         drafts (``_Drafted``) are taken from ``rnd`` where they are."""
         order = sorted(runs)
-        places, offset = [], 0
+        places, offset, end = [], 0, {}  # end[i]: job i's last entry's row
         for i in order:
             for j, tok in enumerate(runs[i].tokens):
                 if isinstance(tok, _Drafted):
                     places.append((offset + j, rnd, rnd.flat(i, tok.step)))
             offset += len(runs[i].tokens)
+            end[i] = offset - 1
         segments = [Segment(jobs[i].request.pages, runs[i].start,
                             [0 if isinstance(t, _Drafted) else t for t in runs[i].tokens]) for i in order]
         ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
         ids = fill_tokens(ids, places)
         pieces = [h for i in order for h in runs[i].hidden]
         hidden = torch.cat([p.to(pieces[0].dtype) for p in pieces])
-        ends = batch.query_start_loc[1:].long() - 1
-        row = {i: b for b, i in enumerate(order)}
-        last = ends[[row[i] for i in want]] if want else ends[:0]
+        rows = [end[i] for i in want]
+        last = torch.tensor(rows, dtype=torch.int64)
+        if batch.query_start_loc.device.type != "cpu":  # a backend that takes its batches on the device
+            last = to_device(last, batch.query_start_loc.device)
         logits, out = self.backend.mtp_forward(module, ids, hidden, batch, last)
         runs.clear()
-        return logits, _rows(out, last)
+        return logits, _rows(out, rows, last)
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` for a host ``index``: a view when the rows are evenly spaced (one job, or a chain step's one
-    position per job), else one gather queued where ``x`` is. A speculative round of one request asks this of
-    every MTP call, and the gather's index copy to the device plus its kernel were two more operations per call
-    for what a slice gives."""
-    n = index.shape[0]
+def _rows(x: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` (``index``: the same rows as a tensor): a view when the rows are evenly spaced (one job, or a
+    chain step's one position per job), else one gather queued where ``x`` is. A speculative round of one request
+    asks this of every MTP call, and the gather's index copy to the device plus its kernel were two more
+    operations per call for what a slice gives."""
+    n = len(rows)
     if n == 0:
         return x[:0]
-    if index.device.type != "cpu":  # a batch built on the device (an eager backend): reading it would wait
-        return x.index_select(0, index.to(x.device))
-    first, stride = int(index[0]), int(index[1] - index[0]) if n > 1 else 1
-    if stride > 0 and torch.equal(index, torch.arange(first, first + stride * n, stride, dtype=index.dtype)):
+    first, stride = rows[0], rows[1] - rows[0] if n > 1 else 1
+    if stride > 0 and rows == list(range(first, first + stride * n, stride)):
         return x[first:first + stride * (n - 1) + 1:stride]
     return x.index_select(0, to_device(index, x.device))  # queued: no wait for the device
