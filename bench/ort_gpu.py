@@ -231,14 +231,16 @@ def profile_variant(art, provider, flavour, torch_be, pages: int, page: int, ste
         if device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    step(be)
-                _sync(device)
-            try:
+            try:  # CUPTI taken by another profiler, or torch's event API of another version: say so, keep ORT's
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        step(be)
+                    _sync(device)
                 gpu = summarize_kernels(prof, steps)
-            except Exception as e:  # noqa: BLE001 - torch's event API differs between versions: say so, keep ORT's
+            except Exception as e:  # noqa: BLE001
                 gpu = {"error": f"{type(e).__name__}: {e}"[:500]}
+                for _ in range(steps):  # ORT's summary reads the last `steps` runs: whole ones
+                    step(be)
         else:
             for _ in range(steps):
                 step(be)

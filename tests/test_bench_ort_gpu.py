@@ -100,3 +100,29 @@ def test_gpu_torch_backend_replays_graphs_after_each_shape_allocation(tiny_artif
         assert be.use_graphs and be.replays - before == 3, (
             f"shape {i} ({batch}x{context}) did not replay graphs: " + ("the capture itself fails here" if i == 0
                                                                          else "lost at a later allocation"))
+
+
+def test_kernel_summary_reads_device_events_of_torch_profiler():
+    """summarize_kernels keeps only device events (CUDA kernels, ORT's among them on the GPU): on a CPU-only
+    profile it finds none; on events shaped like torch's FunctionEvent it adds up count and time per kernel name."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    cpu_events = prof.events()
+    assert cpu_events and all(e.time_range.elapsed_us() >= 0 for e in cpu_events)  # the fields it reads exist
+    assert ort_gpu.summarize_kernels(prof, steps=1)["kernels_per_step"] == 0
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    fake = SimpleNamespace(events=lambda: [kernel("gemv(float*)", 30), kernel("gemv(float*)", 10),
+                                           kernel("topk(int)", 20), *cpu_events])
+    s = ort_gpu.summarize_kernels(fake, steps=2)
+    assert s["kernels_per_step"] == 1.5 and s["busy_ms_per_step"] == pytest.approx(0.03)
+    assert [(k["kernel"], k["count_per_step"], k["share"]) for k in s["top_kernels"]] == [
+        ("gemv", 1.0, pytest.approx(40 / 60)), ("topk", 0.5, pytest.approx(20 / 60))]
