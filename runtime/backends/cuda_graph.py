@@ -280,8 +280,10 @@ class GraphedTorchBackend(TorchBackend):
         self._scratch_page, self._page_size = num_pages, page_size
         width = num_pages if self.max_model_len is None else -(-self.max_model_len // page_size)
         self._table_width = min(num_pages, width)  # no sequence holds more pages than this
-        self._graphs.clear()
-        self._inputs.clear()
+        # graphs AND their pool: a pool handle kept after its graphs are gone is dead to torch's allocator (use
+        # count 0), and the next capture into it fails its "pool is live" assert (the H200's eager torch rows of
+        # bench/ort_gpu.py, which allocates once per shape)
+        self.release_graphs()
 
     @property
     def batch_device(self) -> torch.device:
