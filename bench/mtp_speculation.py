@@ -315,6 +315,21 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
     from m3export.runtime import SamplingParams
 
     rows, t0 = [], time.perf_counter()
+
+    def write(complete: bool) -> None:
+        """The JSON so far: rewritten after every row, so a run cut short keeps its rows."""
+        out = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(sys.argv), "complete": complete,
+               "checkpoint": str(ckpt), "device": args.device,
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+               "threads": args.threads, "prompts": len(prompts), "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens, "torch": torch.__version__, "elapsed_s": time.perf_counter() - t0,
+               "phases_note": "host_us_per_step: perf_counter around each phase, no synchronisation, phases nest "
+                              "(engine.step holds the others); profiled_host_us_per_step / device_us_per_step: the "
+                              "same ranges under torch.profiler (its overhead included) and the device time of "
+                              "what they launched",
+               "rows": rows}
+        write_results(out, json_path)
+
     cols = ("engine.step", "target.forward", "inputs.fill", "graph.run", "decide", "draft", "mtp.forward",
             "propose")
     print(f"{'backend':12s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s}  host us per step: "
@@ -339,18 +354,9 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
                   f"{res['wall_us_per_token']:8.1f}                   "
                   + " ".join(f"{ph[c]['host_us_per_step']:14.1f}" for c in cols)
                   + f"  {ph['engine.step']['device_us_per_step']:14.1f} {launches:8.1f} {copies:6.1f}", flush=True)
+            write(complete=False)
         del engines
-    out = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "command": " ".join(sys.argv), "checkpoint": str(ckpt),
-           "device": args.device,
-           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-           "threads": args.threads, "prompts": len(prompts), "prompt_len": args.prompt_len,
-           "new_tokens": args.new_tokens, "torch": torch.__version__, "elapsed_s": time.perf_counter() - t0,
-           "phases_note": "host_us_per_step: perf_counter around each phase, no synchronisation, phases nest "
-                          "(engine.step holds the others); profiled_host_us_per_step / device_us_per_step: the "
-                          "same ranges under torch.profiler (its overhead included) and the device time of what "
-                          "they launched",
-           "rows": rows}
-    write_results(out, json_path)
+    write(complete=True)
     print(f"wrote {json_path}")
     return 0
 

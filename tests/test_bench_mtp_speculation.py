@@ -43,7 +43,7 @@ def test_profile_gives_per_phase_host_work_per_decode_step(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     res = json.loads(out.read_text())
     rows = {r["k"]: r for r in res["rows"]}
-    assert set(rows) == {0, 1, 2, 3} and all(r["backend"] == "torch-padded" for r in rows.values())
+    assert res["complete"] and set(rows) == {0, 1, 2, 3} and all(r["backend"] == "torch-padded" for r in rows.values())
     for k, r in rows.items():
         ph, steps = r["phases"], r["decode_steps"]
         assert r["tokens"] == 7 and 0 < steps <= 7  # the prompt's step emitted the first of the 8

@@ -147,3 +147,28 @@ def test_mtp_calls_send_no_index_for_a_slice(trained, monkeypatch):
     assert eng.stats.accepted_tokens > 0
     assert all(sum(c.values()) <= 4 for c in per_step), per_step
     assert all(c["fill_tokens"] <= 3 and c["_rows"] == 0 for c in per_step), per_step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fill_from_pinned_image_and_device_ids_equals_the_cpu_fill():
+    """On a GPU the host image travels from pinned memory, queued, and ids that are already on the device (drafts)
+    are copied after it; refilled back to back (the pinned block of one fill may still be in flight when the next
+    is written), every static input equals the CPU fill of the same steps."""
+    from m3export.model.batch import Segment, build_batch
+
+    def step(n, dev):
+        segs = [Segment([i, 9 + i], 13 + i, [5 + i, 6 + i, 7 + i]) for i in range(n)]
+        ids, b = build_batch(segs, 16, torch.device("cpu"))
+        return ids.to(dev), b, torch.arange(ids.shape[0]), torch.arange(ids.shape[0] * 8.0).view(-1, 8).to(dev)
+
+    args = (4, 3, 6, 40, 16)
+    gpu, cpu = DecodeInputs(*args, "cuda", (8, torch.float32)), DecodeInputs(*args, "cpu", (8, torch.float32))
+    for n in (3, 1, 4, 2):
+        gpu.fill(*step(n, "cuda"))
+        cpu.fill(*step(n, "cpu"))
+    torch.cuda.synchronize()
+    for name in ("input_ids", "logits_indices", "hidden"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    for name in ("positions", "seq_lens", "block_tables", "slot_mapping", "query_start_loc"):
+        assert torch.equal(getattr(gpu.batch, name).cpu(), getattr(cpu.batch, name)), name
