@@ -229,7 +229,8 @@ class MTPDrafter(Drafter):
         ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
         ids = fill_tokens(ids, places)
         pieces = [h for i in order for h in runs[i].hidden]
-        hidden = torch.cat([p.to(pieces[0].dtype) for p in pieces])
+        # One piece (one request's catch-up or chain entry) goes as it is: the backend only reads it.
+        hidden = pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].dtype) for p in pieces])
         rows = [end[i] for i in want]
         last = torch.tensor(rows, dtype=torch.int64)
         if batch.query_start_loc.device.type != "cpu":  # a backend that takes its batches on the device
