@@ -20,7 +20,7 @@ from .batch import Batch
 from .layer import DecoderLayer
 from .media import VisionEncoder, encode_items, place_tokens
 from .mtp import MTPModule
-from .norm import RMSNorm
+from .norm import RMSNorm, add_norm, fused_norms
 from .projector import MultiModalProjector
 from .rope import Rotary
 from .vision import VisionTower
@@ -106,28 +106,38 @@ class M3ForCausalLM(nn.Module):
         ``choose_blocks(layer)``, when given, returns sparse layer ``layer``'s ``ChooseBlocks`` hook (or None):
         given selections, as ``m3export verify`` feeds another runtime's near-tie swaps back; None computes them."""
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h, new_caches, selections = self.run_layers(h, batch, caches, range(len(self.model.layers)), inplace,
-                                                    choose_blocks)
-        logits, hidden = self.head(h, logits_indices)
+        h, pending, new_caches, selections = self._layers(h, batch, caches, range(len(self.model.layers)), inplace,
+                                                          choose_blocks)
+        logits, hidden = self.head(h, logits_indices, pending, inplace)
         return StepOutput(logits, hidden, new_caches, selections)
 
     def run_layers(self, h: torch.Tensor, batch: Batch, caches: list, layers: range, inplace: bool = True,
                    choose_blocks: Callable[[int], ChooseBlocks | None] | None = None):
         """Decoder layers ``layers`` on the residual stream h [T, H] (``caches`` are those layers' pools, in order);
         one group of layers is what a split export puts in one graph. ``choose_blocks``: as in ``step``."""
+        h, pending, new_caches, selections = self._layers(h, batch, caches, layers, inplace, choose_blocks)
+        return (h if pending is None else h + pending), new_caches, selections
+
+    def _layers(self, h: torch.Tensor, batch: Batch, caches: list, layers: range, inplace: bool,
+                choose_blocks: Callable[[int], ChooseBlocks | None] | None):
+        """``run_layers`` with the last layer's MLP output returned beside h, not added (``step`` leaves that add
+        to the final norm: ``DecoderLayer``)."""
         cos, sin = self.rotary(batch.positions, h.dtype)
-        new_caches, selections = [], []
+        new_caches, selections, pending = [], [], None
         for i, cache in zip(layers, caches):
             hook = None if choose_blocks is None else choose_blocks(i)
-            h, cache, sel = self.model.layers[i](h, cos, sin, batch, cache, inplace, hook)
+            h, pending, cache, sel = self.model.layers[i](h, cos, sin, batch, cache, inplace, hook, pending)
             new_caches.append(cache)
             if sel is not None:
                 selections.append(sel)
-        return h, new_caches, selections
+        return h, pending, new_caches, selections
 
-    def head(self, h: torch.Tensor, logits_indices: torch.Tensor | None = None):
-        """Final norm + lm_head -> (logits at logits_indices (all tokens if None), final-normed hidden [T, H])."""
-        hidden = self.model.norm(h)
+    def head(self, h: torch.Tensor, logits_indices: torch.Tensor | None = None, pending: torch.Tensor | None = None,
+             inplace: bool = False):
+        """Final norm + lm_head -> (logits at logits_indices (all tokens if None), final-normed hidden [T, H]).
+        ``pending``: the last layer's MLP output, added to h here; ``inplace`` (the runtime's steps, not export)
+        lets the add and the norm run fused (``norm.fused_norms``)."""
+        hidden, _ = add_norm(self.model.norm, h, pending, fused_norms(h, inplace))
         picked = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
         return self.lm_head(picked), hidden
 

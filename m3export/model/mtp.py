@@ -14,7 +14,7 @@ from .attention import ChooseBlocks
 from .batch import Batch
 from .layer import DecoderLayer
 from .linear import Linear
-from .norm import RMSNorm
+from .norm import RMSNorm, add_norm, fused_norms
 
 
 class MTPModule(nn.Module):
@@ -30,6 +30,9 @@ class MTPModule(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: Batch, cache, inplace: bool,
                 choose_blocks: ChooseBlocks | None = None):
         """embeds [T, H] of the next tokens (zeroed at position 0), hidden [T, H] -> (out, normed, cache, sel)."""
-        z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        out, cache, sel = self.transformer_layer(z, cos, sin, batch, cache, inplace, choose_blocks)
-        return out, self.final_layernorm(out), cache, sel
+        fused = fused_norms(embeds, inplace)
+        (e, _), (hn, _) = add_norm(self.enorm, embeds, None, fused), add_norm(self.hnorm, hidden, None, fused)
+        z = self.eh_proj(torch.cat([e, hn], dim=-1))
+        h, pending, cache, sel = self.transformer_layer(z, cos, sin, batch, cache, inplace, choose_blocks)
+        normed, out = add_norm(self.final_layernorm, h, pending, fused)
+        return out, normed, cache, sel
