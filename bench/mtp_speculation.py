@@ -332,7 +332,8 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
 
     cols = ("engine.step", "target.forward", "inputs.fill", "graph.run", "decide", "draft", "mtp.forward",
             "propose")
-    print(f"{'backend':12s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s}  host us per step: "
+    print(f"{'backend':12s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s} {'x plain':>7s} "
+          f"{'speedup':>7s}  host us per step: "
           + " ".join(f"{c:>14s}" for c in cols) + f"  {'device us/step':>14s} {'launches':>8s} {'copies':>6s}",
           flush=True)
     for backend in backends:
@@ -346,12 +347,17 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
                 trace.parent.mkdir(parents=True, exist_ok=True)
             res = profile_engine(eng, prompts, args.new_tokens, device, trace)
             res.update(backend=backend, k=k)
+            base = next((r for r in rows if r["backend"] == backend and r["k"] == 0), res)
+            # A step of k > 0 is a round: its cost in plain steps, and the speed-up its tokens per round give.
+            res.update(step_cost_in_plain_steps=res["wall_us_per_step"] / base["wall_us_per_step"],
+                       speedup_vs_k0=base["wall_us_per_token"] / res["wall_us_per_token"])
             rows.append(res)
             ph, rt = res["phases"], res["runtime_calls_per_step"]
             launches = sum(v for n, v in rt.items() if "Launch" in n)
             copies = sum(v for n, v in rt.items() if "Memcpy" in n)
             print(f"{backend:12s} {k:2d} {res['tokens_per_step']:8.2f} {res['wall_us_per_step']:12.1f} "
-                  f"{res['wall_us_per_token']:8.1f}                   "
+                  f"{res['wall_us_per_token']:8.1f} {res['step_cost_in_plain_steps']:7.2f} {res['speedup_vs_k0']:6.2f}x"
+                  "                   "
                   + " ".join(f"{ph[c]['host_us_per_step']:14.1f}" for c in cols)
                   + f"  {ph['engine.step']['device_us_per_step']:14.1f} {launches:8.1f} {copies:6.1f}", flush=True)
             write(complete=False)

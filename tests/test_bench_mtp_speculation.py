@@ -54,3 +54,6 @@ def test_profile_gives_per_phase_host_work_per_decode_step(tmp_path):
         assert (ph["draft"]["calls_per_step"] > 0) == (k > 0) and (r["verify_steps"] > 0) == (k > 0)
         assert ph["engine.step"]["host_us_per_step"] >= ph["target.forward"]["host_us_per_step"] > 0
         assert ph["engine.step"]["profiled_host_us_per_step"] > 0
+        base = rows[0]
+        assert abs(r["step_cost_in_plain_steps"] - r["wall_us_per_step"] / base["wall_us_per_step"]) < 1e-9
+        assert abs(r["speedup_vs_k0"] - base["wall_us_per_token"] / r["wall_us_per_token"]) < 1e-9
