@@ -61,6 +61,7 @@ CUDA_EP = {
     "ReduceSum": ((0,), FLOATS | {"INT32", "INT64"}),
     "Reshape": ((0,), FIXED | FP8), "Shape": ((0,), FIXED | FP8),  # 19-20
     "Scan": (None, FIXED | FP8),  # 19+
+    "If": ((0,), {"BOOL"}),  # 19+: the condition is read on the host (a CPU input of the CUDA kernel)
     "ScatterND": ((0, 2), FIXED),  # 18+
     "ScatterElements": ((0, 2), FIXED),  # 18+
     "Sigmoid": ((0,), FLOATS), "Softmax": ((0,), FLOATS), "Sqrt": ((0,), FLOATS),

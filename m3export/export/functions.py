@@ -381,7 +381,18 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
     experts = b.Range(b.const(0), _dim(b, "router_weight", 0), b.const(1))
     zeros = b.Expand(b.CastLike(b.const(0.0, np.float32), "x"), b.Shape("x"))
     scan_in = ["w13", "w13_scale", "w2", "w2_scale"] if mxfp8 else ["w13", "w2"]
-    routed = b.Scan(zeros, experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+    if mxfp8:
+        routed = b.Scan(zeros, experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+    else:
+        # Decode-sized steps (T * top_k <= E: the chosen experts' weights, gathered per assignment, are at most
+        # the whole weight once) take a gather + batched product instead: no Scan over every expert and no
+        # NonZero, each of which makes a GPU provider wait for the device (one wait per expert, per MoE layer,
+        # per step). The condition is computed from shapes, on the host, so the If itself waits for nothing.
+        # MXFP8 weights keep the Scan: ONNX Runtime's CUDA EP has no Gather kernel for float8 tensors, and a
+        # Gather on the CPU EP would copy the whole expert table to the host every step.
+        per_assignment = b.LessOrEqual(b.Mul(_dim(b, "x", 0), b.attr(Ref("top_k", INT))), _dim(b, "router_weight", 0))
+        routed = b.If(per_assignment, then_branch=_moe_gathered(alpha, limit, idx, w),
+                      else_branch=_moe_scanned(zeros, experts, scan_in, body))
 
     shared_w13, shared_w2 = weight(b, "shared_w13", "shared_w13_scale"), weight(b, "shared_w2", "shared_w2_scale")
     shared = b.MatMul(
@@ -390,6 +401,30 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
     )
     scaled = b.Mul(routed, b.CastLike(b.attr(Ref("routed_scaling_factor", FLOAT)), "x"))
     return _function(name, b, [b.Add(scaled, shared)])
+
+
+def _moe_gathered(alpha: str, limit: str, idx: str, w: str):
+    """If branch: the routed sum from each assignment's own expert weights, gathered ([T, k, 2I, H] and
+    [T, k, H, I]) and applied as a batch of T * k products. Each assignment's output is rounded to the activation
+    dtype after its routing weight, as in the Scan; the k of a token are then summed in fp32 and rounded once (the
+    Scan rounds after each add: the two differ by rounding only, as the GPU kernels' fp32 sum does)."""
+    g = Builder("g_")
+    w13 = g.CastLike(g.Gather("w13", idx, axis=0), "x")  # [T, k, 2I, H]
+    w2 = g.CastLike(g.Gather("w2", idx, axis=0), "x")  # [T, k, H, I]
+    xe = g.Unsqueeze("x", g.const([1, 2]))  # [T, 1, 1, H]
+    act = _swiglu(g, g.MatMul(xe, g.Transpose(w13, perm=[0, 1, 3, 2])), alpha, limit)  # [T, k, 1, I]
+    y = g.Squeeze(g.MatMul(act, g.Transpose(w2, perm=[0, 1, 3, 2])), g.const([2]))  # [T, k, H]
+    y = g.CastLike(g.Mul(g.Cast(y, to=F32), g.Unsqueeze(w, g.const([2]))), "x")
+    out = g.CastLike(g.ReduceSum(g.Cast(y, to=F32), g.const([1]), keepdims=0), "x")
+    return g.graph("moe_gathered", [], [out])
+
+
+def _moe_scanned(zeros: str, experts: str, scan_in: list[str], body):
+    """If branch: the per-expert Scan (inside the branch: a value the If reads from outside is computed whichever
+    branch runs)."""
+    g = Builder("s_")
+    routed = g.Scan(zeros, experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+    return g.graph("moe_scanned", [], [routed])
 
 
 def moe() -> FunctionProto:

@@ -399,7 +399,8 @@ def _build_cases() -> dict[str, Case]:
     add("fp8-page16-indexer", "SparsePagedAttention", {"m3-shape"},
         _sparse_case(ctx, new, page, M3_INDEX, "indexer", **M3_HEADS), fp8=True)
 
-    for top_k, t in ((2, 9), (1, 1), (8, 5)):
+    # (2, 4) and (4, 2): T * top_k <= E, the decode-sized steps the ONNX body computes per assignment
+    for top_k, t in ((2, 9), (1, 1), (8, 5), (2, 4), (4, 2)):
         add(f"top{top_k}-{t}tok", "MoE", {"small"}, _moe_case(top_k, t))
     add("routing-ties", "MoE", small_adv, _moe_case(2, 16, tie=True))
     m3_moe = dict(h=6144, e=8, i=3072, shared=3072)  # release widths, 8 of the 128 experts
