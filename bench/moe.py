@@ -37,56 +37,75 @@ DEV = "cuda"
 SMOKE = False  # --smoke: tiny dims on CPU tensors under the Triton interpreter, host timers (checks the script)
 ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # Tile variants tried when --sweep is on, next to the launcher's default (config None: moe.default_config, the
-# winners of the sweep of 2026-11-30 20:05 UTC, commit d5443e6), each with its own error against the oracle.
-# MX_MODE 0 gathers each element's scale, 1 broadcasts one scale per 32 columns, 2 is tl.dot_scaled; GU_FUSED 1 makes
-# the gate and up tiles one dot of twice the width (moe._gate_up); PREFETCH loads GEMV K steps ahead; GEMV is the
-# CUDA-core path of moe_gemv.py (one program per token and expert); BLOCK_M 16 without GEMV forces the grouped
-# tensor-core path where the default is GEMV. Round 2: around the winners (the default GEMV tile is BN 8, BK 256,
-# 2 warps, 4 stages); SPLIT_K splits each GEMV's K loop over programs (fp32 partials, the last program of a tile
-# sums them in split order and applies the epilogue) so that more CTAs stream the few experts of batch 1.
-# Registers / spills / pipelining of each tile: scripts/compile_moe_kernels_sm90.py (tiles that spilled there or
-# sat at 255 registers with one program per SM were left out). Compiling is most of the sweep's time, so the lists
-# are short: one H200 call of `timeout 240 python3 bench/moe.py` must run them all.
-GEMV_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),  # 72 regs (default: 168)
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=1),  # 118
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=2, num_stages=4, PREFETCH=2),  # 96
-              dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2)]  # 80
-SPLITK_SWEEP = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2, PREFETCH=1)]
-# 16-row tensor-core tiles: the batch-8 default (BN 32), the batch-64 one (BN 64, BK 128), tl.dot_scaled at BN 64
-# (on sm_90 it computes the product transposed, the weights' rows as wgmma's 64-row M: BN 32 wasted half of it in
-# the last sweep), and wider / deeper tiles.
-TC_DECODE_SWEEP = [dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
-                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=2),
-                   dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3, MX_MODE=1),
-                   dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1, GU_FUSED=1)]
-# Decode batches up to 8: the grouped tensor-core path (the old default at one token) and tl.dot_scaled at BN 64
-# next to the GEMV tiles.
-SMALL_BATCH_TC = [dict(BLOCK_M=16), dict(BLOCK_M=16, **TC_DECODE_SWEEP[2])]
-# Prefill (BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The MXFP8 default is
-# {BLOCK_M 64} = BN 64, BK 64, 4 warps, 3 stages, tl.dot_scaled (164 registers, 3 programs per SM); bf16's is
-# 128-row blocks (BN 64, BK 64, 8 warps, 3 stages).
+# winners of round 2 of the sweep, 2026-11-30 22:12 UTC, commit b0036a9), each with its own error against the oracle;
+# a variant equal to the default at that shape is not run twice. MX_MODE 1 broadcasts one scale per 32 columns, 2 is
+# tl.dot_scaled; GU_FUSED 1 makes the gate and up tiles one dot of twice the width (moe._gate_up); GEMV is the
+# CUDA-core path of moe_gemv.py (one program per token and expert); PREFETCH loads GEMV K steps ahead in registers,
+# PIPELINE S names the GEMV K loop's stages so that Triton copies the next S - 1 steps into shared memory with
+# cp.async (moe_gemv.py); SPLIT_K splits each GEMV's K loop over programs; BLOCK_M 16 without GEMV forces the
+# grouped tensor-core path where the default is GEMV. Round-2 variants that lost clearly in both formats were
+# dropped (bench/results/moe_h200_round2.json keeps their times).
+# Registers / spills / pipelining of each tile: scripts/compile_moe_kernels_sm90.py. Compiling is most of the
+# sweep's time, so the lists are short: one H200 call of `timeout 200 python3 bench/moe.py` must run them all.
+
+# The defaults that round 2 replaced, named in the JSON ("name") so that each run re-measures old against new.
+PREVIOUS_DEFAULTS = {
+    # MoE at one token (both formats), bf16 MoE up to 8 tokens, mxfp8_linear at one row: 168 registers / 2 warps.
+    "gemv_2warps": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4),
+    # MXFP8 MoE at 2-8 tokens: 16-row tensor-core tiles with gate and up as two dots.
+    "tc16_bn32_unfused": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
+    # MXFP8 MoE above 8 tokens in 16-row blocks.
+    "tc16_bn64_unfused": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
+    # MXFP8 MoE prefill: 64-row blocks, gemm_config(64) (tl.dot_scaled), gate and up as two dots.
+    "prefill_bm64_unfused": dict(BLOCK_M=64),
+}
+# The batch-1 MXFP8 push (49 % of copy bandwidth in round 2; docs/performance.md says why): the GEMV's loads sit in
+# registers (one K step in flight per program, 6-7 programs per SM), so these keep the loads in flight through
+# shared memory instead (PIPELINE; registers at mini dims from the sm_90 compile: gate-up / down), spread each
+# expert over more programs (BN 4, split-K) or take smaller K steps with more stages.
+PIPELINE_SWEEP = {
+    "gemv_pipe4": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4),  # 72 / 47, 13.8 KB
+    "gemv_bk128_pipe6": dict(GEMV=1, BLOCK_N=8, BLOCK_K=128, num_warps=4, num_stages=6, PIPELINE=6),  # 48 / 32
+    "gemv_bn4_pipe4": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4),  # 72 / 47
+    "gemv_split2_pipe4": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2,
+                              PIPELINE=4),  # 72 / 48
+}
+NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP}
+# The register-streamed GEMV tiles kept from round 2 (scripts/compile_moe_kernels_sm90.py compiles these two lists).
+GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"],
+              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),  # the MXFP8 one-token default
+              dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2)]  # the bf16 one
+SPLITK_SWEEP: list = []  # split-K with PREFETCH 1 lost in round 2 (259 / 193 us at one token); now with PIPELINE
+# 16-row tensor-core tiles (MXFP8 from 8 tokens): the previous defaults and the batch-64 N tile with GU_FUSED.
+TC_DECODE_SWEEP = [PREVIOUS_DEFAULTS["tc16_bn32_unfused"], PREVIOUS_DEFAULTS["tc16_bn64_unfused"],
+                   dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1, GU_FUSED=1)]
+# Prefill (BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The MXFP8 defaults are
+# {BLOCK_M 64, GU_FUSED 1} up to 256 assignments per expert and {BLOCK_M 128, BLOCK_N 128} above; each is a
+# variant at the other's size.
 PREFILL_SWEEP = {
-    "mxfp8": [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, MX_MODE=2),
-              dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2),
-              dict(BLOCK_M=64, GU_FUSED=1),  # the default's tiles, gate and up as one dot (195 registers)
-              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2, GU_FUSED=1),  # 109
-              dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=2, GU_FUSED=1)],  # 146
-    "bf16": [dict(BLOCK_M=64), dict(BLOCK_M=128, GU_FUSED=1)],
+    "mxfp8": [PREVIOUS_DEFAULTS["prefill_bm64_unfused"], dict(BLOCK_M=64, GU_FUSED=1),
+              dict(BLOCK_M=128, BLOCK_N=128)],  # BK 64, 8 warps, 3 stages, MX_MODE 2 from gemm_config(128)
+    "bf16": [dict(BLOCK_M=128, GU_FUSED=1)],
 }
 
 
 def decode_variants(fmt: str, batch: int) -> list:
-    """The decode sweep at one batch: GEMV tiles up to 8 tokens (split-K at one), the 16-row tensor-core tiles from
-    8 tokens with MXFP8 weights, the grouped path's old default and tl.dot_scaled otherwise up to 8."""
-    out = list(GEMV_SWEEP) if batch <= 8 else []
+    """The decode sweep at one batch: the GEMV tiles (register-streamed and PIPELINE) up to 8 tokens, the grouped
+    path forced at one token, the 16-row tensor-core tiles from 8 tokens with MXFP8 weights, GU_FUSED 16-row tiles
+    with bf16 weights at 2-8 tokens."""
+    out = [*GEMV_SWEEP, *PIPELINE_SWEEP.values()] if batch <= 8 else []
     if batch == 1:
-        out += SPLITK_SWEEP
+        out.append(dict(BLOCK_M=16))
     if fmt == "mxfp8" and batch >= 8:
         out += TC_DECODE_SWEEP
-    elif batch <= 8:
-        out += SMALL_BATCH_TC
+    elif fmt == "bf16" and 1 < batch <= 8:
+        out.append(dict(BLOCK_M=16, GU_FUSED=1))
     return out
+
+
+def variant_name(cfg: dict | None) -> str | None:
+    """The name of a previous default or a batch-1 variant (None for the others and the default)."""
+    return next((name for name, c in NAMES.items() if c == cfg), None)
 
 
 def linear_decode(bw: float, sweep: int) -> list:
@@ -105,11 +124,11 @@ def linear_decode(bw: float, sweep: int) -> list:
             want = mx.dequantize(w, sc).float() @ x.float().T
             need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
             tried = []
-            # One row: the GEMV tiles around the default (mxfp8_linear.gemv_config) and the tensor-core tiles (any
-            # config without GEMV is merged over tile_config); eight rows: the tensor-core default against a wider
-            # N tile (the GEMV tiles lost there by 3-4x in the last sweep).
-            sweep_m = ([dict(MX_MODE=1), *GEMV_SWEEP] if m == 1
-                       else [dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1)])
+            # One row: the default GEMV tile (mxfp8_linear.gemv_config) against the one it replaced and two
+            # PIPELINE tiles; eight rows: the tensor-core default alone (the GEMV tiles lost there by 3-4x and a
+            # 64-wide N tile by 5 % in both rounds).
+            sweep_m = [PREVIOUS_DEFAULTS["gemv_2warps"], PIPELINE_SWEEP["gemv_pipe4"],
+                       PIPELINE_SWEEP["gemv_bk128_pipe6"]] if m == 1 else []
             for cfg in [None] + (sweep_m if sweep else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
@@ -117,7 +136,7 @@ def linear_decode(bw: float, sweep: int) -> list:
                 except Exception as exc:
                     print(f"  linear variant {cfg} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                     continue
-                tried.append(dict(config=cfg, graph_ms=ms, rel_err=err))
+                tried.append(dict(config=cfg, name=variant_name(cfg), graph_ms=ms, rel_err=err))
             default = tried[0]
             best = min((v for v in tried if v["rel_err"] <= 1.5 * default["rel_err"]), key=lambda v: v["graph_ms"])
             row = dict(shape=f"{n} x {k}", rows=m, bytes_needed=need, graph_ms=default["graph_ms"],
@@ -292,7 +311,8 @@ def main() -> int:
             ids, _ = moe_routing.route(x, layer.router, layer.bias, TOP_K)
             touched = int(torch.unique(ids).numel())
             need = touched * per + shared + layer.router.numel() * 4 + 2 * x.numel() * 2
-            variants = [None] + (decode_variants(fmt, b) if args.sweep else [])
+            default_cfg = kmoe.default_config(b, b * TOP_K, args.experts, fmt == "mxfp8")
+            variants = [None] + ([v for v in decode_variants(fmt, b) if v != default_cfg] if args.sweep else [])
             want = oracle(fmt, x)
             tried = []
             for cfg in variants:
@@ -302,7 +322,7 @@ def main() -> int:
                 except Exception as exc:  # a variant that does not compile or launch is reported and skipped
                     print(f"  variant {cfg} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                     continue
-                tried.append(dict(config=cfg, graph_ms=ms, rel_err=err))
+                tried.append(dict(config=cfg, name=variant_name(cfg), graph_ms=ms, rel_err=err))
             default = tried[0]
             # The fastest variant whose error is no worse than the default's (all are exact up to sum order).
             best = min((v for v in tried if v["rel_err"] <= 1.5 * default["rel_err"]), key=lambda v: v["graph_ms"])
@@ -310,8 +330,8 @@ def main() -> int:
             ref_ms = eager_time_ms(lambda: reference(fmt, x))
             row = dict(format=fmt, batch=b, experts_touched=touched, bytes_needed=need,
                        graph_ms=default["graph_ms"], eager_ms=eager_ms, reference_ms=ref_ms,
-                       best_graph_ms=best["graph_ms"], best_config=best["config"],
-                       frac_copy_bw=need / (default["graph_ms"] * 1e-3) / bw,
+                       best_graph_ms=best["graph_ms"], best_config=best["config"], best_name=best["name"],
+                       default_config=default_cfg, frac_copy_bw=need / (default["graph_ms"] * 1e-3) / bw,
                        best_frac_copy_bw=need / (best["graph_ms"] * 1e-3) / bw,
                        rel_err_kernel=default["rel_err"], rel_err_reference=rel_err(reference(fmt, x), want),
                        variants=tried)
@@ -321,7 +341,8 @@ def main() -> int:
         for t in prefills:
             x = torch.randn(t, H, device=DEV, generator=g).bfloat16()
             flops = 2 * t * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
-            variants = [None] + (PREFILL_SWEEP[fmt] if args.sweep else [])
+            default_cfg = kmoe.default_config(t, t * TOP_K, args.experts, fmt == "mxfp8")
+            variants = [None] + ([v for v in PREFILL_SWEEP[fmt] if v != default_cfg] if args.sweep else [])
             want = oracle(fmt, x) if t <= 4096 else None  # the fp32 oracle loops over experts: affordable at 4k
             tried = []
             for config in variants:
@@ -331,7 +352,7 @@ def main() -> int:
                 except Exception as exc:
                     print(f"  variant {config} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
                     continue
-                tried.append(dict(config=config, ms=ms, rel_err=err))
+                tried.append(dict(config=config, name=variant_name(config), ms=ms, rel_err=err))
             default = tried[0]
             best = min(tried, key=lambda v: v["ms"])
             row = dict(format=fmt, tokens=t, flops=flops, ms=default["ms"],

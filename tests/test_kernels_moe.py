@@ -192,6 +192,34 @@ def test_moe_gemv_split_k_and_prefetch(fmt, dt, split, prefetch):
                config={"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split, "PREFETCH": prefetch})
 
 
+# bench/moe.py's batch-1 GEMV variants with PIPELINE (cp.async stages named on the K loop), here with their own
+# BLOCK_N / warps / stages / SPLIT_K and a 64-wide K tile, so that H 224 gives 4 K steps (the last one half past
+# H, masked; with SPLIT_K 2, 2 per split) and the pipelined loop has a prologue, a steady state and an epilogue
+# (6 stages: more than the loop has steps); I 96 gives the down projection 2 K steps, the second half masked. The interpreter ignores the stages (the loads and sums are the same, which is the point: PIPELINE
+# must not change what is computed); the H200 test below runs them compiled.
+PIPELINE_CONFIGS = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4, PIPELINE=4),
+                    dict(GEMV=1, BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=6, PIPELINE=6),
+                    dict(GEMV=1, BLOCK_N=4, BLOCK_K=64, num_warps=2, num_stages=4, PIPELINE=4),
+                    dict(GEMV=1, BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=2, PIPELINE=4)]
+PIPELINE_IDS = ["pipe4", "pipe6", "bn4_pipe4", "split2_pipe4"]
+
+
+@cpu_only
+@pytest.mark.parametrize("config,fmt", [(PIPELINE_CONFIGS[0], "bf16"), *((c, "mxfp8") for c in PIPELINE_CONFIGS)],
+                         ids=["pipe4-bf16", *(f"{i}-mxfp8" for i in PIPELINE_IDS)])
+def test_moe_gemv_pipeline(fmt, config):
+    # One token (the bucket these variants are for), top-2 of 5 experts, bf16 activations as the model runs;
+    # MXFP8 weights for every variant (the format they are meant for), bf16 weights for one.
+    _check_moe(MoECase(1, 224, 96, 64, 5, 2, seed=31), torch.bfloat16, fmt, config=config)
+
+
+@cpu_only
+def test_moe_gemv_pipeline_rejects_prefetch():
+    case = MoECase(1, 64, 32, 32, 4, 2)
+    with pytest.raises(ValueError, match="PIPELINE must be >= 1 and goes with PREFETCH 0"):
+        _check_moe(case, torch.float32, "bf16", config={"GEMV": 1, "PIPELINE": 3, "PREFETCH": 1})
+
+
 @cpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -224,13 +252,26 @@ def test_moe_one_token_most_experts_empty(fmt, config):
 
 
 @cpu_only
-@pytest.mark.parametrize("t,fmt", [(1, "mxfp8"), (1, "bf16"), (8, "bf16"), (8, "mxfp8"), (20, "mxfp8"),
-                                   (80, "mxfp8"), (80, "bf16")])
-def test_moe_default_config_per_batch_bucket(t, fmt):
-    # Each branch of moe.default_config (GEMV at 1 token and at <= 8 with bf16 weights, the 16-row tensor-core
-    # tiles at 8, the 64-wide N tiles above 8 tokens with MXFP8, 64-row blocks in MXFP8 prefill, 128-row blocks
-    # with bf16 weights) through the launcher's own default, bf16 activations as the model runs.
-    _check_moe(MoECase(t, 96, 32, 64, 3, 2, seed=10 + t), torch.bfloat16, fmt)
+@pytest.mark.parametrize("t,e,fmt", [(1, 3, "mxfp8"), (1, 3, "bf16"), (8, 3, "bf16"), (8, 3, "mxfp8"),
+                                     (20, 3, "mxfp8"), (80, 3, "mxfp8"), (80, 3, "bf16"), (300, 2, "mxfp8")])
+def test_moe_default_config_per_batch_bucket(t, e, fmt):
+    # Each branch of moe.default_config through the launcher's own default, bf16 activations as the model runs:
+    # the GEMV tiles at 1 token (MXFP8: 4 warps; bf16: BN 4 with PREFETCH 2), the 16-row tensor-core tiles from 2
+    # tokens (GU_FUSED with MXFP8: 8 and 20 tokens), MXFP8 prefill in 64-row GU_FUSED blocks (80 tokens x top-2
+    # over 3 experts: 53 assignments per expert) and in 128-row blocks with 128-wide N tiles (300 tokens over 2
+    # experts: 300 per expert, above the 256 split), bf16 prefill in block_m_for's 128-row blocks.
+    _check_moe(MoECase(t, 96, 32, 64, e, 2, seed=10 + t), torch.bfloat16, fmt)
+
+
+def test_moe_default_config_buckets():
+    # Which tiles each bucket gets (the sweep's winners; moe.default_config's docstring has the measurements).
+    d = moe_kernel.default_config
+    assert d(1, 4, 128, True) == moe_kernel.GEMV_DECODE and d(1, 4, 128, False) == moe_kernel.GEMV_DECODE_BF16
+    assert d(8, 32, 128, True) == {"GU_FUSED": 1} == d(64, 256, 128, True)
+    assert d(8, 32, 128, False) == {} == d(64, 256, 128, False)
+    assert d(4096, 16384, 128, True) == {"BLOCK_M": 64, "GU_FUSED": 1}
+    assert d(16384, 65536, 128, True) == {"BLOCK_M": 128, "BLOCK_N": 128}
+    assert d(4096, 16384, 128, False) == {}
 
 
 @cpu_only
@@ -274,7 +315,7 @@ def test_moe_rejects_mismatched_weights():
 
 # ---------------------------------------------------------------------------------------------------- linear
 @cpu_only
-@pytest.mark.parametrize("mode", [0, 1, "gemv", "gemv_prefetch", "default"])
+@pytest.mark.parametrize("mode", [0, 1, "gemv", "gemv_prefetch", "gemv_pipeline", "default"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
 def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
@@ -284,6 +325,7 @@ def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     # "default": no config, i.e. mxfp8_linear.gemv_config at one row (the GEMV tile), tile_config above.
     config = ({"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64} if mode == "gemv" else None if mode == "default"
               else {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64, "PREFETCH": 2} if mode == "gemv_prefetch"
+              else {"GEMV": 1, "BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "PIPELINE": 4} if mode == "gemv_pipeline"
               else {"MX_MODE": mode, "BLOCK_K": 64})
     got = linear_kernel.run_linear(x, w, s, config=config)
     want = ref.mxfp8_linear_reference(x, w, s)
@@ -330,6 +372,23 @@ def test_gpu_moe_gemv_split_k_mini_dims(config):
             _close(got, want, want64)
             assert first is None or torch.equal(got, first)  # deterministic: partials added in split order
             first = got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("config", PIPELINE_CONFIGS, ids=PIPELINE_IDS)
+def test_gpu_moe_gemv_pipeline_mini_dims(config):
+    # The cp.async-pipelined GEMV compiled (the interpreter ignores the stages): mini dims, 16 experts, one token
+    # (and four with split-K, whose cross-program partials meet the pipelined loads), bench/moe.py's K tile of 256
+    # (BLOCK_K 128 for the 6-stage one, as the bench runs it).
+    config = {**config, "BLOCK_K": 128 if config["PIPELINE"] == 6 else 256}
+    for t in (1, 4) if config.get("SPLIT_K") else (1,):
+        case = MoECase(t, 6144, 3072, 3072, 16, 4, gain=0.02, seed=40 + t)
+        args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+        want = ref.moe_mxfp8_reference(*args, *case.attrs())
+        want64 = ref.moe_mxfp8_reference(*_as64(args), *case.attrs())
+        _close(moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=config),
+               want, want64)
 
 
 @pytest.mark.gpu

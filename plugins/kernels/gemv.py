@@ -123,8 +123,9 @@ def x_tile(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m, N,
                  K: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH: tl.constexpr):
-    """Program (n-tile, row): y[row, tile] = x[row] @ W[tile]^T."""
+                 PREFETCH: tl.constexpr, PIPELINE: tl.constexpr = None):
+    """Program (n-tile, row): y[row, tile] = x[row] @ W[tile]^T. ``PIPELINE``: cp.async stages of the K loop
+    (``moe_gemv``'s docstring says why the loop must name them)."""
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     dt = x_ptr.dtype.element_ty
@@ -134,7 +135,7 @@ def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m,
     s_rows = s_ptr + n.to(tl.int64) * ss_n
     if PREFETCH == 0:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPELINE):
             x = x_tile(x_ptr + row * sx_m, k0, K, BLOCK_K)
             acc = row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K, BLOCK_K, MXFP8, dt)
         out = reduce_rows(acc)
@@ -143,6 +144,17 @@ def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m,
         out = stream_dot(x_ptr + row * sx_m, w_rows, s_rows, sw_k, ss_k, n_ok, 0, KS, K, BLOCK_N, BLOCK_K, MXFP8,
                          dt, PREFETCH)
     tl.store(y_ptr + row * sy_m + n, cast(out, y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def pipeline_kw(cfg: dict, who: str) -> dict:
+    """The ``PIPELINE`` constexpr of a GEMV config (absent when unset: the kernels' default, a plain K loop)."""
+    stages = cfg.get("PIPELINE")
+    if stages is None:
+        return {}
+    if int(stages) < 1 or cfg.get("PREFETCH", 0):
+        raise ValueError(f"{who}: PIPELINE must be >= 1 and goes with PREFETCH 0, got {stages} and "
+                         f"{cfg.get('PREFETCH', 0)}")
+    return {"PIPELINE": int(stages)}
 
 
 def linear_gemv(x2, weight, weight_scale, y, cfg: dict) -> None:
@@ -154,5 +166,5 @@ def linear_gemv(x2, weight, weight_scale, y, cfg: dict) -> None:
         x2, weight, weight_scale, y, x2.stride(0), weight.stride(0), weight.stride(1),
         weight_scale.stride(0), weight_scale.stride(1), y.stride(0), n,
         K=k, MXFP8=True, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", 128), PREFETCH=cfg.get("PREFETCH", 0),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pipeline_kw(cfg, "mxfp8_linear"),
     )

@@ -16,8 +16,8 @@ Semantics: ``m3export.ops.moe.moe_reference`` (``docs/ops.md`` §5-6). Launches,
 Weights are read tile by tile in their stored dtype (bf16, or E4M3 + UE8M0 dequantised on chip, never as a whole).
 At decode a row block holds 16 rows (the smallest tensor-core tile) and the grid is spread over narrow N tiles, so
 each selected expert's bytes are streamed once by many programs; in prefill blocks of 64-128 rows feed wgmma.
-At one token (and up to 8 with bf16 weights) the launcher takes the CUDA-core GEMV path of ``moe_gemv.py`` instead
-(``default_config``: the tiles measured fastest on the H200 per batch bucket and weight format).
+At one token the launcher takes the CUDA-core GEMV path of ``moe_gemv.py`` instead (``default_config``: the tiles
+measured fastest on the H200 per batch bucket and weight format).
 Differences from the reference are rounding only: the reference sums the routed experts in the activation dtype,
 in expert order; this sums them in fp32 (more accurate by a few roundings in bf16, the same to ~1e-6 in fp32).
 """
@@ -159,8 +159,8 @@ def block_m_for(num_assignments: int, num_experts: int) -> int:
     """Rows per block from the mean assignments per expert: 16 (the smallest tensor-core tile) at decode, 64 or
     128 in prefill. Larger blocks amortise each weight tile's load and dequantisation over more rows; smaller
     ones waste fewer padding rows (each expert in use pads up to BLOCK_M - 1). With MXFP8 weights the launcher's
-    default overrides 128 with 64 (``default_config``: 64-row blocks with tl.dot_scaled ran 1.2-1.3x faster at
-    4k / 16k tokens on the H200); bf16 weights keep this table."""
+    default picks the prefill blocks itself (``default_config``: 64-row blocks up to 256 assignments per expert,
+    128-row blocks with 128-wide N tiles above, as measured on the H200); bf16 weights keep this table."""
     mean = num_assignments / max(1, num_experts)
     if mean <= 16:
         return 16
@@ -186,33 +186,43 @@ def gemm_config(block_m: int, mx_mode2: bool = True) -> dict:
     return dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=mode)
 
 
-# The CUDA-core GEMV decode tile (moe_gemv.py) that ran fastest on the H200 at batch 1 for MXFP8 and bf16 experts
-# and at batch 8 for bf16 experts (bench/moe.py sweep, 2026-11-30 20:05 UTC, commit d5443e6; docs/performance.md).
-GEMV_DECODE = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4)
+# The CUDA-core GEMV decode tiles (moe_gemv.py) that ran fastest on the H200 at one token (bench/moe.py round-2
+# sweep, 2026-11-30 22:12 UTC, commit b0036a9, bench/results/moe_h200_round2.json; docs/performance.md). MXFP8: 4
+# warps (72 registers against the 2-warp tile's 168, so 7 programs per SM instead of 6); bf16: 4-row tiles with two K
+# steps of raw bytes loaded ahead (gemv.stream_dot). The tile both formats had before round 2 (BN 8, BK 256, 2 warps)
+# is bench/moe.py's "gemv_2warps" variant, re-measured by every sweep.
+GEMV_DECODE = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
+GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2)
 
 
 def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool) -> dict:
     """The launcher's choice when the caller gives no ``config``, per batch bucket and weight format: the winners
-    of the H200 sweep (2026-11-30 20:05 UTC, commit d5443e6; 128 experts, H 6144, I 3072, top-4; graph replays).
+    of the H200 sweep (round 2, 2026-11-30 22:12 UTC, commit b0036a9; 128 experts, H 6144, I 3072, top-4; graph
+    replays), each checked against the fp32 oracle in that run.
 
-    * GEMV_DECODE (CUDA cores, no permutation) at one token (MXFP8 212 -> 150 us, bf16 242 -> 183 us), and up to 8
-      tokens with bf16 weights (943 -> 915 us); MXFP8 at 8 tokens stays on the 16-row tensor-core tiles (683 us;
-      the GEMV tiles took 763-910). Batches 2-7 are not measured: bf16 sits between two GEMV wins, MXFP8 keeps
-      the tensor cores from 2 tokens on (GEMV MXFP8 lost by 12 % at 8).
-    * MXFP8 above 8 tokens with 16-row blocks: 64-wide N tiles with 128-deep K tiles (2352 -> 2160 us at 64).
-    * MXFP8 in prefill (more than 16 assignments per expert): 64-row blocks with ``gemm_config(64)`` (4k tokens
-      19.0 -> 14.7 ms, 16k 62.2 -> 52.5 ms); bf16 weights keep 128-row blocks (not measured at 64).
+    * One token: the CUDA-core GEMV (no permutation), ``GEMV_DECODE`` with MXFP8 weights, ``GEMV_DECODE_BF16`` with
+      bf16 weights.
+    * 2 tokens up to the 16-row-block bucket (mean <= 16 assignments per expert, ``block_m_for``): the grouped
+      tensor-core tiles of ``gemm_config(16)`` (BN 32, BK 128, 4 warps, 4 stages, MX_MODE 1), with MXFP8 weights as
+      ``GU_FUSED`` (gate and up as one dot of twice the width, ``_gate_up``): it won at 8 and 64 tokens. bf16
+      weights take the plain tiles there (they won at 8 tokens over the GEMV; GU_FUSED not measured with bf16).
+      Batches 2-7 are not measured: they take the bucket of 8.
+    * MXFP8 in prefill: 64-row blocks with ``GU_FUSED`` up to 256 assignments per expert (measured at 4k tokens =
+      128 per expert), 128-row blocks with 128-wide N tiles above (measured at 16k = 512 per expert; the split
+      between the two is not measured). bf16 weights keep ``block_m_for``'s 128-row blocks.
     Returned as an override dict, so the shared expert gets exactly the tiles the sweep ran it with. Every tile
-    here computes the same function (rounding points unchanged, sums in fp32 in another order)."""
-    if t == 1 or (not mxfp8 and t <= 8):
-        return dict(GEMV_DECODE)
+    here computes the same function (rounding points unchanged, sums in fp32 in another order). The settings
+    these replaced are named variants of ``bench/moe.py``'s sweep (``PREVIOUS_DEFAULTS``), re-measured each run."""
+    if t == 1:
+        return dict(GEMV_DECODE if mxfp8 else GEMV_DECODE_BF16)
     if not mxfp8:
         return {}
-    if block_m_for(num_assignments, num_experts) > 16:
-        return {"BLOCK_M": 64}
-    if t > 8:
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1)
-    return {}
+    mean = num_assignments / max(1, num_experts)
+    if block_m_for(num_assignments, num_experts) <= 16:
+        return {"GU_FUSED": 1}
+    if mean <= 256:
+        return {"BLOCK_M": 64, "GU_FUSED": 1}
+    return {"BLOCK_M": 128, "BLOCK_N": 128}
 
 
 def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,

@@ -1,12 +1,13 @@
 """The MoE decode path without tensor cores: one program per (assignment, column tile), weights dotted on CUDA cores.
 
 Not a kernel module (it is not in ``KERNEL_MODULES``): ``moe.run_moe`` launches it when its config says
-``GEMV``, by default at one token and at up to 8 with bf16 weights (``moe.default_config``: measured faster there
-on the H200; ``bench/moe.py`` sweeps its tiles). At decode nearly every expert a batch
+``GEMV``, by default at one token (``moe.default_config``: measured faster there on the H200; ``bench/moe.py``
+sweeps its tiles, at up to 8 tokens). At decode nearly every expert a batch
 reaches gets one token (batch 8 over 128 experts: ~30 experts for 32 assignments), so a 16-row tensor-core tile
 carries one useful row, and feeding ``tl.dot`` costs layout shuffles through shared memory for every weight tile.
 Here each program streams one expert's ``[BLOCK_N, H]`` slab for one token and reduces it in registers: no
-permutation (the routing's ``[T, top_k]`` ids address the weights directly), no padding, no shared memory.
+permutation (the routing's ``[T, top_k]`` ids address the weights directly), no padding, no shared memory (but
+for the cp.async buffers of ``PIPELINE``).
 
 ``SPLIT_K`` > 1 (a config key; 1 by default) splits each program's K loop over ``SPLIT_K`` programs, so that
 batch 1's few experts are streamed by more CTAs: each stores its fp32 partial sums, and the last program of the
@@ -15,6 +16,13 @@ epilogue. Deterministic (the order of the adds does not depend on which program 
 
 ``PREFETCH`` 1 or 2 (config key; 0 by default) streams gate and up one after the other with that many K steps
 raw bytes loaded ahead (``gemv.stream_dot``): more bytes in flight per SM for the same registers.
+
+``PIPELINE`` S (config key, PREFETCH 0 only; unset by default) gives the K loop ``tl.range(num_stages=S)``. Triton
+pipelines the loads of a loop without a dot only when the loop itself names its stages (the launch's
+``num_stages`` does not): the weight, scale and activation tiles of the next S - 1 K steps are then copied into
+shared memory with cp.async while this step is summed, so the bytes in flight no longer cost registers (sm_90
+compile at mini dims, gate-up BN 8 / BK 256 / 4 warps: 72 registers either way, 13.8 KB of shared memory at S 4,
+about 3x the bytes in flight per SM). The same loads and sums in the same order: results are bit-identical.
 
 Semantics are ``moe.py``'s: weights (E4M3 x UE8M0 scale, exactly, per element) are rounded to the activation
 dtype as the reference casts them, products and sums are fp32, the gate-up output is rounded to the activation
@@ -27,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, x_tile as _x3
+from .gemv import pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, x_tile as _x3
 from .mxfp8_linear import cast
 
 
@@ -37,6 +45,7 @@ def _gate_up_gemv(
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+    PIPELINE: tl.constexpr = None,
 ):
     """Program (a, n-tile, split): routed, ``a`` is the assignment token * top_k + slot (expert ``ids[a]``); shared,
     ``a`` is the token (expert 0 of a stack of one). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's
@@ -60,7 +69,7 @@ def _gate_up_gemv(
     if PREFETCH == 0:  # gate and up in one loop, one K step in flight
         acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-        for kk in range(0, KS, BLOCK_K):
+        for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk  # past H in the last split: masked loads, zeros added
             x = _x3(x_row, k0, H, BLOCK_K)
             acc_g = _row_dot(x, acc_g, w_g, s_g, k0, sw_k, ss_k, n_ok, H, BLOCK_K, MXFP8, dt)
@@ -117,6 +126,7 @@ def _down_gemv(
     sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+    PIPELINE: tl.constexpr = None,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (routed), y[token, top_k] = act @ w2^T (shared).
     With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr`` int32 [rows, n-tiles]."""
@@ -139,7 +149,7 @@ def _down_gemv(
     KS: tl.constexpr = ((I + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     if PREFETCH == 0:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-        for kk in range(0, KS, BLOCK_K):
+        for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk
             x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
             acc = _row_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, dt)
@@ -175,7 +185,8 @@ def launch(x, act, act_s, y, ids, route_w, routed13, routed2, shared13, shared2,
     prefetch = int(cfg.get("PREFETCH", 0))
     if split < 1 or prefetch not in (0, 1, 2):
         raise ValueError(f"moe: SPLIT_K must be >= 1 and PREFETCH 0, 1 or 2, got {split} and {prefetch}")
-    launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
+    launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+                     **pipeline_kw(cfg, "moe"))
     gate_up = ((routed13, t * top_k, act, i, True), (shared13, t, act_s, i_s, False))
     down = ((routed2, t * top_k, act, i, True), (shared2, t, act_s, i_s, False))
     # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each of the four launches.

@@ -163,11 +163,13 @@ def tile_config(m: int, mx_mode2: bool = True) -> dict:
 
 
 def gemv_config(m: int) -> dict | None:
-    """The CUDA-core GEMV tile (``gemv.py``) where the H200 measured it faster than ``tile_config``'s: one row
-    (8192 x 6144: 35.5 -> 29.7 us, 6144 x 8192: 42.7 -> 33.5 us; sweep of 2026-11-30 20:05 UTC, commit d5443e6).
-    At 8 rows the tensor-core tiles won (33 / 42 us against 119-179), so only m == 1 takes it."""
+    """The CUDA-core GEMV tile (``gemv.py``) where the H200 measured it faster than ``tile_config``'s: one row,
+    BN 8 / BK 256 at 4 warps (the winner of bench/moe.py's round-2 sweep, 2026-11-30 22:12 UTC, commit b0036a9,
+    over the 2-warp tile it replaced and over the tensor-core tiles, at 8192 x 6144 and 6144 x 8192; the 2-warp
+    tile stays in the sweep). At 8 rows the tensor-core tiles won (the GEMV tiles took 3-4x longer), so only
+    m == 1 takes it."""
     if m == 1:
-        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4)
+        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
     return None
 
 
