@@ -14,9 +14,10 @@ the cast back). It repeats their roundings:
 * no fused multiply-add (``enable_fp_fusion=False``): ``mean + eps`` rounds twice, as two PyTorch ops do.
 
 What is left: the fp32 summation order of the squares (a tree here, PyTorch's own reduction there), which can move
-the mean square, hence ``rstd``, by a unit or two in the last place of fp32, and so an output by one unit in the
-last place of the activation dtype where its exact value lies that close to a rounding boundary (bf16: about one
-element in 2^15; fp32: a relative 2^-22 at most). The residual sum is bit-exact.
+the mean square, hence ``rstd``, by a few units in the last place of fp32 (at most (N + 4) 2^-24 relative: the
+bound ``tests/test_kernels_rms_norm.py`` derives and checks), and so an output by one unit in the last place of the
+activation dtype where its exact value lies that close to a rounding boundary (rare: at width 6144 under the
+interpreter, no bf16 output and about 2e-5 of fp16 ones). The residual sum is bit-exact.
 
 One program per row: the whole row (hidden 6144 in the release) is one block, any number of rows.
 """
