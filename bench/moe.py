@@ -90,16 +90,22 @@ PREFILL_SWEEP = {
 
 
 def decode_variants(fmt: str, batch: int) -> list:
-    """The decode sweep at one batch: the GEMV tiles (register-streamed and PIPELINE) up to 8 tokens, the grouped
-    path forced at one token, the 16-row tensor-core tiles from 8 tokens with MXFP8 weights, GU_FUSED 16-row tiles
-    with bf16 weights at 2-8 tokens."""
-    out = [*GEMV_SWEEP, *PIPELINE_SWEEP.values()] if batch <= 8 else []
+    """The decode sweep at one batch. MXFP8: every PIPELINE variant and the previous GEMV default at one token, the
+    two PIPELINE tiles with the most bytes in flight at 2-8 tokens (the register-streamed GEMV lost to the 16-row
+    tensor-core tiles there by 10-20 % in both rounds), the 16-row tensor-core tiles from 8 tokens. bf16 (74 % of
+    copy bandwidth at one token already): the register-streamed GEMV tiles and the two PIPELINE tiles up to 8
+    tokens, GU_FUSED 16-row tiles at 2-8. The grouped path forced at one token in both formats."""
+    pipelined = list(PIPELINE_SWEEP.values())
+    if fmt == "mxfp8":
+        out = [PREVIOUS_DEFAULTS["gemv_2warps"], *pipelined] if batch == 1 else pipelined[:2] if batch <= 8 else []
+        if batch >= 8:
+            out += TC_DECODE_SWEEP
+    else:
+        out = [*GEMV_SWEEP, *pipelined[:2]] if batch <= 8 else []
+        if 1 < batch <= 8:
+            out.append(dict(BLOCK_M=16, GU_FUSED=1))
     if batch == 1:
         out.append(dict(BLOCK_M=16))
-    if fmt == "mxfp8" and batch >= 8:
-        out += TC_DECODE_SWEEP
-    elif fmt == "bf16" and 1 < batch <= 8:
-        out.append(dict(BLOCK_M=16, GU_FUSED=1))
     return out
 
 
