@@ -62,7 +62,7 @@ _BY_NAME = (
     (r"_down(_gemv)?", "MoE down"),
     (r"_combine", "MoE combine"),
     (r"_mxfp8_linear|_linear_gemv|m3::mxfp8_linear", "linear"),
-    (r"_norm_rope", "norms / rope / cache write"),
+    (r"_norm_rope|_add_rms_norm", "norms / rope / cache write"),
 )
 _COPY = re.compile(r"[Mm]emcpy|[Mm]emset|copy_kernel|CatArray|aten::copy_|aten::cat|aten::to\b|aten::_to_copy")
 
