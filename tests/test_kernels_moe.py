@@ -325,7 +325,7 @@ def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     # "default": no config, i.e. mxfp8_linear.gemv_config at one row (the GEMV tile), tile_config above.
     config = ({"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64} if mode == "gemv" else None if mode == "default"
               else {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64, "PREFETCH": 2} if mode == "gemv_prefetch"
-              else {"GEMV": 1, "BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "PIPELINE": 4} if mode == "gemv_pipeline"
+              else {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "PIPELINE": 4} if mode == "gemv_pipeline"
               else {"MX_MODE": mode, "BLOCK_K": 64})
     got = linear_kernel.run_linear(x, w, s, config=config)
     want = ref.mxfp8_linear_reference(x, w, s)
