@@ -6,6 +6,7 @@ Each command module defines ``NAME``, ``HELP``, ``EXAMPLES``, ``add_arguments(pa
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -48,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args._run(args) or 0)
+        try:
+            return int(args._run(args) or 0)
+        finally:
+            # Free what the command left in reference cycles (ONNX Runtime sessions among them) while the CUDA
+            # runtime is still up: left to the interpreter's exit, ORT's CUDA EP frees its pinned buffers after
+            # the runtime has shut down, and `cudaFreeHost` failing (error 800) in a destructor aborts the process
+            # (exit 134 after a `verify` that had PASSED, on the H200).
+            gc.collect()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
