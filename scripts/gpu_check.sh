@@ -19,8 +19,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   # One pytest per file, each with its own time limit, so that a slow file cannot hide the others' failures.
   # GPU_TEST_FILES="a.py:secs b.py:secs" picks files (default: every file with gpu-marked tests).
   files="${GPU_TEST_FILES:-test_gpu_decode_step.py:150 test_kernels_attention_gpu.py:200 test_gpu_engine.py:90
-         test_kernels_moe.py:120 test_runtime_cuda_graph.py:150 test_op_conformance.py:240
-         test_tensorrt_plugins_gpu.py:300}"
+         test_kernels_moe.py:180 test_kernels_rms_norm_gpu.py:60 test_kv_cache_fp8_gpu.py:200
+         test_runtime_cuda_graph.py:150 test_runtime_step_host_work.py:90 test_runtime_speculative_round_work.py:90
+         test_op_conformance.py:240 test_tensorrt_plugins_gpu.py:300}"
   for spec in $files; do
     f="${spec%%:*}"; secs="${spec##*:}"
     echo "== $f (limit ${secs}s)" | tee -a "$OUT/gpu_tests.txt"
@@ -35,6 +36,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   timeout 120 python3 bench/attention.py --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log" | tail -30
   timeout 120 python3 bench/moe.py --sweep 0 --json "$OUT/moe_h200.json" 2>&1 | tee "$OUT/moe.log" | grep -v '^{'
   timeout 240 python3 bench/decode.py --reps 10 --json "$OUT/decode_h200.json" 2>&1 | tee "$OUT/decode.log" \
+      | grep -v '^{'
+  timeout 200 python3 bench/decode_profile.py --shapes 1x4096,8x32768 --steps 5 2>&1 | tee "$OUT/decode_profile.log" \
       | grep -v '^{'
 fi
 exit "$status"
