@@ -15,6 +15,7 @@ One MoE layer at the ``mini`` preset's dims (H 6144, I 3072, shared 3072, top-4)
 
   python bench/moe.py                                    # on the H200: table + bench/results/moe_h200.json
   python bench/moe.py --experts 16 --prefill 4096 --formats mxfp8 --sweep 0
+  python bench/moe.py --only linear,decode1 --json bench/results/moe_h200_gemv.json   # the one-row GEMV sweeps
   python bench/moe.py --smoke --experts 6 --batches 1,3 --prefill 40 --json /tmp/moe.json   # CPU, script check
 """
 
@@ -48,10 +49,15 @@ ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # Registers / spills / pipelining of each tile: scripts/compile_moe_kernels_sm90.py. Compiling is most of the
 # sweep's time, so the lists are short: one H200 call of `timeout 200 python3 bench/moe.py` must run them all.
 
-# The defaults that round 2 replaced, named in the JSON ("name") so that each run re-measures old against new.
+# The defaults that rounds 2 and 3 replaced, named in the JSON ("name") so that each run re-measures old against new.
 PREVIOUS_DEFAULTS = {
-    # MoE at one token (both formats), bf16 MoE up to 8 tokens, mxfp8_linear at one row: 168 registers / 2 warps.
+    # Before round 2: MoE at one token (both formats), bf16 MoE up to 8 tokens, mxfp8_linear at one row: 168
+    # registers / 2 warps.
     "gemv_2warps": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4),
+    # Round 2's, replaced by round 3's PIPELINE tiles: MXFP8 MoE at one token and mxfp8_linear at one row ...
+    "gemv_4warps": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),
+    # ... and bf16 MoE at one token.
+    "gemv_bn4_prefetch2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2),
     # MXFP8 MoE at 2-8 tokens: 16-row tensor-core tiles with gate and up as two dots.
     "tc16_bn32_unfused": dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
     # MXFP8 MoE above 8 tokens in 16-row blocks.
@@ -70,11 +76,27 @@ PIPELINE_SWEEP = {
     "gemv_split2_pipe4": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, SPLIT_K=2,
                               PIPELINE=4),  # 72 / 48
 }
-NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP}
-# The register-streamed GEMV tiles kept from round 2 (scripts/compile_moe_kernels_sm90.py compiles these two lists).
-GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"],
-              dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4),  # the MXFP8 one-token default
-              dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2)]  # the bf16 one
+# Round 3 (moe_h200_round3.json): the winners are now the one-token defaults (moe.GEMV_DECODE: gemv_bn4_pipe4,
+# moe.GEMV_DECODE_BF16 and mxfp8_linear.gemv_config(1): gemv_pipe4); gemv_bk128_pipe6 (smaller K steps) took twice
+# as long and is no longer swept (kept by name for the tests).
+#
+# Round 4: more bytes per load step. A program's K loop is a chain of dependent loads of BN x BK bytes (BN 8 x BK
+# 256 of E4M3 = 2 KB); at 4.27 TB/s each SM must keep ~32 KB in flight (about 1 us of latency), so these move 4-8 KB
+# per step (BK 512 / 1024, BN 16) with 2-3 named stages, and BN 4 for more programs (the 8192-row linear at BN 8 is
+# 1024 programs, about one wave). sm_90 compile at mini dims (scripts/compile_moe_kernels_sm90.py, registers
+# gate-up / down / linear for MXFP8, no spills, cp.async): BK 512 160-165 / 91-94 / 95-96, BK 1024 159-166 / 80-91 /
+# 93-96; shared memory 6-35 KB (bf16 gate-up at BN 16 / BK 512: 66 KB).
+BYTES_SWEEP = {
+    "gemv_bn4_bk512_pipe3": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3),
+    "gemv_bk512_pipe3": dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, PIPELINE=3),
+    "gemv_bn16_bk512_8w_pipe3": dict(GEMV=1, BLOCK_N=16, BLOCK_K=512, num_warps=8, num_stages=3, PIPELINE=3),
+    "gemv_bk1024_8w_pipe2": dict(GEMV=1, BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=2, PIPELINE=2),
+    "gemv_bn4_bk1024_pipe2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, PIPELINE=2),
+}
+NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP}
+# The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
+GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"], PREVIOUS_DEFAULTS["gemv_4warps"],
+              PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"]]
 SPLITK_SWEEP: list = []  # split-K with PREFETCH 1 lost in round 2 (259 / 193 us at one token); now with PIPELINE
 # 16-row tensor-core tiles (MXFP8 from 8 tokens): the previous defaults and the batch-64 N tile with GU_FUSED.
 TC_DECODE_SWEEP = [PREVIOUS_DEFAULTS["tc16_bn32_unfused"], PREVIOUS_DEFAULTS["tc16_bn64_unfused"],
@@ -90,18 +112,21 @@ PREFILL_SWEEP = {
 
 
 def decode_variants(fmt: str, batch: int) -> list:
-    """The decode sweep at one batch. MXFP8: every PIPELINE variant and the previous GEMV default at one token, the
-    two PIPELINE tiles with the most bytes in flight at 2-8 tokens (the register-streamed GEMV lost to the 16-row
-    tensor-core tiles there by 10-20 % in both rounds), the 16-row tensor-core tiles from 8 tokens. bf16 (74 % of
-    copy bandwidth at one token already): the register-streamed GEMV tiles and the two PIPELINE tiles up to 8
-    tokens, GU_FUSED 16-row tiles at 2-8. The grouped path forced at one token in both formats."""
-    pipelined = list(PIPELINE_SWEEP.values())
+    """The decode sweep at one batch. One token, both formats: the previous default, round 3's PIPELINE tiles and
+    round 4's bigger tiles (BYTES_SWEEP). MXFP8 at 2-8 tokens: the two round-3 PIPELINE winners (the GEMV lost to
+    the 16-row tensor-core tiles there by 10-20 % in all rounds), the 16-row tensor-core tiles from 8 tokens. bf16
+    at 2-8: the register-streamed GEMV tiles, the two PIPELINE winners and GU_FUSED 16-row tiles. The grouped path
+    forced at one token in both formats."""
+    winners = [PIPELINE_SWEEP["gemv_pipe4"], PIPELINE_SWEEP["gemv_bn4_pipe4"]]
+    bigger = list(BYTES_SWEEP.values())
     if fmt == "mxfp8":
-        out = [PREVIOUS_DEFAULTS["gemv_2warps"], *pipelined] if batch == 1 else pipelined[:2] if batch <= 8 else []
+        out = ([PREVIOUS_DEFAULTS["gemv_4warps"], *winners, PIPELINE_SWEEP["gemv_split2_pipe4"], *bigger]
+               if batch == 1 else winners if batch <= 8 else [])
         if batch >= 8:
             out += TC_DECODE_SWEEP
     else:
-        out = [*GEMV_SWEEP, *pipelined[:2]] if batch <= 8 else []
+        out = ([PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"], PREVIOUS_DEFAULTS["gemv_2warps"], *winners, *bigger]
+               if batch == 1 else [*GEMV_SWEEP, *winners] if batch <= 8 else [])
         if 1 < batch <= 8:
             out.append(dict(BLOCK_M=16, GU_FUSED=1))
     if batch == 1:
@@ -130,11 +155,12 @@ def linear_decode(bw: float, sweep: int) -> list:
             want = mx.dequantize(w, sc).float() @ x.float().T
             need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
             tried = []
-            # One row: the default GEMV tile (mxfp8_linear.gemv_config) against the one it replaced and two
-            # PIPELINE tiles; eight rows: the tensor-core default alone (the GEMV tiles lost there by 3-4x and a
-            # 64-wide N tile by 5 % in both rounds).
-            sweep_m = [PREVIOUS_DEFAULTS["gemv_2warps"], PIPELINE_SWEEP["gemv_pipe4"],
-                       PIPELINE_SWEEP["gemv_bk128_pipe6"]] if m == 1 else []
+            # One row: the default GEMV tile (mxfp8_linear.gemv_config: gemv_pipe4) against the one it replaced,
+            # BN 4 (twice the programs) and round 4's bigger tiles. Eight rows: the tensor-core default against two
+            # pipelined GEMV tiles (one program per row and N tile: the 8 rows re-read each weight tile from L2; the
+            # GEMV without PIPELINE lost there by 3-4x in rounds 1-2); already compiled at one row.
+            sweep_m = ([PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values()]
+                       if m == 1 else [PIPELINE_SWEEP["gemv_pipe4"], BYTES_SWEEP["gemv_bn16_bk512_8w_pipe3"]])
             for cfg in [None] + (sweep_m if sweep else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
@@ -255,6 +281,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+PARTS = {"decode", "decode1", "prefill", "linear"}  # --only
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=128)
@@ -263,6 +292,9 @@ def main() -> int:
     ap.add_argument("--formats", default="mxfp8,bf16")
     ap.add_argument("--sweep", type=int, default=1,
                     help="try the tile variants (decode_variants, PREFILL_SWEEP, the linear GEMV tiles)")
+    ap.add_argument("--only", default="",
+                    help="comma list of the parts to run (default all): decode, decode1 (decode at batch 1 only), "
+                    "prefill, linear; e.g. --only linear,decode1 for the one-row GEMV sweeps alone")
     ap.add_argument("--json", default=str(RESULTS / "moe_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU under the Triton interpreter: checks "
                     "that the script runs end to end (numbers meaningless)")
@@ -282,15 +314,25 @@ def main() -> int:
     formats = args.formats.split(",")
     batches = [int(b) for b in args.batches.split(",") if b]
     prefills = [int(t) for t in args.prefill.split(",") if t]
+    only = {p for p in args.only.split(",") if p}
+    if only - PARTS:
+        ap.error(f"--only: unknown part(s) {sorted(only - PARTS)}; choose from {sorted(PARTS)}")
+    if only:
+        batches = batches if "decode" in only else [1] if "decode1" in only else []
+        prefills = prefills if "prefill" in only else []
+    do_linear = (not only or "linear" in only) and "mxfp8" in formats
     t0 = time.time()
     bw = copy_bandwidth()
-    layer = Layer(args.experts, formats)
+    layer = Layer(args.experts, formats) if batches or prefills else None
     attrs = (TOP_K, SCALING, ALPHA, LIMIT)
     res = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "experts": args.experts,
            "dims": {"hidden": H, "intermediate": I, "shared_intermediate": I_SHARED, "top_k": TOP_K},
            "copy_bandwidth_TBps": bw / 1e12, "decode": [], "prefill": []}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights ready in {time.time() - t0:.0f} s", flush=True)
+    # The linear first: its few compiles are done in seconds, so a run cut by its time limit keeps it.
+    res["linear"] = linear_decode(bw, args.sweep) if do_linear else []
+    write_results(res, args.json)
     g = torch.Generator(device=DEV).manual_seed(1)
 
     def run(fmt, x, config=None):
@@ -310,7 +352,7 @@ def main() -> int:
             a[3:] = [w.float() for w in a[3:]]
         return (ref.moe_reference if fmt == "bf16" else ref.moe_mxfp8_reference)(*a, *attrs)
 
-    for fmt in formats:
+    for fmt in formats if layer is not None else []:
         per, shared = layer.expert_bytes(fmt)
         for b in batches:
             x = torch.randn(b, H, device=DEV, generator=g).bfloat16()
@@ -368,8 +410,6 @@ def main() -> int:
             res["prefill"].append(row)
             print(json.dumps(row), flush=True)
             write_results(res, args.json)
-
-    res["linear"] = linear_decode(bw, args.sweep) if "mxfp8" in formats else []
 
     write_results(res, args.json)
     print(f"\nMoE layer, {args.experts} experts, H {H}, I {I}, top-{TOP_K}; copy {bw / 1e12:.2f} TB/s")

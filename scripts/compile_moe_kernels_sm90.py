@@ -75,13 +75,20 @@ def moe_signature(mx: bool, kind: str) -> dict:
             "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}
 
 
-def _bench_gemv_sweep() -> list:
-    """bench/moe.py's GEMV and split-K tiles (imported from the script, so the two lists cannot drift apart)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import moe as bench_moe
+def _gemv_tiles(quick: bool) -> list:
+    """The GEMV configs to build: the launchers' defaults (moe.GEMV_DECODE, moe.GEMV_DECODE_BF16,
+    mxfp8_linear.gemv_config(1)), then unless ``quick`` every GEMV tile of bench/moe.py's sweep (imported from the
+    script, so the lists cannot drift apart)."""
+    tiles = [moe_kernels.GEMV_DECODE, moe_kernels.GEMV_DECODE_BF16, mxfp8_linear.gemv_config(1)]
+    if not quick:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        import moe as bench_moe
 
+        tiles += [*bench_moe.GEMV_SWEEP, *bench_moe.SPLITK_SWEEP, *bench_moe.NAMES.values()]
     seen, out = set(), []
-    for c in (*bench_moe.GEMV_SWEEP, *bench_moe.SPLITK_SWEEP):
+    for c in tiles:
+        if not c.get("GEMV"):
+            continue
         key = tuple(sorted(c.items()))
         if key not in seen:
             seen.add(key)
@@ -117,11 +124,11 @@ def variants(quick: bool):
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
                          f"{' gu' if cfg.get('GU_FUSED') else ''}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
-    # (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K, PREFETCH): the default (moe.GEMV_DECODE) and bench/moe.py's GEMV
-    # sweep (its tiles are listed there with what this check printed for them).
-    gemv_tiles = [(8, 256, 2, 4, 1, 0), *((c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"],
-                                          c.get("SPLIT_K", 1), c.get("PREFETCH", 0)) for c in _bench_gemv_sweep())]
-    for bn, bk, gw, gs, split, prefetch in gemv_tiles[:1] if quick else gemv_tiles:
+    # The GEMV tiles (_gemv_tiles), each for both weight formats and the linear.
+    for c in _gemv_tiles(quick):
+        bn, bk, gw, gs = c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]
+        split, prefetch, pipe = c.get("SPLIT_K", 1), c.get("PREFETCH", 0), gemv.pipeline_kw(c, "compile")
+        tag = f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
@@ -139,15 +146,14 @@ def variants(quick: bool):
             }
             for kind, (fn, sig) in sigs.items():
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                              PREFETCH=prefetch)
-                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} BN{bn:<3} BK{bk:<3} w{gw} s{gs} "
-                            f"split{split} pf{prefetch}", fn, sig, consts, gw, gs))
+                              PREFETCH=prefetch, **pipe)
+                out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} {tag}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
-        out.append((f"{'linear/gemv':12} mxfp8 BN{bn:<3} BK{bk:<3} w{gw} s{gs} pf{prefetch}", gemv._linear_gemv,
-                    sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch), gw, gs))
+        out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
+                    sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch, **pipe), gw, gs))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]

@@ -213,6 +213,37 @@ def test_moe_gemv_pipeline(fmt, config):
     _check_moe(MoECase(1, 224, 96, 64, 5, 2, seed=31), torch.bfloat16, fmt, config=config)
 
 
+# bench/moe.py's round-4 batch-1 tiles with more bytes per load step (BYTES_SWEEP there), at their own BLOCK_K of
+# 512 / 1024: H 608 (a multiple of the 32-wide scale blocks) gives the gate-up loop 2 K steps at BK 512 (the second
+# mostly past H, masked) and one partly masked step at BK 1024; I 96 leaves the down projection one K step, mostly
+# masked. Stages as the bench runs them (the interpreter ignores them). H is small because the down projection's
+# N tiles (H / BLOCK_N programs per assignment) are most of the interpreter's time.
+BYTES_CONFIGS = [dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3),
+                 dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, PIPELINE=3),
+                 dict(GEMV=1, BLOCK_N=16, BLOCK_K=512, num_warps=8, num_stages=3, PIPELINE=3),
+                 dict(GEMV=1, BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=2, PIPELINE=2),
+                 dict(GEMV=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, PIPELINE=2)]
+BYTES_IDS = ["bn4_bk512", "bk512", "bn16_bk512", "bk1024", "bn4_bk1024"]
+
+
+@cpu_only
+@pytest.mark.parametrize("config,fmt", [(BYTES_CONFIGS[1], "bf16"), *((c, "mxfp8") for c in BYTES_CONFIGS)],
+                         ids=["bk512-bf16", *(f"{i}-mxfp8" for i in BYTES_IDS)])
+def test_moe_gemv_big_k_tiles(fmt, config):
+    _check_moe(MoECase(1, 608, 96, 64, 5, 2, seed=33), torch.bfloat16, fmt, config=config)
+
+
+@cpu_only
+@pytest.mark.parametrize("config", BYTES_CONFIGS, ids=BYTES_IDS)
+def test_mxfp8_linear_gemv_big_k_tiles(config):
+    # The same tiles on the one-row linear: K 1120 (the last K step mostly masked), N 40 (the last N tile partly
+    # masked at BN 16).
+    w, s = mxfp8.quantize(torch.randn(40, 1120))
+    x = torch.randn(1, 1120).bfloat16()
+    got = linear_kernel.run_linear(x, w, s, config=config)
+    _close(got, ref.mxfp8_linear_reference(x, w, s), ref.mxfp8_linear_reference(x.double(), w, s))
+
+
 @cpu_only
 def test_moe_gemv_pipeline_rejects_prefetch():
     case = MoECase(1, 64, 32, 32, 4, 2)
@@ -256,7 +287,7 @@ def test_moe_one_token_most_experts_empty(fmt, config):
                                      (20, 3, "mxfp8"), (80, 3, "mxfp8"), (80, 3, "bf16"), (300, 2, "mxfp8")])
 def test_moe_default_config_per_batch_bucket(t, e, fmt):
     # Each branch of moe.default_config through the launcher's own default, bf16 activations as the model runs:
-    # the GEMV tiles at 1 token (MXFP8: 4 warps; bf16: BN 4 with PREFETCH 2), the 16-row tensor-core tiles from 2
+    # the GEMV tiles at 1 token (MXFP8: BN 4 / 2 warps; bf16: BN 8 / 4 warps; both PIPELINE 4), the 16-row tensor-core tiles from 2
     # tokens (GU_FUSED with MXFP8: 8 and 20 tokens), MXFP8 prefill in 64-row GU_FUSED blocks (80 tokens x top-2
     # over 3 experts: 53 assignments per expert) and in 128-row blocks with 128-wide N tiles (300 tokens over 2
     # experts: 300 per expert, above the 256 split), bf16 prefill in block_m_for's 128-row blocks.

@@ -186,22 +186,25 @@ def gemm_config(block_m: int, mx_mode2: bool = True) -> dict:
     return dict(BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, MX_MODE=mode)
 
 
-# The CUDA-core GEMV decode tiles (moe_gemv.py) that ran fastest on the H200 at one token (bench/moe.py round-2
-# sweep, 2026-11-30 22:12 UTC, commit b0036a9, bench/results/moe_h200_round2.json; docs/performance.md). MXFP8: 4
-# warps (72 registers against the 2-warp tile's 168, so 7 programs per SM instead of 6); bf16: 4-row tiles with two K
-# steps of raw bytes loaded ahead (gemv.stream_dot). The tile both formats had before round 2 (BN 8, BK 256, 2 warps)
-# is bench/moe.py's "gemv_2warps" variant, re-measured by every sweep.
-GEMV_DECODE = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
-GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PREFETCH=2)
+# The CUDA-core GEMV decode tiles (moe_gemv.py) that ran fastest on the H200 at one token (bench/moe.py round-3
+# sweep, 2026-12-01 00:35 UTC, commit bd355ce, bench/results/moe_h200_round3.json; 128 experts, graph replays), each
+# with the default's error against the fp32 oracle. Both name their K loop's stages (PIPELINE 4: Triton keeps three
+# K steps of weights in flight through shared memory with cp.async). MXFP8: 4-row tiles at 2 warps (141.1 -> 123.3
+# us, 49 -> 56 % of copy bandwidth); bf16: 8-row tiles at 4 warps (207 -> 175 us, 76 %). The tiles they replaced
+# (MXFP8: BN 8 at 4 warps without PIPELINE; bf16: BN 4 with PREFETCH 2) are bench/moe.py's "gemv_4warps" and
+# "gemv_bn4_prefetch2" variants, re-measured by every sweep.
+GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4)
+GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
 
 
 def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool) -> dict:
     """The launcher's choice when the caller gives no ``config``, per batch bucket and weight format: the winners
-    of the H200 sweep (round 2, 2026-11-30 22:12 UTC, commit b0036a9; 128 experts, H 6144, I 3072, top-4; graph
-    replays), each checked against the fp32 oracle in that run.
+    of the H200 sweeps (round 2, 2026-11-30 22:12 UTC, commit b0036a9; one token: round 3, 2026-12-01 00:35 UTC,
+    commit bd355ce; 128 experts, H 6144, I 3072, top-4; graph replays), each checked against the fp32 oracle in
+    that run.
 
-    * One token: the CUDA-core GEMV (no permutation), ``GEMV_DECODE`` with MXFP8 weights, ``GEMV_DECODE_BF16`` with
-      bf16 weights.
+    * One token: the CUDA-core GEMV (no permutation) with its K loop pipelined through shared memory,
+      ``GEMV_DECODE`` with MXFP8 weights, ``GEMV_DECODE_BF16`` with bf16 weights.
     * 2 tokens up to the 16-row-block bucket (mean <= 16 assignments per expert, ``block_m_for``): the grouped
       tensor-core tiles of ``gemm_config(16)`` (BN 32, BK 128, 4 warps, 4 stages, MX_MODE 1), with MXFP8 weights as
       ``GU_FUSED`` (gate and up as one dot of twice the width, ``_gate_up``): it won at 8 and 64 tokens. bf16

@@ -17,7 +17,7 @@ epilogue. Deterministic (the order of the adds does not depend on which program 
 ``PREFETCH`` 1 or 2 (config key; 0 by default) streams gate and up one after the other with that many K steps
 raw bytes loaded ahead (``gemv.stream_dot``): more bytes in flight per SM for the same registers.
 
-``PIPELINE`` S (config key, PREFETCH 0 only; unset by default) gives the K loop ``tl.range(num_stages=S)``. Triton
+``PIPELINE`` S (config key, PREFETCH 0 only; 4 in both one-token defaults, ``moe.GEMV_DECODE*``) gives the K loop ``tl.range(num_stages=S)``. Triton
 pipelines the loads of a loop without a dot only when the loop itself names its stages (the launch's
 ``num_stages`` does not): the weight, scale and activation tiles of the next S - 1 K steps are then copied into
 shared memory with cp.async while this step is summed, so the bytes in flight no longer cost registers (sm_90

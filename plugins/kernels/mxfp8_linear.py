@@ -164,12 +164,13 @@ def tile_config(m: int, mx_mode2: bool = True) -> dict:
 
 def gemv_config(m: int) -> dict | None:
     """The CUDA-core GEMV tile (``gemv.py``) where the H200 measured it faster than ``tile_config``'s: one row,
-    BN 8 / BK 256 at 4 warps (the winner of bench/moe.py's round-2 sweep, 2026-11-30 22:12 UTC, commit b0036a9,
-    over the 2-warp tile it replaced and over the tensor-core tiles, at 8192 x 6144 and 6144 x 8192; the 2-warp
-    tile stays in the sweep). At 8 rows the tensor-core tiles won (the GEMV tiles took 3-4x longer), so only
-    m == 1 takes it."""
+    BN 8 / BK 256 at 4 warps with the K loop's 4 stages named (PIPELINE: cp.async through shared memory), the
+    winner of bench/moe.py's round-3 sweep (2026-12-01 00:35 UTC, commit bd355ce, moe_h200_round3.json) at 8192 x
+    6144 and 6144 x 8192: 29.4 / 28.4 -> 28.0 / 26.7 us with the same error. The tile it replaced (the same without
+    PIPELINE, round 2's winner) is the sweep's "gemv_4warps". At 8 rows the tensor-core tiles won (the GEMV tiles
+    took 3-4x longer), so only m == 1 takes it."""
     if m == 1:
-        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)
+        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
     return None
 
 
