@@ -15,10 +15,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from m3export.export import functions
 from m3export.ops import conformance as conf
+from tests.topk_rewrite import constant, rewrite_topk
 
 TIE_CASES = ["score-ties", "score-ties-no-forced", "forced-beyond-topk", "nan-tails-empty-shared-batch",
              "mixed-prefill-decode", "6k-tiny-dims"]
@@ -27,34 +28,21 @@ TIE_CASES = ["score-ties", "score-ties-no-forced", "forced-beyond-topk", "nan-ta
 def tie_reversing_topk(fn: onnx.FunctionProto) -> onnx.FunctionProto:
     """``fn`` with each ``TopK(x, k)`` (axis -1) run on ``x`` reversed along its last axis, the ids mapped back:
     the same values, ties to the higher id (ORT's CPU TopK keeps the lower index of its reversed input)."""
-    out = onnx.FunctionProto()
-    out.CopyFrom(fn)
-    nodes = []
-    for n in fn.node:
-        if n.op_type != "TopK":
-            nodes.append(n)
-            continue
-        assert helper.get_node_attr_value(n, "axis") == -1
+
+    def reversed_topk(n, p):
         x, k = n.input
         values, ids = n.output
-        p = f"{n.name}_rev"
-
-        def const(name, value):
-            return helper.make_node("Constant", [], [f"{p}_{name}"],
-                                    value=numpy_helper.from_array(np.asarray(value, dtype=np.int64)))
-
-        nodes += [
-            const("start", [-1]), const("end", [np.iinfo(np.int64).min]), const("axis", [-1]), const("one", [1]),
+        return [
+            constant(f"{p}_start", [-1], np.int64), constant(f"{p}_end", [np.iinfo(np.int64).min], np.int64),
+            constant(f"{p}_axis", [-1], np.int64), constant(f"{p}_one", [1], np.int64),
             helper.make_node("Slice", [x, f"{p}_start", f"{p}_end", f"{p}_axis", f"{p}_start"], [f"{p}_x"]),
             helper.make_node("TopK", [f"{p}_x", k], [values, f"{p}_ids"], axis=-1, largest=1, sorted=1),
             helper.make_node("Shape", [x], [f"{p}_n"], start=-1),
             helper.make_node("Sub", [f"{p}_n", f"{p}_one"], [f"{p}_last"]),
             helper.make_node("Sub", [f"{p}_last", f"{p}_ids"], [ids]),
         ]
-    assert len(nodes) > len(fn.node), "the body has no TopK to reverse"
-    del out.node[:]
-    out.node.extend(nodes)
-    return out
+
+    return rewrite_topk(fn, reversed_topk)
 
 
 def has_ties_in_selection(case: conf.Case) -> bool:

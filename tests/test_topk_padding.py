@@ -16,33 +16,22 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from m3export.export import functions
 from m3export.ops import conformance as conf
+from tests.topk_rewrite import constant, rewrite_topk
 
 LOWEST = float(np.finfo(np.float32).min)
 
 
 def lowest_padded_topk(fn: onnx.FunctionProto) -> onnx.FunctionProto:
     """``fn`` with each ``TopK(x, k)`` (axis -1) run on ``x`` with ``x.shape[-1]`` lowest() entries appended."""
-    out = onnx.FunctionProto()
-    out.CopyFrom(fn)
-    nodes = []
-    for n in fn.node:
-        if n.op_type != "TopK":
-            nodes.append(n)
-            continue
-        assert helper.get_node_attr_value(n, "axis") == -1
+
+    def padded_topk(n, p):
         x, k = n.input
-        p = f"{n.name}_pad"
-
-        def const(name, value, dtype):
-            return helper.make_node("Constant", [], [f"{p}_{name}"],
-                                    value=numpy_helper.from_array(np.asarray(value, dtype=dtype)))
-
-        nodes += [
-            const("low", LOWEST, np.float32), const("axis", [-1], np.int64),
+        return [
+            constant(f"{p}_low", LOWEST, np.float32),
             helper.make_node("Shape", [x], [f"{p}_n"], start=-1),
             helper.make_node("Shape", [x], [f"{p}_lead"], end=-1),
             helper.make_node("Concat", [f"{p}_lead", f"{p}_n"], [f"{p}_shape"], axis=0),
@@ -50,10 +39,8 @@ def lowest_padded_topk(fn: onnx.FunctionProto) -> onnx.FunctionProto:
             helper.make_node("Concat", [x, f"{p}_fill"], [f"{p}_x"], axis=-1),
             helper.make_node("TopK", [f"{p}_x", k], list(n.output), axis=-1, largest=1, sorted=1),
         ]
-    assert len(nodes) > len(fn.node), "the body has no TopK to pad"
-    del out.node[:]
-    out.node.extend(nodes)
-    return out
+
+    return rewrite_topk(fn, padded_topk)
 
 
 INDEXER = ["prefill-selects", "mixed-prefill-decode", "nan-tails-empty-shared-batch", "page-smaller-than-block",
