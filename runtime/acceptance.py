@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device_drafts import to_host
+from .device_drafts import RoundDrafts, fill_tokens, to_host
 from .params import SamplingParams
 from .sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, draw, draw_rows, filtered_probs,
                        filtered_probs_rows, penalise_rows)
@@ -98,7 +98,7 @@ class Row:
     params: SamplingParams
     rng: PositionalRandom
     position: int
-    draft: int | None = None  # None: no draft, or one whose value ``decide`` takes from its ``draft_ids``
+    draft: int | None = None  # None: no draft, or one whose value ``decide`` takes from its ``draft_places``
     draft_probs: torch.Tensor | None = None  # [V] the distribution ``draft`` was drawn from; None: one-hot
     prompt: Sequence[int] = ()  # for penalties: the prompt ...
     output: Sequence[int] = ()  # ... and the tokens generated before ``position`` (earlier drafts included)
@@ -128,13 +128,15 @@ class RowResult:
         return out
 
 
-def decide(logits: torch.Tensor, rows: Sequence[Row], draft_ids: torch.Tensor | None = None) -> list[RowResult]:
+def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tuple[int, RoundDrafts, int]] = ()
+           ) -> list[RowResult]:
     """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are,
     one host-to-device copy of the rows' parameters and uniforms (plus the drafts' distributions and, with
-    penalties, the token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_ids`` [R]
-    int64 where the logits are (-1: no draft): the rows' drafts when their values are still on the device
-    (``device_drafts``; the rows' own ``draft`` fields are then ignored); they come back with the candidates, in
-    the same one copy, as each result's ``draft``. Same tokens as
+    penalties, the token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_places``: (row, round, flat index)
+    of each row whose draft is still on the device (``device_drafts``; that row's own ``draft`` field is then
+    ignored); the drafts come back with the candidates, in the same one copy, as each result's ``draft``.
+    Rows that are all greedy, without penalties or logprobs (greedy speculation), take a shorter pass
+    (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. Same tokens as
     ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). In a batch that
     mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
     rows), which keeps the pass free of index copies."""
@@ -143,6 +145,11 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_ids: torch.Tensor | 
         raise ValueError(f"decide: {logits.shape[0]} logits rows for {r} rows")
     if r == 0:
         return []
+    if all(w.params.greedy and not w.params.penalised and w.params.logprobs is None for w in rows):
+        return _decide_greedy(logits, rows, draft_places)
+    draft_ids = None
+    if draft_places:  # every row's draft (-1: none) where the logits are, the device-held ones filled in there
+        draft_ids = fill_tokens(torch.tensor([-1 if w.draft is None else w.draft for w in rows]), draft_places)
     dev = logits.device
     purposes = (Purpose.SAMPLE, Purpose.ACCEPT, Purpose.RESIDUAL)
     extra = [[-1 if w.draft is None else w.draft, not w.params.greedy, w.draft_probs is not None]
@@ -194,6 +201,32 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_ids: torch.Tensor | 
             top = [(int(i), v) for i, v in zip(h[7:7 + n // 2], h[7 + n // 2:])]
         out.append(RowResult(tok, acc, res, cand_lp, top, None if cand_lp is None else lp[i], draft))
     return out
+
+
+def _decide_greedy(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tuple[int, RoundDrafts, int]]
+                   ) -> list[RowResult]:
+    """``decide`` for rows that are all greedy, without penalties or logprobs: a row's candidates are its argmax and
+    whether that equals its draft, so nothing goes to the device (no sampling parameters, no draft column) and
+    what comes back is the argmax of every row plus the whole token tensor of each round that holds one of the
+    rows' drafts, in one copy; the comparisons are made on the host. Each round's host copy is kept
+    (``RoundDrafts.host``): the round is complete by the time its drafts are verified, and a later read of its
+    values (``Request.drafts``) is then free. The general pass made about twenty device operations and two
+    host-to-device copies here, for the same tokens (the argmax with the same first-index tie rule)."""
+    token = logits.float().argmax(-1)
+    rounds: dict[int, RoundDrafts] = {}
+    for _, rnd, _ in draft_places:
+        rounds.setdefault(id(rnd), rnd)
+    parts = [token] + [rnd.tokens.view(-1) for rnd in rounds.values()]
+    host = to_host(torch.cat(parts) if len(parts) > 1 else token, "decide")  # the step's one device read
+    r, at = len(rows), len(rows)
+    for rnd in rounds.values():
+        n = rnd.tokens.numel()
+        rnd.keep_host(host[at:at + n])
+        at += n
+    drafts = [w.draft for w in rows]
+    for row, rnd, flat in draft_places:
+        drafts[row] = rnd.host_flat(flat)
+    return [RowResult(host[i], drafts[i] is not None and host[i] == drafts[i], 0, draft=drafts[i]) for i in range(r)]
 
 
 def emitted(rows: Sequence[Row], results: Sequence[RowResult]) -> list[int]:

@@ -61,6 +61,15 @@ class RoundDrafts:
             self._host = to_host(self.tokens, "drafts")
         return self._host
 
+    def keep_host(self, flat: list[int]) -> None:
+        """The values of ``tokens`` (flattened), read back by someone else with their own read (a greedy verify
+        step's decision): later ``host()`` calls are then free. Only for a round whose chain has finished."""
+        self._host = [flat[i:i + self.k] for i in range(0, len(flat), self.k)]
+
+    def host_flat(self, index: int) -> int:
+        """The value at ``index`` of ``tokens.view(-1)`` (``flat``), from the host copy."""
+        return self.host()[index // self.k][index % self.k]
+
 
 @dataclass(frozen=True)
 class PendingDrafts:
@@ -94,6 +103,13 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
     view = _all_from_one_round(ids, places)
     if view is not None:
         return view
+    runs = _runs(places)
+    if len(runs) <= MAX_COPIED_RUNS:  # ids sent as they are, each run of drafts copied over its rows there
+        out = to_device(ids.to(torch.int64), device) if ids.device.type == "cpu" else \
+            ids.to(device, torch.int64).clone()  # never the caller's tensor
+        for row, rnd, src, n in runs:
+            out[row:row + n].copy_(rnd.tokens.view(-1)[src:src + n])
+        return out
     rounds: dict[int, tuple[RoundDrafts, list[int], list[int]]] = {}
     for row, rnd, src in places:
         _, dst, srcs = rounds.setdefault(id(rnd), (rnd, [], []))
@@ -109,6 +125,24 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
         out[packed[start:start + k]] = rnd.tokens.view(-1)[packed[start + k:start + 2 * k]]
         start += 2 * k
     return out
+
+
+#: Runs of consecutive drafts that ``fill_tokens`` copies one by one (a verify step of one request is one run);
+#: more (a batch of requests, each its own run) go in one gather and one scatter with their indices sent over.
+MAX_COPIED_RUNS = 4
+
+
+def _runs(places: Sequence[tuple[int, RoundDrafts, int]]) -> list[tuple[int, RoundDrafts, int, int]]:
+    """``places`` as (first row, round, first flat index, length) runs in which rows and flat indices both step
+    by one (one request's drafts of one round, in chain order)."""
+    runs: list[list] = []
+    for row, rnd, src in places:
+        last = runs[-1] if runs else None
+        if last is not None and last[1] is rnd and row == last[0] + last[3] and src == last[2] + last[3]:
+            last[3] += 1
+        else:
+            runs.append([row, rnd, src, 1])
+    return [tuple(r) for r in runs]
 
 
 def _all_from_one_round(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]]) -> torch.Tensor | None:

@@ -420,10 +420,7 @@ class Engine:
                 rows.append(Row(req.params, req.rng, req.num_tokens + j, draft, probs,
                                 req.prompt_token_ids if penalised else (),
                                 req.output_token_ids + req.drafts[:j] if penalised else ()))
-        draft_ids = None
-        if places:  # every row's draft (-1: none) where the logits are, the device-held ones filled in there
-            draft_ids = fill_tokens(torch.tensor([-1 if w.draft is None else w.draft for w in rows]), places)
-        results = decide(logits, rows, draft_ids)
+        results = decide(logits, rows, places)
         return [(rows[a:a + n], results[a:a + n]) for a, n in spans]
 
     def _settle(self, s: ScheduledRequest, rows: tuple[list[Row], list[RowResult]], hidden: torch.Tensor

@@ -91,10 +91,16 @@ def _uniform_shape(input_ids: torch.Tensor, batch: Batch, buckets: tuple[int, ..
     bucket = next((c for c in buckets if c >= b), None)
     if bucket is None or q > page_size:
         return None
-    if q > 1 and not torch.equal(batch.query_start_loc.cpu(),
-                                 torch.arange(0, t + 1, q, dtype=batch.query_start_loc.dtype)):
+    if q > 1 and not _evenly_spaced(batch.query_start_loc, q):
         return None
     return bucket, q
+
+
+def _evenly_spaced(query_start_loc: torch.Tensor, q: int) -> bool:
+    """``query_start_loc`` == 0, q, 2q, ...: compared as a list (a torch comparison, or numpy's, of these few
+    numbers costs more than the list, per MTP call and verify step); a device tensor is one tiny read back."""
+    starts = query_start_loc.tolist()
+    return starts == list(range(0, q * len(starts), q))
 
 
 def ragged_verify_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
