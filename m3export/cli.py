@@ -52,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return int(args._run(args) or 0)
         finally:
-            # Free what the command left in reference cycles (ONNX Runtime sessions among them) while the CUDA
-            # runtime is still up: left to the interpreter's exit, ORT's CUDA EP frees its pinned buffers after
-            # the runtime has shut down, and `cudaFreeHost` failing (error 800) in a destructor aborts the process
-            # (exit 134 after a `verify` that had PASSED, on the H200).
+            # A backstop, not the fix: `verify`, `generate` (Engine.close -> the backend) and the runtime close
+            # their ONNX Runtime sessions explicitly (PagedSession.close), while the CUDA runtime is still up. Left
+            # to the interpreter's exit, ORT's CUDA EP frees its pinned buffers after the runtime has shut down, and
+            # `cudaFreeHost` failing (error 800) in a destructor aborts the process (exit 134 after a `verify` that
+            # had PASSED, on the H200). Sessions other code paths open and drop without closing (a vision
+            # session, the per-rank graphs' sessions) may still sit in reference cycles: this frees them in time.
             gc.collect()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

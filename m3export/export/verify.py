@@ -247,19 +247,36 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
     from m3export.plugins.onnxruntime.session import PagedSession  # packaged from plugins/
 
     art = path if isinstance(path, Artifact) else load_artifact(path, verify_checksums=hash_files)
-    cfg, page = art.config, art.page_size
     report = Report(TOLERANCE.get(art.manifest.dtype, 1e-4) if tolerance is None else tolerance)
-    cmp = _Comparison(report, art.manifest.dtype, cfg)
+    cmp = _Comparison(report, art.manifest.dtype, art.config)
     model: M3ForCausalLM = load_torch_model(art)
-    dtype = model.model.embed_tokens.weight.dtype
 
+    sessions: list[PagedSession] = []
+    try:
+        sessions.append(PagedSession.from_artifact(art, "model", providers=providers))
+        sessions += [PagedSession.from_artifact(art, f"mtp{k}", providers=providers) for k in range(len(model.mtp))]
+        _run(art, model, sessions, report, cmp, decode_steps, progress)
+    finally:  # before returning, while the CUDA runtime is up (PagedSession.close says why)
+        for sess in sessions:
+            sess.close()
+    if "vision" in art.graphs:
+        from .vision_graph import compare_vision
+
+        report.outputs["vision:media_embeds"] = compare_vision(art, model, Stat(), providers)
+    return report
+
+
+def _run(art: Artifact, model: M3ForCausalLM, sessions: list, report: Report, cmp: _Comparison, decode_steps: int,
+         progress: bool) -> None:
+    """The scenario through the step graph ``sessions[0]`` and the MTP graphs ``sessions[1:]`` beside the model."""
+    cfg, page = art.config, art.page_size
+    dtype = model.model.embed_tokens.weight.dtype
+    main, mtps = sessions[0], sessions[1:]
     prompts, steps = scenario(cfg, page, decode_steps)
     pages = _Pages([p + sum(s[b] for s in steps[2:]) + 1 for b, p in enumerate(prompts)], page)
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in prompts]
 
-    main = PagedSession.from_artifact(art, "model", providers=providers)
-    mtps = [PagedSession.from_artifact(art, f"mtp{k}", providers=providers) for k in range(len(model.mtp))]
     for sess in (main, *mtps):
         sess.allocate(pages.num_pages)
     pool_dtype = kv_fp8.FP8 if art.manifest.cache_dtype == KV_FP8 else dtype  # the reference's own FP8 cache
@@ -321,8 +338,3 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
                 done[b] += step[b]
                 greedy[b] = int(nxt[end])
             report.steps += 1
-    if "vision" in art.graphs:
-        from .vision_graph import compare_vision
-
-        report.outputs["vision:media_embeds"] = compare_vision(art, model, Stat(), providers)
-    return report

@@ -14,6 +14,14 @@ TensorRT EPs ORT runs on a stream shared with torch (``streams.SharedStream``): 
 stream waits and never synchronises the host. That GPU path is unverified in this repository's CI (no GPU, no
 onnxruntime-gpu here).
 
+``close()`` (also ``with PagedSession(...) as s:``) releases the session before the interpreter exits: the
+io_binding first (its OrtValues wrap the pools' memory), then the ``InferenceSession`` (and with it the EP's own
+buffers, pinned host memory on CUDA among them), then the torch buffers and the stream. Left to the interpreter's
+exit, a CUDA session was destroyed after the CUDA runtime had shut down, and ``cudaFreeHost`` failing there
+(error 800) aborted a process whose work had succeeded (exit 134 after an FP8 artifact's ``verify`` had PASSED, on
+the H200): the ``_HostPools`` view held its session, a reference cycle that only the cyclic collector freed (it
+holds a weak reference now, so a session nobody holds goes at once; ``close()`` does not wait for that).
+
 A step re-binds nothing that did not change (``_BindTable``): the session's io_binding is made once per
 ``allocate``, the pools (every aliased cache input / output, scale pools included) are bound there and never
 again, each fed input is copied into a session-owned buffer of its shape (a view of one growing buffer per input,
@@ -28,6 +36,7 @@ duck-typed ``artifact.path(graph)`` / ``artifact.graphs[graph]`` and never impor
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,17 +67,18 @@ class _HostPools(Mapping):
     from a device EP (made one pool at a time, when read)."""
 
     def __init__(self, session: PagedSession):
-        self._session = session
+        self._session = weakref.ref(session)  # not a reference cycle: a dropped session goes at once
 
     def __getitem__(self, name: str) -> np.ndarray:
-        sig = self._session._inputs[name]
-        return BY_NAME[sig.dtype].to_numpy(self._session.pool_tensors[name])
+        session = self._session()
+        session._check_open()
+        return BY_NAME[session._inputs[name].dtype].to_numpy(session.pool_tensors[name])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._session.pool_tensors)
+        return iter(self._session().pool_tensors)
 
     def __len__(self) -> int:
-        return len(self._session.pool_tensors)
+        return len(self._session().pool_tensors)
 
 
 class PagedSession:
@@ -114,6 +124,7 @@ class PagedSession:
         self._flat: dict[str, torch.Tensor] = {}  # the session's buffer of each fed input and plain output
         self._free_users: dict[str, int | None] = {}  # an output buffer's storage users when nothing else holds it
         self._input_views: dict[str, torch.Tensor] = {}  # each fed input's buffer at its last shape
+        self._closed = False
 
     @classmethod
     def from_artifact(cls, artifact, graph: str = "model", flavour: str | None = None, **kwargs) -> PagedSession:
@@ -127,9 +138,48 @@ class PagedSession:
                                      f"(export it with --flavour {flavour})")
         return cls(artifact.root / record["file"], artifact.graphs[graph], **kwargs)
 
+    def close(self) -> None:
+        """Release ONNX Runtime's session and everything bound to it, in this order: the io_binding (its OrtValues
+        wrap the pools' and buffers' memory), the ``InferenceSession`` (the EP's own allocations go with it), the
+        torch buffers (pools, fed inputs, outputs; results a caller still holds stay valid: torch owns them), the
+        shared stream. On a CUDA device the queued work finishes first. Idempotent; any later use raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)  # ORT's last step may still read or write the bound buffers
+        if self._table is not None:
+            self._table.binding.clear_binding_inputs()
+            self._table.binding.clear_binding_outputs()
+        self._table = None
+        del self.session  # the one reference to the InferenceSession: ORT frees it (and its EP's memory) here
+        self.pool_tensors, self._flat, self._input_views, self._free_users = {}, {}, {}, {}
+        self._stream = self._run_options = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> PagedSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        """Only reached for attributes that are not there: after ``close()``, ``session``."""
+        if name == "session" and self.__dict__.get("_closed"):
+            raise RuntimeError(f"{self.graph.file}: this PagedSession was closed (close()); open a new one")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.graph.file}: this PagedSession was closed (close()); open a new one")
+
     def allocate(self, num_pages: int) -> None:
         """Zeroed pools of ``num_pages`` pages for every cache input, in the execution provider's memory, bound as
         their cache inputs and aliased outputs in a new io_binding that every later step keeps."""
+        self._check_open()
         self._table = None  # the previous pools' binding goes before the new pools are allocated
         self.pool_tensors = {}
         for name in self.pool_inputs:
@@ -163,6 +213,7 @@ class PagedSession:
         returns once the step is queued: the outputs are ready for work queued afterwards on torch's current
         stream, and reading them on the host (``.cpu()``, ``.tolist()``) is the step's one synchronisation.
         """
+        self._check_open()
         table = self._table
         if table is None:
             raise RuntimeError("call allocate(num_pages) before run()")

@@ -131,6 +131,13 @@ class OnnxRuntimeBackend(Backend):
         # structure at start-up; hashes: verify
         return cls(load_artifact(path, verify_checksums=False), chosen, threads=threads)
 
+    def close(self) -> None:
+        """Close every ONNX Runtime session this backend opened (``PagedSession.close``; the vision session is
+        dropped) while the CUDA runtime is still up; idempotent, called by ``Engine.close``. A later step raises."""
+        for session in (self._main, *self._mtp):
+            session.close()
+        self._vision = None  # its only reference: ORT frees the session here
+
     @property
     def num_mtp_modules(self) -> int:
         return len(self._mtp)
