@@ -299,7 +299,7 @@ def test_model_with_fused_norm_rope_generates_the_same_tokens(monkeypatch):
     kernels active) against the separate norm / RoPE / cache-write steps: same greedy tokens, prefill and decode,
     fp32 (logits agree to ~1e-6, far inside any greedy margin of the tiny model's random weights)."""
     import m3export
-    import m3export.model.attention as attention
+    import m3export.model.fusion as fusion
     from m3export.runtime import Engine, SamplingParams
     from m3export.runtime.backends.torch_backend import TorchBackend
 
@@ -317,7 +317,7 @@ def test_model_with_fused_norm_rope_generates_the_same_tokens(monkeypatch):
 
     real = qk_norm_rope_cache.norm_rope
     monkeypatch.setattr(qk_norm_rope_cache, "norm_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(attention, "_use_fused", lambda x, inplace: inplace)
+    monkeypatch.setattr(fusion, "use_fused_kernels", lambda x, inplace: inplace)
     assert run() == plain and calls
 
 

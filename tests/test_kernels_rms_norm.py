@@ -128,7 +128,7 @@ def test_model_with_fused_norms_generates_the_same_tokens(monkeypatch):
     any greedy margin of the tiny model's random weights), and the cache-free forward's logits close (1e-4: the
     ~1e-6 differences of a few norms carried through the tiny model's layers)."""
     import m3export
-    import m3export.model.attention as attention
+    import m3export.model.fusion as fusion
     from m3export.plugins.kernels import rms_norm
     from m3export.runtime import Engine, SamplingParams
     from m3export.runtime.backends.torch_backend import TorchBackend
@@ -147,7 +147,7 @@ def test_model_with_fused_norms_generates_the_same_tokens(monkeypatch):
     calls = []
     real = rms_norm.add_rms_norm
     monkeypatch.setattr(rms_norm, "add_rms_norm", lambda *a: calls.append(a[1] is not None) or real(*a))
-    monkeypatch.setattr(attention, "_use_fused", lambda x, inplace: inplace)
+    monkeypatch.setattr(fusion, "use_fused_kernels", lambda x, inplace: inplace)
     assert run() == plain
     torch.testing.assert_close(model(ids), plain_logits, rtol=1e-4, atol=1e-4)
     assert any(calls) and not all(calls)  # norms with a residual add (layers, final) and without (MTP's enorm)

@@ -8,22 +8,11 @@ import torch
 from torch import nn
 
 from ..config import M3Config
+from . import fusion
 from .batch import Batch, write_pool, write_pool_fp8
-from .linear import Linear
+from .linear import FusedLinears, Linear
 from .norm import RMSNorm
 from .rope import apply_rope
-
-
-def _use_fused(x: torch.Tensor, inplace: bool) -> bool:
-    """Eager CUDA runs with the Triton kernels active (``m3export.plugins.kernels``, registered by ``load_model``
-    on CUDA) norm, rotate and write the cache in one kernel; export and CPU keep the separate steps."""
-    if not (inplace and x.is_cuda):
-        return False
-    try:
-        from m3export.plugins.kernels import active
-    except ImportError:
-        return False
-    return active()
 
 
 ChooseBlocks = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -51,15 +40,16 @@ class Indexer(nn.Module):
         ik = apply_rope(self.index_k_norm(self.index_k_proj(x).view(t, 1, self.head_dim)), cos, sin)
         return iq, ik[:, 0]
 
-    def queries_writing_keys(self, x, cos, sin, ik_cache, slots, ik_scale=None):
-        """Fused (CUDA kernels): index queries returned, index keys normed, rotated and written into the pool
-        (quantised, with their scales into ``ik_scale``, for an FP8 pool)."""
+    def queries_writing_keys(self, iq_rows, ik_rows, cos, sin, ik_cache, slots, ik_scale=None):
+        """Fused (CUDA kernels), from the projections' rows iq_rows [T, Hi * Di] and ik_rows [T, Di] (column views
+        of the layer's fused projection are fine): index queries returned, index keys normed, rotated and written
+        into the pool (quantised, with their scales into ``ik_scale``, for an FP8 pool)."""
         from m3export.plugins.kernels.qk_norm_rope_cache import norm_rope
 
-        t = x.shape[0]
+        t = iq_rows.shape[0]
         n_q, n_k = self.index_q_norm, self.index_k_norm
-        iq = norm_rope(self.index_q_proj(x).view(t, self.n_heads, self.head_dim), n_q.weight, n_q.eps, cos, sin)
-        norm_rope(self.index_k_proj(x).view(t, self.head_dim), n_k.weight, n_k.eps, cos, sin, ik_cache, slots,
+        iq = norm_rope(iq_rows.view(t, self.n_heads, self.head_dim), n_q.weight, n_q.eps, cos, sin)
+        norm_rope(ik_rows.view(t, self.head_dim), n_k.weight, n_k.eps, cos, sin, ik_cache, slots,
                   pool_scale=ik_scale)
         return iq
 
@@ -88,6 +78,28 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         # Indexer weights sit directly under self_attn in the original layout (index_q_proj, ...).
         self.indexer = Indexer(cfg, mxfp8) if sparse else None
+        self.fused_projections: FusedLinears | None = None  # see fuse_projections
+
+    def input_projections(self) -> list[Linear]:
+        """The projections that read the normed input: q, k, v (+ index q, index k on sparse layers)."""
+        ix = self.indexer
+        return [self.q_proj, self.k_proj, self.v_proj] + ([] if ix is None else [ix.index_q_proj, ix.index_k_proj])
+
+    def fuse_projections(self) -> None:
+        """Concatenate ``input_projections``' weights into one buffer (their parameters become views into it,
+        ``FusedLinears``), so the fused path computes them in one launch. Called where a model is put on CUDA with
+        the kernels active (the torch backend), once its weights are on the device; the plain path, the state dict
+        and export are unchanged. Idempotent."""
+        if self.fused_projections is None or not self.fused_projections.intact():
+            self.fused_projections = FusedLinears(self.input_projections())
+
+    def _projected_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``input_projections``' outputs [T, N_i]: column views of one product where the layer is fused (and
+        autograd does not need the members' own parameters), else one product each."""
+        fp = self.fused_projections
+        if fp is not None and fp.intact() and not (torch.is_grad_enabled() and self.q_proj.weight.requires_grad):
+            return fp(x)
+        return [proj(x) for proj in self.input_projections()]
 
     def check_cache(self, cache: tuple[torch.Tensor, ...], where: str = "attention layer") -> None:
         """The layer's pool tuple has the layout ``forward`` reads (see there). Checked where pools are made or
@@ -111,14 +123,15 @@ class Attention(nn.Module):
         t = x.shape[0]
         n = 2 if self.indexer is None else 3
         pools, scales = list(cache[:n]), list(cache[n:]) or [None] * n
-        fused = _use_fused(x, inplace)
-        if fused:  # one launch each for q and k + v: norm, rotation and cache write fused
+        fused = fusion.use_fused_kernels(x, inplace)
+        if fused:  # the projections in one launch (if fused), then one each for q and k + v: norm, rope, write
             from m3export.plugins.kernels.qk_norm_rope_cache import norm_rope
 
-            q = norm_rope(self.q_proj(x).view(t, self.n_heads, self.head_dim), self.q_norm.weight,
-                          self.q_norm.eps, cos, sin)
-            norm_rope(self.k_proj(x).view(t, self.n_kv, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos,
-                      sin, pools[0], batch.slot_mapping, self.v_proj(x).view(t, self.n_kv, self.head_dim), pools[1],
+            q_rows, k_rows, v_rows, *index_rows = self._projected_rows(x)
+            q = norm_rope(q_rows.view(t, self.n_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos,
+                          sin)
+            norm_rope(k_rows.view(t, self.n_kv, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin,
+                      pools[0], batch.slot_mapping, v_rows.view(t, self.n_kv, self.head_dim), pools[1],
                       pool_scale=scales[0], v_pool_scale=scales[1])
         else:
             q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.n_heads, self.head_dim)), cos, sin)
@@ -133,7 +146,7 @@ class Attention(nn.Module):
             o = torch.ops.m3.paged_attention(*args, self.scale, *kv_scales)
             return self.o_proj(o.reshape(t, -1)), tuple(pools + (scales if fp8 else [])), None
         if fused:
-            iq = self.indexer.queries_writing_keys(x, cos, sin, pools[2], batch.slot_mapping, scales[2])
+            iq = self.indexer.queries_writing_keys(*index_rows, cos, sin, pools[2], batch.slot_mapping, scales[2])
         else:
             iq, ik = self.indexer.keys_and_queries(x, cos, sin)
             pools[2], scales[2] = _write(pools[2], scales[2], batch.slot_mapping, ik, inplace)

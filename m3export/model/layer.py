@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from ..config import M3Config
+from . import fusion
 from .attention import Attention, ChooseBlocks
 from .batch import Batch
 from .mlp import MoE, DenseMLP
-from .norm import RMSNorm, add_norm, fused_norms
+from .norm import RMSNorm, add_norm
 
 
 class DecoderLayer(nn.Module):
@@ -28,7 +29,7 @@ class DecoderLayer(nn.Module):
                 choose_blocks: ChooseBlocks | None = None, pending: torch.Tensor | None = None):
         """h [T, H]: the residual stream, still without ``pending`` (the previous layer's MLP output, or None) ->
         (h, mlp output, cache, selection): this layer's result is h + mlp output, the add left to the next norm."""
-        fused = fused_norms(h, inplace)
+        fused = fusion.use_fused_kernels(h, inplace)
         x, h = add_norm(self.input_layernorm, h, pending, fused)
         a, cache, sel = self.self_attn(x, cos, sin, batch, cache, inplace, choose_blocks)
         x, h = add_norm(self.post_attention_layernorm, h, a, fused)

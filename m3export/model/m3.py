@@ -15,12 +15,13 @@ from torch import nn
 from .. import ops  # noqa: F401  (registers torch.ops.m3.*)
 from ..config import M3Config
 from ..errors import MediaError
+from . import fusion
 from .attention import ChooseBlocks
 from .batch import Batch
 from .layer import DecoderLayer
 from .media import VisionEncoder, encode_items, place_tokens
 from .mtp import MTPModule
-from .norm import RMSNorm, add_norm, fused_norms
+from .norm import RMSNorm, add_norm
 from .projector import MultiModalProjector
 from .rope import Rotary
 from .vision import VisionTower
@@ -60,6 +61,14 @@ class M3ForCausalLM(nn.Module):
         self.vision_tower = VisionTower(cfg.vision) if cfg.vision is not None else None
         self.multi_modal_projector = (MultiModalProjector(cfg.vision, cfg.hidden_size)
                                       if cfg.vision is not None else None)
+
+    def fuse_projections(self) -> None:
+        """Every attention layer's input projections (main layers and MTP modules) in one buffer each, their
+        parameters views into it (``Attention.fuse_projections``): on CUDA with the kernels active they then run
+        as one launch per layer. Call once the weights are on the device (the torch backend does); the state dict,
+        export and the plain path are unchanged."""
+        for layer in [*self.model.layers, *(m.transformer_layer for m in self.mtp)]:
+            layer.self_attn.fuse_projections()
 
     # ------------------------------------------------------------------ caches
     def cache_shapes(self, num_pages: int, page_size: int, layers: str = "main", scales: bool = False
@@ -136,8 +145,8 @@ class M3ForCausalLM(nn.Module):
              inplace: bool = False):
         """Final norm + lm_head -> (logits at logits_indices (all tokens if None), final-normed hidden [T, H]).
         ``pending``: the last layer's MLP output, added to h here; ``inplace`` (the runtime's steps, not export)
-        lets the add and the norm run fused (``norm.fused_norms``)."""
-        hidden, _ = add_norm(self.model.norm, h, pending, fused_norms(h, inplace))
+        lets the add and the norm run fused (``fusion.use_fused_kernels``)."""
+        hidden, _ = add_norm(self.model.norm, h, pending, fusion.use_fused_kernels(h, inplace))
         picked = hidden if logits_indices is None else hidden.index_select(0, logits_indices)
         return self.lm_head(picked), hidden
 

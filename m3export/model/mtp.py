@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from ..config import M3Config
+from . import fusion
 from .attention import ChooseBlocks
 from .batch import Batch
 from .layer import DecoderLayer
 from .linear import Linear
-from .norm import RMSNorm, add_norm, fused_norms
+from .norm import RMSNorm, add_norm
 
 
 class MTPModule(nn.Module):
@@ -30,7 +31,7 @@ class MTPModule(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, batch: Batch, cache, inplace: bool,
                 choose_blocks: ChooseBlocks | None = None):
         """embeds [T, H] of the next tokens (zeroed at position 0), hidden [T, H] -> (out, normed, cache, sel)."""
-        fused = fused_norms(embeds, inplace)
+        fused = fusion.use_fused_kernels(embeds, inplace)
         (e, _), (hn, _) = add_norm(self.enorm, embeds, None, fused), add_norm(self.hnorm, hidden, None, fused)
         z = self.eh_proj(torch.cat([e, hn], dim=-1))
         h, pending, cache, sel = self.transformer_layer(z, cos, sin, batch, cache, inplace, choose_blocks)

@@ -20,20 +20,11 @@ class RMSNorm(nn.Module):
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def fused_norms(x: torch.Tensor, inplace: bool) -> bool:
-    """Whether this call's norms run the fused add + RMSNorm kernel: on the condition of attention's fused QK norm
-    (eager or graph-captured CUDA with the Triton kernels active); export, the CPU and the references keep the
-    plain ops."""
-    from . import attention  # here, not at the top: attention imports this module
-
-    return attention._use_fused(x, inplace)
-
-
 def add_norm(norm: RMSNorm, h: torch.Tensor, branch: torch.Tensor | None, fused: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream h [T, H] plus a branch's output (None: nothing to add) -> (norm(h + branch),
-    h + branch). ``fused`` (see ``fused_norms``): one launch of ``plugins/kernels/rms_norm.py``, which rounds as
-    these ops do; it has no backward, so where autograd records (training) the plain ops run."""
+    h + branch). ``fused`` (``fusion.use_fused_kernels``): one launch of ``plugins/kernels/rms_norm.py``, which
+    rounds as these ops do; it has no backward, so where autograd records (training) the plain ops run."""
     if fused and not (torch.is_grad_enabled() and (norm.weight.requires_grad or h.requires_grad
                                                    or (branch is not None and branch.requires_grad))):
         from m3export.plugins.kernels import rms_norm

@@ -26,7 +26,8 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             from m3export.plugins.kernels import use_on
 
-            use_on(self.device)
+            if use_on(self.device):  # kernels serve the ops: each layer's input projections become one launch
+                model.fuse_projections()
         self._caches: list | None = None
         self._mtp_caches: list | None = None
 

@@ -1,0 +1,27 @@
+"""When a call of the model runs its fused CUDA kernels instead of the plain ops that define it.
+
+One condition for all of them (the QK norm + RoPE + cache write of ``attention``, the residual add + RMSNorm of
+``norm.add_norm``, the projections of one input in one launch, ``linear.FusedLinears``): eager or graph-captured
+CUDA steps of the runtime (``inplace``) while the Triton kernels of ``m3export.plugins.kernels`` serve the ops
+(registered by ``use_on`` where a model is put on CUDA, and not inside ``references()``). Export, the CPU and the
+references keep the plain ops, so exported graphs do not depend on it.
+
+Callers look it up through this module (``fusion.use_fused_kernels(...)``) at call time, so a test can force the
+fused path on the CPU by patching this one name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def use_fused_kernels(x: torch.Tensor, inplace: bool) -> bool:
+    """Whether this call (activations ``x``; ``inplace``: a runtime step that may update its pools in place) runs
+    the fused kernels."""
+    if not (inplace and x.is_cuda):
+        return False
+    try:
+        from m3export.plugins.kernels import active
+    except ImportError:  # an install without the plugins: the references serve CUDA too
+        return False
+    return active()
