@@ -144,6 +144,9 @@ def mini_greedy_with_kernels_and_references(tokens: int, cache_dtype: torch.dtyp
     for use_refs in (False, True):
         eng = Engine(TorchBackend(model, cache_dtype), None, page_size=128, num_pages=64, max_model_len=4096,
                      max_num_batched_tokens=1024)
+        # The backend fused each layer's input projections (one product per layer on the kernel run; the
+        # reference run reads the same weights through the members' views).
+        assert all(layer.self_attn.fused_projections.intact() for layer in model.model.layers)
         if use_refs:
             with references():
                 outs.append(eng.generate([prompt], params)[0].token_ids)
