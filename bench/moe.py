@@ -139,18 +139,32 @@ def variant_name(cfg: dict | None) -> str | None:
     return next((name for name, c in NAMES.items() if c == cfg), None)
 
 
+# The attention's fused input projections (Attention.fuse_projections) at mini dims -> the members they replace:
+# sparse layers q + k + v + index q + index k (9856 rows), dense layers q + k + v (9216). The small members (k, v,
+# index q 512 rows, index k 128: 16-64 programs of the one-row GEMV on 132 SMs) are timed at one row only, without
+# the sweep: what one launch of the concatenation saves over them.
+FUSED_PROJECTIONS = {(9856, 6144): [(8192, 6144), (512, 6144), (512, 6144), (512, 6144), (128, 6144)],
+                     (9216, 6144): [(8192, 6144), (512, 6144), (512, 6144)]}
+FUSED_PROJECTIONS_SMOKE = {(48, 64): [(40, 64), (8, 64)]}
+
+
 def linear_decode(bw: float, sweep: int) -> list:
-    """``m3::mxfp8_linear`` at decode rows for the attention projections' shapes (q 6144 -> 8192, o 8192 -> 6144):
-    the launcher's default against the CUDA-core GEMV tiles, each checked against the fp32 reference."""
+    """``m3::mxfp8_linear`` at decode rows for the attention projections' shapes (q 6144 -> 8192, o 8192 -> 6144,
+    the fused input projections and their small members, ``FUSED_PROJECTIONS``): the launcher's default against the
+    CUDA-core GEMV tiles, each checked against the fp32 reference. A fused row's ``members_graph_ms`` is the sum of
+    its members' default times at one row (each its own launch, as without fusion)."""
     from m3export.ops import mxfp8 as mx
     from m3export.plugins.kernels import mxfp8_linear as klin
 
-    shapes = [(8192, 6144), (6144, 8192)] if not SMOKE else [(48, 64)]
-    rows = []
+    fused = FUSED_PROJECTIONS if not SMOKE else FUSED_PROJECTIONS_SMOKE
+    main = ([(8192, 6144), (6144, 8192)] if not SMOKE else []) + list(fused)
+    members = sorted({p for parts in fused.values() for p in parts} - set(main), reverse=True)
+    rows, one_row = [], {}
     g = torch.Generator(device=DEV).manual_seed(3)
-    for n, k in shapes:
+    for n, k in main + members:
         w, sc = mx.quantize(torch.randn(n, k, device=DEV, generator=g) * 0.02)
-        for m in (1, 8):
+        small = (n, k) in members
+        for m in (1,) if small else (1, 8):
             x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
             want = mx.dequantize(w, sc).float() @ x.float().T
             need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
@@ -161,7 +175,7 @@ def linear_decode(bw: float, sweep: int) -> list:
             # GEMV without PIPELINE lost there by 3-4x in rounds 1-2); already compiled at one row.
             sweep_m = ([PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values()]
                        if m == 1 else [PIPELINE_SWEEP["gemv_pipe4"], BYTES_SWEEP["gemv_bn16_bk512_8w_pipe3"]])
-            for cfg in [None] + (sweep_m if sweep else []):
+            for cfg in [None] + (sweep_m if sweep and not small else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
                     err = rel_err(klin.run_linear(x, w, sc, config=cfg), want.T)
@@ -177,7 +191,12 @@ def linear_decode(bw: float, sweep: int) -> list:
                        best_frac_copy_bw=need / (best["graph_ms"] * 1e-3) / bw, rel_err_kernel=default["rel_err"],
                        variants=tried)
             rows.append(row)
+            if m == 1:
+                one_row[(n, k)] = row
             print(json.dumps(row), flush=True)
+    for shape, parts in fused.items():
+        if shape in one_row and all(p in one_row for p in parts):
+            one_row[shape]["members_graph_ms"] = sum(one_row[p]["graph_ms"] for p in parts)
     return rows
 
 
@@ -423,7 +442,8 @@ def main() -> int:
     print(f"{'linear N x K':14} {'rows':>4} {'MB':>6} {'graph us':>9} {'best us':>8} {'%copy':>6} {'best config'}")
     for r in res["linear"]:
         print(f"{r['shape']:14} {r['rows']:>4} {r['bytes_needed'] / 1e6:>6.1f} {r['graph_ms'] * 1e3:>9.1f} "
-              f"{r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% {r['best_config']}")
+              f"{r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% {r['best_config']}"
+              + (f"  (members one by one: {r['members_graph_ms'] * 1e3:.1f} us)" if "members_graph_ms" in r else ""))
     print(f"{'fmt':6} {'tokens':>6} {'ms':>8} {'TFLOP/s':>8} {'best':>8} {'err':>8}")
     for r in res["prefill"]:
         print(f"{r['format']:6} {r['tokens']:>6} {r['ms']:>8.2f} {r['tflops']:>8.0f} {r['best_tflops']:>8.0f} "
