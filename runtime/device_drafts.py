@@ -44,6 +44,13 @@ class RoundDrafts:
         self.tokens = torch.full((rows, k), -1, dtype=torch.int64, device=device)
         self._host: list[list[int]] | None = None
 
+    @classmethod
+    def of(cls, tokens: torch.Tensor) -> RoundDrafts:
+        """A round whose [rows, k] drafts are already made (a replayed chain's own copy: nothing else writes it)."""
+        rnd = cls.__new__(cls)
+        rnd.k, rnd.tokens, rnd._host = tokens.shape[1], tokens, None
+        return rnd
+
     def put(self, step: int, rows: Sequence[int], values: torch.Tensor) -> None:
         """Chain step ``step`` drafted ``values[b]`` for job ``rows[b]``."""
         col = self.tokens[:, step]

@@ -42,6 +42,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -140,6 +141,8 @@ class MTPDrafter(Drafter):
         drafting = [i for i, j in enumerate(jobs) if j.num_drafts > 0 and i in pending[0]]
         for i in drafting:
             jobs[i].request.clear_drafts()
+        if self._replay_chain(jobs, drafting):
+            return
         on_device = self.backend.takes_device_token_ids
         rnd: RoundDrafts | None = None  # made at the first proposal, where the logits are
         drafted: dict[int, int] = {}  # job -> drafts proposed this round
@@ -184,6 +187,36 @@ class MTPDrafter(Drafter):
                     runs[i] = _Run(run.start, run.tokens[:keep], [torch.cat(run.hidden)[:keep]])
             if runs:
                 self._write(m, jobs, runs, [], rnd)
+
+    def _replay_chain(self, jobs: list[DraftJob], drafting: list[int]) -> bool:
+        """The whole round as one backend call when the backend replays MTP chains (``Backend.mtp_chain``) and the
+        round is uniform: every job drafts, greedily, the same number k of drafts after the same number q of kept
+        positions (every request decoding at batch 1; a batch whose requests accepted alike). The calls of the
+        round (``chain_plan``) then run on one batch over each request's q + k - 1 positions, built once, the
+        drafts staying on the device; what each call writes and proposes is what the calls below make one by one
+        (the same positions, tokens and hidden states). False (nothing done) when the round is not uniform, the
+        pool is short of pages for its chain, or the backend declines the shape."""
+        if not self.backend.replays_mtp_chains or not self.backend.takes_device_token_ids or \
+                len(drafting) != len(jobs):
+            return False
+        q, k = len(jobs[0].hidden), jobs[0].num_drafts
+        if any(len(j.hidden) != q or j.num_drafts != k or not j.request.params.greedy for j in jobs):
+            return False
+        if not all(self.ensure_pages(j.request, j.request.num_mtp_computed + k - 1) for j in jobs):
+            return False
+        segments = [Segment(j.request.pages, j.start, j.request.tokens[j.start + 1:j.start + q + 1] + [0] * (k - 1))
+                    for j in jobs]
+        ids, batch = build_batch(segments, self.page_size, self.backend.batch_device)
+        hidden = jobs[0].hidden if len(jobs) == 1 else torch.cat([j.hidden for j in jobs])
+        plan = chain_plan(q, k, self.num_modules, self.modules_used)
+        drafts = self.backend.mtp_chain(plan, ids, hidden, batch)
+        if drafts is None:
+            return False
+        rnd = RoundDrafts.of(drafts)
+        for i, j in enumerate(jobs):
+            j.request.set_pending_drafts(PendingDrafts(rnd, i, 0, k))
+            j.request.draft_probs = None
+        return True
 
     @staticmethod
     def _propose(jobs: list[DraftJob], drafting: list[int], step: int, logits: torch.Tensor,
@@ -238,6 +271,45 @@ class MTPDrafter(Drafter):
         logits, out = self.backend.mtp_forward(module, ids, hidden, batch, last)
         runs.clear()
         return logits, _rows(out, rows, last)
+
+
+class ChainPlan(NamedTuple):
+    """The module calls of a round (``chain_plan``): ``calls`` = (module, first, end) position ranges relative to
+    the first kept position; the first ``k`` calls propose drafts 1 .. k from their last position, any after them
+    only write catch-up entries that a module drafting nothing more this round still owes."""
+
+    q: int
+    k: int
+    calls: tuple[tuple[int, int, int], ...]
+
+
+def chain_plan(q: int, k: int, num_modules: int, modules_used: int) -> ChainPlan:
+    """The module calls ``MTPDrafter.run`` makes for one request that kept q positions and drafts k: module 0 over
+    the kept positions, then each chain step's module over what it still owes (its catch-up, then the chain
+    positions since it last ran), then the catch-up of any module that drafted nothing (k < ``modules_used``).
+    Position q + s - 1 (s >= 1) takes draft s and the previous call's output at its last position; below q, the
+    kept tokens and the target's hidden states. The same bookkeeping as ``run`` (whose calls on one request are
+    these), for a backend that replays the whole round (``Backend.mtp_chain``)."""
+    if q < 1 or k < 1:
+        raise ValueError(f"chain_plan: q={q} kept positions and k={k} drafts must both be >= 1")
+    owed = {m: [0, q] for m in range(modules_used)}  # module -> [first, end) of the positions it still owes
+    calls = []
+    for step in range(k):
+        first, end = owed.pop(step % num_modules)
+        calls.append((step % num_modules, first, end))
+        nxt = step + 1
+        if nxt == k:
+            break
+        pos = q - 1 + nxt  # chain step nxt's position
+        for m in range(modules_used):
+            if m == nxt % num_modules or any(s % num_modules == m for s in range(nxt + 1, k)):
+                run = owed.setdefault(m, [pos, pos])
+                if run[1] != pos:
+                    raise AssertionError(f"chain_plan: module {m} owes {run} and then position {pos}")
+                run[1] = pos + 1
+    # what ``run`` writes after its chain: entries below the kept length (chain entries past it are dropped)
+    calls += [(m, first, min(end, q)) for m, (first, end) in sorted(owed.items()) if first < q]
+    return ChainPlan(q, k, tuple(calls))
 
 
 def _rows(x: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,22 @@ class Backend(ABC):
         return False
 
     @property
+    def replays_mtp_chains(self) -> bool:
+        """``mtp_chain`` may run a speculative round's MTP calls as one (CUDA graphs); the drafter then builds
+        one batch per round instead of one per call."""
+        return False
+
+    def mtp_chain(self, plan: tuple[tuple[int, int, int], ...], input_ids: torch.Tensor, hidden: torch.Tensor,
+                  batch: Batch) -> torch.Tensor | None:
+        """A greedy round of MTP calls (``drafter.chain_plan``: (module, first, end) per call, positions relative
+        to each sequence's first) over B sequences of q kept positions and k drafts: ``batch`` covers each
+        sequence's q + k - 1 positions, ``input_ids`` [B * (q + k - 1)] their kept tokens (chain slots: any
+        value), ``hidden`` [B * q, H] the target's hidden states at the kept positions. Writes what the calls
+        one by one would write and returns the drafts [B, k] int64 on the device (argmax of each call's last
+        position), or None when this shape is not replayed (the drafter then makes the calls itself)."""
+        return None
+
+    @property
     @abstractmethod
     def num_mtp_modules(self) -> int:
         """MTP modules with weights; 0 means the engine cannot speculate."""

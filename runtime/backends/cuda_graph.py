@@ -248,7 +248,7 @@ class DecodeInputs:
         self._buffer.copy_(image.pin_memory() if self._pinned else image, non_blocking=self._pinned)
         for name, value in later:
             _head(self._static[name], value).copy_(value)
-        if self.hidden is not None:
+        if self.hidden is not None and hidden is not None:  # None: the caller places its hidden rows itself
             if t:
                 self.hidden[:t].copy_(hidden)
             if self._hidden_rows > t:  # rows a longer step filled before: padding rows read zeros again
@@ -280,6 +280,7 @@ class GraphedTorchBackend(TorchBackend):
         self.eager_steps = 0  # target steps run eagerly (prefill, mixed, past the buckets, graphs off)
         self.eager_mtp_steps = 0  # MTP module steps run eagerly (what a speculative decode round should not do)
         self.ragged_verify_steps = 0  # verify steps of unequal draft counts run padded (graph or pad_eagerly)
+        self.chain_replays = 0  # speculative rounds whose MTP calls ran as one (``mtp_chain``: graph or pad_eagerly)
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         super().allocate(num_pages + 1, page_size)  # page num_pages: scratch for padding rows
@@ -388,11 +389,100 @@ class GraphedTorchBackend(TorchBackend):
         logits, out = outs
         return _own_fp32(logits[:logits_indices.shape[0]]), out[:t].clone()
 
-    def capture_shapes(self, max_batch: int, max_tokens_per_sequence: int = 1, mtp_modules: int = 0) -> int:
+    @property
+    def replays_mtp_chains(self) -> bool:
+        return self._mtp_in_buckets
+
+    def mtp_chain(self, plan, input_ids, hidden, batch: Batch):
+        """``Backend.mtp_chain``: the round's calls replayed from one graph per (bucket, plan), on static inputs of
+        the (bucket, q + k - 1) shape filled once (padding sequences on the scratch page, as every bucket shape).
+        Inside the graph each call's batch is a slice of the round's positions, its input tokens the kept ones
+        and then the drafts the graph proposed, its hidden states the target's and then the previous call's
+        output: the calls, positions and values of the drafter's one-by-one calls, without their host work
+        (one batch, one fill and one replay per round instead of one of each per call). None for a batch not on
+        the host, past the buckets, of unequal lengths, or whose q + k - 1 positions do not fit a page."""
+        if not self._mtp_in_buckets or batch.query_start_loc.device.type != "cpu":
+            return None
+        shape = _uniform_shape(input_ids, batch, self.buckets, self._page_size)
+        if shape is None:
+            return None
+        bucket, span = shape
+        q, k = plan.q, plan.k
+        if span != q + k - 1 or hidden.shape[0] != batch.seq_lens.shape[0] * q:
+            raise ValueError(f"mtp_chain: {span} positions per sequence and {hidden.shape[0]} hidden rows for a plan "
+                             f"of q={q} kept positions and k={k} drafts")
+        key = ("chain", bucket, plan)
+        inputs = self._chain_inputs(key, input_ids, batch, hidden)
+        outs = self._run(key, self._chain_step(inputs, plan))
+        if outs is None:
+            return None
+        self.chain_replays += 1
+        self.padded_mtp_steps += len(plan.calls)
+        if not self.pad_eagerly:
+            self.mtp_replays += len(plan.calls)
+        return outs[0][:batch.seq_lens.shape[0]].clone()  # the graph's buffer is rewritten by its next replay
+
+    def _chain_inputs(self, key: tuple, input_ids, batch: Batch, hidden) -> DecodeInputs:
+        """The static inputs of chain shape ``key`` filled with a round (its hidden rows at each sequence's first
+        q positions; rows of sequences a larger round filled before are zeroed, as ``DecodeInputs.fill`` does)."""
+        bucket, plan = key[1], key[2]
+        q, span, h = plan.q, plan.q + plan.k - 1, hidden.shape[-1]
+        if key not in self._inputs:
+            self._inputs[key] = DecodeInputs(bucket, span, self._table_width, self._scratch_page, self._page_size,
+                                             self.device, (h, hidden.dtype), logits_rows=0)
+        inputs = self._inputs[key]
+        inputs.fill(input_ids, batch, input_ids[:0])
+        b = batch.seq_lens.shape[0]
+        rows = inputs.hidden.view(bucket, span, h)
+        if b:
+            rows[:b, :q].copy_(hidden.view(b, q, h))
+        if inputs._hidden_rows > b:
+            rows[b:inputs._hidden_rows].zero_()
+        inputs._hidden_rows = b
+        return inputs
+
+    def _chain_step(self, inputs: DecodeInputs, plan):
+        """The captured round (see ``mtp_chain``): returns (drafts [bucket, k], None)."""
+        bucket, span = inputs.bucket, inputs.q
+        q, k = plan.q, plan.k
+
+        def step():
+            h = inputs.hidden.shape[-1]
+            tokens = inputs.input_ids.view(bucket, span).clone()
+            hidden = inputs.hidden.view(bucket, span, h).clone()
+            positions = inputs.batch.positions.view(bucket, span)
+            slots = inputs.batch.slot_mapping.view(bucket, span)
+            first = inputs.batch.seq_lens - span  # each sequence's first position (padding: 0)
+            drafts = torch.empty(bucket, k, dtype=torch.int64, device=tokens.device)
+            for c, (module, lo, hi) in enumerate(plan.calls):
+                n = hi - lo
+                sub = Batch(positions=positions[:, lo:hi].reshape(-1),
+                            query_start_loc=torch.arange(0, bucket * n + 1, n, dtype=torch.int32,
+                                                         device=tokens.device),
+                            seq_lens=first + hi, block_tables=inputs.batch.block_tables,
+                            slot_mapping=slots[:, lo:hi].reshape(-1))
+                last = torch.arange(bucket if c < k else 0, device=tokens.device) * n + (n - 1)
+                logits, out, _, _ = self.model.mtp_step(module, tokens[:, lo:hi].reshape(-1),
+                                                        hidden[:, lo:hi].reshape(-1, h), sub,
+                                                        self._mtp_caches[module], last, inplace=True)
+                if c >= k:  # a catch-up owed by a module that drafted nothing
+                    continue
+                draft = logits.argmax(-1)  # greedy drafts: the argmax, first index on ties, as propose_rows
+                drafts[:, c] = draft
+                if q + c < span:  # chain step c + 1's entry: this draft and this call's output there
+                    tokens[:, q + c] = draft
+                    hidden[:, q + c] = out.view(bucket, n, h)[:, -1]
+            return drafts, None
+
+        return step
+
+    def capture_shapes(self, max_batch: int, max_tokens_per_sequence: int = 1, mtp_modules: int = 0,
+                       chain_drafts: int = 0) -> int:
         """Capture now, not at first use, every graph that decoding up to ``max_batch`` sequences takes: target steps
         of 1 .. ``max_tokens_per_sequence`` tokens per sequence (plain decode; verification of up to k drafts when
         it is k + 1) and, for each of the first ``mtp_modules`` MTP modules, steps of as many positions per
-        sequence with and without logits. What a benchmark calls before measuring (a capture, and a kernel
+        sequence with and without logits; with ``chain_drafts`` = k > 0, the replayed rounds of k greedy drafts
+        (``mtp_chain``) after 1 .. k + 1 kept positions that fit a page. What a benchmark calls before measuring (a capture, and a kernel
         compiled for a new shape, would otherwise count as decode time). The steps run on padding alone (every
         row on the scratch page), so this may be called at any time. Returns how many graphs it captured."""
         if not self.use_graphs or self._caches is None:
@@ -416,6 +506,15 @@ class GraphedTorchBackend(TorchBackend):
                         if key not in self._graphs and self.mtp_graphs:
                             inputs = self.padded_inputs(ids, empty, key, rows, hidden[:0])
                             self._run(key, self._mtp_step(module, inputs, wanted))
+            if chain_drafts and mtp_modules and self.mtp_graphs:
+                from ..drafter import chain_plan
+
+                used = max(1, min(self.num_mtp_modules, chain_drafts))
+                for q in range(1, min(chain_drafts + 1, self._page_size - chain_drafts + 1) + 1):
+                    key = ("chain", bucket, chain_plan(q, chain_drafts, self.num_mtp_modules, used))
+                    if key not in self._graphs and self.mtp_graphs:
+                        inputs = self._chain_inputs(key, ids, empty, hidden[:0])
+                        self._run(key, self._chain_step(inputs, key[2]))
         return len(self._graphs) - before
 
     @property
@@ -491,7 +590,7 @@ class GraphedTorchBackend(TorchBackend):
             try:
                 self._graphs[key] = self._capture(step)
             except Exception as exc:  # an op that synchronises with the host cannot be captured
-                mtp = key[0] == "mtp"
+                mtp = key[0] in ("mtp", "chain")
                 log.warning("CUDA-graph capture of step shape %s failed (%s: %s); running %s eagerly", key,
                             type(exc).__name__, str(exc)[:200], "MTP module steps" if mtp else "every step")
                 if mtp:
