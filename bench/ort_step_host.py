@@ -9,22 +9,35 @@ For each batch x context every sequence decodes one token at position ``context`
 checks: the session's own overhead); ``binding_calls``, the IOBinding calls (binds, get_outputs) of one steady
 step. The pools hold zeros: ORT's time does not depend on their values.
 
+``--nodes`` adds where a step's nodes come from (``nodes`` in the JSON, a table on stdout): ONNX Runtime's profiler
+over ``--profile-steps`` steady steps of the first shape, in a session of its own, each executed node attributed by
+its name to the graph level (the traced model: norms, RoPE, projections, cache writes), to the ``m3`` op whose
+function body ORT inlined (``_inlfunc_<Op>[_token_<i>]_...``: one instance per node of that op; nodes ORT merged
+across instances, such as the step's token bookkeeping, count once, in whichever instance kept them), or to the
+``Memcpy`` nodes the provider inserted (``MemcpyToHost`` waits for the device). Per origin: nodes per step, how many
+ran on the CPU EP (shape arithmetic a GPU provider leaves on the host), instances and nodes per instance. On a GPU
+provider ORT spends a few microseconds of host time per node, so this table is the step's host cost.
+
   python bench/ort_step_host.py --artifact /tmp/art/tiny --provider cpu --threads 1   # CPU: the session's overhead
   python bench/ort_step_host.py --artifact art/mini-bf16 --provider cuda              # H200 + onnxruntime-gpu
+  python bench/ort_step_host.py --artifact art/mini-bf16 --provider cuda --shapes 1x4096 --reps 20 --nodes
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
-from collections import Counter
+import tempfile
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import decode_batch  # noqa: E402  (bench/decode.py: the decode step's batch)
-from ort_gpu import timed_ms  # noqa: E402  (bench/ort_gpu.py: median ms, until done or until it returns)
+from ort_gpu import summarize_ort_profile, timed_ms  # noqa: E402  (bench/ort_gpu.py: median ms; ORT's profile)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
 BINDING_CALLS = ("bind_input", "bind_output", "bind_ortvalue_input", "bind_ortvalue_output", "get_outputs")
@@ -53,6 +66,75 @@ def count_binding_calls(fn) -> int:
     return sum(counts.values())
 
 
+_INLINED = re.compile(r"_inlfunc_(?P<op>[A-Za-z0-9]+?)(?:_token_(?P<instance>\d+))?_")
+
+
+def node_origin(name: str, op_type: str) -> tuple[str, str | None]:
+    """(origin, instance) of an executed node: the ``m3`` op whose inlined body it belongs to and which of that op's
+    nodes (ORT's ``_token_<i>`` suffix; None for the first), ``Memcpy``, or ``graph`` (the traced model)."""
+    if op_type.startswith("Memcpy"):
+        return "Memcpy", None
+    m = _INLINED.match(name)
+    return (m["op"], m["instance"]) if m else ("graph", None)
+
+
+def attribute_nodes(events: list[dict], steps: int) -> dict:
+    """Per origin (``node_origin``), from ONNX Runtime's profile of the last ``steps`` runs (every node of
+    ``bench/ort_gpu.py``'s summary): nodes per step, those on the CPU EP, instances, nodes per instance, the op
+    types; and the step's totals."""
+    every_node = summarize_ort_profile(events, steps, top=sys.maxsize)["top_nodes"]
+    rows: dict[str, dict] = defaultdict(lambda: {"nodes": 0.0, "cpu_ep": 0.0, "instances": set(), "op_types": Counter()})
+    for n in every_node:
+        origin, instance = node_origin(n["node"], n["op_type"])
+        row = rows[origin]
+        row["nodes"] += n["count_per_step"]
+        row["cpu_ep"] += n["count_per_step"] if n["provider"] == "CPUExecutionProvider" else 0.0
+        row["instances"].add(instance)
+        row["op_types"][n["op_type"]] += n["count_per_step"]
+    out = []
+    for origin, r in sorted(rows.items(), key=lambda kv: -kv[1]["nodes"]):
+        k = len(r["instances"]) if origin not in ("graph", "Memcpy") else None
+        out.append({"origin": origin, "nodes_per_step": r["nodes"], "cpu_ep_per_step": r["cpu_ep"], "instances": k,
+                    "nodes_per_instance": r["nodes"] / k if k else None,
+                    "op_types_per_step": dict(r["op_types"].most_common())})
+    return {"steps": steps, "nodes_per_step": sum(r["nodes_per_step"] for r in out),
+            "cpu_ep_per_step": sum(r["cpu_ep_per_step"] for r in out), "origins": out}
+
+
+def profile_nodes(art, provider, threads, pages: int, page: int, step, steps: int) -> dict:
+    """``attribute_nodes`` of ``steps`` steady steps (after two warm-up steps) in a fresh profiled session."""
+    import onnxruntime as ort
+
+    from m3export.plugins.onnxruntime.session import PagedSession
+    from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+    be = OnnxRuntimeBackend(art, provider, threads=threads)
+    with tempfile.TemporaryDirectory(prefix="ort_nodes_") as tmp:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "step")
+        if threads:
+            options.intra_op_num_threads = threads
+        be._main = PagedSession.from_artifact(art, "model", providers=be.provider, options=options)
+        be.allocate(pages, page)
+        for _ in range(2 + steps):
+            step(be)
+        if be.device.type == "cuda":
+            torch.cuda.synchronize(be.device)
+        events = json.loads(Path(be._main.session.end_profiling()).read_text())
+    return attribute_nodes(events, steps)
+
+
+def print_nodes(nodes: dict) -> None:
+    print(f"\nnodes per step: {nodes['nodes_per_step']:.0f} ({nodes['cpu_ep_per_step']:.0f} on the CPU EP)")
+    print(f"{'origin':<22s} {'nodes':>6s} {'CPU EP':>6s} {'inst':>4s} {'per inst':>8s}  top op types")
+    for r in nodes["origins"]:
+        inst = f"{r['instances']:4d} {r['nodes_per_instance']:8.1f}" if r["instances"] else f"{'':4s} {'':8s}"
+        ops = ", ".join(f"{k} {v:.0f}" for k, v in list(r["op_types_per_step"].items())[:6])
+        print(f"{r['origin']:<22s} {r['nodes_per_step']:6.0f} {r['cpu_ep_per_step']:6.0f} {inst}  {ops}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", required=True)
@@ -62,6 +144,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None, help="default: bench/results/ort_step_host_<device>.json")
+    ap.add_argument("--nodes", action="store_true", help="attribute the first shape's step nodes to their origin")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps profiled for --nodes (default: %(default)s)")
     args = ap.parse_args()
 
     from m3export.export.artifact import load_artifact
@@ -101,6 +185,12 @@ def main() -> int:
                "binding_calls": calls}
         res["rows"].append(row)
         print(f"{batch:5d} {context:7d} {step_ms:8.3f} {enqueue_ms:10.3f} {host_us:8.1f} {calls:13d}", flush=True)
+        if args.nodes and "nodes" not in res:
+            res["nodes"] = {"batch": batch, "context": context,
+                            **profile_nodes(art, provider, args.threads, pages, art.page_size,
+                                            lambda be: be.forward(ids, b, rows), args.profile_steps)}
+    if "nodes" in res:
+        print_nodes(res["nodes"])
     name = "h200" if "H200" in res["device"] else device.type
     write_results(res, args.json or RESULTS / f"ort_step_host_{name}.json")
     return 0

@@ -1,5 +1,6 @@
-"""bench/ort_step_host.py on the CPU EP: it runs end to end, and its count of a steady step's IOBinding calls is 0
-(PagedSession binds once; tests/test_paged_session_binding.py counts them in detail)."""
+"""bench/ort_step_host.py on the CPU EP: it runs end to end, its count of a steady step's IOBinding calls is 0
+(PagedSession binds once; tests/test_paged_session_binding.py counts them in detail), and ``--nodes`` attributes
+every node of a step to the graph level or an ``m3`` op's inlined body."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "ort_step_host.py"
 def test_cpu_run_writes_rows_and_a_steady_step_binds_nothing(tiny_artifact, tmp_path):
     out = tmp_path / "host.json"
     run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
-                          "--threads", "1", "--reps", "2", "--shapes", "1x20,2x40", "--json", str(out)],
+                          "--threads", "1", "--reps", "2", "--shapes", "1x20,2x40", "--nodes", "--profile-steps", "2",
+                          "--json", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -22,3 +24,11 @@ def test_cpu_run_writes_rows_and_a_steady_step_binds_nothing(tiny_artifact, tmp_
     assert [(r["batch"], r["context"]) for r in res["rows"]] == [(1, 20), (2, 40)]
     for row in res["rows"]:
         assert row["binding_calls"] == 0 and row["step_ms"] > 0 and row["host_us"] > 0
+    # --nodes: the first shape's step, every executed node attributed (the tiny model: 1 dense + 3 sparse layers)
+    nodes = res["nodes"]
+    origins = {r["origin"]: r for r in nodes["origins"]}
+    assert (nodes["batch"], nodes["context"]) == (1, 20)
+    assert sum(r["nodes_per_step"] for r in origins.values()) == nodes["nodes_per_step"] > 0
+    assert {"graph", "PagedAttention", "SparsePagedAttention", "LightningIndexer", "MoE"} <= set(origins)
+    assert origins["PagedAttention"]["instances"] == 1 and origins["SparsePagedAttention"]["instances"] == 3
+    assert nodes["cpu_ep_per_step"] == nodes["nodes_per_step"]  # the CPU EP runs every node here

@@ -46,6 +46,7 @@ CUDA_EP = {
     "Less": ((0, 1), COMPARE), "Greater": ((0, 1), COMPARE),
     "LessOrEqual": ((0, 1), COMPARE), "GreaterOrEqual": ((0, 1), COMPARE),
     "Expand": ((0,), FIXED),
+    "Flatten": ((0,), FIXED),  # 13+: AllFixedSizeTensorTypes, an alias of its input as Reshape is (tensor/flatten.cc)
     "Gather": ((0,), FIXED), "GatherElements": ((0,), FIXED),
     "GatherND": ((0,), {"BFLOAT16", "BOOL", "DOUBLE", "FLOAT", "FLOAT16", "INT64"}),
     "Gemm": (None, FLOATS), "MatMul": (None, FLOATS),

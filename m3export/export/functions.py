@@ -51,6 +51,23 @@ def _dim(b: Builder, x: str, axis: int) -> str:
     return b.Squeeze(b.Shape(x, start=axis, end=axis + 1), b.const([0]))
 
 
+# Ranks of the cache readers' pool inputs (docs/ops.md §2-4): [pages, page_size, (Hkv,) D], scales one axis less.
+POOL_RANKS = {"k_cache": 4, "v_cache": 4, "index_k_cache": 3, "k_scale": 3, "v_scale": 3, "index_k_scale": 2}
+
+
+def _page_rows(b: Builder, pool: str, axes: int) -> str:
+    """``pool`` with its first ``axes`` axes merged into one, the rest kept: the rows a gather indexes. With the
+    rank known from the input's name (``POOL_RANKS``), a pool with one trailing axis takes a ``Flatten`` and one
+    with none a ``Reshape`` to ``[-1]``: no ``Shape`` / ``Concat`` per pool and layer (ONNX Runtime does not fold a
+    pool's static trailing dims, its page count being dynamic)."""
+    rank = POOL_RANKS[pool]
+    if rank == axes + 1:
+        return b.Flatten(pool, axis=axes)
+    if rank == axes:
+        return b.Reshape(pool, b.const([-1]))
+    return b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=axes), axis=0))
+
+
 def _vec(b: Builder, scalar: str) -> str:
     return b.Reshape(scalar, b.const([1]))
 
@@ -156,8 +173,7 @@ class SequenceLayout(TokenGroups):
         b = self.b
 
         def rows(p: str) -> str:
-            flat = b.Reshape(p, b.Concat(b.const([-1]), b.Shape(p, start=2), axis=0))
-            return b.Gather(flat, self.slots, axis=0)
+            return b.Gather(_page_rows(b, p, 2), self.slots, axis=0)
 
         return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
 
@@ -166,7 +182,7 @@ class SequenceLayout(TokenGroups):
         return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
 
 
-def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str) -> str:
+def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str, k: str, n: str) -> str:
     """The ids of ``TopK(scores)``'s ``values`` [..., k] (last axis) with ties given to the lower id, whatever
     ``TopK`` did.
 
@@ -176,15 +192,19 @@ def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str) -> st
     are the same whatever the tie rule, so only the ids are re-derived from them: slot j's id is the r-th lowest id c with ``scores[c] == values[j]``, r = #{j' < j :
     values[j'] == values[j]} (a ``CumSum`` of the equality mask ranks each candidate). Cost ``[..., k, NB]``:
     for the indexer below its ``[T, H, L]`` score matrix whenever ``k < block_size``. A slot whose value equals
-    no score (NaN) keeps ``TopK``'s id."""
-    kk = b.Range(b.const(0), b.Squeeze(b.Shape(values, start=-1), b.const([0])), b.const(1))
+    no score (NaN) keeps ``TopK``'s id.
+
+    ``k`` and ``n`` (rank-0 int64: the slots, the candidates) come from the caller, from attributes or from values
+    every layer shares, not from ``Shape`` nodes on the layer's own tensors: ONNX Runtime then folds the
+    ``[k, k]`` order mask and the id range to constants (the MoE's ``top_k`` and ``E``) or computes them once per
+    step for all layers (its common-subexpression pass, the indexer's), instead of ~10 nodes per layer."""
+    kk = b.Range(b.const(0), k, b.const(1))
     earlier = b.Less(b.Unsqueeze(kk, b.const([0])), b.Unsqueeze(kk, b.const([1])))  # [k (j), k (j')]: j' < j
     same = b.Equal(b.Unsqueeze(values, b.const([-2])), b.Unsqueeze(values, b.const([-1])))  # [..., k (j), k (j')]
     rank = b.ReduceSum(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([-1]), keepdims=1)  # [..., k, 1]
     equal = b.Equal(b.Unsqueeze(scores, b.const([-2])), b.Unsqueeze(values, b.const([-1])))  # [..., k, NB]
     nth = b.CumSum(b.Cast(equal, to=TensorProto.INT32), b.const(-1))  # 1-based rank of each equal candidate
     hit = b.And(equal, b.Equal(nth, b.Add(rank, b.const(1, np.int32))))  # exactly one per slot (or none: NaN)
-    n = b.Squeeze(b.Shape(scores, start=-1), b.const([0]))
     ids = b.Range(b.const(1), b.Add(n, b.const(1)), b.const(1))  # 1-based: 0 means no hit
     found = b.ReduceSum(b.Where(hit, ids, b.const(0)), b.const([-1]), keepdims=0)  # [..., k]
     return b.Where(b.Greater(found, b.const(0)), b.Sub(found, b.const(1)), topk_ids)
@@ -222,15 +242,17 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     block_max = b.Where(forced, b.const(INF, np.float32), block_max)
 
     topk = b.attr(Ref("topk_blocks", INT))
-    k = b.Min(topk, nb)
     block_max = b.Max(block_max, b.const(NOTHING, np.float32))  # blocks nothing sees: -inf -> NOTHING
-    values, idx = b.TopK(block_max, _vec(b, k), axis=-1, largest=1, sorted=1, n_out=2)
-    idx = _lowest_ids_first(b, block_max, values, idx)
+    # Fewer blocks than topk: NOTHING columns up to topk, so that TopK always takes topk (a constant: no K computed
+    # from the step's positions and copied to the host per layer) and the slots past the blocks there are come out
+    # unranked, -1, like the blocks no key of the token can see. The columns are padded before the int64 ids exist
+    # (ORT's CUDA EP has no int64 Pad: one on the ids would run on the CPU EP, a device -> host -> device copy).
+    extra = b.Max(b.Sub(topk, nb), b.const(0))
+    block_max = b.Pad(block_max, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, extra), axis=0),
+                      b.const(NOTHING, np.float32))  # [T, H, max(NB, topk)]
+    values, idx = b.TopK(block_max, _vec(b, topk), axis=-1, largest=1, sorted=1, n_out=2)
+    idx = _lowest_ids_first(b, block_max, values, idx, topk, b.Add(nb, extra))
     idx = b.Where(_unranked(b, values), b.const(-1), idx)
-    # -1 for the topk - k slots past the blocks there are (a Concat: ORT's CUDA EP has no int64 Pad, so a Pad
-    # here would run on the CPU EP, a device -> host -> device copy inside the step)
-    fill = b.Expand(b.const(-1), b.Concat(b.Shape(idx, end=2), _vec(b, b.Sub(topk, k)), axis=0))
-    idx = b.Concat(idx, fill, axis=-1)
     return _function("LightningIndexer", b, [b.Cast(idx, to=TensorProto.INT32)], kv_fp8)
 
 
@@ -315,8 +337,7 @@ def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
     index = b.Reshape(b.Add(b.Mul(slots, hkv), heads), flat_shape)
 
     def rows_of(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [B, Hkv, N * bs, *rest]
-        rows_of_pool = b.Reshape(pool, b.Concat(b.const([-1]), b.Shape(pool, start=3), axis=0))
-        return b.Gather(rows_of_pool, index, axis=0)
+        return b.Gather(_page_rows(b, pool, 3), index, axis=0)
 
     def gather(pool: str, scale: str) -> str:  # -> fp32 [B, Hkv, N * bs, D]
         return decode_rows(b, rows_of(pool), rows_of(scale)) if kv_fp8 else b.Cast(rows_of(pool), to=F32)
@@ -358,8 +379,9 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
     logits = b.MatMul(b.Cast("x", to=F32), b.Transpose(b.Cast("router_weight", to=F32), perm=[1, 0]))
     scores = b.Sigmoid(logits)  # [T, E]
     biased = b.Add(scores, b.Cast("e_score_correction_bias", to=F32))
-    top, idx = b.TopK(biased, _vec(b, b.attr(Ref("top_k", INT))), axis=-1, largest=1, sorted=1, n_out=2)
-    idx = _lowest_ids_first(b, biased, top, idx)  # exact ties to the lower expert id on every EP
+    top_k, num_experts = b.attr(Ref("top_k", INT)), _dim(b, "router_weight", 0)  # constants once ORT folds them
+    top, idx = b.TopK(biased, _vec(b, top_k), axis=-1, largest=1, sorted=1, n_out=2)
+    idx = _lowest_ids_first(b, biased, top, idx, top_k, num_experts)  # exact ties to the lower expert id on every EP
     w = b.GatherElements(scores, idx, axis=1)
     w = b.Div(w, b.ReduceSum(w, b.const([1]), keepdims=1))  # [T, k]
 
@@ -378,11 +400,10 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
     scanned = ["w13_e", "w13_scale_e", "w2_e", "w2_scale_e"] if mxfp8 else ["w13_e", "w2_e"]
     body = s.graph("expert_step", ["acc", "expert", *scanned], [acc_out])
 
-    experts = b.Range(b.const(0), _dim(b, "router_weight", 0), b.const(1))
-    zeros = b.Expand(b.CastLike(b.const(0.0, np.float32), "x"), b.Shape("x"))
+    experts = b.Range(b.const(0), num_experts, b.const(1))
     scan_in = ["w13", "w13_scale", "w2", "w2_scale"] if mxfp8 else ["w13", "w2"]
     if mxfp8:
-        routed = b.Scan(zeros, experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+        routed = b.Scan(_zeros_like_x(b), experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
     else:
         # Decode-sized steps (T * top_k <= E: the chosen experts' weights, gathered per assignment, are at most
         # the whole weight once) take a gather + batched product instead: no Scan over every expert and no
@@ -390,9 +411,9 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
         # per step). The condition is computed from shapes, on the host, so the If itself waits for nothing.
         # MXFP8 weights keep the Scan: ONNX Runtime's CUDA EP has no Gather kernel for float8 tensors, and a
         # Gather on the CPU EP would copy the whole expert table to the host every step.
-        per_assignment = b.LessOrEqual(b.Mul(_dim(b, "x", 0), b.attr(Ref("top_k", INT))), _dim(b, "router_weight", 0))
+        per_assignment = b.LessOrEqual(b.Mul(_dim(b, "x", 0), top_k), num_experts)
         routed = b.If(per_assignment, then_branch=_moe_gathered(alpha, limit, idx, w),
-                      else_branch=_moe_scanned(zeros, experts, scan_in, body))
+                      else_branch=_moe_scanned(experts, scan_in, body))
 
     shared_w13, shared_w2 = weight(b, "shared_w13", "shared_w13_scale"), weight(b, "shared_w2", "shared_w2_scale")
     shared = b.MatMul(
@@ -419,11 +440,16 @@ def _moe_gathered(alpha: str, limit: str, idx: str, w: str):
     return g.graph("moe_gathered", [], [out])
 
 
-def _moe_scanned(zeros: str, experts: str, scan_in: list[str], body):
-    """If branch: the per-expert Scan (inside the branch: a value the If reads from outside is computed whichever
-    branch runs)."""
+def _zeros_like_x(b: Builder) -> str:
+    """The Scan's initial accumulator: zeros shaped and typed as ``x``."""
+    return b.Expand(b.CastLike(b.const(0.0, np.float32), "x"), b.Shape("x"))
+
+
+def _moe_scanned(experts: str, scan_in: list[str], body):
+    """If branch: the per-expert Scan, its zeros made inside the branch (a value the If reads from outside is
+    computed whichever branch runs; ``experts`` is a constant once folded)."""
     g = Builder("s_")
-    routed = g.Scan(zeros, experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+    routed = g.Scan(_zeros_like_x(g), experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
     return g.graph("moe_scanned", [], [routed])
 
 

@@ -280,6 +280,7 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     onnxscript.rewriter.rewrite(model, pattern_rewrite_rules=_REWRITE_RULES)
     onnxscript.optimizer.fold_constants_ir(model, should_fold=should_fold)
     _bf16_clamps_in_fp32(graph)
+    _share_small_constants(graph, frozen | set(buffers))
     ir.passes.Sequential(
         common_passes.RemoveUnusedNodesPass(),
         common_passes.CommonSubexpressionEliminationPass(),
@@ -295,6 +296,26 @@ def finalize(model: ir.Model, weights: dict[str, ParamEntry], buffers: dict[str,
     model.ir_version = IR_VERSION
     model.producer_name, model.producer_version = "m3export", _version()
     return ir.serde.serialize_model(model)
+
+
+def _share_small_constants(graph: ir.Graph, keep: set[str], size_limit: int = 64) -> None:
+    """One initializer per distinct small constant (dtype, shape, bytes) that the trace and folding made (``keep``:
+    parameters and buffers, never merged: the manifest names them), so that the CSE pass after it merges the nodes
+    they feed. The exporter writes one constant per use (the same ``[2]`` 42 times in the tiny graph, the ``True``
+    of each cache write's floor division once per pool), and neither onnx_ir's CSE nor ONNX Runtime's (which keys
+    initializers by name) merges nodes over two equal initializers: each cache write kept its own copy of the
+    ``slot // page_size`` arithmetic, 6 nodes per pool per step."""
+    first: dict[tuple, ir.Value] = {}
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if name in keep or tensor is None or tensor.size > size_limit or value.is_graph_input():
+            continue
+        key = (tensor.dtype, tuple(tensor.shape), tensor.tobytes())
+        if key in first:
+            value.replace_all_uses_with(first[key])
+            del graph.initializers[name]
+        else:
+            first[key] = value
 
 
 def _bf16_clamps_in_fp32(graph: ir.Graph) -> None:
