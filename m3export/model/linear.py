@@ -1,6 +1,9 @@
-"""A bias-free linear layer whose weight is either floating point or MXFP8 (E4M3 + UE8M0 per 32 along K)."""
+"""A bias-free linear layer whose weight is either floating point or MXFP8 (E4M3 + UE8M0 per 32 along K), and
+``FusedLinears``: several of them that read one input, run as one product over one weight buffer."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -60,8 +63,8 @@ class FusedLinears:
                 raise ValueError("FusedLinears: members must share the weight dtype and device")
         self.linears = list(linears)
         self.mxfp8 = first.mxfp8
-        ends = torch.tensor([lin.out_features for lin in linears]).cumsum(0).tolist()
-        self.bounds = list(zip([0] + ends[:-1], ends))
+        ends = list(itertools.accumulate(lin.out_features for lin in linears))
+        self.bounds = list(zip([0] + ends[:-1], ends))  # each member's rows of the buffer / columns of the output
         names = ("weight", "weight_scale_inv") if self.mxfp8 else ("weight",)
         self.buffers = [self._concatenate(name) for name in names]
         self._views = [(lin, name, getattr(lin, name).data_ptr()) for lin in self.linears for name in names]
