@@ -17,7 +17,9 @@ different things), so they report acceptance and speed only.
   python bench/mtp_speculation.py --device cuda --backends torch,torch-eager   # a GPU: CUDA graphs and eager
   python bench/mtp_speculation.py --breakdown --batch 8 --prompts 16          # + ms per target / MTP call
 
-``mtp/step``: MTP-module calls per target call (prefill steps included), what a round of drafts costs in calls.
+``mtp/step``: MTP-module calls per target call (prefill steps included), what a round of drafts costs in calls;
+a greedy round the graphed backend replays as one chain (``Backend.mtp_chain``) makes none and counts as one
+``chain`` call (JSON ``chain_calls``).
 
 Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and MTP steps replay from CUDA graphs,
 all captured in the warm-up), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``),
@@ -73,8 +75,8 @@ class CallClock:
     timing is opt-in (``--breakdown``)."""
 
     def __init__(self, backend, timed: bool, sync):
-        self.calls = {"target": [0, 0.0], "mtp": [0, 0.0]}  # [calls, seconds]
-        for method, kind in (("forward", "target"), ("mtp_forward", "mtp")):
+        self.calls = {"target": [0, 0.0], "mtp": [0, 0.0], "chain": [0, 0.0]}  # [calls, seconds]
+        for method, kind in (("forward", "target"), ("mtp_forward", "mtp"), ("mtp_chain", "chain")):
             setattr(backend, method, self._wrap(getattr(backend, method), self.calls[kind], timed, sync))
 
     @staticmethod
@@ -169,6 +171,7 @@ PHASES = (
     ("settle", "engine", "_settle"),
     ("draft", "drafter", "run"),
     ("mtp.forward", "backend", "mtp_forward"),
+    ("mtp.chain", "backend", "mtp_chain"),
     ("propose", "drafter", "_propose"),
     ("inputs.fill", "inputs", "fill"),
     ("graph.run", "backend", "_run"),
@@ -244,7 +247,7 @@ def profile_engine(engine, prompts: list[list[int]], new_tokens: int, device: to
     from m3export.runtime import SamplingParams
 
     be = engine.backend
-    counters = ("replays", "mtp_replays", "eager_steps", "eager_mtp_steps", "padded_mtp_steps")
+    counters = ("replays", "mtp_replays", "eager_steps", "eager_mtp_steps", "padded_mtp_steps", "chain_replays")
     counters = [c for c in counters if hasattr(be, c)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -330,7 +333,7 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
                "rows": rows}
         write_results(out, json_path)
 
-    cols = ("engine.step", "target.forward", "inputs.fill", "graph.run", "decide", "draft", "mtp.forward",
+    cols = ("engine.step", "target.forward", "inputs.fill", "graph.run", "decide", "draft", "mtp.forward", "mtp.chain",
             "propose")
     print(f"{'backend':12s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s} {'x plain':>7s} "
           f"{'speedup':>7s}  host us per step: "
@@ -341,7 +344,8 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
         for k, eng in engines.items():
             eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             if hasattr(eng.backend, "capture_shapes"):
-                eng.backend.capture_shapes(1, k + 2 if k else 1, eng.drafter.modules_used if eng.drafter else 0)
+                eng.backend.capture_shapes(1, k + 2 if k else 1, eng.drafter.modules_used if eng.drafter else 0,
+                                           chain_drafts=k)
             trace = Path(args.trace_dir) / f"mtp_profile_{backend}_k{k}.json" if args.trace_dir else None
             if trace is not None:
                 trace.parent.mkdir(parents=True, exist_ok=True)
@@ -451,7 +455,7 @@ def main() -> int:
                 if hasattr(eng.backend, "capture_shapes"):  # CUDA graphs of every decode / verify / MTP shape:
                     # verify steps of k + 1 tokens, MTP calls of up to k + 1 kept positions plus a chain position
                     eng.backend.capture_shapes(args.batch, k + 2 if k else 1,
-                                               eng.drafter.modules_used if eng.drafter else 0)
+                                               eng.drafter.modules_used if eng.drafter else 0, chain_drafts=k)
             for temperature in TEMPERATURES:
                 graphs = {k: getattr(eng.backend, "num_graphs", 0) for k, eng in engines.items()}
                 tallies = measure(engines, clocks, groups, temperature, args.new_tokens, args.repeats)
@@ -470,6 +474,7 @@ def main() -> int:
                            "wall_tok_s": t.tokens / t.wall_time}
                     (nt, tt), (nm, tm) = clocks[k].calls["target"], clocks[k].calls["mtp"]
                     row.update(target_calls=nt, mtp_calls=nm, mtp_calls_per_target_call=nm / nt,
+                               chain_calls=clocks[k].calls["chain"][0],
                                graphs_captured_while_measuring=getattr(engines[k].backend, "num_graphs", 0) - graphs[k])
                     if args.breakdown:
                         row.update(target_ms_per_call=1e3 * tt / nt, mtp_ms_per_call=1e3 * tm / nm if nm else None)

@@ -481,8 +481,8 @@ class GraphedTorchBackend(TorchBackend):
         """Capture now, not at first use, every graph that decoding up to ``max_batch`` sequences takes: target steps
         of 1 .. ``max_tokens_per_sequence`` tokens per sequence (plain decode; verification of up to k drafts when
         it is k + 1) and, for each of the first ``mtp_modules`` MTP modules, steps of as many positions per
-        sequence with and without logits; with ``chain_drafts`` = k > 0, the replayed rounds of k greedy drafts
-        (``mtp_chain``) after 1 .. k + 1 kept positions that fit a page. What a benchmark calls before measuring (a capture, and a kernel
+        sequence with and without logits; with ``chain_drafts`` = k > 0, the replayed rounds of 1 .. k greedy
+        drafts (``mtp_chain``) after 1 .. k + 1 kept positions, where they fit a page. What a benchmark calls before measuring (a capture, and a kernel
         compiled for a new shape, would otherwise count as decode time). The steps run on padding alone (every
         row on the scratch page), so this may be called at any time. Returns how many graphs it captured."""
         if not self.use_graphs or self._caches is None:
@@ -509,12 +509,13 @@ class GraphedTorchBackend(TorchBackend):
             if chain_drafts and mtp_modules and self.mtp_graphs:
                 from ..drafter import chain_plan
 
-                used = max(1, min(self.num_mtp_modules, chain_drafts))
-                for q in range(1, min(chain_drafts + 1, self._page_size - chain_drafts + 1) + 1):
-                    key = ("chain", bucket, chain_plan(q, chain_drafts, self.num_mtp_modules, used))
-                    if key not in self._graphs and self.mtp_graphs:
-                        inputs = self._chain_inputs(key, ids, empty, hidden[:0])
-                        self._run(key, self._chain_step(inputs, key[2]))
+                used = max(1, min(self.num_mtp_modules, chain_drafts))  # the drafter's modules_used
+                for k in range(1, chain_drafts + 1):  # fewer drafts: a request near its max_tokens
+                    for q in range(1, min(chain_drafts + 1, self._page_size - k + 1) + 1):
+                        key = ("chain", bucket, chain_plan(q, k, self.num_mtp_modules, used))
+                        if key not in self._graphs and self.mtp_graphs:
+                            inputs = self._chain_inputs(key, ids, empty, hidden[:0])
+                            self._run(key, self._chain_step(inputs, key[2]))
         return len(self._graphs) - before
 
     @property
