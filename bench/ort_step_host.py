@@ -83,7 +83,8 @@ def attribute_nodes(events: list[dict], steps: int) -> dict:
     ``bench/ort_gpu.py``'s summary): nodes per step, those on the CPU EP, instances, nodes per instance, the op
     types; and the step's totals."""
     every_node = summarize_ort_profile(events, steps, top=sys.maxsize)["top_nodes"]
-    rows: dict[str, dict] = defaultdict(lambda: {"nodes": 0.0, "cpu_ep": 0.0, "instances": set(), "op_types": Counter()})
+    rows: dict[str, dict] = defaultdict(
+        lambda: {"nodes": 0.0, "cpu_ep": 0.0, "instances": set(), "op_types": Counter()})
     for n in every_node:
         origin, instance = node_origin(n["node"], n["op_type"])
         row = rows[origin]
