@@ -131,7 +131,8 @@ def test_sparse_attention_variant_matches_reference(mode, variant, name, dtype):
 
 @pytest.mark.parametrize("mode, loop, name", [("decode", "flat", "decode-one-token-seqs"),
                                               ("prefill", "flat", "mixed-with-empty-seq"),
-                                              ("prefill", "union", "mixed-with-empty-seq")])
+                                              ("prefill", "union", "mixed-with-empty-seq"),
+                                              ("prefill", "halves", "mixed-with-empty-seq")])
 def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
     """The loop forms read FP8 pools as the default does (E4M3 bytes, per-row scales; the same attend_tile). fp32
     queries, so the comparison is as tight as tests/test_kernels_attention.py's fp32 bound (the E4M3 values and
@@ -149,6 +150,46 @@ def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
     got = SPA.forward(*[x.to(DEVICE) for x in (q, k, v)], *paged.args(), sel.to(DEVICE), bs, d**-0.5,
                       ks.to(DEVICE), vs.to(DEVICE), config={mode: settings})
     _assert_attention_close(got, ref, dequantize_rows(v, vs))
+
+
+# Key tiles inside one page (16-key tiles of 16-key blocks on 16- or 32-key pages): the launchers' one-scalar page
+# load per key tile, which every GPU shape takes (blocks = pages = 128) but the CASES above (blocks of 4, tiles of
+# 16) never do. A decode batch with a one-token sequence, and a mixed prefill batch (decode-like sequences, a
+# one-token sequence, sequences crossing pages) whose odd tile tails leave "halves" groups partly or wholly empty.
+IN_PAGE_CASES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]), "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3])}
+IN_PAGE_LOOPS = {"decode": [{}],
+                 "prefill": [{"loop": "flat", "tile_tokens": 1}, {"loop": "union", "tile_tokens": 4},
+                             {"loop": "halves", "tile_tokens": 4}, {"loop": "halves", "tile_tokens": 8}]}
+
+
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("mode, cfg", [(m, c) for m, cs in IN_PAGE_LOOPS.items() for c in cs],
+                         ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()) or "all")
+def test_key_tiles_inside_pages_match_reference(mode, cfg, page):
+    """bf16 on the indexer's selection (forced local and init blocks) with -1 entries, repeats and ids past the
+    token's own block mixed in, as the kernel may be handed them."""
+    ctx, new = IN_PAGE_CASES[mode]
+    paged = Paged(ctx, new, page, seed=page + len(cfg))
+    t, hq, hkv, d, bs = paged.tokens, 32, 2, 32, 16  # 16 query heads per KV head, as M3
+    assert (t < 2 * len(ctx)) == (mode == "decode")
+    q = paged.randn(t, hq, d, dtype=torch.bfloat16)
+    k, v = paged.pool(hkv, d, dtype=torch.bfloat16), paged.pool(hkv, d, dtype=torch.bfloat16)
+    sel = lightning_indexer_reference(paged.randn(t, hkv, d), paged.pool(d), *paged.args("cpu"), bs, 3, 1, 1)
+    noise = torch.randint(-1, max(ctx) // bs + 2, (t, hkv, 2), generator=paged.gen, dtype=torch.int32)
+    sel = torch.cat([sel, noise, sel[..., :1]], dim=-1)
+    ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5)
+    got = SPA.forward(*[x.to(DEVICE) for x in (q, k, v)], *paged.args(), sel.to(DEVICE), bs, d**-0.5,
+                      config={mode: {**cfg, "block_n": 16}})
+    _assert_attention_close(got, ref, v)
+
+
+def test_halves_needs_an_even_tile():
+    paged = Paged([9, 9], [4, 4], 4, seed=2)
+    q, k = paged.randn(8, 4, 16), paged.pool(2, 16)
+    sel = torch.zeros(8, 2, 2, dtype=torch.int32)
+    odd = {"prefill": {"loop": "halves", "tile_tokens": 3}}
+    with pytest.raises(ValueError, match="'halves' loop needs an even tile_tokens, not 3"):
+        SPA.forward(q, k, k, *paged.args("cpu"), sel, 4, 0.25, config=odd)
 
 
 def test_tile_unions_are_each_tiles_distinct_usable_blocks():

@@ -11,14 +11,20 @@ merges the splits. Selection entries that are -1, after the token's own block, o
 allowed set is exactly the reference's (order and duplicates do not matter).
 
 Launch parameters are the table ``DEFAULTS`` (one entry for decode-like batches, one for prefill); ``forward(...,
-config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Two
+config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Three
 loop forms besides the default "nested" walk (an inner loop over one block's key tiles, so the compiler's software
 pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the
 loads of skipped visits instead of branching around them, so the next block's loads can be in flight while this
 one is computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's sorted
 list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
-per-visit de-duplication. Every form computes the same allowed set; only the summation order of the online
-softmax differs (the blocks' order).
+per-visit de-duplication; "halves" walks the same list with the tile's rows in two groups of half its tokens, each
+with its own online softmax, and a group none of whose tokens chose a block skips its dot and softmax for it (K and
+V are still read once for the whole tile). A union tile computes every row against every block of the union, so
+its work over the op's is (union / top-k): on selections like a real prompt's (``bench/prefill_selections.py``)
+1.3 / 1.6 / 2.0 for 4 / 8 / 16 tokens; the halves of an 8-token tile cost about what 4-token tiles cost in work
+while reading K and V per 8 tokens. Every form computes the same allowed set; only the summation order of the
+online softmax differs (the blocks' order). Where a key tile lies inside one page (it divides the page and the
+block), its page id is one scalar load instead of one per key.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ DEFAULTS = {
     "prefill": dict(tile_tokens=1, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
                     loop="flat"),
 }
-_LOOPS = ("nested", "flat", "union")
+_LOOPS = ("nested", "flat", "union", "halves")
 
 
 def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None):
@@ -94,12 +100,15 @@ VARIANTS = {
         "nested-tauto-n64-w4-s2-waves2": _prefill("nested", None, 64, 4, 2),  # the defaults before 22:12
         "flat-t1-n64-w4-s3-waves2": _prefill("flat", 1, 64, 4, 3),
         "flat-t1-n128-w4-s3-waves2": _prefill("flat", 1, 128, 4, 3),
-        "flat-t1-n64-w8-s4-waves2": _prefill("flat", 1, 64, 8, 4),
         "union-t4-n128-w4-s3-waves2": _prefill("union", 4, 128, 4, 3),
-        "union-t4-n64-w8-s3-waves2": _prefill("union", 4, 64, 8, 3),
         "union-t8-n64-w8-s3-waves2": _prefill("union", 8, 64, 8, 3),
         "union-t8-n128-w8-s2-waves2": _prefill("union", 8, 128, 8, 2),  # best on smooth index queries (0.75x)
         "union-t16-n64-w8-s2-waves2": _prefill("union", 16, 64, 8, 2),
+        # 8-token union tiles whose two 4-token halves (64 rows each, one wgmma warpgroup's M) skip the blocks none
+        # of their tokens chose: K / V read once per 8 tokens, the work of 4-token tiles (module docstring)
+        "halves-t8-n128-w8-s2-waves2": _prefill("halves", 8, 128, 8, 2),
+        "halves-t8-n64-w8-s3-waves2": _prefill("halves", 8, 64, 8, 3),
+        "halves-t8-n128-w4-s2-waves2": _prefill("halves", 8, 128, 4, 2),
     },
 }
 
@@ -153,22 +162,78 @@ def _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K: tl.con
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, D: tl.constexpr,
+             DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+             TILE_IN_PAGE: tl.constexpr):
+    """Key tile ``sub`` of block ``c``: (key positions j, which exist and are visible to the tile, page id and row
+    of each key, K [BLOCK_N, D], V [BLOCK_N, DV]); nothing is read unless ``use``. ``TILE_IN_PAGE``: the tile
+    lies inside one page (BLOCK_N divides both the page and the block), so its page id is one scalar load and
+    its rows are consecutive, instead of a page id per key."""
+    j = c * BS + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+    kmask = use & (j < c * BS + BS) & (j <= last)
+    if TILE_IN_PAGE:
+        j0 = c * BS + sub * BLOCK_N
+        page = tl.load(bt_row + j0 // PAGE, mask=use & (j0 <= last), other=0).to(tl.int64)
+        row = j0 % PAGE + tl.arange(0, BLOCK_N)
+    else:
+        page = tl.load(bt_row + j // PAGE, mask=kmask, other=0).to(tl.int64)
+        row = j % PAGE
+    k_rows = k_ptr + page * sk_p + row * sk_r + g * sk_h
+    v_rows = v_ptr + page * sv_p + row * sv_r + g * sv_h
+    k = tl.load(k_rows[:, None] + d[None, :], mask=kmask[:, None] & (d[None, :] < D), other=0.0)
+    v = tl.load(v_rows[:, None] + dv[None, :], mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    return j, kmask, page, row, k, v
+
+
+@triton.jit
 def _attend_block(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
                   sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+                  TILE_IN_PAGE: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr):
     """Key tile ``sub`` of block ``c`` for the rows that ``wants`` (causally); nothing is read unless ``use``."""
-    j = c * BS + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-    kmask = use & (j < c * BS + BS) & (j <= last)
-    page = tl.load(bt_row + j // PAGE, mask=kmask, other=0).to(tl.int64)
-    row = j % PAGE
-    k = tl.load(k_ptr + page[:, None] * sk_p + row[:, None] * sk_r + g * sk_h + d[None, :],
-                mask=kmask[:, None] & (d[None, :] < D), other=0.0)
-    v = tl.load(v_ptr + page[:, None] * sv_p + row[:, None] * sv_r + g * sv_h + dv[None, :],
-                mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+    j, kmask, page, row, k, v = _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h, sv_p,
+                                         sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE)
     allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
     return attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g, vs_ptr + page * svs_p + row * svs_r + g,
                        kmask, allowed, qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
+
+
+@triton.jit
+def _tile_rows(q_ptr, pos_ptr, sel_base, start, end, first, g, sq_t, sq_h, ss_t, G: tl.constexpr, G_PAD: tl.constexpr,
+               NT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
+               K_PAD: tl.constexpr):
+    """Rows (``NT`` tokens of the tile from its token ``first`` on, times the query heads of KV head ``g``):
+    (token within the tile, token, query head, row exists, position, queries [ROWS, BLOCK_D], each row's token's
+    selection [ROWS, K_PAD])."""
+    rows = tl.arange(0, ROWS)
+    rel = first + rows // G_PAD  # token of the row within the tile
+    tok = start + rel
+    hh = rows % G_PAD
+    hq = g * G + hh
+    row_ok = (tok < end) & (hh < G) & (rows // G_PAD < NT)
+    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + hq[:, None] * sq_h + d[None, :],
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    kk = tl.arange(0, K_PAD)
+    sel_rows = tl.load(sel_base + tok[:, None].to(tl.int64) * ss_t + kk[None, :],
+                       mask=row_ok[:, None] & (kk[None, :] < K), other=-1)
+    return rel, tok, hq, row_ok, pos, q, sel_rows
+
+
+@triton.jit
+def _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ: tl.constexpr,
+            DV: tl.constexpr, SPLITS: tl.constexpr):
+    """The rows' output (one split), or their partial (m, l, acc) for ``_splitk``'s merge."""
+    if SPLITS == 1:
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
+        tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    else:
+        r = (tok.to(tl.int64) * HQ + hq) * SPLITS + split
+        tl.store(m_ptr + r, m_i, mask=row_ok)
+        tl.store(l_ptr + r, l_i, mask=row_ok)
+        tl.store(acc_ptr + r[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -181,6 +246,7 @@ def _sparse_paged_attention(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, LOOP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr = False,  # last, with a default: the TensorRT wrappers pass the others by position
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -195,82 +261,105 @@ def _sparse_paged_attention(
         start = tl.load(tile_start_ptr + tile)
         end = tl.load(tile_end_ptr + tile)
 
-    rows = tl.arange(0, ROWS)
-    rel = rows // G_PAD  # token of the row within the tile
-    tok = start + rel
-    hh = rows % G_PAD
-    hq = g * G + hh
-    row_ok = (tok < end) & (hh < G)
-    pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
-    last = tl.max(pos, axis=0)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + hq[:, None] * sq_h + d[None, :],
-                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
     kk = tl.arange(0, K_PAD)
     sel_base = sel_ptr + g * ss_g
-    sel_rows = tl.load(sel_base + tok[:, None].to(tl.int64) * ss_t + kk[None, :],
-                       mask=row_ok[:, None] & (kk[None, :] < K), other=-1)  # each row's token's selection
-
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
     VISITS: tl.constexpr = TOKENS * K  # (token of the tile, selection slot) pairs, cut into SPLITS pieces
     PER: tl.constexpr = (VISITS + SPLITS - 1) // SPLITS
     SUB: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + seq.to(tl.int64) * sbt_b
-    if LOOP == "nested":
-        for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
-            c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
-            for sub in range(0, tl.where(use, SUB, 0)):
-                m_i, l_i, acc = _attend_block(
-                    q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
-                    sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
-                    BS, BLOCK_N, PREC, INTERPRETED)
+    if LOOP == "halves":  # the tile's union; its rows in two groups of TOKENS / 2 tokens (module docstring)
+        HALF_T: tl.constexpr = TOKENS // 2
+        HALF: tl.constexpr = ROWS // 2
+        _, tok_a, hq_a, ok_a, pos_a, q_a, sel_a = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, 0, g, sq_t, sq_h,
+                                                              ss_t, G, G_PAD, HALF_T, HALF, D, BLOCK_D, K, K_PAD)
+        _, tok_b, hq_b, ok_b, pos_b, q_b, sel_b = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, HALF_T, g, sq_t,
+                                                              sq_h, ss_t, G, G_PAD, HALF_T, HALF, D, BLOCK_D, K,
+                                                              K_PAD)
+        last_h = tl.maximum(tl.max(pos_a, axis=0), tl.max(pos_b, axis=0))
+        m_a = tl.full([HALF], float("-inf"), tl.float32)
+        l_a = tl.zeros([HALF], tl.float32)
+        acc_a = tl.zeros([HALF, BLOCK_DV], tl.float32)
+        m_b = tl.full([HALF], float("-inf"), tl.float32)
+        l_b = tl.zeros([HALF], tl.float32)
+        acc_b = tl.zeros([HALF, BLOCK_DV], tl.float32)
+        n_uni = tl.load(cnt_ptr + tile * hkv + g)
+        uni_row = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+        u_lo = split * PER
+        u_hi = tl.minimum(u_lo + PER, n_uni)
+        for it in range(u_lo * SUB, u_hi * SUB):
+            c = tl.load(uni_row + it // SUB)
+            j, kmask, page, row, k, v = _load_kv(k_ptr, v_ptr, bt_row, c, it % SUB, c >= 0, last_h, d, dv, g, sk_p,
+                                                 sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE)
+            ks_rows = ks_ptr + page * sks_p + row * sks_r + g
+            vs_rows = vs_ptr + page * svs_p + row * svs_r + g
+            wants_a = tl.max((sel_a == c).to(tl.int32), axis=1) > 0
+            if tl.max(wants_a.to(tl.int32), axis=0) > 0:  # a group none of whose tokens chose c skips the block
+                allowed = wants_a[:, None] & kmask[None, :] & (j[None, :] <= pos_a[:, None])
+                m_a, l_a, acc_a = attend_tile(q_a, k, v, ks_rows, vs_rows, kmask, allowed, qk_scale, m_a, l_a, acc_a,
+                                              FP8, PREC, INTERPRETED)
+            wants_b = tl.max((sel_b == c).to(tl.int32), axis=1) > 0
+            if tl.max(wants_b.to(tl.int32), axis=0) > 0:
+                allowed = wants_b[:, None] & kmask[None, :] & (j[None, :] <= pos_b[:, None])
+                m_b, l_b, acc_b = attend_tile(q_b, k, v, ks_rows, vs_rows, kmask, allowed, qk_scale, m_b, l_b, acc_b,
+                                              FP8, PREC, INTERPRETED)
+        _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc_a, m_a, l_a, tok_a, hq_a, ok_a, split, so_t, so_h, dv, HQ, DV,
+                SPLITS)
+        _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc_b, m_b, l_b, tok_b, hq_b, ok_b, split, so_t, so_h, dv, HQ, DV,
+                SPLITS)
     else:
-        if TOKENS == 1:
-            sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
-        if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
-            n_vis = tl.load(cnt_ptr + tile * hkv + g)
-            uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+        rel, tok, hq, row_ok, pos, q, sel_rows = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, 0, g, sq_t, sq_h,
+                                                            ss_t, G, G_PAD, TOKENS, ROWS, D, BLOCK_D, K, K_PAD)
+        last = tl.max(pos, axis=0)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+        if LOOP == "nested":
+            for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
+                c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
+                for sub in range(0, tl.where(use, SUB, 0)):
+                    m_i, l_i, acc = _attend_block(
+                        q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
+                        sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
+                        BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED)
         else:
-            n_vis = (end - start) * K
-        v_lo = split * PER
-        v_hi = tl.minimum(v_lo + PER, n_vis)
-        for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
-            visit = it // SUB
-            sub = it % SUB
-            if LOOP == "union":
-                c = tl.load(uni_base + visit)
-                use = c >= 0  # always: the list holds usable blocks only
-                if TOKENS == 1:
-                    wants = row_ok
-                else:
-                    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+            if TOKENS == 1:
+                sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
+            if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
+                n_vis = tl.load(cnt_ptr + tile * hkv + g)
+                uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
             else:
-                if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
-                    # loop counter and this visit's addresses, and repeats are a 1-D test
-                    c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
-                    seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
-                    wants = row_ok
-                    use = (c >= 0) & (c * BS <= last) & (seen == 0)
+                n_vis = (end - start) * K
+            v_lo = split * PER
+            v_hi = tl.minimum(v_lo + PER, n_vis)
+            for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
+                visit = it // SUB
+                sub = it % SUB
+                if LOOP == "union":
+                    c = tl.load(uni_base + visit)
+                    use = c >= 0  # always: the list holds usable blocks only
+                    if TOKENS == 1:
+                        wants = row_ok
+                    else:
+                        wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
                 else:
-                    c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
-            # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
-            m_i, l_i, acc = _attend_block(
-                q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
-                sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
-                BLOCK_N, PREC, INTERPRETED)
+                    if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
+                        # loop counter and this visit's addresses, and repeats are a 1-D test
+                        c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
+                        seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
+                        wants = row_ok
+                        use = (c >= 0) & (c * BS <= last) & (seen == 0)
+                    else:
+                        c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
+                # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
+                m_i, l_i, acc = _attend_block(
+                    q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
+                    sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
+                    BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED)
 
-    if SPLITS == 1:
-        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
-        tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    else:
-        r = (tok.to(tl.int64) * HQ + hq) * SPLITS + split
-        tl.store(m_ptr + r, m_i, mask=row_ok)
-        tl.store(l_ptr + r, l_i, mask=row_ok)
-        tl.store(acc_ptr + r[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
+        _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
+                SPLITS)
 
 
 def forward(
@@ -324,8 +413,13 @@ def forward(
         slots = t
     else:
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
-    uni = cnt = sel  # never read unless the loop is "union"
-    if cfg["loop"] == "union":
+    loop = cfg["loop"]
+    if loop == "halves" and tokens == 1:
+        loop = "union"  # one token has no halves: its own list, the same computation
+    if loop == "halves" and tokens % 2:
+        raise ValueError(f"sparse_paged_attention: the 'halves' loop needs an even tile_tokens, not {tokens}")
+    uni = cnt = sel  # never read unless the loop is "union" or "halves"
+    if loop in ("union", "halves"):
         if tokens == 1:
             first = torch.arange(t, dtype=torch.int32, device=q.device)
             uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
@@ -338,15 +432,19 @@ def forward(
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     block_n = min(cfg["block_n"], max(16, next_pow2(block_size)))
     ks, vs = scale_pools(k_scale, v_scale, kc)
+    # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs ("halves":
+    # each group of tokens / 2 at least 16)
+    rows = 2 * max(16, tokens // 2 * g_pad) if loop == "halves" else max(16, tokens * g_pad)
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), sel.stride(0),
         sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E, FP8=k_scale is not None,
-        HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=max(16, tokens * g_pad), D=d,
+        HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=rows, D=d,
         BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk,
-        K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=cfg["loop"],
-        PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q), num_warps=cfg["num_warps"],
+        K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
+        PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
+        TILE_IN_PAGE=page % block_n == 0 and block_size % block_n == 0, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     return parts.merge_into(out) if parts else out
