@@ -435,7 +435,7 @@ class GraphedTorchBackend(TorchBackend):
         b = batch.seq_lens.shape[0]
         rows = inputs.hidden.view(bucket, span, h)
         if b:
-            rows[:b, :q].copy_(hidden.view(b, q, h))
+            rows[:b, :q].copy_(hidden.reshape(b, q, h))
         if inputs._hidden_rows > b:
             rows[b:inputs._hidden_rows].zero_()
         inputs._hidden_rows = b
