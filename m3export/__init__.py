@@ -23,14 +23,16 @@ def load_model(path_or_preset, device="cpu", dtype=None, **kwargs):
     """A checkpoint directory or a preset name (random weights) -> ``M3ForCausalLM`` in eval mode.
 
     On a CUDA device the ``m3`` ops then run the Triton kernels of ``m3export.plugins.kernels`` (registered once
-    per process; the references stay the CPU implementation and the definition of truth)."""
+    per process; the references stay the CPU implementation and the definition of truth), and each attention
+    layer's input projections share one weight buffer (``M3ForCausalLM.fuse_projections``)."""
     from .checkpoint.loader import load_model as _load
 
     model = _load(path_or_preset, device=device, dtype=dtype, **kwargs)
     if str(device).startswith("cuda"):
         from m3export.plugins.kernels import use_on
 
-        use_on(device)
+        if use_on(device):
+            model.fuse_projections()
     return model
 
 
