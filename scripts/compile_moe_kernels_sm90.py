@@ -2,8 +2,9 @@
 
 The interpreter (CPU tests) checks what the kernels compute but not that they compile for the device, and GPU time
 is scarce: this builds every tile variant the launchers and ``bench/moe.py`` use, at the ``mini`` / release dims,
-with Triton's own ptxas, and prints registers, spills, shared memory and whether the dots became wgmma (Hopper's
-warpgroup MMA) or mma.sync. A compile error names the kernel and variant.
+with Triton's own ptxas, and prints registers, spills, shared memory, whether the dots became wgmma (Hopper's
+warpgroup MMA) or mma.sync, and whether the loads are cp.async or TMA bulk tensor copies. A compile error names the
+kernel and variant.
 
   python scripts/compile_moe_kernels_sm90.py            # all variants (about a minute per dozen)
   python scripts/compile_moe_kernels_sm90.py --quick    # the launchers' default tiles only
@@ -60,7 +61,7 @@ def build(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> dic
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
     return {**resources(k.asm["cubin"]), "smem": k.metadata.shared, "wgmma": "wgmma" in ptx,
-            "mma": "mma.sync" in ptx, "cp_async": "cp.async" in ptx}
+            "mma": "mma.sync" in ptx, "cp_async": "cp.async" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
 
 
 def moe_signature(mx: bool, kind: str) -> dict:
@@ -75,15 +76,21 @@ def moe_signature(mx: bool, kind: str) -> dict:
             "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}
 
 
+def _bench_moe():
+    """bench/moe.py as a module (its sweep lists), so the lists compiled here cannot drift from the ones swept."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import moe as bench_moe
+
+    return bench_moe
+
+
 def _gemv_tiles(quick: bool) -> list:
     """The GEMV configs to build: the launchers' defaults (moe.GEMV_DECODE, moe.GEMV_DECODE_BF16,
     mxfp8_linear.gemv_config(1)), then unless ``quick`` every GEMV tile of bench/moe.py's sweep (imported from the
     script, so the lists cannot drift apart)."""
     tiles = [moe_kernels.GEMV_DECODE, moe_kernels.GEMV_DECODE_BF16, mxfp8_linear.gemv_config(1)]
     if not quick:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-        import moe as bench_moe
-
+        bench_moe = _bench_moe()
         tiles += [*bench_moe.GEMV_SWEEP, *bench_moe.SPLITK_SWEEP, *bench_moe.NAMES.values()]
     seen, out = set(), []
     for c in tiles:
@@ -109,20 +116,40 @@ def variants(quick: bool):
             tiles.append((128, {**moe_kernels.gemm_config(128), "MX_MODE": mode}, False))
         for bm in (16, 64, 128):  # gate and up as one dot (moe._gate_up GU_FUSED)
             tiles.append((bm, {**moe_kernels.gemm_config(bm), "GU_FUSED": 1}, False))
+    formats = {}  # a prefill tile's weight formats (the tiles above: both for the defaults, else MXFP8 only)
+    listed = {(bm, tuple(sorted(cfg.items()))) for bm, cfg, _ in tiles}
+    if not quick:  # bench/moe.py's prefill sweep, each tile in the format(s) it is swept with
+        for fmt, sweep in _bench_moe().PREFILL_SWEEP.items():
+            for c in sweep:
+                bm = c["BLOCK_M"]
+                cfg = {**moe_kernels.gemm_config(bm), **{k: v for k, v in c.items() if k != "BLOCK_M"}}
+                key = (bm, tuple(sorted(cfg.items())))
+                if key in listed:
+                    continue
+                if key not in formats:
+                    tiles.append((bm, cfg, False))
+                formats.setdefault(key, set()).add(fmt == "mxfp8")
     for bm, cfg, default in tiles:
         for mx in (True, False):
-            if not mx and not default:  # MX_MODE variants only matter for MXFP8 weights
+            swept = formats.get((bm, tuple(sorted(cfg.items()))))
+            if swept is not None and mx not in swept:
+                continue
+            if swept is None and not mx and not default:  # MX_MODE variants only matter for MXFP8 weights
                 continue
             for kind, fn in (("gate_up", moe_kernels._gate_up), ("down", moe_kernels._down)):
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
                               BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"] if mx else 0)
                 if cfg.get("GU_FUSED"):
-                    if kind != "gate_up":
-                        continue
-                    consts["GU_FUSED"] = 1
+                    if kind != "gate_up" and not (cfg.get("GROUP_M") or cfg.get("TMA") or cfg["BLOCK_N"] > 64):
+                        continue  # the down kernel of a GU_FUSED tile is the plain tile's
+                    if kind == "gate_up":
+                        consts["GU_FUSED"] = 1
+                for key in ("GROUP_M", "TMA"):  # trailing constexprs: ASTSource takes no defaults
+                    consts[key] = cfg.get(key, 0)
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
-                         f"{' gu' if cfg.get('GU_FUSED') else ''}")
+                         f"{' gu' if consts.get('GU_FUSED') else ''}"
+                         f"{' g%d' % cfg['GROUP_M'] if cfg.get('GROUP_M') else ''}{' tma' if cfg.get('TMA') else ''}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     # The GEMV tiles (_gemv_tiles), each for both weight formats and the linear.
     for c in _gemv_tiles(quick):
@@ -169,10 +196,13 @@ def variants(quick: bool):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--match", default="", help="build only the variants whose label contains this text (e.g. g8)")
     args = ap.parse_args()
     failed = 0
     print(f"{'kernel / variant':58} {'regs':>4} {'stack':>5} {'smem':>6} dot   loads")
     for label, fn, sig, consts, warps, stages in variants(args.quick):
+        if args.match not in label:
+            continue
         try:
             r = build(fn, sig, consts, warps, stages)
         except Exception as exc:  # report every variant, then fail
@@ -182,7 +212,7 @@ def main() -> int:
             continue
         dot = "wgmma" if r["wgmma"] else "mma" if r["mma"] else "fma"
         print(f"{label:58} {r.get('regs', '?'):>4} {r.get('stack', '?'):>5} {r['smem']:>6} {dot:5} "
-              f"{'cp.async' if r['cp_async'] else 'sync'}", flush=True)
+              f"{'tma' if r['tma'] else 'cp.async' if r['cp_async'] else 'sync'}", flush=True)
     return 1 if failed else 0
 
 

@@ -326,6 +326,48 @@ def test_moe_ties_in_router_scores():
     _check_moe(case, torch.float32, "bf16")
 
 
+# Prefill tile order and TMA weight tiles (moe._tile_ids, moe._gate_up / _down TMA). 40 tokens x top-2 over 3
+# experts; H = I = 96 with 64-wide N and K tiles, so every last N tile and K step is half past the edge (TMA reads
+# zeros there, the ordinary loads mask); clamps active. GROUP_M 3 over 16-row blocks (8 blocks: groups of 3, 3 and
+# a short last one of 2); a GROUP_M that skipped or repeated a tile would leave rows of the empty activation
+# buffer unwritten. TMA unfused (two copies per K step) and GU_FUSED (one [1, 2, BN, BK] copy, gate and up
+# stacked). MX_MODE 1: tl.dot_scaled (MX_MODE 2) has no interpreter implementation.
+@cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("config", [dict(GROUP_M=3, BLOCK_M=16),
+                                    dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=1),
+                                    dict(TMA=1, GU_FUSED=1, GROUP_M=2, BLOCK_N=64, BLOCK_K=64, MX_MODE=1)],
+                         ids=["group3", "tma", "tma_gu_group2"])
+def test_moe_tile_order_and_tma(fmt, config):
+    _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=51), torch.float32, fmt, config=config)
+
+
+def _prefill_round4_cases():
+    from bench.moe import PREFILL_ROUND4, PREFILL_SWEEP
+
+    return [pytest.param(c, fmt, id=f"{name}-{fmt}") for name, c in PREFILL_ROUND4.items()
+            for fmt in ("mxfp8", "bf16") if c in PREFILL_SWEEP[fmt]]
+
+
+@cpu_only
+@pytest.mark.parametrize("config,fmt", _prefill_round4_cases())
+def test_moe_prefill_round4_tiles(config, fmt):
+    # bench/moe.py's prefill round-4 variants (PREFILL_ROUND4, imported so that the tested tiles are the swept ones)
+    # in the formats the sweep runs them, bf16 activations as the model runs: 64- and 128-row blocks, 128-wide N
+    # tiles, GROUP_M 8 (5 row blocks here: one short group), TMA; odd H / I as above. The interpreter takes
+    # MX_MODE 1 where the GPU takes 2 (tl.dot_scaled); the sweep checks MX_MODE 2 against the fp32 oracle on the H200.
+    _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=52), torch.bfloat16, fmt, config=config)
+
+
+def test_moe_tma_rejects_scale_gather_mode_and_unaligned_rows():
+    case = MoECase(4, 64, 32, 32, 4, 2)
+    with pytest.raises(ValueError, match="TMA takes MX_MODE 1 or 2"):
+        _check_moe(case, torch.float32, "mxfp8", config={"TMA": 1, "MX_MODE": 0})
+    odd = MoECase(4, 34, 32, 32, 4, 2)  # fp32 rows of 34 values: 136 bytes, not a multiple of 16
+    with pytest.raises(ValueError, match="TMA needs contiguous weight rows with 16-byte aligned"):
+        _check_moe(odd, torch.float32, "bf16", config={"TMA": 1})
+
+
 @cpu_only
 def test_moe_large_block_path():
     # Enough assignments per expert for 64-row blocks (block_m_for) with padding in several experts.

@@ -33,9 +33,55 @@ import triton.language as tl
 from triton import cdiv
 from . import moe_gemv
 from .moe_routing import ExpertBlocks, group_by_expert, route
-from .mxfp8_linear import cast, check_mx_mode, check_mxfp8, mx_mode2_available, use_f32_dot, weight_dot
+from .mxfp8_linear import (_e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8, dot_acc, mx_mode2_available,
+                           use_f32_dot, weight_dot)
 
 OP = "m3::moe"
+
+
+@triton.jit
+def _tile_ids(GROUP_M: tl.constexpr, N_TILES: tl.constexpr):
+    """(row block, N tile) of this program.
+
+    GROUP_M 0: the 2-D grid as launched, row blocks varying fastest, so the programs in flight at one time share
+    one N tile and span every row block: each N tile re-reads all the activation rows (100-200 MB at 4k tokens,
+    more than the 50 MB L2), which then come from HBM again for every N tile (read from the code; no counters
+    measured it). GROUP_M g >= 1: a 1-D grid walked in
+    groups of g row blocks, the N tiles outer and the group's row blocks inner (Triton's grouped ordering): the
+    group's activation rows stay in L2 while every N tile passes over them, and an expert's weight tile is read by
+    its row blocks (neighbours in the permutation) one after the other."""
+    if GROUP_M == 0:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        num_m = tl.num_programs(0) // N_TILES
+        per_group = GROUP_M * N_TILES
+        first_m = (pid // per_group) * GROUP_M
+        size = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size
+        pid_n = (pid % per_group) // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.constexpr, MX_MODE: tl.constexpr,
+              F32: tl.constexpr, PREC: tl.constexpr):
+    """acc += x [BM, BK] @ w^T for a weight tile [BN, BK] already loaded (the TMA path): ``weight_dot``'s bf16 and
+    MX_MODE 1 / 2 branches (``mxfp8_linear.py``) after its load; ``s_rows`` [BN] address the rows' scales."""
+    if not MXFP8:
+        acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
+    else:
+        BN: tl.constexpr = w.shape[0]
+        BK: tl.constexpr = w.shape[1]
+        g = k0 // 32 + tl.arange(0, BK // 32)
+        s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=r_ok[:, None] & (g[None, :] < K // 32), other=127)
+        if MX_MODE == 2:
+            acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
+        else:
+            w3 = tl.reshape(_e4m3_value(w), (BN, BK // 32, 32)) * _scale_value(s)[:, :, None]
+            acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BK)), x.dtype)), acc, F32, PREC)
+    return acc
 
 
 @triton.jit
@@ -44,13 +90,17 @@ def _gate_up(
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    MX_MODE: tl.constexpr, GU_FUSED: tl.constexpr = 0,
+    MX_MODE: tl.constexpr, GU_FUSED: tl.constexpr = 0, GROUP_M: tl.constexpr = 0, TMA: tl.constexpr = 0,
 ):
     """GU_FUSED 1: the gate and up tiles as one [2 x BLOCK_N, BLOCK_K] weight tile, rows interleaved (gate n, up n,
     ...), so each K step is one dot of twice the width instead of two (one wgmma of N = 2 x BLOCK_N, the activation
-    tile read once), split back into gate and up in the epilogue. The same products and sums per output."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    tile read once), split back into gate and up in the epilogue. The same products and sums per output.
+    GROUP_M: the order programs visit the tiles (``_tile_ids``; a 1-D grid when >= 1). TMA 1: the weight tiles
+    come through a tensor descriptor made on the device (Hopper's bulk tensor copy; rows past I and columns past H
+    read as zeros), the expert stack viewed as [E, 2, I, H] (gate, up); with GU_FUSED the gate and up tiles are one
+    [1, 2, BLOCK_N, BLOCK_K] copy, stacked (gate rows, then up rows) instead of interleaved. Scales and the
+    gathered activation rows are ordinary loads (a row gather by TMA is a Blackwell feature)."""
+    pid_m, pid_n = _tile_ids(GROUP_M, tl.cdiv(I, BLOCK_N))
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTED:
         e = tl.load(block_expert_ptr + pid_m)
@@ -66,7 +116,31 @@ def _gate_up(
     dt = x_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    if GU_FUSED:
+    if TMA:
+        G: tl.constexpr = 2 if GU_FUSED else 1
+        # Only expert e is read, so the leading extent e + 1 bounds it without the stack's size.
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[e + 1, 2, I, H], strides=[sw_e, I * sw_n, sw_n, 1],
+                                         block_shape=[1, G, BLOCK_N, BLOCK_K])
+        j = tl.arange(0, G * BLOCK_N)
+        r = pid_n * BLOCK_N + j % BLOCK_N  # tile row j: gate row r (j < BLOCK_N) or up row I + r
+        r_ok = r < I
+        s_r = s_ptr + e.to(tl.int64) * ss_e + (r + (j // BLOCK_N) * I).to(tl.int64) * ss_n
+        acc = tl.zeros((BLOCK_M, G * BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & (k[None, :] < H),
+                        other=0.0)
+            w = tl.reshape(desc.load([e, 0, pid_n * BLOCK_N, k0]), (G * BLOCK_N, BLOCK_K))
+            acc = _tile_dot(x, acc, w, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
+            if not GU_FUSED:  # the up tile: a second copy and dot
+                wu = tl.reshape(desc.load([e, 1, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
+                acc_u = _tile_dot(x, acc_u, wu, s_r + I * ss_n, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
+        if GU_FUSED:
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            acc_g = acc
+    elif GU_FUSED:
         j = tl.arange(0, 2 * BLOCK_N)
         r = pid_n * BLOCK_N + j // 2  # row j: gate row r (j even) or up row I + r (j odd)
         r_ok = r < I
@@ -105,10 +179,11 @@ def _down(
     sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    MX_MODE: tl.constexpr,
+    MX_MODE: tl.constexpr, GROUP_M: tl.constexpr = 0, TMA: tl.constexpr = 0,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """GROUP_M and TMA as in ``_gate_up``: tile order, and weight tiles through a device-made tensor descriptor over
+    the stack viewed as [E, H, I]."""
+    pid_m, pid_n = _tile_ids(GROUP_M, tl.cdiv(H, BLOCK_N))
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTED:
         e = tl.load(block_expert_ptr + pid_m)
@@ -129,11 +204,18 @@ def _down(
     w_rows = w_ptr + e.to(tl.int64) * sw_e + n.to(tl.int64) * sw_n
     s_rows = s_ptr + e.to(tl.int64) * ss_e + n.to(tl.int64) * ss_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[e + 1, H, I], strides=[sw_e, sw_n, 1],
+                                         block_shape=[1, BLOCK_N, BLOCK_K])
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(act_ptr + p[:, None].to(tl.int64) * sa_p + k[None, :], mask=ok[:, None] & (k[None, :] < I),
                     other=0.0)
-        acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
+        if TMA:
+            w = tl.reshape(desc.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
+            acc = _tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC)
+        else:
+            acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
     y = cast(acc, dt).to(tl.float32)
     if ROUTED:
         y = y * tl.load(route_w_ptr + a, mask=ok, other=0.0)[:, None]
@@ -228,13 +310,39 @@ def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool) 
     return {"BLOCK_M": 128, "BLOCK_N": 128}
 
 
+def _grid(grid_m: int, grid_n: int, cfg: dict) -> tuple:
+    """The launch grid: 2-D (row blocks, N tiles), or 1-D when ``GROUP_M`` orders the tiles (``_tile_ids``)."""
+    return (grid_m * grid_n,) if cfg.get("GROUP_M") else (grid_m, grid_n)
+
+
+def _check_tma(cfg: dict, weights: "list[_Weights]") -> None:
+    """TMA reads each expert stack through a tensor descriptor made on the device: contiguous rows, 16-byte aligned
+    base and row / expert strides, the MX_MODE 1 / 2 scale paths (``_tile_dot``), and on the GPU a global-memory
+    allocator for the descriptors (Triton asks for one at launch; set here once, from torch's caching allocator)."""
+    if not cfg.get("TMA"):
+        return
+    if weights[0].mxfp8 and cfg["MX_MODE"] not in (1, 2):
+        raise ValueError(f"moe: TMA takes MX_MODE 1 or 2 with MXFP8 weights, got {cfg['MX_MODE']}")
+    for w in weights:
+        size = w.w.element_size()
+        if w.w.stride(-1) != 1 or w.w.data_ptr() % 16 or any(st * size % 16 for st in w.w.stride()[:-1]):
+            raise ValueError(f"moe: TMA needs contiguous weight rows with 16-byte aligned base and strides, got "
+                             f"shape {tuple(w.w.shape)} strides {w.w.stride()} ({w.w.dtype})")
+    if not triton.knobs.runtime.interpret:
+        from triton.runtime import _allocation
+
+        if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+            dev = weights[0].w.device
+            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
+
+
 def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,
                     cfg, f32, prec):
     """Routed experts (``blocks`` given) or the shared expert (identity rows, expert 0 of a stack of one)."""
     routed = blocks is not None
     grid_m = blocks.num_blocks if routed else cdiv(num_rows, bm)
     rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)  # unused when not routed
-    _gate_up[(grid_m, cdiv(i, cfg["BLOCK_N"]))](
+    _gate_up[_grid(grid_m, cdiv(i, cfg["BLOCK_N"]), cfg)](
         x, w.w, w.s, act, rows, block_expert, num_rows, x.stride(0), *w.strides(), act.stride(0), alpha, limit,
         H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32, PREC=prec, **cfg,
     )
@@ -245,7 +353,7 @@ def _launch_down(act, w: "_Weights", y, blocks: ExpertBlocks | None, route_w, nu
     routed = blocks is not None
     grid_m = blocks.num_blocks if routed else cdiv(num_rows, bm)
     rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)
-    _down[(grid_m, cdiv(h, cfg["BLOCK_N"]))](
+    _down[_grid(grid_m, cdiv(h, cfg["BLOCK_N"]), cfg)](
         act, w.w, w.s, y, rows, block_expert, route_w if routed else act, num_rows, act.stride(0), *w.strides(),
         y.stride(0), y.stride(1), H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32,
         PREC=prec, **{k: v for k, v in cfg.items() if k != "GU_FUSED"},  # a gate-up key
@@ -276,8 +384,8 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
             swiglu_limit, scales=(None, None, None, None), config: dict | None = None,
             owned: tuple[int, int] | None = None) -> torch.Tensor:
     """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
-    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config (and GU_FUSED, see
-    ``_gate_up``), or ``GEMV`` with
+    ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config (and GU_FUSED, GROUP_M,
+    TMA, see ``_gate_up``), or ``GEMV`` with
     BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``); None takes
     ``default_config`` (the measured winners per batch bucket and weight format).
 
@@ -346,6 +454,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
 
     routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
     shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
+    _check_tma(cfg, [routed13, routed2, shared13, shared2])
     act = torch.empty((blocks.rows.shape[0], i), dtype=dt, device=dev)
     act_s = torch.empty((t, i_s), dtype=dt, device=dev)
     y = (torch.empty if owned is None else torch.zeros)((t, top_k + 1, h), dtype=dt, device=dev)
