@@ -466,6 +466,23 @@ def test_gpu_moe_gemv_pipeline_mini_dims(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("config,fmt", _prefill_round4_cases())
+def test_gpu_moe_prefill_round4_mini_dims(config, fmt):
+    # The prefill round-4 tiles compiled: tl.dot_scaled (MX_MODE 2) on TMA-loaded weight tiles, the grouped order
+    # over 1-D grids and the device-made descriptors exist only there. mini dims, 16 experts, 700 tokens x top-4
+    # (175 assignments per expert: 3 row blocks of 64 or 2 of 128 per expert, several groups of 8).
+    case = MoECase(700, 6144, 3072, 3072, 16, 4, gain=0.02, seed=60)
+    args = [a.cuda() for a in (case.mxfp8_args(torch.bfloat16) if fmt == "mxfp8" else case.bf16_args(torch.bfloat16))]
+    scales = tuple(args[4::2]) if fmt == "mxfp8" else (None,) * 4
+    weights = args[3::2] if fmt == "mxfp8" else args[3:]
+    reference = ref.moe_mxfp8_reference if fmt == "mxfp8" else ref.moe_reference
+    want = reference(*args, *case.attrs())
+    want64 = reference(*_as64(args), *case.attrs())
+    _close(moe_kernel.run_moe(*args[:3], *weights, *case.attrs(), scales=scales, config=config), want, want64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 def test_gpu_mxfp8_checkpoint_stays_mxfp8_and_generates(tmp_path):
     # Bring-up on a real (synthetic, tiny) MXFP8 checkpoint: the weights stay E4M3 + UE8M0 on the GPU (resident
     # bytes about the checkpoint's, not the 2x of a bf16 dequantisation) and greedy decoding through the MXFP8
