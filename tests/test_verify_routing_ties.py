@@ -117,6 +117,7 @@ def test_a_constructed_near_tie_is_excused_and_counted(tiny_artifact):
     # the tied token and the later ones of its sequence: logits and hidden rows excused, nothing else
     rows = report.routing.excused["model:logits"]
     assert rows[0] == end - token and rows[1] == report.tokens
+    assert 1 <= rows[2] <= rows[0]  # the tied token was routed otherwise: its row really differs, and is counted
     assert any(line.startswith("routing near ties: 1 tokens") for line in report.lines())
     # cache rows: the token from layer LAYER + 1 on, the later tokens from LAYER + 2 on (4 layers)
     layers = 4

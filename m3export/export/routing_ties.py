@@ -125,17 +125,20 @@ class RoutingTie:
 @dataclass
 class RoutingTies:
     """What verify excused for routing near ties: the ties, the rows excused per output (``excused[name]`` =
-    [excused rows, rows]), and the closest routing margin among the tokens judged (gap / bound, inf if none)."""
+    [excused rows, rows, excused rows whose error is beyond the tolerance]), and the closest routing margin among
+    the tokens judged (gap / bound, inf if none). The third count tells the excused rows that really differ (a
+    routing that came out otherwise, or an error the excusal hides) from those that only could."""
 
     ties: list[RoutingTie] = field(default_factory=list)
     excused: dict[str, list[int]] = field(default_factory=dict)
     closest: float = float("inf")
     closest_where: str = ""
 
-    def count(self, name: str, excused: int, rows: int) -> None:
-        entry = self.excused.setdefault(name, [0, 0])
+    def count(self, name: str, excused: int, rows: int, beyond: int = 0) -> None:
+        entry = self.excused.setdefault(name, [0, 0, 0])
         entry[0] += excused
         entry[1] += rows
+        entry[2] += beyond
 
     def lines(self) -> list[str]:
         if not self.ties:
@@ -146,9 +149,10 @@ class RoutingTies:
         where = ", ".join(f"{g} layer {layer}: {n}" for (g, layer), n in sorted(per_layer.items()))
         out = [f"routing near ties: {len(self.ties)} tokens ({where}); their later rows excused"]
         out.extend(f"  {t}" for t in self.ties[:3])
-        rows = ", ".join(f"{name} {e}/{n}" for name, (e, n) in self.excused.items() if e)
+        rows = ", ".join(f"{name} {e}/{n}" + (f" ({b} beyond the tolerance)" if b else "")
+                         for name, (e, n, b) in self.excused.items() if e)
         out.append(f"  rows excused: {rows}")
-        most = max((e / n for e, n in self.excused.values() if n), default=0.0)
+        most = max((e / n for e, n, _ in self.excused.values() if n), default=0.0)
         if most > 0.5:
             out.append(f"  note: up to {100 * most:.0f} % of an output's rows excused: at this dtype the routing "
                        "of those rows is not resolved, and they are not judged")
