@@ -101,16 +101,21 @@ BYTES_SWEEP = {
 # 100 MB of activations, against 7.2 GB of expert weights); GROUP_M 8 walks 8 row blocks at a time over every N
 # tile (moe._tile_ids); (2) tile shape: at 4k (128 assignments per expert) 64-row blocks waste ~24 % in padding,
 # 128-row ones ~45 %, while a 64 x 128 tile moves 2 bytes per 128 FLOP from L2; 64-row blocks with 256 weight rows
-# per dot (GU_FUSED, BN 128) keep the padding of 64 and raise the FLOP per byte by 1.3x; (3) TMA: the weight tiles
-# by the bulk tensor copy engine (moe._gate_up TMA) instead of per-thread cp.async. The sweep checks each variant
-# against the fp32 oracle at 4k and against the default's output at 16k.
+# per dot (GU_FUSED, BN 128) keep the padding of 64 and raise the FLOP per byte by 1.3x; MXFP8 also dequantises
+# each weight tile once per program (tl.dot_scaled on sm_90: E4M3 -> bf16 in registers, the weights wgmma's
+# register operand, the block's rows its N), so 256-row blocks halve that work per FLOP where 16k tokens (512 per
+# expert) keep the padding at ~23 %; bf16 gets the classic 128 x 256 tile (GU_FUSED, BN 128); (3) TMA: the weight
+# tiles by the bulk tensor copy engine (moe._gate_up TMA) instead of per-thread cp.async, which also frees the
+# registers of the address tensors (sm_90 compile: 128-row MXFP8 gate-up 247 -> 230). The sweep checks each
+# variant against the fp32 oracle at 4k and against the default's output at 16k.
 PREFILL_ROUND4 = {
     "prefill_bm64_gu_group8": dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8),
     "prefill_bm64_gu_bn128_w8_group8": dict(BLOCK_M=64, GU_FUSED=1, BLOCK_N=128, num_warps=8, GROUP_M=8),
     "prefill_bm128_bn128_group8": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8),
     "prefill_bm64_gu_group8_tma": dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1),
+    "prefill_bm256_gu_w8_group8_tma": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1),
     "prefill_bm128_bn128_group8_tma": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1),
-    "prefill_bf16_bm128_group8": dict(BLOCK_M=128, GROUP_M=8),
+    "prefill_bm128_gu_bn128_w8_group8": dict(BLOCK_M=128, GU_FUSED=1, BLOCK_N=128, num_warps=8, GROUP_M=8),
 }
 NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **PREFILL_ROUND4}
 # The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
@@ -125,11 +130,15 @@ TC_DECODE_SWEEP = [PREVIOUS_DEFAULTS["tc16_bn32_unfused"], PREVIOUS_DEFAULTS["tc
 # variant at the other's size.
 # Dropped to make room for round 4 in one H200 call: MXFP8 prefill_bm64_unfused (the default before round 2; lost
 # by 7-15 % in rounds 2 and 3) and bf16 {BLOCK_M 128, GU_FUSED 1} (even at 4k, 20 % slower at 16k in round 3).
+# Round 4's MXFP8 128 x 256 tile (prefill_bm128_gu_bn128_w8_group8) spills without TMA (255 registers, 8 bytes of
+# stack) and is left to bf16; the bf16 tiles are the two bigger ones and TMA.
 PREFILL_SWEEP = {
     "mxfp8": [dict(BLOCK_M=64, GU_FUSED=1), dict(BLOCK_M=128, BLOCK_N=128),  # BK 64, 8 warps, 3 stages, MX_MODE 2
-              *(c for name, c in PREFILL_ROUND4.items() if "bf16" not in name)],
-    "bf16": [PREFILL_ROUND4["prefill_bf16_bm128_group8"], PREFILL_ROUND4["prefill_bm64_gu_bn128_w8_group8"],
-             PREFILL_ROUND4["prefill_bm128_bn128_group8_tma"]],
+              *(PREFILL_ROUND4[name] for name in ("prefill_bm64_gu_group8", "prefill_bm64_gu_bn128_w8_group8",
+                                                  "prefill_bm128_bn128_group8", "prefill_bm64_gu_group8_tma",
+                                                  "prefill_bm256_gu_w8_group8_tma"))],
+    "bf16": [PREFILL_ROUND4[name] for name in ("prefill_bm64_gu_bn128_w8_group8", "prefill_bm128_gu_bn128_w8_group8",
+                                               "prefill_bm128_bn128_group8_tma")],
 }
 
 
