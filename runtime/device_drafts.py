@@ -112,8 +112,10 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
         return view
     runs = _runs(places)
     if len(runs) <= MAX_COPIED_RUNS:  # ids sent as they are, each run of drafts copied over its rows there
-        out = to_device(ids.to(torch.int64), device) if ids.device.type == "cpu" else \
-            ids.to(device, torch.int64).clone()  # never the caller's tensor
+        if ids.device.type == "cpu" and device.type != "cpu":
+            out = to_device(ids.to(torch.int64), device)  # a new tensor there, queued
+        else:
+            out = ids.to(device, torch.int64, copy=True)  # never the caller's tensor
         for row, rnd, src, n in runs:
             out[row:row + n].copy_(rnd.tokens.view(-1)[src:src + n])
         return out

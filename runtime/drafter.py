@@ -28,6 +28,12 @@ one-position steps from CUDA graphs (``Backend.replays_single_position_mtp_steps
 is known instead, so each chain call has one position per request, the shape it replays. Greedy and sampled
 drafts are decided for all rows at once where the logits are.
 
+A backend that replays whole rounds (``Backend.replays_mtp_chains``: the graphed torch backend) gets a uniform
+greedy round (every request drafting k after keeping q positions: always so at batch 1) as one call,
+``Backend.mtp_chain``, with ``chain_plan``: the calls above for one request, as position ranges. One batch over
+each request's q + k - 1 positions is built, and the backend runs the calls from it (on the H200 the calls one by
+one, each with its own batch, fill and replay, made a round cost ~3.5 plain decode steps of host work).
+
 Where the drafts stay: on a backend that takes token ids on its device (``Backend.takes_device_token_ids``: the
 torch backends) a round's drafts never come to the host during the round: each chain step writes its drafts into
 the round's device tensor (``device_drafts.RoundDrafts``), the next call's input ids take them from there, and

@@ -17,7 +17,9 @@ runs as one such step per count. So the drafter merges each module's pending pos
 chain positions since it last ran) into its next call here as on any backend (``replays_single_position_mtp_steps``
 is False): a round of k drafts is k module calls, not up to 2k - 1 one-position ones, each as launch-bound as a
 decode step, and a catch-up over several positions run eagerly cost about what an eager decode step costs (on
-the H200 it made a speculative round 4x slower than a plain graphed step).
+the H200 it made a speculative round 4x slower than a plain graphed step). A uniform greedy round (every request
+drafting k after keeping q positions) goes further: its k module calls replay as one graph per (bucket, plan)
+(``mtp_chain``), fed one batch over the round's positions, each call's batch a slice of it inside the graph.
 
 The engine builds its batches on the host for this backend (``batch_device``): the graph's static inputs are
 filled by one host-to-device copy per step, from pinned memory, which does not wait for the device (a copy from
