@@ -8,8 +8,11 @@ cyclic collector off, so that a session kept alive by a reference cycle shows up
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +23,11 @@ from m3export.export.artifact import load_artifact
 from m3export.model.batch import Segment, build_batch
 from m3export.plugins.onnxruntime.session import PagedSession
 
-pytest.importorskip("onnxruntime")
+ort = pytest.importorskip("onnxruntime")
+
+CUDA_EP = pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available(),
+    reason="needs onnxruntime-gpu and a CUDA device")
 
 
 @contextmanager
@@ -96,3 +103,17 @@ def test_verify_closes_its_sessions(tiny_artifact, monkeypatch):
         report = verify.verify_artifact(tiny_artifact, decode_steps=0, progress=False, hash_files=False)
         assert report.passed and len(opened) == 2
         assert all(ref() is None for ref in opened), "verify returned with an ONNX Runtime session alive"
+
+
+@pytest.mark.gpu
+@CUDA_EP
+def test_verify_on_cuda_exits_cleanly(fp8_artifact):
+    """The H200 abort: a process that ran the FP8-cache artifact's verify on the CUDA EP exited 134 after PASSED
+    (ORT's ``cudaFreeHost`` failing after the CUDA runtime's shutdown). In a process of its own, without the CLI's
+    garbage collection, verify's explicit closes must leave nothing of ORT's to free at exit: exit code 0."""
+    code = ("import sys; from m3export.export.verify import verify_artifact; "
+            "r = verify_artifact(sys.argv[1], decode_steps=1, providers='cuda', progress=False, hash_files=False); "
+            "print(r.passed); sys.exit(0 if r.passed else 1)")
+    proc = subprocess.run([sys.executable, "-c", code, str(fp8_artifact)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stdout[-500:]} {proc.stderr[-2000:]}"
