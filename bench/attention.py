@@ -13,6 +13,12 @@ the same run (a 2 GiB device copy; an 8192^3 bf16 matmul), and the speed-up of t
 reference (``m3export.ops``, eager) where the reference fits in memory and time.
 Small inputs are read from several page sets in turn so that repeated calls do not run from L2.
 
+Sparse prefill is timed on two selection sources (``bench/prefill_selections.py``): the indexer's on random index
+queries (the worst case: neighbouring tokens share few blocks) and on index keys and queries that drift along the
+prompt (a documented model of a real prompt's selections); each row records the selections' adjacent-token overlap
+and the union of 4 / 8 / 16 consecutive tokens' blocks over top-k, and counts FLOPs over each token's own selected
+keys, never a tile's union.
+
 Correctness, on the same inputs: block selections must equal the reference's exactly; attention outputs must lie
 within ``paged_attention.output_error_bound`` (3.06 * 2^-8 * max|V| in bf16: P rounded for the tensor-core
 product, the output rounded on each side, fp32 score and rescaling error; derived beside it). Long prefills are
@@ -35,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_selections import overlap_stats, prefill_selection, selected_keys  # noqa: E402
 from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 HQ, HKV, D, HI, DI = 64, 4, 128, 4, 128
@@ -208,7 +215,8 @@ def main() -> int:
         gr = f"{graph * 1e6:8.1f}" if graph else "     n/a"
         print(f"{kernel:10s} {mode:8s} B={bsz:<3d} ctx={ctx:<7d} {t_eager * 1e6:9.1f} us graph {gr} us  "
               f"{nbytes / t_k / 1e12:5.2f} TB/s ({100 * r['frac_copy_bw']:5.1f}%)  "
-              f"{flops / t_k / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ref {ref_s} ms {sp}",
+              f"{flops / t_k / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ref {ref_s} ms {sp}"
+              + "".join(f"  {k} {v:.3g}" if isinstance(v, float) else f"  {k} {v}" for k, v in (extra or {}).items()),
               flush=True)
 
     def check(name, ok, detail):
@@ -328,10 +336,21 @@ def main() -> int:
         check(f"sparse prefill {n} (last {tail} tokens)", err <= bound, f"max abs err {err:.2e}")
         t_ref = time_ref(lambda: sparse_paged_attention_reference(q, kc, vc, *s, sel, BS, SCALE)) if n <= 4096 \
             else None
-        keys = sum(min(TOPK * BS, p + 1) for p in range(0, n, 64)) * 64  # visible selected keys per token
+        sparse_bytes = 2 * n * HQ * D * 2 + n * HKV * 2 * D * kv_bytes_per_element
         t = bench(lambda: SPA_forward(q, kc, vc, *s, sel, BS, SCALE))
-        row("sparse", "prefill", 1, n, t, t_ref, 2 * n * HQ * D * 2 + n * HKV * 2 * D * kv_bytes_per_element,
-            4 * HQ * D * keys)
+        # FLOPs of the work the op must do: each token's distinct usable selected keys (not a tile's union)
+        row("sparse", "prefill", 1, n, t, t_ref, sparse_bytes, 4 * (HQ // HKV) * D * selected_keys(sel, pos, BS),
+            dict(selection="random", **overlap_stats(sel, pos, s[1], BS)))
+        # the same on selections like the model's (bench/prefill_selections.py: the indexer kernel on index keys
+        # and queries that drift along the prompt); the random row above is the worst case
+        msel, _ = prefill_selection(LI.forward, "model", n, HI, DI, PAGE, BS, TOPK, LOCAL, INIT, dev)
+        o = SPA_forward(q, kc, vc, *s, msel, BS, SCALE)
+        ref = sparse_paged_attention_reference(q[-tail:], kc, vc, *tail_args, msel[-tail:], BS, SCALE)
+        err = (o[-tail:].float() - ref.float()).abs().max().item()
+        check(f"sparse prefill {n}, model selections (last {tail} tokens)", err <= bound, f"max abs err {err:.2e}")
+        t = bench(lambda: SPA_forward(q, kc, vc, *s, msel, BS, SCALE))
+        row("sparse", "prefill", 1, n, t, None, sparse_bytes, 4 * (HQ // HKV) * D * selected_keys(msel, pos, BS),
+            dict(selection="model", **overlap_stats(msel, pos, s[1], BS)))
         o = PA_forward(q, kc, vc, *s, SCALE)
         ref = paged_attention_reference(q[-tail:], kc, vc, *tail_args, SCALE)
         err = (o[-tail:].float() - ref.float()).abs().max().item()

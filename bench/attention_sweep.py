@@ -6,11 +6,12 @@
 
 Groups, after issue 11's unmet targets (``docs/performance.md``): ``sparse-decode`` (copy bandwidth at batch
 >= 16), ``indexer-scan`` (the scan launch alone, copy bandwidth, batch 1 at 128k), ``topk`` (the block top-16
-launch alone), ``sparse-prefill`` (bf16 TFLOP/s on the bench's inputs: independent random index queries, so
-neighbouring tokens select unrelated blocks) and ``sparse-prefill-smooth`` (the same with index queries that
-drift slowly along the prompt, a moving average of white noise over ``SMOOTH_TOKENS`` tokens, so neighbours
-select mostly the same blocks, as neighbouring tokens of real text tend to: how much a query tile of several
-tokens can share depends on exactly that, and each "union" row records the tiles' distinct blocks over top-k).
+launch alone), ``sparse-prefill`` (bf16 TFLOP/s on the indexer's selections for random index queries and
+keys: neighbouring tokens share few blocks, the worst case for tiles of several tokens) and
+``sparse-prefill-model`` (the same on index keys and queries that drift along the prompt,
+``bench/prefill_selections.py``'s model of a real prompt's selections). Prefill FLOPs count each token's own
+selected keys (the work the op must do), and every prefill row carries the selections' adjacent-token overlap and
+the union of 4 / 8 / 16 consecutive tokens' blocks over top-k.
 
 Every (variant, shape) is checked the way ``bench/attention.py`` checks the defaults, on the same inputs: selections
 equal to the reference's up to fp32 near-ties (the conformance suite's rule), attention within
@@ -50,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_selections import overlap_stats, prefill_selection, selected_keys  # noqa: E402
 from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 # M3's per-layer dimensions (those of bench/attention.py) on the GPU; tiny ones for the interpreter.
@@ -60,14 +62,13 @@ DIMS = {
 SHAPES = {  # decode: (batch, context); prefill: prompt length (one sequence)
     "cuda": {"sparse-decode": [(1, 4096), (1, 131072), (16, 32768), (64, 32768)],
              "sparse-prefill": [4096, 16384, 65536],
-             "sparse-prefill-smooth": [16384, 65536],
+             "sparse-prefill-model": [4096, 16384, 65536],
              "indexer-scan": [(1, 4096), (1, 131072), (8, 32768)],
              "topk": [(1, 4096), (1, 131072), (64, 32768)]},
-    "cpu": {"sparse-decode": [(1, 64), (1, 128), (3, 128)], "sparse-prefill": [80], "sparse-prefill-smooth": [80],
+    "cpu": {"sparse-decode": [(1, 64), (1, 128), (3, 128)], "sparse-prefill": [80], "sparse-prefill-model": [80],
             "indexer-scan": [(1, 64), (1, 128), (3, 128)], "topk": [(1, 64), (1, 128), (3, 128)]},
 }
-GROUPS = ("sparse-decode", "indexer-scan", "topk", "sparse-prefill", "sparse-prefill-smooth")
-SMOOTH_TOKENS = {"cuda": 64, "cpu": 8}
+GROUPS = ("sparse-decode", "indexer-scan", "topk", "sparse-prefill", "sparse-prefill-model")
 CHECK_SEQS, CHECK_TAIL = 4, 64
 
 
@@ -223,7 +224,7 @@ class Sweep:
         rates = "" if self.cpu or not seconds else (
             f"{nbytes / seconds / 1e12:6.2f} TB/s ({100 * r['frac_copy_bw']:5.1f}%)  "
             f"{flops / seconds / 1e12:6.1f} TFLOP/s ({100 * r['frac_bf16_peak']:5.1f}%)  ")
-        more = "".join(f"  {k} {v:.3g}" for k, v in (extra or {}).items())
+        more = "".join(f"  {k} {v:.3g}" if isinstance(v, float) else f"  {k} {v}" for k, v in (extra or {}).items())
         print(f"{group:21s} {str(shape):14s} {variant:30s} {t}  {rates}{'ok' if ok else 'FAILED'} {detail}{more}",
               flush=True)
 
@@ -299,43 +300,27 @@ class Sweep:
 
         dm = self.dims
         s = self.paged(1, n, n)
-        if group == "sparse-prefill-smooth":  # token t's index query: the mean of noise rows t .. t + w - 1
-            w = SMOOTH_TOKENS[self.dev.type]
-            noise = torch.randn(n + w - 1, dm["hi"] * dm["di"], device=self.dev)
-            cs = torch.cat([torch.zeros_like(noise[:1]), noise.cumsum(0)])
-            iq = ((cs[w:] - cs[:-w]) / w**0.5).view(n, dm["hi"], dm["di"]).to(torch.bfloat16)
-        else:
-            iq = torch.randn(n, dm["hi"], dm["di"], device=self.dev, dtype=torch.bfloat16)
+        source = "model" if group == "sparse-prefill-model" else "random"
+        sel, _ = prefill_selection(self.LI.forward, source, n, dm["hi"], dm["di"], dm["page"], dm["bs"], dm["topk"],
+                                   dm["local"], dm["init"], self.dev)
         q = torch.randn(n, dm["hq"], dm["d"], device=self.dev, dtype=torch.bfloat16)
-        sel = self.LI.forward(iq, self.ikc, *s, dm["bs"], dm["topk"], dm["local"], dm["init"])
         tail = min(CHECK_TAIL, n)
-        bt, _, sl, pos = s
+        bt, qsl, sl, pos = s
         tail_args = (bt, torch.tensor([0, tail], device=self.dev, dtype=torch.int32), sl, pos[-tail:])
         ref = sparse_paged_attention_reference(q[-tail:], self.kc, self.vc, *tail_args, sel[-tail:], dm["bs"],
                                                dm["d"]**-0.5)
-        keys = torch.arange(n).clamp(max=dm["topk"] * dm["bs"] - 1).add(1).sum().item()  # visible selected keys
-        flops = 4 * dm["hq"] * dm["d"] * keys
+        # FLOPs of the work the op must do (each token's own selected keys), whatever a variant's tiles read
+        flops = 4 * (dm["hq"] // dm["hkv"]) * dm["d"] * selected_keys(sel, pos, dm["bs"])
         nbytes = 2 * n * dm["hq"] * dm["d"] * 2 + n * dm["hkv"] * 2 * dm["d"] * 2
+        overlap = overlap_stats(sel, pos, qsl, dm["bs"])  # the same for every variant: beside each row's rate
 
         def run(settings):
             fn = lambda: self.SPA.forward(q, self.kc, self.vc, *s, sel, dm["bs"], dm["d"]**-0.5,  # noqa: E731
                                           config={"prefill": settings})
             ok, detail = self.check_attention(fn()[-tail:], ref)
-            extra = None
-            if settings.get("loop") == "union":  # how many distinct blocks a tile reads, against top-k
-                _, tstart, tend, _ = self._tiles(s[1], n, settings["tile_tokens"])
-                _, cnt = self.SPA.tile_unions(sel.to(torch.int32), pos, tstart, tend, settings["tile_tokens"],
-                                              dm["bs"])
-                extra = dict(union_blocks_per_tile_over_topk=cnt.float().mean().item() / dm["topk"])
-            return self.eager_time(fn), nbytes, flops, ok, detail, extra
+            return self.eager_time(fn), nbytes, flops, ok, detail, overlap
 
         self.each_variant(group, n, self.SPA, "prefill", run)
-
-    @staticmethod
-    def _tiles(qsl, n, tokens):
-        from m3export.plugins.kernels._batch import query_tiles
-
-        return query_tiles(qsl, n, tokens)
 
     def indexer(self, part, bsz, ctx):
         from m3export.ops.indexer import lightning_indexer_reference
@@ -379,7 +364,7 @@ class Sweep:
     def winners(self):
         modules = {"sparse-decode": ("sparse_paged_attention", self.SPA, "decode"),
                    "sparse-prefill": ("sparse_paged_attention", self.SPA, "prefill"),
-                   "sparse-prefill-smooth": ("sparse_paged_attention", self.SPA, "prefill"),
+                   "sparse-prefill-model": ("sparse_paged_attention", self.SPA, "prefill"),
                    "indexer-scan": ("lightning_indexer", self.LI, "scan"),
                    "topk": ("lightning_indexer", self.LI, "topk")}
         for group in self.groups:
