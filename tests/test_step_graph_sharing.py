@@ -10,7 +10,10 @@ same values, and folds a node only when its inputs are constants. These tests pi
   copies of every node they feed, e.g. the ``slot // page_size`` arithmetic of each cache write);
 * every ``Range`` of the indexer and MoE bodies depends only on the step's batch inputs or on attributes and
   static weight shapes, never on the layer's activations, so its bookkeeping is computed once per step
-  (or folded), and every ``TopK`` takes a constant K.
+  (or folded), and every ``TopK`` takes a constant K;
+* no size a body feeds to ``Reshape`` / ``Expand`` / ``Range`` / ``TopK`` / ``Pad`` / ``Slice`` mixes values read
+  from the device with the layer's own shapes (on a GPU provider such a size is a copy pair and a device wait per
+  layer: 31 + 30 Memcpy nodes in the H200 profile of a 4-layer step), except the sparse body's one N.
 
 ``bench/ort_step_host.py --nodes`` counts the nodes per origin; the bodies' values are the conformance suite's.
 """
@@ -53,6 +56,50 @@ def inputs_reached(fn: onnx.FunctionProto) -> dict[str, set[str]]:
         for o in node.output:
             deps[o] = reached
     return deps
+
+
+# inputs a node reads as a size on the host (ONNX Runtime's CUDA kernels take them in host memory)
+SIZE_INPUTS = {"Reshape": (1,), "Expand": (1,), "Range": (0, 1, 2), "TopK": (1,), "Pad": (1,), "Slice": (1, 2, 3, 4),
+               "Tile": (1,), "ConstantOfShape": (0,)}
+# the one size read from a layer's own values by design: the sparse body's N, how many blocks a (sequence, head)
+# selected, which sizes its gather (docs/ops.md §9)
+INHERENT = {("SparsePagedAttention", "TopK")}
+
+
+def reads(fn: onnx.FunctionProto) -> dict[str, tuple[set[str], set[str]]]:
+    """For every value of ``fn``'s body: (inputs whose values it depends on, inputs whose shapes it depends on)."""
+    out: dict[str, tuple[set[str], set[str]]] = {name: ({name}, set()) for name in fn.input}
+    for node in fn.node:
+        ins = [out.get(i, (set(), set())) for i in node.input if i]
+        if node.op_type == "Shape":
+            data, shape = set(), ins[0][0] | ins[0][1]
+        else:
+            data = set().union(*(d for d, _ in ins)) if ins else set()
+            shape = set().union(*(s for _, s in ins)) if ins else set()
+        for o in node.output:
+            out[o] = (data, shape)
+    return out
+
+
+@pytest.mark.parametrize("op", ["LightningIndexer", "PagedAttention", "SparsePagedAttention", "MoE"])
+def test_no_size_mixes_device_values_with_a_layer_own_shape(op):
+    """A size computed from values lives on the device and reaches the host through a copy (a device wait);
+    ORT shares it between layers only if it depends on the step's batch inputs alone. A size built from this
+    layer's ``Shape`` stays on the host. Mixing the two makes a host -> device -> host copy pair per layer."""
+    fn = functions.body(op)
+    values = reads(fn)
+    static = {"router_weight"}
+    checked = 0
+    for n in fn.node:
+        for i in SIZE_INPUTS.get(n.op_type, ()):
+            if i >= len(n.input) or not n.input[i] or (op, n.op_type) in INHERENT:
+                continue
+            data, shape = values.get(n.input[i], (set(), set()))
+            checked += 1
+            assert not data or (data | shape) <= BATCH | static, (
+                f"{op}: {n.name} input {i} reads the values of {sorted(data)} and the shapes of "
+                f"{sorted(shape - BATCH)}: a per-layer size that waits for the device")
+    assert checked > 5
 
 
 @pytest.mark.parametrize("op", ["LightningIndexer", "MoE", "MoEMXFP8"])

@@ -116,35 +116,45 @@ def _function(name: str, b: Builder, outputs: list[str], kv_fp8: bool = False) -
 # ---------------------------------------------------------------------------------------------- indexer
 class TokenGroups:
     """Tokens regrouped by sequence: ``seq[t]`` is token t's sequence and ``col[t]`` its rank among that sequence's
-    new tokens; a ``[T, ...]`` tensor scattered to ``[B, Tmax, ...]`` (Tmax = most new tokens of one sequence) can
+    new tokens; a ``[T, ...]`` tensor gathered to ``[B, Tmax, ...]`` (Tmax = most new tokens of one sequence) can
     then meet a ``[B, ...]`` one in a batched MatMul, and ``GatherND`` with ``index`` brings the ``[B, Tmax, ...]``
     result back to tokens. Padded rows compute on zeros and are dropped: the waste is ``B * Tmax - T`` rows, none
-    for pure decode or uniform verify batches and for a lone prefill."""
+    for pure decode or uniform verify batches and for a lone prefill.
+
+    The regrouping is a ``Gather`` of the tensor with one zero row appended by ``rows`` ``[B, Tmax]`` (token ids, T
+    for padding), which depends on the step's inputs only: ONNX Runtime computes it once per step for every layer.
+    No per-layer shape mixes ``Tmax`` (a value read from the device) with a layer's own ``Shape``: on a GPU
+    provider each such shape was a host <-> device copy pair per use and layer (the H200 profile's 31 + 30)."""
 
     def __init__(self, b: Builder, query_start_loc: str, positions: str, seq_lens: str):
         self.b = b
         qsl = b.Cast(query_start_loc, to=I64)
         starts = b.Slice(qsl, b.const([0]), b.const([-1]))
         ends = b.Slice(qsl, b.const([1]), b.const([np.iinfo(np.int64).max]))
-        tokens = b.Range(b.const(0), _dim(b, positions, 0), b.const(1))
+        num_tokens = _dim(b, positions, 0)
+        tokens = b.Range(b.const(0), num_tokens, b.const(1))
         started = b.LessOrEqual(b.Unsqueeze(ends, b.const([0])), b.Unsqueeze(tokens, b.const([1])))  # [T, B]
         self.seq = b.ReduceSum(b.Cast(started, to=I64), b.const([1]), keepdims=0)  # [T]
         col = b.Sub(tokens, b.Gather(starts, self.seq, axis=0))
         self.index = b.Concat(b.Unsqueeze(self.seq, b.const([1])), b.Unsqueeze(col, b.const([1])), axis=1)  # [T, 2]
         self.num_seqs = _dim(b, seq_lens, 0)
-        self.tmax = b.ReduceMax(b.Sub(ends, starts), keepdims=0)
+        lengths = b.Sub(ends, starts)  # [B] new tokens per sequence
+        self.tmax = b.ReduceMax(lengths, keepdims=0)
+        cols = b.Unsqueeze(b.Range(b.const(0), self.tmax, b.const(1)), b.const([0]))  # [1, Tmax]
+        self.rows = b.Where(b.Less(cols, b.Unsqueeze(lengths, b.const([1]))),
+                            b.Add(b.Unsqueeze(starts, b.const([1])), cols), num_tokens)  # [B, Tmax]; T: padding
 
-    def padded(self, x: str) -> str:
-        """[T, *rest] -> [B, Tmax, *rest], zeros where a sequence has fewer new tokens."""
+    def padded(self, x: str, rank: int = 3) -> str:
+        """[T, *rest] (``rank`` axes; a float type ONNX Runtime's CUDA ``Pad`` takes) -> [B, Tmax, *rest], zeros
+        where a sequence has fewer new tokens."""
         b = self.b
-        shape = b.Concat(_vec(b, self.num_seqs), _vec(b, self.tmax), b.Shape(x, start=1), axis=0)
-        return b.ScatterND(b.Expand(b.CastLike(b.const(0.0, np.float32), x), shape), self.index, x)
+        with_zero_row = b.Pad(x, b.const([0] * rank + [1] + [0] * (rank - 1)), b.CastLike(b.const(0.0, np.float32), x))
+        return b.Gather(with_zero_row, self.rows, axis=0)
 
     def positions(self, positions: str) -> str:
         """[B, Tmax] positions of the regrouped tokens, -1 on padding rows."""
         b = self.b
-        shape = b.Concat(_vec(b, self.num_seqs), _vec(b, self.tmax), axis=0)
-        return b.ScatterND(b.Expand(b.const(-1), shape), self.index, positions)
+        return b.Gather(b.Concat(positions, b.const([-1]), axis=0), self.rows, axis=0)
 
 
 class SequenceLayout(TokenGroups):
@@ -218,10 +228,7 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     seqs = SequenceLayout(b, "block_tables", "query_start_loc", "seq_lens", "positions", "index_k_cache")
     keys = seqs.gather("index_k_cache", "index_k_scale" if kv_fp8 else None)  # [B, L, D]
     q = seqs.padded(b.Cast("index_q", to=F32))  # [B, Tmax, H, D]
-    heads = b.Shape("index_q", start=1, end=2)
-    q = b.Reshape(q, b.Concat(b.const([0, -1]), b.Shape("index_q", start=2), axis=0))  # [B, Tmax * H, D]
-    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 2, 1]))  # [B, Tmax * H, L]
-    scores = b.Reshape(scores, b.Concat(b.const([0]), _vec(b, seqs.tmax), heads, b.const([-1]), axis=0))
+    scores = b.MatMul(q, b.Unsqueeze(b.Transpose(keys, perm=[0, 2, 1]), b.const([1])))  # [B, Tmax, H, L]
     scores = b.GatherND(scores, seqs.index)  # [T, H, L]
     neg = b.const(-INF, np.float32)
     scores = b.Where(b.Unsqueeze(seqs.visible, b.const([1])), scores, neg)
@@ -306,14 +313,19 @@ def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
     counted = b.And(b.GreaterOrEqual(blk, b.const(0)),
                     b.LessOrEqual(blk, b.Div(b.Unsqueeze("positions", b.const([1, 2])), bs)))  # [T, Hkv, K]
     nb = b.Add(b.Div(b.ReduceMax("positions", keepdims=0), bs), b.const(1))  # blocks of the step's longest context
-    # chosen[t, g, c] = 1 iff token t's group g reads block c (ids that do not count go to column nb, dropped)
-    wide = b.Concat(b.Shape("block_idx", end=2), _vec(b, b.Add(nb, b.const(1))), axis=0)
-    ones = b.Expand(b.const(1, np.int32), b.Shape("block_idx"))
-    chosen = b.ScatterElements(b.Expand(b.const(0, np.int32), wide), b.Where(counted, blk, nb), ones, axis=2)
+    # chosen[t, g, c] = 1 iff token t's group g reads block c (ids that do not count go to column nb, dropped); fp32
+    # 0 / 1 (exact, counts below 2^24), a type ONNX Runtime's CUDA Pad takes for the regrouping
+    # zeros [T, Hkv, nb + 1] as [T, Hkv, 1] + [nb + 1]: a shape made of this layer's Shape and the step's nb would be
+    # a host <-> device copy pair per layer on a GPU provider; the [nb + 1] row is the same for every layer
+    columns = b.Range(b.const(0), b.Add(nb, b.const(1)), b.const(1))
+    column_zeros = b.Mul(b.Cast(columns, to=F32), b.const(0.0, np.float32))
+    head_zeros = b.Expand(b.const(0.0, np.float32), b.Concat(b.Shape("block_idx", end=2), b.const([1]), axis=0))
+    ones = b.Expand(b.const(1.0, np.float32), b.Shape("block_idx"))
+    chosen = b.ScatterElements(b.Add(head_zeros, column_zeros), b.Where(counted, blk, nb), ones, axis=2)
     chosen = b.Transpose(tok.padded(b.Slice(chosen, b.const([0]), _vec(b, nb), b.const([2]))),
                          perm=[0, 2, 1, 3])  # [B, Hkv, Tmax, NB]
     used = b.ReduceMax(chosen, b.const([2]), keepdims=0)  # [B, Hkv, NB]: blocks any token of the sequence reads
-    n = b.Max(b.ReduceMax(b.ReduceSum(used, b.const([2]), keepdims=0), keepdims=0), b.const(1, np.int32))
+    n = b.Max(b.ReduceMax(b.ReduceSum(used, b.const([2]), keepdims=0), keepdims=0), b.const(1.0, np.float32))
     # used ids ascending (distinct finite keys -id: no TopK tie matters), then unused slots (NOTHING, masked)
     key = b.Where(b.Cast(used, to=TensorProto.BOOL), b.Neg(b.Cast(b.Range(b.const(0), nb, b.const(1)), to=F32)),
                   b.const(NOTHING, np.float32))
