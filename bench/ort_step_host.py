@@ -18,9 +18,15 @@ across instances, such as the step's token bookkeeping, count once, in whichever
 ran on the CPU EP (shape arithmetic a GPU provider leaves on the host), instances and nodes per instance. On a GPU
 provider ORT spends a few microseconds of host time per node, so this table is the step's host cost.
 
+``--cuda-placement`` predicts, without a GPU, which nodes ORT's CUDA EP leaves on the CPU EP and how many Memcpy
+nodes it inserts (``cuda_placement`` in the JSON; ``cuda_placement``'s docstring says what it models). On the tiny
+fp16 graph of commit 6b00835 it gives 72 CPU nodes, 30 MemcpyToHost and 31 MemcpyFromHost: the H200 profile's
+numbers for the `mini` bf16 graph of the same structure.
+
   python bench/ort_step_host.py --artifact /tmp/art/tiny --provider cpu --threads 1   # CPU: the session's overhead
   python bench/ort_step_host.py --artifact art/mini-bf16 --provider cuda              # H200 + onnxruntime-gpu
   python bench/ort_step_host.py --artifact art/mini-bf16 --provider cuda --shapes 1x4096 --reps 20 --nodes
+  python bench/ort_step_host.py --artifact /tmp/art/tiny16 --provider cpu --shapes 1x4096 --reps 2 --cuda-placement
 """
 
 from __future__ import annotations
@@ -127,6 +133,76 @@ def profile_nodes(art, provider, threads, pages: int, page: int, step, steps: in
     return attribute_nodes(events, steps)
 
 
+# Inputs that ORT's CUDA kernels read from host memory (their kernel definitions' OrtMemTypeCPUInput)
+CUDA_HOST_INPUTS = {"Reshape": {1}, "Expand": {1}, "Range": {0, 1, 2}, "TopK": {1}, "Pad": {1, 2, 3},
+                    "Slice": {1, 2, 3, 4}, "Tile": {1}, "ConstantOfShape": {0}, "Squeeze": {1}, "Unsqueeze": {1},
+                    "ReduceMax": {1}, "ReduceSum": {1}, "ReduceMean": {1}, "CumSum": {1}, "Split": {1}, "If": {0},
+                    "Clip": {1, 2}}
+HOST_OUTPUT_OPS = {"Shape", "Size"}  # CUDA kernels whose output lives in host memory
+
+
+def cuda_placement(model_path: Path) -> dict:
+    """What ORT's CUDA EP would do with a step graph, predicted on the CPU: the graph as ORT optimises it (functions
+    inlined, CSE, constant folding; ``ORT_ENABLE_EXTENDED``, no CPU-only layout passes), then ORT's rule for nodes
+    it prefers on the CPU EP (``GetCpuPreferredNodes``, core/framework/fallback_cpu_capability.cc: starting from
+    consumers of host-memory outputs, a node goes to the CPU EP if every input is a host value, a graph input or
+    an initializer of at most 100 elements, none is 16-bit and none is one its CUDA kernel reads from host memory
+    anyway), then one Memcpy per value crossing between host and device (a device value read on the host: a
+    MemcpyToHost, which waits for the device). Graph inputs (the batch, the pools) are bound on the device, as
+    ``PagedSession`` does. Not modelled: nodes whose types no CUDA kernel takes (the step graphs have none,
+    tests/test_ort_cuda_kernel_types.py) and fusions only the CUDA EP makes."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory(prefix="ort_placement_") as tmp:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    small = {t.name for t in graph.initializer if int(np.prod(t.dims)) <= 100}
+    initializers = {t.name for t in graph.initializer}
+    graph_inputs = {i.name for i in graph.input}
+    sixteen_bit = {v.name for v in (*graph.value_info, *graph.input, *graph.output)
+                   if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)}
+    host = {o for n in graph.node if n.op_type in HOST_OUTPUT_OPS for o in n.output}
+    on_cpu: set[int] = set()
+    changed = True
+    while changed:  # ORT walks candidates in topological order; a fixed point over the sorted graph is the same
+        changed = False
+        for k, n in enumerate(graph.node):
+            if k in on_cpu or n.op_type in HOST_OUTPUT_OPS or n.op_type == "If":
+                continue
+            ins = [(j, i) for j, i in enumerate(n.input) if i]
+            if not any(i in host for _, i in ins):
+                continue
+            if all(i not in sixteen_bit and (i in small or i in graph_inputs or
+                                              (i in host and j not in CUDA_HOST_INPUTS.get(n.op_type, ())))
+                   for j, i in ins):
+                on_cpu.add(k)
+                host.update(n.output)
+                changed = True
+    device = {o for k, n in enumerate(graph.node) for o in n.output
+              if k not in on_cpu and n.op_type not in HOST_OUTPUT_OPS} | graph_inputs
+    to_host, from_host = set(), set()
+    for k, n in enumerate(graph.node):
+        if n.op_type in HOST_OUTPUT_OPS:
+            continue  # reads its input's shape only
+        for j, i in enumerate(n.input):
+            if not i or i in initializers:
+                continue
+            wants_host = k in on_cpu or j in CUDA_HOST_INPUTS.get(n.op_type, ())
+            if wants_host and i in device:
+                to_host.add(i)
+            elif not wants_host and i in host:
+                from_host.add(i)
+    origins = Counter(node_origin(i, "")[0] for i in to_host)
+    return {"nodes": len(graph.node), "cpu_ep_nodes": len(on_cpu), "memcpy_to_host": len(to_host),
+            "memcpy_from_host": len(from_host), "memcpy_to_host_by_origin": dict(origins.most_common())}
+
+
 def print_nodes(nodes: dict) -> None:
     print(f"\nnodes per step: {nodes['nodes_per_step']:.0f} ({nodes['cpu_ep_per_step']:.0f} on the CPU EP)")
     print(f"{'origin':<22s} {'nodes':>6s} {'CPU EP':>6s} {'inst':>4s} {'per inst':>8s}  top op types")
@@ -147,6 +223,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="default: bench/results/ort_step_host_<device>.json")
     ap.add_argument("--nodes", action="store_true", help="attribute the first shape's step nodes to their origin")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps profiled for --nodes (default: %(default)s)")
+    ap.add_argument("--cuda-placement", action="store_true",
+                    help="predict the CUDA EP's CPU-placed nodes and Memcpy nodes of model.onnx (no GPU needed)")
     args = ap.parse_args()
 
     from m3export.export.artifact import load_artifact
@@ -192,6 +270,11 @@ def main() -> int:
                                             lambda be: be.forward(ids, b, rows), args.profile_steps)}
     if "nodes" in res:
         print_nodes(res["nodes"])
+    if args.cuda_placement:
+        res["cuda_placement"] = p = cuda_placement(art.path("model"))
+        print(f"\nCUDA EP placement (predicted): {p['nodes']} nodes, {p['cpu_ep_nodes']} on the CPU EP, "
+              f"{p['memcpy_to_host']} MemcpyToHost {p['memcpy_to_host_by_origin']}, "
+              f"{p['memcpy_from_host']} MemcpyFromHost")
     name = "h200" if "H200" in res["device"] else device.type
     write_results(res, args.json or RESULTS / f"ort_step_host_{name}.json")
     return 0

@@ -1,6 +1,7 @@
 """bench/ort_step_host.py on the CPU EP: it runs end to end, its count of a steady step's IOBinding calls is 0
 (PagedSession binds once; tests/test_paged_session_binding.py counts them in detail), and ``--nodes`` attributes
-every node of a step to the graph level or an ``m3`` op's inlined body."""
+every node of a step to the graph level or an ``m3`` op's inlined body, ``--cuda-placement`` predicts the CUDA EP's
+host nodes and copies."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def test_cpu_run_writes_rows_and_a_steady_step_binds_nothing(tiny_artifact, tmp_
     out = tmp_path / "host.json"
     run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
                           "--threads", "1", "--reps", "2", "--shapes", "1x20,2x40", "--nodes", "--profile-steps", "2",
+                          "--cuda-placement",
                           "--json", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -32,3 +34,7 @@ def test_cpu_run_writes_rows_and_a_steady_step_binds_nothing(tiny_artifact, tmp_
     assert {"graph", "PagedAttention", "SparsePagedAttention", "LightningIndexer", "MoE"} <= set(origins)
     assert origins["PagedAttention"]["instances"] == 1 and origins["SparsePagedAttention"]["instances"] == 3
     assert nodes["cpu_ep_per_step"] == nodes["nodes_per_step"]  # the CPU EP runs every node here
+    # --cuda-placement: the CUDA EP's placement predicted from ORT's optimised graph (no GPU needed)
+    placed = res["cuda_placement"]
+    assert placed["nodes"] > placed["cpu_ep_nodes"] > 0 and placed["memcpy_from_host"] >= 0
+    assert sum(placed["memcpy_to_host_by_origin"].values()) == placed["memcpy_to_host"]
