@@ -152,10 +152,11 @@ def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
     _assert_attention_close(got, ref, dequantize_rows(v, vs))
 
 
-# Key tiles inside one page (16-key tiles of 16-key blocks on 16- or 32-key pages): the launchers' one-scalar page
-# load per key tile, which every GPU shape takes (blocks = pages = 128) but the CASES above (blocks of 4, tiles of
-# 16) never do. A decode batch with a one-token sequence, and a mixed prefill batch (decode-like sequences, a
-# one-token sequence, sequences crossing pages) whose odd tile tails leave "halves" groups partly or wholly empty.
+# Key tiles inside one page (16-key tiles of 16-key blocks on 16- or 32-key pages): the prefill launch's one-scalar
+# page load per key tile, which every GPU prefill takes (blocks = pages = 128) but the CASES above (blocks of 4,
+# tiles of 16) never do; decode (a page id per key) at the same sizes. A decode batch with a one-token sequence, and
+# a mixed prefill batch (decode-like sequences, a one-token sequence, sequences crossing pages) whose odd tile tails
+# leave "halves" groups partly or wholly empty.
 IN_PAGE_CASES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]), "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3])}
 IN_PAGE_LOOPS = {"decode": [{}],
                  "prefill": [{"loop": "flat", "tile_tokens": 1}, {"loop": "union", "tile_tokens": 4},

@@ -15,16 +15,16 @@ config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times 
 loop forms besides the default "nested" walk (an inner loop over one block's key tiles, so the compiler's software
 pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the
 loads of skipped visits instead of branching around them, so the next block's loads can be in flight while this
-one is computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's sorted
-list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
-per-visit de-duplication; "halves" walks the same list with the tile's rows in two groups of half its tokens, each
+one is computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each
+tile's sorted list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each,
+with no per-visit de-duplication; "halves" walks the same list with the tile's rows in two groups of half its tokens, each
 with its own online softmax, and a group none of whose tokens chose a block skips its dot and softmax for it (K and
 V are still read once for the whole tile). A union tile computes every row against every block of the union, so
 its work over the op's is (union / top-k): on selections like a real prompt's (``bench/prefill_selections.py``)
 1.3 / 1.6 / 2.0 for 4 / 8 / 16 tokens; the halves of an 8-token tile cost about what 4-token tiles cost in work
 while reading K and V per 8 tokens. Every form computes the same allowed set; only the summation order of the
-online softmax differs (the blocks' order). Where a key tile lies inside one page (it divides the page and the
-block), its page id is one scalar load instead of one per key.
+online softmax differs (the blocks' order). In prefill, where a key tile lies inside one page (it divides the page
+and the block), its page id is one scalar load instead of one per key.
 """
 
 from __future__ import annotations
@@ -435,7 +435,9 @@ def forward(
     block_n = min(cfg["block_n"], max(16, next_pow2(block_size)))
     ks, vs = scale_pools(k_scale, v_scale, kc)
     # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs ("halves":
-    # each group of tokens / 2 at least 16)
+    # each group of tokens / 2 at least 16). TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for
+    # sm_90 at mini dims it takes the prefill default from 168 to 115 registers, but the decode default from 168 to
+    # 186 (three programs per multiprocessor by registers down to two), so decode keeps a page id per key.
     rows = 2 * max(16, tokens // 2 * g_pad) if loop == "halves" else max(16, tokens * g_pad)
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
@@ -446,7 +448,7 @@ def forward(
         BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk,
         K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
         PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
-        TILE_IN_PAGE=page % block_n == 0 and block_size % block_n == 0, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return parts.merge_into(out) if parts else out
