@@ -13,18 +13,18 @@ allowed set is exactly the reference's (order and duplicates do not matter).
 Launch parameters are the table ``DEFAULTS`` (one entry for decode-like batches, one for prefill); ``forward(...,
 config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Three
 loop forms besides the default "nested" walk (an inner loop over one block's key tiles, so the compiler's software
-pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the
-loads of skipped visits instead of branching around them, so the next block's loads can be in flight while this
-one is computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each
-tile's sorted list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each,
-with no per-visit de-duplication; "halves" walks the same list with the tile's rows in two groups of half its
-tokens, each with its own online softmax, and a group none of whose tokens chose a block skips its dot and softmax
-for it (K and V are still read once for the whole tile). A union tile computes every row against every block of
-the union, so its work over the op's is (union / top-k): on selections like a real prompt's
-(``bench/prefill_selections.py``) 1.3 / 1.6 / 2.0 for 4 / 8 / 16 tokens; the halves of an 8-token tile cost about what 4-token tiles cost in work
-while reading K and V per 8 tokens. Every form computes the same allowed set; only the summation order of the
-online softmax differs (the blocks' order). In prefill, where a key tile lies inside one page (it divides the page
-and the block), its page id is one scalar load instead of one per key.
+pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the loads
+of skipped visits instead of branching around them, so the next block's loads can be in flight while this one is
+computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's
+sorted list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
+per-visit de-duplication; "halves" walks the same list with the tile's rows in two groups of half its tokens, each
+with its own online softmax, and a group none of whose tokens chose a block skips its dot and softmax for it (K and
+V are still read once for the whole tile). A union tile computes every row against every block of the union, so its
+work over the op's is (union / top-k): on selections like a real prompt's (``bench/prefill_selections.py``) 1.3 /
+1.6 / 2.0 for 4 / 8 / 16 tokens; the halves of an 8-token tile cost about what 4-token tiles cost in work while
+reading K and V per 8 tokens. Every form computes the same allowed set; only the summation order of the online
+softmax differs (the blocks' order). In prefill, where a key tile lies inside one page (it divides the page and the
+block), its page id is one scalar load instead of one per key.
 """
 
 from __future__ import annotations
