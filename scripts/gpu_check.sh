@@ -19,7 +19,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   # One pytest per file, each with its own time limit, so that a slow file cannot hide the others' failures.
   # GPU_TEST_FILES="a.py:secs b.py:secs" picks files (default: every file with gpu-marked tests).
   files="${GPU_TEST_FILES:-test_gpu_decode_step.py:150 test_kernels_attention_gpu.py:200 test_gpu_engine.py:90
-         test_kernels_moe.py:180 test_kernels_rms_norm_gpu.py:60 test_kv_cache_fp8_gpu.py:200
+         test_kernels_moe.py:420 test_kernels_rms_norm_gpu.py:60 test_kv_cache_fp8_gpu.py:200
+         test_projection_fusion_gpu.py:240 test_runtime_speculative_chain.py:150
          test_runtime_cuda_graph.py:150 test_runtime_step_host_work.py:90 test_runtime_speculative_round_work.py:90
          test_op_conformance.py:240 test_tensorrt_plugins_gpu.py:300}"
   for spec in $files; do

@@ -96,13 +96,19 @@ if '$PROVIDER' == 'cuda':
 M="python3 -m m3export.cli"
 step export_tiny 120 $M export --preset tiny --dtype float32 --out /tmp/ortgpu-art/tiny --force
 step verify_tiny 120 $M verify /tmp/ortgpu-art/tiny --provider "$PROVIDER" --fast
+# the FP8 cache artifact: its verify once aborted at interpreter exit (ORT freeing pinned memory after the CUDA
+# runtime shut down); sessions are closed explicitly now, so the exit code is the verdict
+step export_tiny_fp8 120 $M export --preset tiny --dtype float32 --kv-cache-dtype fp8 --out /tmp/ortgpu-art/tiny-fp8 \
+    --force
+step verify_tiny_fp8 120 $M verify /tmp/ortgpu-art/tiny-fp8 --provider "$PROVIDER" --fast
 # GPU tests (they skip, with their reason, without onnxruntime-gpu and a CUDA device), one pytest process per file
 # with its own limit (at most GPU_TEST_LIMIT, and all of them together at most 240 s of the budget): a crash in one
 # file (the last call's "Fatal Python error: Aborted") costs that file only, its exit code is in summary.txt and
 # the next file runs. -v names each test as it starts, so a crash's log ends at the test that crashed.
 TESTS_END=$((SECONDS + 240))
 for f in tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py tests/test_paged_session_binding.py \
-    tests/test_indexer_tie_order.py tests/test_onnx_body_indices.py tests/test_bench_ort_gpu.py; do
+    tests/test_indexer_tie_order.py tests/test_onnx_body_indices.py tests/test_bench_ort_gpu.py \
+    tests/test_paged_session_close.py; do
   limit=$((TESTS_END - SECONDS)); [ "$limit" -gt "${GPU_TEST_LIMIT:-90}" ] && limit=${GPU_TEST_LIMIT:-90}
   step "gpu_tests $(basename "$f" .py)" "$limit" python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
       --durations=3 "$f"
