@@ -14,16 +14,14 @@ sparse attention then reads ONNX Runtime's selection in the rows accepted as nea
 output, and with it every later layer's cache rows, by O(1). Logits and caches then compare with the dtype's
 tolerance.
 
-Expert routing is not a graph output, so it cannot be forced: a forward pre-hook on each MoE module of the reference
-(``routing_ties.RoutingWatch``) finds tokens whose routing is within the other runtime's roundings (a bound from
-the dtype), and the rows those tokens can reach afterwards (that token and the later tokens of its sequence, from
-the next layer on; never another sequence) are excused and counted in the report. The runtime's excused cache rows
-are copied into the reference's pools after the step, so later steps are judged in full.
+Expert routing is decided from each side's own router inputs: verify runs a copy of each graph whose MoE nodes'
+inputs are also outputs (``router_taps``; the artifact is not modified), recomputes ONNX Runtime's routing from them
+and forces the reference to ONNX Runtime's experts for the tokens whose routing differs, counting them
+(``routing_ties``); the router inputs are judged like any output, and no row is excused.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +36,8 @@ from ..model.media import place_rows
 from ..ops import kv_fp8
 from .artifact import Artifact, load_artifact, load_torch_model
 from .manifest import KV_FP8
-from .routing_ties import RoutingTies, RoutingWatch
+from .router_taps import tap_router_inputs
+from .routing_ties import RoutingForcing, RoutingRecord
 from .selection_ties import SelectionAgreement, SelectionJudge
 
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
@@ -143,7 +142,7 @@ class Report:
     selections: dict[str, SelectionAgreement] = field(default_factory=dict)
     cache_codes: dict[str, Agreement] = field(default_factory=dict)  # FP8 pools: the written rows' E4M3 codes
     greedy: dict[str, Agreement] = field(default_factory=dict)
-    routing: RoutingTies = field(default_factory=RoutingTies)  # rows excused after routing near ties
+    routing: RoutingRecord = field(default_factory=RoutingRecord)  # routing differences forced, fp32 ties
     pools_in_place: int = 0
     exercised: int = 0  # tokens that saw more blocks than the indexer keeps
     tokens: int = 0
@@ -206,85 +205,53 @@ class _Pages:
 
 
 class _Comparison:
-    """Accumulates one report from (ONNX Runtime numpy output, PyTorch tensor) pairs. ``excused`` masks ([T]
-    bool, from ``routing_ties.RoutingWatch``) leave rows out of a comparison and count them."""
+    """Accumulates one report from (ONNX Runtime numpy output, PyTorch tensor) pairs."""
 
     def __init__(self, report: Report, dtype: str, cfg):
         self.report, self.dtype = report, BY_NAME[dtype]
         self.judge = SelectionJudge(cfg, dtype)
 
-    def close(self, name: str, got: np.ndarray, ref: torch.Tensor, excused: torch.Tensor | None = None) -> None:
-        got_t = self.dtype.to_torch(got).float()
-        if excused is not None:
-            beyond = 0
-            if got_t.shape == ref.shape and bool(excused.any()):  # rows whose own error the tolerance rejects
-                row_err = (got_t[excused].double() - ref[excused].double()).abs().flatten(1).amax(1)
-                beyond = int((row_err > self.report.tolerance * ref.double().abs().max()).sum())
-            self.report.routing.count(name, int(excused.sum()), excused.numel(), beyond)
-            if got_t.shape == ref.shape:
-                got_t, ref = got_t[~excused], ref[~excused]
-        self.report.outputs.setdefault(name, Stat()).update(got_t, ref.float())
+    def close(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
+        self.report.outputs.setdefault(name, Stat()).update(self.dtype.to_torch(got).float(), ref.float())
 
-    def pool(self, name: str, got: np.ndarray, ref: torch.Tensor, slots: torch.Tensor,
-             excused: torch.Tensor | None = None) -> None:
+    def router_inputs(self, graph: str, taps, got: dict[str, np.ndarray], forcing: RoutingForcing) -> None:
+        """ONNX Runtime's router inputs of every MoE layer of ``graph`` against the reference's, as one output."""
+        for tap in taps:
+            self.close(f"{graph}:router inputs (MoE layers)", got[tap.output], forcing.inputs[tap.module])
+
+    def pool(self, name: str, got: np.ndarray, ref: torch.Tensor, slots: torch.Tensor) -> None:
         """A cache pool after the step. FP8 pools (uint8 E4M3 codes in the graph, float8 in the reference): the
         codes of the rows this step wrote (``slots``; each row counted once), equal up to near-ties
-        (``Agreement.update_codes``); their scale pools are float32 outputs compared whole, like any pool.
-        ``excused`` [T]: the step's tokens whose rows in this pool are left out (routing near ties)."""
-        kept_rows = None
-        if excused is not None and bool(excused.any()):
-            kept_rows = torch.ones(ref.shape[0] * ref.shape[1], dtype=torch.bool)
-            kept_rows[slots[excused]] = False
+        (``Agreement.update_codes``); their scale pools are float32 outputs compared whole, like any pool."""
 
-        def rows(t: torch.Tensor, which) -> torch.Tensor:
-            flat = t.reshape(-1, *t.shape[2:])
-            return flat if which is None else flat[which]
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1, *t.shape[2:])
 
         if ref.dtype != kv_fp8.FP8:
             got_t = self.dtype.to_torch(got) if got.dtype == self.dtype.storage else torch.from_numpy(got)
-            self.report.outputs.setdefault(name, Stat()).update(rows(got_t.float(), kept_rows),
-                                                                rows(ref.float(), kept_rows))
+            self.report.outputs.setdefault(name, Stat()).update(rows(got_t.float()), rows(ref.float()))
             return
-        written = slots if excused is None else slots[~excused]
         codes = self.report.cache_codes.setdefault(name, Agreement())
-        codes.update_codes(rows(torch.from_numpy(got), written), rows(ref.view(torch.uint8), written))
+        codes.update_codes(rows(torch.from_numpy(got))[slots], rows(ref.view(torch.uint8))[slots])
 
-    def teacher(self, name: str, got: np.ndarray, batch, step: int, excused=None):
+    def teacher(self, name: str, got: np.ndarray, batch, step: int):
         """The ``ChooseBlocks`` hook of one sparse layer: compares ONNX Runtime's selection ``got`` with the
         reference's own and returns what the reference's attention reads: ONNX Runtime's rows where they are
-        equal or near-tie swaps, the reference's own where they mismatch (reported) or are excused
-        (``excused()``, asked when the layer runs: [T] bool, tokens after a routing near tie)."""
+        equal or near-tie swaps, the reference's own where they mismatch (reported)."""
         got_t = torch.from_numpy(got)
 
         def choose(own, index_q, index_k_pool, index_k_scale):
             agreement = self.report.selections.setdefault(name, SelectionAgreement())
             accepted = self.judge(agreement, got_t, own, index_q, index_k_pool, index_k_scale, batch,
-                                  where=f"step {step}, ", excused=None if excused is None else excused())
+                                  where=f"step {step}, ")
             if got_t.shape != own.shape:
                 return own
             return torch.where(accepted[..., None], got_t.to(own.dtype), own)
 
         return choose
 
-    def greedy(self, name: str, got: np.ndarray, ref: torch.Tensor, excused: torch.Tensor | None = None) -> None:
-        got_t, ref = torch.from_numpy(got), ref.float()
-        if excused is not None and got_t.shape == ref.shape:
-            got_t, ref = got_t[~excused], ref[~excused]
-        self.report.greedy.setdefault(name, Agreement()).update_greedy(got_t, ref)
-
-
-def _force_rows(ref_pool: torch.Tensor, got_pool: torch.Tensor, slots: torch.Tensor) -> None:
-    """Teacher forcing of the caches: the runtime's rows at ``slots`` (excused after a routing near tie) copied
-    into the reference's pool, so that later steps read the same caches on both sides (``routing_ties``). FP8
-    pools: the runtime's uint8 E4M3 codes are the reference's float8 bytes."""
-    if slots.numel() == 0:
-        return
-    flat = ref_pool.view(-1, *ref_pool.shape[2:])
-    rows = got_pool.reshape(-1, *got_pool.shape[2:])[slots.to(got_pool.device)].to(ref_pool.device)
-    if ref_pool.dtype == kv_fp8.FP8:
-        flat.view(torch.uint8)[slots] = rows
-    else:
-        flat[slots] = rows.to(ref_pool.dtype)
+    def greedy(self, name: str, got: np.ndarray, ref: torch.Tensor) -> None:
+        self.report.greedy.setdefault(name, Agreement()).update_greedy(torch.from_numpy(got), ref.float())
 
 
 def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, tolerance: float | None = None,
@@ -300,11 +267,14 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
     model: M3ForCausalLM = load_torch_model(art)
 
     sessions: list[PagedSession] = []
+    taps = {}
     try:
-        sessions.append(PagedSession.from_artifact(art, "model", providers=providers))
-        sessions += [PagedSession.from_artifact(art, f"mtp{k}", providers=providers) for k in range(len(model.mtp))]
-        with RoutingWatch(model, art.manifest.dtype, report.routing) as watch:
-            _steps(art, model, sessions[0], sessions[1:], watch, report, cmp, decode_steps, progress)
+        for graph in ["model", *(f"mtp{k}" for k in range(len(model.mtp)))]:  # the router inputs as outputs too
+            tapped = tap_router_inputs(art, graph)
+            taps[graph] = tapped.taps
+            sessions.append(PagedSession(art.path(graph), tapped.graph, providers=providers, model=tapped.model))
+        with RoutingForcing(model, report.routing) as forcing:
+            _steps(art, model, sessions[0], sessions[1:], forcing, taps, report, cmp, decode_steps, progress)
     finally:  # before returning, while the CUDA runtime is up (PagedSession.close says why)
         for sess in sessions:
             sess.close()
@@ -315,10 +285,10 @@ def verify_artifact(path: str | Path | Artifact, decode_steps: int = 4, toleranc
     return report
 
 
-def _steps(art: Artifact, model: M3ForCausalLM, main, mtps: list, watch: RoutingWatch, report: Report,
-           cmp: _Comparison, decode_steps: int, progress: bool) -> None:
-    """The scenario through the step graph ``main`` and the MTP graphs ``mtps`` beside the model, ``watch``
-    finding routing near ties in the model as it runs."""
+def _steps(art: Artifact, model: M3ForCausalLM, main, mtps: list, forcing: RoutingForcing, taps: dict,
+           report: Report, cmp: _Comparison, decode_steps: int, progress: bool) -> None:
+    """The scenario through the step graph ``main`` and the MTP graphs ``mtps`` beside the model, ``forcing``
+    routing the model as ONNX Runtime did (from the router inputs of ``taps``) as it runs."""
     cfg, page = art.config, art.page_size
     dtype = model.model.embed_tokens.weight.dtype
     prompts, steps = scenario(cfg, page, decode_steps)
@@ -355,21 +325,16 @@ def _steps(art: Artifact, model: M3ForCausalLM, main, mtps: list, watch: Routing
             embeds = None if media is None else place_rows(model.model.embed_tokens(ids), *media)
             extra = {} if media is None else {"media_rows": media[0], "media_embeds": media[1]}
             got = main.run(batch.feeds(input_ids=ids, logits_indices=every, **extra))
-            watch.begin("model", batch, report.steps)
-            hooks = {i: cmp.teacher(f"model:selection.{i}", got[f"selection.{i}"], batch, report.steps,
-                                    functools.partial(watch.selection_excused, i)) for i in sparse}
+            forcing.begin("model", batch, report.steps, taps["model"], got, cmp.dtype.to_torch)
+            hooks = {i: cmp.teacher(f"model:selection.{i}", got[f"selection.{i}"], batch, report.steps)
+                     for i in sparse}
             ref = model.step(ids, batch, caches, every, inputs_embeds=embeds, choose_blocks=hooks.get)
-            tied = watch.output_excused()[every]
-            cmp.close("model:logits", got["logits"], ref.logits, tied)
-            cmp.close("model:hidden", got["hidden"], ref.hidden, watch.output_excused())
-            cmp.greedy("model:logits", got["logits"], ref.logits, tied)
-            layered = [(i, p) for i, layer in enumerate(caches) for p in layer]
-            for i in range(len(caches)):
-                forced = watch.cache_excused(i)
-                report.routing.count("model:cache rows (token, layer)", int(forced.sum()), forced.numel())
-            for name, (i, pool) in zip(main.pool_inputs, layered):
-                cmp.pool(f"model:{name}", main.pools[name], pool, batch.slot_mapping, watch.cache_excused(i))
-                _force_rows(pool, main.pool_tensors[name], batch.slot_mapping[watch.cache_excused(i)])
+            cmp.close("model:logits", got["logits"], ref.logits)
+            cmp.close("model:hidden", got["hidden"], ref.hidden)
+            cmp.router_inputs("model", taps["model"], got, forcing)
+            cmp.greedy("model:logits", got["logits"], ref.logits)
+            for name, pool in zip(main.pool_inputs, [p for layer in caches for p in layer]):
+                cmp.pool(f"model:{name}", main.pools[name], pool, batch.slot_mapping)
 
             nxt = ref.logits.argmax(-1)
             active = [b for b, n in enumerate(step) if n]
@@ -381,17 +346,16 @@ def _steps(art: Artifact, model: M3ForCausalLM, main, mtps: list, watch: Routing
             for k, (sess, cache) in enumerate(zip(mtps, mtp_caches)):
                 out = sess.run({**batch.feeds(input_ids=shifted, logits_indices=every),
                                 "hidden": cmp.dtype.to_numpy(ref.hidden)})
-                watch.begin(f"mtp{k}", batch, report.steps)
+                forcing.begin(f"mtp{k}", batch, report.steps, taps[f"mtp{k}"], out, cmp.dtype.to_torch)
                 logits, hidden_out, cache, _ = model.mtp_step(
                     k, shifted, ref.hidden, batch, cache, every,
-                    choose_blocks=cmp.teacher(f"mtp{k}:selection", out["selection"], batch, report.steps,
-                                              functools.partial(watch.selection_excused, 0)))
-                tied = watch.output_excused()
-                cmp.close(f"mtp{k}:logits", out["logits"], logits, tied[every])
-                cmp.close(f"mtp{k}:hidden_out", out["hidden_out"], hidden_out, tied)
-                cmp.greedy(f"mtp{k}:logits", out["logits"], logits, tied[every])
-                for name, pool in zip(sess.pool_inputs, cache):  # written before the module's MoE: never tied
-                    cmp.pool(f"mtp{k}:{name}", sess.pools[name], pool, batch.slot_mapping, watch.cache_excused(0))
+                    choose_blocks=cmp.teacher(f"mtp{k}:selection", out["selection"], batch, report.steps))
+                cmp.close(f"mtp{k}:logits", out["logits"], logits)
+                cmp.close(f"mtp{k}:hidden_out", out["hidden_out"], hidden_out)
+                cmp.router_inputs(f"mtp{k}", taps[f"mtp{k}"], out, forcing)
+                cmp.greedy(f"mtp{k}:logits", out["logits"], logits)
+                for name, pool in zip(sess.pool_inputs, cache):
+                    cmp.pool(f"mtp{k}:{name}", sess.pools[name], pool, batch.slot_mapping)
 
             for b, end in zip(active, ends):
                 done[b] += step[b]

@@ -86,9 +86,11 @@ class PagedSession:
     the execution provider (``device``), and ``pools`` shows them as host numpy arrays."""
 
     def __init__(self, path: Path, graph: GraphInfo, providers: str | Provider | Sequence = "cpu", options=None,
-                 threads: int | None = None):
+                 threads: int | None = None, model: bytes | None = None):
         """``threads``: ONNX Runtime's intra-op threads (default: one per physical core, spinning while idle,
-        which on a machine shared with other work costs several times the step; benchmarks pin it)."""
+        which on a machine shared with other work costs several times the step; benchmarks pin it).
+        ``model``: a serialised variant of the graph at ``path`` to run instead (``verify``'s copy with extra
+        outputs: ``graph`` lists them); its external weights load from ``path``'s folder."""
         ort = _ort()
         self.graph = graph
         self.provider = require(parse_provider(providers))
@@ -104,8 +106,12 @@ class PagedSession:
                 options.intra_op_num_threads = threads
         elif threads is not None:
             raise ValueError("give session options or threads, not both")
+        if model is not None:  # bytes have no folder of their own to resolve external data locations against
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(Path(path).parent))
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+            self.session = ort.InferenceSession(str(path) if model is None else model, sess_options=options,
+                                                providers=providers)
         except Exception as e:  # ORT raises its own exception types; say which graph and why
             hint = (" (no kernel for an op in this dtype: the CPU execution provider runs float32 and float16 "
                     "artifacts, bfloat16 needs e.g. the CUDA one)") if "NOT_IMPLEMENTED" in str(e) else ""
