@@ -1,31 +1,37 @@
-"""``m3export verify`` and expert-routing near ties (``m3export/export/routing_ties.py``): a token whose routing
-is within the bound of the other runtime's roundings has its later rows excused and counted, the rows it cannot
-reach (other sequences, earlier tokens, earlier layers) are still judged, a gap just above the bound is a failure,
-and an fp32 artifact has no ties.
+"""``m3export verify`` and expert routing (``m3export/export/routing_ties.py``, ``router_taps.py``): ONNX Runtime's
+routing is recomputed from its own router inputs (graph outputs of a verify-only copy of each graph), compared per
+token with the reference's, and the reference is forced to ONNX Runtime's experts where they differ.
 
-The near tie is constructed on the tiny fp32 artifact: the reference's correction bias of one expert at one MoE
-layer is raised so that, for exactly one token of the run, that expert overtakes the reference's k-th one by a gap
-``g``; ONNX Runtime routes that token as before. With ``g`` half the token's bound the two routings are a near tie;
-with twice the bound they are a real difference."""
+The difference is constructed on ONNX Runtime's side: a copy of the tiny fp32 artifact whose correction bias of one
+expert at one MoE layer is raised so that, for exactly one token of the run, that expert overtakes the token's
+k-th one in ONNX Runtime (the bias only ranks: the routing weights do not change). The reference is the model of
+the original artifact, so it routes that token as before."""
 
 from __future__ import annotations
 
 import functools
-import math
+import json
+import shutil
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 from m3export.export import routing_ties, verify
-from m3export.export.artifact import load_torch_model
-from m3export.model.batch import Segment, build_batch
+from m3export.export.artifact import load_artifact, load_torch_model
+from m3export.export.router_taps import tap_router_inputs
 
 LAYER = 1  # the first MoE layer of the tiny preset: later layers' cache rows and selections are in play
+SEPARATION = 1e-3  # the raised expert's margin to every other token's routing: far above fp32's (~1e-6 here)
 
 
-def _verify(art, load):
+def _verify(art, reference=None):
+    """verify ``art`` against the model of ``reference`` (default: ``art`` itself)."""
     original = verify.load_torch_model
-    verify.load_torch_model = load
+    verify.load_torch_model = lambda a: load_torch_model(a if reference is None else reference)
     try:
         return verify.verify_artifact(art, decode_steps=2, progress=False, hash_files=False)
     finally:
@@ -33,123 +39,97 @@ def _verify(art, load):
 
 
 @functools.lru_cache(maxsize=None)
-def _routing_inputs(art):
-    """Per main-model step of the verify run: (router input x [T, D] float64 at LAYER, query_start_loc) of the
-    unperturbed reference, recorded by a pre-hook of this test's own."""
+def _router_inputs(art):
+    """The reference's router inputs x [T, D] (float64) at LAYER, per main-model step of the verify run."""
     seen = []
+    original = verify.load_torch_model
 
     def load(a):
-        model = load_torch_model(a)
-        step = model.step
-
-        def recording_step(ids, batch, *args, **kwargs):
-            seen.append([None, batch.query_start_loc.long().tolist()])
-            return step(ids, batch, *args, **kwargs)
-
-        model.step = recording_step
-        model.model.layers[LAYER].mlp.register_forward_pre_hook(
-            lambda mod, args: seen[-1].__setitem__(0, args[0].detach().double()))
+        model = original(a)
+        model.model.layers[LAYER].mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0].double()))
         return model
 
-    assert _verify(art, load).passed
+    verify.load_torch_model = load
+    try:
+        assert verify.verify_artifact(art, decode_steps=2, progress=False, hash_files=False).passed
+    finally:
+        verify.load_torch_model = original
     return seen
 
 
-def _scores(model, x):
+def _flipped(art, tmp):
+    """(a copy of ``art`` in ``tmp`` whose ONNX Runtime routes one token of the run otherwise at LAYER, that
+    token's (step, token, expert raised))."""
+    model = load_torch_model(art)
     gate = model.model.layers[LAYER].mlp.gate
     w, b = gate.weight.detach().double(), gate.e_score_correction_bias.detach().double()
-    return torch.sigmoid(x @ w.t()) + b, w, b
-
-
-def _construct(art, gap_in_bounds: float):
-    """(load function whose reference routes one token differently by ``gap_in_bounds`` times its bound, the
-    (step, token, sequence start, sequence end) of that token)."""
-    model = load_torch_model(art)
     k = model.config.num_experts_per_tok
-    candidates = []  # (distance of expert c below the token's k-th score, step, token, c)
-    for step, (x, _) in enumerate(_routing_inputs(art)):
-        s, _, _ = _scores(model, x)
-        top = s.sort(-1, descending=True)
-        kth = top.values[:, k - 1:k]
-        for c in range(s.shape[1]):
-            d = (kth[:, 0] - s[:, c]).masked_fill((top.indices[:, :k] == c).any(-1), math.inf)
-            candidates += [(float(d[t]), step, t, c) for t in range(s.shape[0])]
-    candidates.sort()
-    for i, (d, step, token, expert) in enumerate(candidates):
-        x, qsl = _routing_inputs(art)[step]
-        start, end = max(q for q in qsl if q <= token), min(q for q in qsl if q > token)
-        if step != 0 or end - token < 4:  # in the prefill, with later tokens of its sequence in the step
-            continue
-        s, w, b = _scores(model, x)
-        kth_expert = int(s[token].sort(descending=True).indices[k - 1])
-        beta = routing_ties.score_bounds(x[token:token + 1], w, b, "float32")[0]
-        bound = float(beta[expert] + beta[kth_expert])
-        raise_by = d + gap_in_bounds * bound
-        # only this token changes its routing: every other (token, expert) distance is farther than the raise
-        if all(c[0] > raise_by + 10 * bound for c in candidates[:i] + candidates[i + 1:] if c[3] == expert):
-            break
-    else:
-        raise AssertionError("no prefill token can be made the run's only near tie")
-
-    def load(a):
-        m = load_torch_model(a)
-        with torch.no_grad():
-            m.model.layers[LAYER].mlp.gate.e_score_correction_bias[expert] += raise_by
-        return m
-
-    return load, (step, token, start, end)
+    best = None
+    for expert in range(w.shape[0]):  # distances of the expert below each (step, token)'s k-th biased score
+        dist = []
+        for step, x in enumerate(_router_inputs(art)):
+            s = torch.sigmoid(x @ w.t()) + b
+            top = s.sort(-1, descending=True)
+            kept = (top.indices[:, :k] == expert).any(-1)
+            d = (top.values[:, k - 1] - s[:, expert]).masked_fill(kept, float("inf"))
+            dist += [(float(d[t]), step, t) for t in range(s.shape[0])]
+        dist.sort()
+        sep = dist[1][0] - dist[0][0]
+        if best is None or sep > best[0]:
+            best = (sep, expert, dist[0], dist[1][0])
+    sep, expert, (d0, step, token), d1 = best
+    assert sep > 2 * SEPARATION, "no token's routing can be flipped alone"
+    root = tmp / "flipped"
+    shutil.copytree(art, root)
+    entry = json.loads((root / "manifest.json").read_text())["tensors"][
+        f"model.layers.{LAYER}.mlp.gate.e_score_correction_bias"]
+    with open(root / entry["file"], "r+b") as f:  # the bias ONNX Runtime reads (the reference keeps its own)
+        f.seek(entry["offset"] + 4 * expert)
+        value = np.frombuffer(f.read(4), np.float32)[0]
+        f.seek(entry["offset"] + 4 * expert)
+        f.write(np.float32(value + (d0 + d1) / 2).tobytes())
+    return root, (step, token, expert)
 
 
-def test_fp32_artifact_has_no_routing_ties(tiny_artifact):
-    report = _verify(tiny_artifact, load_torch_model)
-    assert report.passed and report.routing.ties == []
-    assert report.routing.closest > 1.0  # tokens were judged, none within its bound
-    assert "routing near ties: none" in "\n".join(report.lines())
+@pytest.fixture(scope="module")
+def flipped(tiny_artifact, tmp_path_factory):
+    return _flipped(tiny_artifact, tmp_path_factory.mktemp("flipped"))
 
 
-def test_a_constructed_near_tie_is_excused_and_counted(tiny_artifact):
-    load, (step, token, start, end) = _construct(tiny_artifact, 0.5)
-    report = _verify(tiny_artifact, load)
+def test_fp32_artifact_routes_alike(tiny_artifact):
+    report = _verify(tiny_artifact)
     assert report.passed, "\n".join(report.lines())
-    [tie] = report.routing.ties
-    assert (tie.graph, tie.step, tie.token, tie.layer) == ("model", step, token, LAYER)
-    assert tie.gap <= tie.bound and tie.gap == pytest.approx(0.5 * tie.bound, rel=1e-3)
-    # the tied token and the later ones of its sequence: logits and hidden rows excused, nothing else
-    rows = report.routing.excused["model:logits"]
-    assert rows[0] == end - token and rows[1] == report.tokens
-    assert 1 <= rows[2] <= rows[0]  # the tied token was routed otherwise: its row really differs, and is counted
-    assert any(line.startswith("routing near ties: 1 tokens") for line in report.lines())
-    # cache rows: the token from layer LAYER + 1 on, the later tokens from LAYER + 2 on (4 layers)
-    layers = 4
-    assert report.routing.excused["model:cache rows (token, layer)"][0] == (
-        (layers - LAYER - 1) + (end - token - 1) * (layers - LAYER - 2))
+    assert report.routing.differences == [] and report.routing.fp32_ties == []
+    assert report.routing.routings == report.tokens * 4  # 3 MoE layers of the model, 1 of the MTP module
+    assert 1.0 < report.routing.closest < float("inf")  # tokens were judged, none within its fp32 bound
+    assert report.outputs["model:router inputs (MoE layers)"].max_rel <= report.tolerance
+    assert "0 of" in "\n".join(report.lines())
 
 
-def test_later_steps_need_the_forced_cache_rows(tiny_artifact, monkeypatch):
-    """The tie is in the prefill at the start of a sequence: without copying the runtime's excused cache rows into
-    the reference (teacher forcing of the caches), that sequence's later steps read other rows on the two sides
-    and fail; with it they are judged in full and pass (the test above)."""
-    load, _ = _construct(tiny_artifact, 0.5)
-    monkeypatch.setattr(verify, "_force_rows", lambda *args: None)
-    report = _verify(tiny_artifact, load)
-    assert len(report.routing.ties) == 1
+def test_a_routing_difference_is_found_forced_and_counted(tiny_artifact, flipped):
+    root, (step, token, expert) = flipped
+    report = _verify(root, reference=tiny_artifact)
+    assert report.passed, "\n".join(report.lines())
+    [diff] = report.routing.differences
+    assert (diff.graph, diff.step, diff.token, diff.layer) == ("model", step, token, LAYER)
+    assert expert in diff.runtime and expert not in diff.reference
+    assert len(set(diff.runtime) ^ set(diff.reference)) == 2  # one expert swapped for another
+    assert report.routing.fp32_ties == []  # the flip is far beyond fp32's bound
+    assert any(line.startswith("expert routing from each side's router inputs: 1 of") for line in report.lines())
+
+
+def test_without_forcing_the_difference_fails(tiny_artifact, flipped, monkeypatch):
+    root, _ = flipped
+    monkeypatch.setattr(routing_ties, "_forced", lambda module, x, experts: module.forward(x))
+    report = _verify(root, reference=tiny_artifact)
+    assert len(report.routing.differences) >= 1
     assert not report.passed and report.outputs["model:logits"].max_rel > report.tolerance
 
 
-def test_a_gap_just_above_the_bound_is_a_failure(tiny_artifact):
-    load, (step, token, _, _) = _construct(tiny_artifact, 2.0)
-    report = _verify(tiny_artifact, load)
-    # (the real difference it leaves moves the later tokens' inputs: ties among those may be found, not this one)
-    assert not [t for t in report.routing.ties if (t.step, t.token, t.layer) == (step, token, LAYER)]
-    assert not report.passed and report.outputs["model:logits"].max_rel > report.tolerance
-
-
-def test_rows_of_other_sequences_are_still_judged(tiny_artifact, monkeypatch):
-    """With the near tie excused, a wrong logits row of the other sequence in the same step still fails."""
+def test_a_wrong_logits_row_elsewhere_still_fails(tiny_artifact, flipped, monkeypatch):
     from m3export.plugins.onnxruntime.session import PagedSession
 
-    load, (step, token, start, end) = _construct(tiny_artifact, 0.5)
-    other = 0 if start > 0 else end  # a token of another sequence of that step
+    root, (step, token, _) = flipped
     run, calls = PagedSession.run, []
 
     def wrong_row(self, feeds):
@@ -158,59 +138,82 @@ def test_rows_of_other_sequences_are_still_judged(tiny_artifact, monkeypatch):
             calls.append(None)
             if len(calls) - 1 == step:
                 out["logits"] = out["logits"].copy()
-                out["logits"][other] += 1.0
+                out["logits"][0 if token else 1] += 1.0
         return out
 
     monkeypatch.setattr(PagedSession, "run", wrong_row)
-    report = _verify(tiny_artifact, load)
-    assert len(report.routing.ties) == 1
+    report = _verify(root, reference=tiny_artifact)
+    assert len(report.routing.differences) == 1
     assert not report.passed and report.outputs["model:logits"].max_rel > report.tolerance
 
 
-def test_excused_rows_follow_the_sequence_and_the_layers(tiny_artifact, monkeypatch):
-    """The watch's row rule on a two-sequence step, with a near tie forced at one token: that token from the next
-    layer on, the later tokens of its sequence one layer later (their attention reads its rows), nothing of the
-    other sequence or of earlier tokens; selections of both from the next layer on; final rows of both."""
+def test_forced_routing_is_the_moe_of_the_given_experts(tiny_artifact):
+    """``_forced`` against the MoE computed by hand in float64 from the module's weights for a chosen expert set
+    (weights: the unbiased scores renormalised over the set); the bias is left as it was."""
     model = load_torch_model(tiny_artifact)
-    ids, batch = build_batch([Segment([0], 0, list(range(5, 11))), Segment([1], 0, list(range(20, 24)))], 16)
-    tied_token = 2  # in the first sequence (tokens 0..5)
+    moe = model.model.layers[LAYER].mlp
+    cfg = moe.cfg
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+    bias = moe.gate.e_score_correction_bias.detach().clone()
+    experts = [0, 3, 5, 6][:cfg.num_experts_per_tok]
+    got = routing_ties._forced(moe, x, experts)
+    assert torch.equal(moe.gate.e_score_correction_bias, bias)
 
-    def bounds(x, w, b, dtype):  # no token is a tie but tied_token at the first MoE layer (all 10 tokens judged)
-        beta = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
-        if x.shape[0] == ids.numel():
-            beta[tied_token] = math.inf
-        return beta
+    def swiglu(gu):
+        gate, up = gu.chunk(2, -1)
+        gate, up = gate.clamp(max=cfg.swiglu_limit), up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * gate * torch.sigmoid(gate * cfg.swiglu_alpha)
 
-    monkeypatch.setattr(routing_ties, "score_bounds", bounds)
-    record = routing_ties.RoutingTies()
-    with routing_ties.RoutingWatch(model, "float32", record) as watch, torch.no_grad():
-        watch.begin("model", batch, 0)
-        model.step(ids, batch, model.allocate_caches(2, 16, torch.float32, "cpu"))
-        assert [(t.token, t.layer) for t in record.ties] == [(tied_token, LAYER)]
-        first, later = torch.arange(10) == tied_token, (torch.arange(10) > tied_token) & (torch.arange(10) < 6)
-        assert torch.equal(watch.cache_excused(LAYER), torch.zeros(10, dtype=torch.bool))
-        assert torch.equal(watch.cache_excused(LAYER + 1), first)
-        assert torch.equal(watch.cache_excused(LAYER + 2), first | later)
-        assert torch.equal(watch.selection_excused(LAYER), torch.zeros(10, dtype=torch.bool))
-        assert torch.equal(watch.selection_excused(LAYER + 1), first | later)
-        assert torch.equal(watch.output_excused(), first | later)
-    assert not model.model.layers[LAYER].mlp._forward_pre_hooks  # close() removed the hooks
+    x64 = x.double()
+    s = torch.sigmoid(x64 @ moe.gate.weight.double().t())[:, experts]
+    wts = s / s.sum(-1, keepdim=True)
+    routed = sum(wts[:, j:j + 1] * (swiglu(x64 @ moe.experts.w13[e].double().t()) @ moe.experts.w2[e].double().t())
+                 for j, e in enumerate(experts))
+    sh = moe.shared_experts
+    want = routed * cfg.routed_scaling_factor + swiglu(x64 @ sh.gate_up_proj.weight.double().t()) @ \
+        sh.down_proj.weight.double().t()
+    # fp32 matmuls of width <= 64 and a few elementwise ops: ~1e-6 relative; 1e-5 leaves room, an other expert O(1)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_bound_covers_inputs_moved_as_the_derivation_assumes():
-    """Router inputs each moved by up to rho = 2 R u of themselves (independent, as the model of the bound
-    assumes), routed in fp32: every biased score stays within beta of the float64 one, for bfloat16 and fp32."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 512, generator=gen, dtype=torch.float64)
-    w = torch.randn(16, 512, generator=gen, dtype=torch.float64) * 0.05
-    b = torch.randn(16, generator=gen, dtype=torch.float64) * 0.1
-    exact = torch.sigmoid(x @ w.t()) + b
-    for dtype in ("float32", "bfloat16"):
-        rho = 2 * routing_ties.ROUTER_ROUNDINGS * routing_ties.unit_roundoff(dtype)
-        moved = x * (1 + rho * (torch.rand(x.shape, generator=gen, dtype=torch.float64) * 2 - 1))
-        got = (torch.sigmoid(moved.float() @ w.float().t()) + b.float()).double()
-        beta = routing_ties.score_bounds(x, w, b, dtype)
-        assert bool(((got - exact).abs() <= beta).all()), dtype
-    # bfloat16's bound is the input term's, within ~10x of what the moved inputs do (lam = 7 against a sum's
-    # typical ~1 standard deviation); fp32's is the fp32 dot term, a bound on any summation order (not checked here)
-    assert bool(((got - exact).abs() > 0.1 * beta).any())
+def test_router_taps_add_outputs_only(tiny_artifact):
+    """The verify-only copy: the artifact graph's nodes, outputs and functions, plus one Identity per MoE node."""
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    tapped = tap_router_inputs(art, "model")
+    copy = onnx.load_from_string(tapped.model)
+    orig = onnx.load(str(art.path("model")), load_external_data=False)
+    assert [o.name for o in copy.graph.output][:len(orig.graph.output)] == [o.name for o in orig.graph.output]
+    assert [t.module for t in tapped.taps] == [f"model.layers.{i}.mlp" for i in (1, 2, 3)]
+    assert len(copy.graph.node) == len(orig.graph.node) + 3 and len(copy.functions) == len(orig.functions)
+    assert tapped.graph.output_names[-3:] == [t.output for t in tapped.taps]
+    assert np.array_equal(tapped.taps[0].bias, load_torch_model(art).model.layers[1].mlp.gate
+                          .e_score_correction_bias.detach().double().numpy())
+
+
+def test_ort_fp32_router_is_within_the_bound():
+    """ONNX Runtime's fp32 router arithmetic (the MoE body's Cast / MatMul / Sigmoid / Add) on random inputs at
+    D = 2048 stays within ``fp32_score_bounds`` of float64; its Sigmoid alone within ``SIGMOID_ERROR``."""
+    d, e = 2048, 16
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "wt"], ["z"]), helper.make_node("Sigmoid", ["z"], ["s"]),
+         helper.make_node("Add", ["s", "b"], ["out"])], "router",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "wt", "b")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("s", "out", "z")])
+    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+                                .SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, d)).astype(np.float32)
+    w = (rng.standard_normal((e, d)) * 0.05).astype(np.float32)
+    b = (rng.standard_normal(e) * 0.1).astype(np.float32)
+    s32, out, _ = sess.run(None, {"x": x, "wt": np.ascontiguousarray(w.T), "b": b})
+    x64, w64, b64 = (torch.from_numpy(a.astype(np.float64)) for a in (x, w, b))
+    exact = torch.sigmoid(x64 @ w64.t()) + b64
+    beta = routing_ties.fp32_score_bounds(x64, w64, b64)
+    assert bool(((torch.from_numpy(out.astype(np.float64)) - exact).abs() <= beta).all())
+    # the Sigmoid kernel alone, over a dense sweep of fp32 inputs (its error does not depend on the MatMul's)
+    z = np.linspace(-30, 30, 1 << 20, dtype=np.float32)[None, :]
+    sig, _, _ = sess.run(None, {"x": z.reshape(-1, 1), "wt": np.ones((1, 1), np.float32),
+                               "b": np.zeros(1, np.float32)})
+    err = np.abs(sig.astype(np.float64)[:, 0] - 1 / (1 + np.exp(-z[0].astype(np.float64)))).max()
+    assert err <= routing_ties.SIGMOID_ERROR, err

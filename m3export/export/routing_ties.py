@@ -131,8 +131,9 @@ class RoutingRecord:
                                                    sorted(per_layer.items())))
             out.extend(f"  {d}" for d in self.differences[:3])
         if self.fp32_ties:
-            out.append(f"ONNX Runtime fp32 routing ties: {len(self.fp32_ties)} (the float64 choice taken; where ORT's "
-                       "fp32 took the other, that token's later rows fail)")
+            out.append(f"ONNX Runtime fp32 routing ties: {len(self.fp32_ties)} of {self.routings} routings within "
+                       "the worst-case fp32 bound of a swap (the float64 choice taken; where ORT's fp32 took the "
+                       "other, that token's later rows fail)")
             out.extend(f"  {t}" for t in self.fp32_ties[:3])
         else:
             margin = (f"; closest margin {self.closest:.3g}x its bound ({self.closest_where})"

@@ -63,14 +63,12 @@ def score_bound_factor(dtype: str, head_dim: int) -> float:
 @dataclass
 class SelectionAgreement:
     """Block ids of one selection output over all steps: ``same`` / ``total`` ids, ``near_ties`` (token, head)
-    rows accepted as near-tie swaps, ``mismatched`` rows that are not, with up to three described; ``excused``
-    (token, head) rows not judged (after a routing near tie: ``routing_ties``), counted in neither."""
+    rows accepted as near-tie swaps, ``mismatched`` rows that are not, with up to three described."""
 
     same: int = 0
     total: int = 0
     near_ties: int = 0
     mismatched: int = 0
-    excused: int = 0
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -84,8 +82,7 @@ class SelectionAgreement:
     def __str__(self) -> str:
         pct = 100.0 * self.same / self.total if self.total else 100.0
         ties = f", {self.near_ties} near-tie swaps" if self.near_ties else ""
-        excused = f", {self.excused} rows excused" if self.excused else ""
-        return f"{pct:6.2f}% ({self.same}/{self.total}{ties}{excused})"
+        return f"{pct:6.2f}% ({self.same}/{self.total}{ties})"
 
 
 class SelectionJudge:
@@ -98,22 +95,19 @@ class SelectionJudge:
 
     def __call__(self, agreement: SelectionAgreement, got: torch.Tensor, own: torch.Tensor, index_q: torch.Tensor,
                  index_k_pool: torch.Tensor, index_k_scale: torch.Tensor | None, batch: Batch,
-                 where: str = "", excused: torch.Tensor | None = None) -> torch.Tensor:
+                 where: str = "") -> torch.Tensor:
         """got / own [T, H, K] int32 (the runtime's, the reference's), the reference's index queries [T, H, D]
-        and index-key pool (FP8 with its scale pool) -> accepted rows [T, H] bool; ``agreement`` updated.
-        ``excused`` [T] bool: tokens not judged (not accepted either: the reference keeps its own rows)."""
+        and index-key pool (FP8 with its scale pool) -> accepted rows [T, H] bool; ``agreement`` updated."""
         if got.shape != own.shape:
             agreement.total += max(got.numel(), own.numel())
             agreement.mismatched += 1
             self._example(agreement, f"{where}shape {tuple(got.shape)}, reference {tuple(own.shape)}")
             return torch.zeros(own.shape[:2], dtype=torch.bool)
         got = got.to(own.device, own.dtype)
-        judged = torch.ones(own.shape[0], dtype=torch.bool, device=own.device) if excused is None else ~excused
-        agreement.same += int((got == own)[judged].sum())
-        agreement.total += int(judged.sum()) * own.shape[1] * own.shape[2]
-        agreement.excused += int((~judged).sum()) * own.shape[1]
-        differ = (got != own).any(-1) & judged[:, None]
-        accepted = ~differ & judged[:, None]
+        agreement.same += int((got == own).sum())
+        agreement.total += own.numel()
+        differ = (got != own).any(-1)
+        accepted = ~differ
         if not bool(differ.any()):
             return accepted
         rows = differ.nonzero().tolist()
