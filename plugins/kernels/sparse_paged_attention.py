@@ -45,10 +45,16 @@ DEFAULTS = {
     # per token); block_n: key tile (at most the block); waves: programs per multiprocessor the selection
     # splits aim for; max_splits: most splits (None: top-k x tile tokens); loop: "nested" | "flat" | "union".
     # H200 sweep 2026-11-30 22:12 UTC (bench/results/attention_sweep.json): decode "flat-n128-w4-s3-waves2" 0.94x
-    # the earlier defaults' time (geometric mean of batch 1 / 16 / 64), prefill "flat-t1-n64-w4-s3-waves2" 0.84x.
+    # the earlier defaults' time (geometric mean of batch 1 / 16 / 64).
+    # Prefill: H200 sweep 2026-12-01 03:58 UTC (commit 353d677, bench/results/attention_prefill_h200.json):
+    # "union-t8-n128-w8-s2-waves2" 0.555x the time of the previous default ("flat-t1-n64-w4-s3-waves2") on
+    # selections like a prompt's (bench/prefill_selections.py "model": 192 / 208 / 185 TFLOP/s at 4k / 16k / 64k
+    # against 91 / 115 / 121), but 1.2-2.1x its time on independent random selections (the worst case, where 8
+    # tokens' union is 5x top-k: 92 / 58 TFLOP/s at 16k / 64k against 115 / 121). Prompts' neighbouring tokens
+    # share most blocks (the forced local block, slowly moving queries), so the union tile is the default.
     "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat"),
-    "prefill": dict(tile_tokens=1, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
-                    loop="flat"),
+    "prefill": dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, waves=2, max_splits=None,
+                    loop="union"),
 }
 _LOOPS = ("nested", "flat", "union", "halves")
 
