@@ -217,3 +217,13 @@ def test_ort_fp32_router_is_within_the_bound():
                                "b": np.zeros(1, np.float32)})
     err = np.abs(sig.astype(np.float64)[:, 0] - 1 / (1 + np.exp(-z[0].astype(np.float64)))).max()
     assert err <= routing_ties.SIGMOID_ERROR, err
+
+
+def test_without_graphsurgeon_verify_says_what_to_install(tiny_artifact, monkeypatch):
+    import sys
+
+    from m3export.errors import BackendUnavailable
+
+    monkeypatch.setitem(sys.modules, "onnx_graphsurgeon", None)  # import raises ImportError
+    with pytest.raises(BackendUnavailable, match="pip install onnx-graphsurgeon"):
+        tap_router_inputs(load_artifact(tiny_artifact, verify_checksums=False), "model")

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import ArtifactError
+from ..errors import ArtifactError, BackendUnavailable
 from .manifest import GraphInfo, TensorSig
 
 MOE_OPS = ("MoE", "MoEMXFP8")
@@ -50,7 +50,11 @@ class TappedGraph:
 def tap_router_inputs(artifact, name: str) -> TappedGraph:
     """Graph ``name`` of ``artifact`` with every ``m3`` MoE node's router input also an output (module docstring).
     A graph without MoE nodes comes back with no taps."""
-    import onnx_graphsurgeon as gs
+    try:
+        import onnx_graphsurgeon as gs
+    except ImportError as e:
+        raise BackendUnavailable("verify reads ONNX Runtime's router inputs through a graph copy made with "
+                                 "onnx-graphsurgeon: pip install onnx-graphsurgeon") from e
 
     path = artifact.path(name)
     proto = onnx.load(str(path), load_external_data=False)
