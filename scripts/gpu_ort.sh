@@ -6,8 +6,8 @@
 # reported; the indexer / MoE bodies' tie rule and the attention bodies' adversarial and 16k cases under ORT's CUDA
 # kernels; one pytest process per test file, each with its own limit), then a `mini` bf16 artifact with the
 # ort-contrib flavour (MoE and MXFP8Linear lowered; PagedAttention is rejected, lowering.REJECTED) and bench/ort_gpu.py
-# (plain vs lowered vs torch, batch 1 / 8 x context 4k / 32k, roofline), its --profile of batch 1 / 4k (where an
-# ORT step's time goes), then `verify` on it if time is left. Every step has its own time limit, cut to what is left of
+# (plain vs lowered vs torch, batch 1 / 8 x context 4k / 32k, roofline) after `verify` on it, then its --profile of
+# batch 1 / 4k (where an ORT step's time goes) if time is left. Every step has its own time limit, cut to what is left of
 # the script's budget (GPU_ORT_BUDGET seconds, default 480), so the whole script ends in time; a step with too little
 # time left is skipped and says so. Everything lands in $OUT (./out), in six files (a call brings back at most 8):
 # gpu_ort.log (every step's output), summary.txt (each step's exit code and time), ort_gpu_h200.json (the benchmark),
@@ -117,12 +117,13 @@ step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flav
     --out /tmp/ortgpu-art/big --force
 timeout 30 python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
 print(json.dumps(r, indent=1))" > "$OUT/flavour_record.json" 2>&1
+# the big artifact through `verify` (its PyTorch reference runs on the host), before the benchmarks: a verdict is
+# worth more than a timing when the budget runs short
+step verify_big 200 $M verify /tmp/ortgpu-art/big --provider "$PROVIDER" --fast
 step bench 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
     --json "$OUT/ort_gpu_h200.json"
 # where a batch 1 / 4k ORT step's time goes (its own process: the timed rows above carry no profiler)
 step bench_profile 150 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
     $PROFILE_SHAPES --profile --json "$OUT/ort_gpu_profile_h200.json"
-# last, with what is left of the budget: the big artifact through `verify` (its PyTorch reference runs on the host)
-step verify_big 150 $M verify /tmp/ortgpu-art/big --provider "$PROVIDER" --fast
 cat "$OUT/summary.txt"
 exit "$status"
