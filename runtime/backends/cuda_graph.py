@@ -22,8 +22,11 @@ drafting k after keeping q positions) goes further: its k module calls replay as
 (``mtp_chain``), fed one batch over the round's positions, each call's batch a slice of it inside the graph.
 
 The engine builds its batches on the host for this backend (``batch_device``): the graph's static inputs are
-filled by one host-to-device copy per step, from pinned memory, which does not wait for the device (a copy from
-pageable memory does: one per field made every replay a host-device round trip), and whether a verify step has
+filled by one host-to-device copy per step from a fixed pinned staging buffer, captured as the graph's first node
+(a replayed step is one graph launch: before, the copy was its own launch from a pinned block made per step, and
+the host work in front of the replay left the device idle; a copy from pageable memory waits for the device: one
+per field made every replay a host-device round trip); an event recorded after that node keeps the host from
+rewriting the staging buffer before the previous replay has read it. Whether a verify step has
 the same number of tokens in every sequence is read from the host ``query_start_loc`` with no device-to-host
 copy. ``logits_indices`` is copied into the static inputs like the rest, so a replay computes exactly the rows
 asked for.
@@ -176,8 +179,9 @@ class DecodeInputs:
     Real sequences fill the first B slots; padding sequences have q tokens at positions 0 .. q-1 of the scratch page.
 
     Every integer input (ids, logits rows, positions, slots, context lengths, block tables) is a view of one device
-    byte buffer, and a step fills all of them with one host-to-device copy of a host image of that buffer, made
-    from a template that already holds the padding (``fill``). Filling field by field took about 16 device
+    byte buffer, and a step fills all of them with one host-to-device copy of a host image of that buffer (a
+    pinned staging buffer on a GPU), made from a template that already holds the padding (``fill``); the copy is
+    the step's own first operation (``upload``), so a replayed step is one graph launch. Filling field by field took about 16 device
     operations (a copy per field, then the padding tails) per call, and a speculative round makes k + 1 such calls
     (k MTP calls, one verify step), each as launch-bound as the replay itself on a small model.
     """
@@ -210,9 +214,18 @@ class DecodeInputs:
         t["slot_mapping"][:] = scratch_page * page_size + offsets
         t["seq_lens"][:] = q
         t["block_tables"][:, 0] = scratch_page
-        self._image = self._template.copy()
+        # The staging image: pinned host memory on a GPU, which the graph's first node copies to the device buffer
+        # (``upload``), so one step is one graph launch and no per-step pinned block (``pin_memory()``).
+        pinned = device.type == "cuda"
+        self._staging = torch.from_numpy(self._template.copy())
+        if pinned:
+            self._staging = self._staging.pin_memory()
+        self._image = self._staging.numpy()  # the same memory: numpy writes land in what the upload reads
         self._host = _field_views(self._image, layout, lambda x, dtype: x.view(_NUMPY[dtype]))
-        self._pinned = device.type == "cuda"
+        self._staged = _field_views(self._staging, layout, lambda x, dtype: x.view(dtype))
+        # Recorded right after the upload (inside the graph: an event record node). The next fill waits for it
+        # before rewriting the staging image, which the previous step's upload may not have read yet.
+        self._uploaded = torch.cuda.Event(external=True) if pinned else None
         self._buffer = torch.from_numpy(self._template.copy()).to(device)  # never the template itself
         d = _field_views(self._buffer, layout, lambda x, dtype: x.view(dtype))
         self.input_ids, self.logits_indices = d["input_ids"], d["logits_indices"]
@@ -223,33 +236,27 @@ class DecodeInputs:
             block_tables=d["block_tables"],
             slot_mapping=d["slot_mapping"],
         )
-        self._static = d
 
     def fill(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
              hidden: torch.Tensor | None = None) -> None:
         """Copy a step of B <= bucket sequences of q tokens each in (from the host or the device); the rest becomes
         scratch-page padding. ``logits_indices``: at most as many rows as the graph computes (past them: padding
-        rows), or none. Host values travel in one copy (queued, from pinned memory: no wait for the device);
-        a value already on the device (ids holding drafts that stayed there, an MTP module's hidden states) is
-        one device copy more."""
+        rows), or none. Host values are written into the staging image (numpy, no torch operation); a value
+        already on the device (ids holding drafts that stayed there) is one queued copy into it, an MTP
+        module's hidden states one device copy. The image reaches the device in the step itself (``upload``)."""
         t, w = input_ids.shape[0], batch.block_tables.shape[1]
         if w > self.batch.block_tables.shape[1]:
             raise ValueError(f"block table of {w} pages is wider than the captured {self.batch.block_tables.shape[1]}")
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's upload has read the staging image
         np.copyto(self._image, self._template)
-        later = []  # (field, device value): copied after the host image lands
         for name, value in (("input_ids", input_ids), ("logits_indices", logits_indices),
                             ("positions", batch.positions), ("slot_mapping", batch.slot_mapping),
                             ("seq_lens", batch.seq_lens), ("block_tables", batch.block_tables)):
             if value.device.type == "cpu":
                 _head(self._host[name], value)[...] = value.numpy()
             else:
-                later.append((name, value))
-        image = torch.from_numpy(self._image)
-        # pin_memory() copies the image into a block of torch's caching host allocator, which keeps the block
-        # until the queued copy has read it, so the image may be rewritten by the next step at once.
-        self._buffer.copy_(image.pin_memory() if self._pinned else image, non_blocking=self._pinned)
-        for name, value in later:
-            _head(self._static[name], value).copy_(value)
+                self._stage_from_device(name, value)
         if self.hidden is not None and hidden is not None:  # None: the caller places its hidden rows itself
             if t:
                 self.hidden[:t].copy_(hidden)
@@ -257,6 +264,26 @@ class DecodeInputs:
                 self.hidden[t:self._hidden_rows].zero_()
             self._hidden_rows = t
         # query_start_loc is arange(0, bucket * q + 1, q) for every such step.
+
+    def _stage_from_device(self, name: str, value: torch.Tensor) -> None:
+        """A field already on the device, copied into the staging image (device to pinned host memory: queued, no
+        wait; the upload, later on the same stream, carries it back with the rest). A block table narrower than
+        the captured width is first widened with the zeros the template has there, so its rows stay one
+        contiguous span of the image."""
+        head = _head(self._staged[name], value)
+        if head.numel() == 0:
+            return
+        if not head.is_contiguous():
+            value = torch.nn.functional.pad(value, (0, self._staged[name].shape[1] - value.shape[1]))
+            head = self._staged[name][:value.shape[0]]
+        head.copy_(value, non_blocking=self._uploaded is not None)
+
+    def upload(self) -> None:
+        """The staging image to the device buffer: the first thing a captured step does, so it is the graph's first
+        node (a copy from fixed pinned memory) and a replay needs no copy of its own before it."""
+        self._buffer.copy_(self._staging, non_blocking=self._uploaded is not None)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
 
 class GraphedTorchBackend(TorchBackend):
@@ -449,6 +476,7 @@ class GraphedTorchBackend(TorchBackend):
         q, k = plan.q, plan.k
 
         def step():
+            inputs.upload()
             h = inputs.hidden.shape[-1]
             tokens = inputs.input_ids.view(bucket, span).clone()
             hidden = inputs.hidden.view(bucket, span, h).clone()
@@ -527,6 +555,7 @@ class GraphedTorchBackend(TorchBackend):
 
     def _target_step(self, inputs: DecodeInputs):
         def step():
+            inputs.upload()
             out = self.model.step(inputs.input_ids, inputs.batch, self._caches, inputs.logits_indices, inplace=True)
             return out.logits, out.hidden
 
@@ -536,6 +565,7 @@ class GraphedTorchBackend(TorchBackend):
         rows = inputs.logits_indices if wanted else inputs.logits_indices[:0]
 
         def step():
+            inputs.upload()
             logits, out, _, _ = self.model.mtp_step(module, inputs.input_ids, inputs.hidden, inputs.batch,
                                                     self._mtp_caches[module], rows, inplace=True)
             return logits, out
