@@ -54,8 +54,9 @@ def _integer_storages(inputs: DecodeInputs) -> set[int]:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_fill_writes_the_static_inputs_in_one_copy(trained, monkeypatch, batch):
     """Every replayed call (verify steps and MTP calls) fills its graph's integer inputs with one copy, whatever
-    the padding (it was a copy per field plus one per padded tail, ~16); an MTP call's hidden states take at most
-    two more (its rows, and zeros over rows a longer step left)."""
+    the padding (it was a copy per field plus one per padded tail, ~16): the fill writes the host image only, and
+    the step's upload (a graph's first node) is the copy; an MTP call's hidden states take at most two more (its
+    rows, and zeros over rows a longer step left)."""
     per_fill = []
     fill = DecodeInputs.fill
 
@@ -64,7 +65,8 @@ def test_a_fill_writes_the_static_inputs_in_one_copy(trained, monkeypatch, batch
             with StaticWrites({self.hidden.untyped_storage().data_ptr()} if self.hidden is not None else set()) \
                     as hid:
                 fill(self, input_ids, batch_, logits_indices, hidden)
-        # ids holding drafts that stayed on the device are one device copy more; on the CPU none is "on the
+            self.upload()  # what the step does first (again there: the same image, the same values)
+        # ids holding drafts that stayed on the device are queued into the host image; on the CPU none is "on the
         # device", so every integer input arrives in the one copy of the host image.
         per_fill.append((ints.writes, hid.writes, self.hidden is not None))
 
@@ -94,9 +96,9 @@ def test_padding_rows_of_a_refilled_step_are_the_templates(trained):
 
     args = (4, 2, be._table_width, be._scratch_page, be._page_size, "cpu", (8, torch.float32))
     reused, fresh = DecodeInputs(*args), DecodeInputs(*args)
-    reused.fill(*step(3))
-    reused.fill(*step(1))
-    fresh.fill(*step(1))
+    for inputs, n in ((reused, 3), (reused, 1), (fresh, 1)):
+        inputs.fill(*step(n))
+        inputs.upload()  # the step's first operation
     for name in ("input_ids", "logits_indices"):
         assert torch.equal(getattr(reused, name), getattr(fresh, name)), name
     for name in ("positions", "seq_lens", "block_tables", "slot_mapping"):
@@ -152,9 +154,10 @@ def test_mtp_calls_send_no_index_for_a_slice(trained, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fill_from_pinned_image_and_device_ids_equals_the_cpu_fill():
-    """On a GPU the host image travels from pinned memory, queued, and ids that are already on the device (drafts)
-    are copied after it; refilled back to back (the pinned block of one fill may still be in flight when the next
-    is written), every static input equals the CPU fill of the same steps."""
+    """On a GPU the host image travels from a fixed pinned staging image, queued, and ids that are already on the
+    device (drafts) are queued into that image first; filled and uploaded back to back (the next fill must wait
+    for the previous upload before it rewrites the image), every static input equals the CPU fill of the same
+    steps."""
     from m3export.model.batch import Segment, build_batch
 
     def step(n, dev):
@@ -165,8 +168,9 @@ def test_gpu_fill_from_pinned_image_and_device_ids_equals_the_cpu_fill():
     args = (4, 3, 6, 40, 16)
     gpu, cpu = DecodeInputs(*args, "cuda", (8, torch.float32)), DecodeInputs(*args, "cpu", (8, torch.float32))
     for n in (3, 1, 4, 2):
-        gpu.fill(*step(n, "cuda"))
-        cpu.fill(*step(n, "cpu"))
+        for inputs, dev in ((gpu, "cuda"), (cpu, "cpu")):
+            inputs.fill(*step(n, dev))
+            inputs.upload()
     torch.cuda.synchronize()
     for name in ("input_ids", "logits_indices", "hidden"):
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
