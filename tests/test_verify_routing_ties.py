@@ -1,6 +1,7 @@
 """``m3export verify`` and expert routing (``m3export/export/routing_ties.py``, ``router_taps.py``): ONNX Runtime's
-routing is recomputed from its own router inputs (graph outputs of a verify-only copy of each graph), compared per
-token with the reference's, and the reference is forced to ONNX Runtime's experts where they differ.
+routing is read (its MoE bodies' chosen ids) and recomputed from its own router inputs (graph outputs of a
+verify-only copy of each graph), the two checked against each other, compared per token with the reference's
+routing, and the reference is forced to ONNX Runtime's experts where they differ.
 
 The difference is constructed on ONNX Runtime's side: a copy of the tiny fp32 artifact whose correction bias of one
 expert at one MoE layer is raised so that, for exactly one token of the run, that expert overtakes the token's
@@ -101,6 +102,7 @@ def test_fp32_artifact_routes_alike(tiny_artifact):
     assert report.passed, "\n".join(report.lines())
     assert report.routing.differences == [] and report.routing.fp32_ties == []
     assert report.routing.routings == report.tokens * 4  # 3 MoE layers of the model, 1 of the MTP module
+    assert report.routing.read_ids == report.routing.routings and report.routing.inconsistent == 0
     assert 1.0 < report.routing.closest < float("inf")  # tokens were judged, none within its fp32 bound
     assert report.outputs["model:router inputs (MoE layers)"].max_rel <= report.tolerance
     assert "0 of" in "\n".join(report.lines())
@@ -186,7 +188,10 @@ def test_router_taps_add_outputs_only(tiny_artifact):
     assert [o.name for o in copy.graph.output][:len(orig.graph.output)] == [o.name for o in orig.graph.output]
     assert [t.module for t in tapped.taps] == [f"model.layers.{i}.mlp" for i in (1, 2, 3)]
     assert len(copy.graph.node) == len(orig.graph.node) + 3 and len(copy.functions) == len(orig.functions)
-    assert tapped.graph.output_names[-3:] == [t.output for t in tapped.taps]
+    assert tapped.graph.output_names[-6:] == [name for t in tapped.taps for name in (t.output, t.experts)]
+    [body] = [f for f in copy.functions if f.name == "MoE"]
+    [orig_body] = [f for f in orig.functions if f.name == "MoE"]
+    assert len(body.output) == 2 and len(body.node) == len(orig_body.node) + 1  # the ids, through one Identity
     assert np.array_equal(tapped.taps[0].bias, load_torch_model(art).model.layers[1].mlp.gate
                           .e_score_correction_bias.detach().double().numpy())
 
@@ -227,3 +232,28 @@ def test_without_graphsurgeon_verify_says_what_to_install(tiny_artifact, monkeyp
     monkeypatch.setitem(sys.modules, "onnx_graphsurgeon", None)  # import raises ImportError
     with pytest.raises(BackendUnavailable, match="pip install onnx-graphsurgeon"):
         tap_router_inputs(load_artifact(tiny_artifact, verify_checksums=False), "model")
+
+
+def test_ort_ids_against_its_own_router_scores(tiny_artifact, monkeypatch):
+    """ONNX Runtime's expert ids are read and checked: an id swapped for an expert its router scores far lower
+    (every margin of this run is >20x its fp32 bound: the fp32 test above) is a MISMATCH, not a routing
+    difference the reference follows silently."""
+    from m3export.plugins.onnxruntime.session import PagedSession
+
+    run, calls = PagedSession.run, []
+    name = f"router_experts.model.layers.{LAYER}.mlp"
+    experts = load_artifact(tiny_artifact, verify_checksums=False).config.num_local_experts
+
+    def wrong_id(self, feeds):
+        out = run(self, feeds)
+        if name in out:
+            calls.append(None)
+            if len(calls) == 1:
+                ids = out[name] = out[name].copy()
+                ids[3, 0] = min(set(range(experts)) - set(ids[3].tolist()))  # an expert it did not keep
+        return out
+
+    monkeypatch.setattr(PagedSession, "run", wrong_id)
+    report = _verify(tiny_artifact)
+    assert report.routing.inconsistent == 1 and not report.passed
+    assert any("not an fp32 tie: model step 0, token 3, layer 1" in line for line in report.lines())

@@ -9,7 +9,11 @@ copy is kept in memory and handed to ``PagedSession`` as bytes; its weights keep
 files (ORT's external-initializer folder option), and the artifact itself is never modified.
 
 Each tap also carries the router weight and bias the node reads (from the artifact's files, as ORT reads them), so
-ORT's routing is recomputed from ORT's own operands.
+ORT's routing is recomputed from ORT's own operands. Where the MoE function body has the router's known shape (its
+routing weights are a ``GatherElements`` of the router's ``Sigmoid`` scores at the chosen ids), the copy also makes
+those ids a second output of the function, and of every MoE node, and a graph output: the experts ONNX Runtime
+really chose (its fp32 ``TopK``), which ``routing_ties`` checks against the recomputation and forces the reference
+to. The body's nodes are unchanged; an internal value only becomes visible.
 """
 
 from __future__ import annotations
@@ -25,17 +29,20 @@ from .manifest import GraphInfo, TensorSig
 
 MOE_OPS = ("MoE", "MoEMXFP8")
 PREFIX = "router_input."
+EXPERTS_PREFIX = "router_experts."
 
 
 @dataclass
 class RouterTap:
     """One MoE node: its router input as graph output ``output``, the reference module it matches (``module``,
-    the router weight's tensor name less ``.gate.weight``), and the router parameters ORT reads (float64)."""
+    the router weight's tensor name less ``.gate.weight``), the router parameters ORT reads (float64), and the
+    graph output of the expert ids ORT chose ([T, k] int64; None where the body could not be tapped)."""
 
     output: str
     module: str
     weight: np.ndarray  # [E, D]
     bias: np.ndarray  # [E]
+    experts: str | None = None
 
 
 @dataclass
@@ -61,6 +68,8 @@ def tap_router_inputs(artifact, name: str) -> TappedGraph:
     graph = gs.import_onnx(proto)
     info = artifact.graphs[name]
     tokens = info.inputs[[t.name for t in info.inputs].index("input_ids")].shape[0]
+    top_k = artifact.config.num_experts_per_tok
+    tapped_bodies = {f.name for f in graph.functions if f.domain == "m3" and f.name in MOE_OPS and _tap_ids(gs, f)}
     taps, sigs = [], []
     for node in graph.nodes:
         if node.domain != "m3" or node.op not in MOE_OPS:
@@ -77,8 +86,33 @@ def tap_router_inputs(artifact, name: str) -> TappedGraph:
         taps.append(RouterTap(out_name, module, _initializer(proto, weight.name, path, artifact.root),
                               _initializer(proto, bias.name, path, artifact.root)))
         sigs.append(TensorSig(out_name, artifact.manifest.dtype, (tokens, artifact.config.hidden_size)))
+        if node.op in tapped_bodies and len(node.outputs) == 1:
+            ids = gs.Variable(f"{EXPERTS_PREFIX}{module}", dtype=np.int64, shape=[tokens, top_k])
+            node.outputs.append(ids)
+            graph.outputs.append(ids)
+            taps[-1].experts = ids.name
+            sigs.append(TensorSig(ids.name, "int64", (tokens, top_k)))
     model = gs.export_onnx(graph)
     return TappedGraph(model.SerializeToString(), replace(info, outputs=(*info.outputs, *sigs)), taps)
+
+
+def _tap_ids(gs, body) -> bool:
+    """Make the chosen expert ids of an MoE function body its second output (module docstring); False (body
+    unchanged) where the body does not have the router's known shape."""
+    if len(body.outputs) != 1:
+        return False
+    found = [n for n in body.nodes if n.op == "GatherElements" and _made_by(n.inputs[0], "Sigmoid")
+             and _made_by(n.inputs[0].inputs[0].inputs[0], "MatMul")]
+    if len(found) != 1:
+        return False
+    ids = gs.Variable("routed_experts", dtype=np.int64)
+    body.nodes.append(gs.Node("Identity", name="tap_routed_experts", inputs=[found[0].inputs[1]], outputs=[ids]))
+    body.outputs.append(ids)
+    return True
+
+
+def _made_by(tensor, op: str) -> bool:
+    return len(tensor.inputs) == 1 and tensor.inputs[0].op == op
 
 
 def _initializer(proto: onnx.ModelProto, name: str, path, root) -> np.ndarray:

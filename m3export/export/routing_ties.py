@@ -8,6 +8,10 @@ outputs (``router_taps``), and at every MoE layer of the reference (a forward pr
   so the same choice, bit for bit);
 - ONNX Runtime's routing is recomputed from ORT's x and the router weight and bias ORT reads, in float64, top-k
   with exact ties to the lower id (as ``functions._moe`` ranks);
+- where the copy also reads the expert ids ORT chose (``router_taps``: its MoE bodies' TopK result), those are
+  ORT's routing, checked against the recomputation: a set that differs from the float64 top-k must be an fp32 tie
+  resolved the other way (every expert it adds within the bound below of every one it drops), else ORT did not
+  route by its own router's scores and verify fails;
 - where the two expert sets differ, the token's routing truly differs (the two sides' x moved its scores across a
   swap). The reference is teacher-forced to ORT's experts for that token (a forward hook re-runs the MoE on those
   rows with ORT's set kept: ``_forced``; the weights come from the reference's own scores, renormalised over the
@@ -30,8 +34,9 @@ router weight and bias; D the hidden size; u32 = 2^-24, fp32's unit roundoff; A_
 
 So ORT's biased fp32 score is within beta_e = (gamma_D(u32) + gamma_D(u64)) A_e / 4 + SIGMOID_ERROR
 + u32 (1 + |b_e|) + F64_SLACK of the float64 one, and ORT can have kept c where the float64 choice keeps a only if
-S_a - S_c <= beta_a + beta_c. Such a token is an *fp32 tie* on ORT's side: counted and reported with its margin;
-ORT's routing is taken to be the float64 choice there too (the reference forced to it where its own differs): ORT's
+S_a - S_c <= beta_a + beta_c. Such a token is an *fp32 tie* on ORT's side: counted and reported with its margin.
+With ORT's ids read, ORT's own choice settles it. Without them (a body the copy cannot tap), ORT's routing is taken
+to be the float64 choice there too (the reference forced to it where its own differs): ORT's
 real fp32 dot errors are far below the worst case gamma_D, about sqrt(D) u32 A_e, so the float64 choice is ORT's in
 practice; where it was not, that token's later rows fail and the report's fp32 ties say where to look. Nothing is
 excused for it either. The worst case is wide at real widths: at the ``mini`` preset's D = 6144 with its random
@@ -116,13 +121,23 @@ class Fp32Tie:
 class RoutingRecord:
     """Routing compared over a run: ``routings`` (token, MoE layer) pairs compared, ``differences`` (the reference
     forced to ORT's experts), ``fp32_ties`` on ORT's side, and the closest ORT-side margin among the others
-    (gap / bound)."""
+    (gap / bound). Where ORT's chosen ids are graph outputs (``read_ids`` routings): ``fp32_flips`` fp32 ties that
+    ORT's fp32 resolved otherwise than float64 (allowed), ``inconsistent`` routings where ORT's ids are not its
+    router's top-k even within the fp32 bound (a failure; up to three described in ``examples``)."""
 
     routings: int = 0
     differences: list[RoutingDifference] = field(default_factory=list)
     fp32_ties: list[Fp32Tie] = field(default_factory=list)
     closest: float = float("inf")
     closest_where: str = ""
+    read_ids: int = 0
+    fp32_flips: int = 0
+    inconsistent: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.inconsistent == 0
 
     def lines(self) -> list[str]:
         n = len(self.differences)
@@ -134,10 +149,17 @@ class RoutingRecord:
             out.append("  per layer: " + ", ".join(f"{g} layer {layer}: {c}" for (g, layer), c in
                                                    sorted(per_layer.items())))
             out.extend(f"  {d}" for d in self.differences[:3])
+        if self.read_ids:
+            out.append(f"ONNX Runtime's own expert ids read on {self.read_ids} of {self.routings} routings: "
+                       f"{self.inconsistent} not its router's top-k within the fp32 bound  "
+                       f"{'ok' if self.ok else 'MISMATCH'}")
+            out.extend(f"  not an fp32 tie: {e}" for e in self.examples)
         if self.fp32_ties:
+            how = (f"ORT's fp32 chose otherwise than float64 in {self.fp32_flips}, the reference took ORT's choice"
+                   if self.read_ids == self.routings else "the float64 choice taken; where ORT's fp32 took the "
+                   "other, that token's later rows fail")
             out.append(f"ONNX Runtime fp32 routing ties: {len(self.fp32_ties)} of {self.routings} routings within "
-                       "the worst-case fp32 bound of a swap (the float64 choice taken; where ORT's fp32 took the "
-                       "other, that token's later rows fail)")
+                       f"the worst-case fp32 bound of a swap ({how})")
             out.extend(f"  {t}" for t in self.fp32_ties[:3])
         else:
             margin = (f"; closest margin {self.closest:.3g}x its bound ({self.closest_where})"
@@ -181,7 +203,9 @@ class RoutingForcing:
                                f"reference has {want}")
         self.graph, self.step, self.batch = graph, step, batch
         self._ort = {t.module: (to_torch(got[t.output]).double(), torch.from_numpy(t.weight),
-                                torch.from_numpy(t.bias)) for t in taps}
+                                torch.from_numpy(t.bias),
+                                None if t.experts is None else torch.from_numpy(np.asarray(got[t.experts])))
+                     for t in taps}
         self._forced: dict[str, dict[tuple[int, ...], list[int]]] = {}
         self.inputs = {}
 
@@ -199,7 +223,7 @@ class RoutingForcing:
         k = module.cfg.num_experts_per_tok
         gate = module.gate
         own, _ = route(x, gate.weight, gate.e_score_correction_bias, k)  # the op's own choice
-        x_ort, w, b = self._ort[name]
+        x_ort, w, b, ids = self._ort[name]
         if x_ort.shape != x.shape:
             raise RuntimeError(f"routing: ONNX Runtime's router input of {name} is {list(x_ort.shape)}, the "
                                f"reference's {list(x.shape)}")
@@ -207,8 +231,13 @@ class RoutingForcing:
         scores = torch.sigmoid(x_ort @ w.t()) + b  # [T, E] float64
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         kept, rest = order[:, :k], order[:, k:]
-        self._fp32_ties(layer, x_ort, w, b, scores, kept, rest)
+        beta = fp32_score_bounds(x_ort, w, b)
+        self._fp32_ties(layer, beta, scores, kept, rest)
         theirs = kept.sort(-1).values
+        if ids is not None:  # ORT's own choice: checked against its router's arithmetic, then taken
+            ids = ids.long().sort(-1).values
+            self._check_ids(layer, ids, theirs, scores, beta)
+            theirs = ids
         mine = own.cpu().sort(-1).values
         forced = self._forced[name] = {}
         positions = self.batch.positions
@@ -218,15 +247,42 @@ class RoutingForcing:
             self.record.differences.append(RoutingDifference(self.graph, self.step, t, int(positions[t]), layer,
                                                              tuple(mine[t].tolist()), ids))
 
-    def _fp32_ties(self, layer, x, w, b, scores, kept, rest) -> None:
+    def _check_ids(self, layer: int, ids: torch.Tensor, f64: torch.Tensor, scores: torch.Tensor,
+                   beta: torch.Tensor) -> None:
+        """ORT's chosen ids [T, k] (sorted) against the float64 top-k of its own router inputs: another set is an
+        fp32 tie resolved the other way only if every expert it adds is within beta_a + beta_c of every one it
+        drops (module docstring), else ORT did not route by its router's scores."""
+        self.record.read_ids += ids.shape[0]
+        e = scores.shape[1]
+        for t in (ids != f64).any(-1).nonzero().flatten().tolist():
+            got, want = ids[t].tolist(), f64[t].tolist()
+            added, dropped = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+            why = None
+            if len(set(got)) != len(got) or not all(0 <= c < e for c in got):
+                why = "not distinct expert ids in range"
+            else:
+                for a in dropped:
+                    for c in added:
+                        gap, bound = float(scores[t, a] - scores[t, c]), float(beta[t, a] + beta[t, c])
+                        if gap > bound:
+                            why = (f"expert {c} kept over {a}, whose score is higher by {gap:.3g} (fp32 resolves "
+                                   f"{bound:.3g})")
+            if why is None:
+                self.record.fp32_flips += 1
+                continue
+            self.record.inconsistent += 1
+            if len(self.record.examples) < 3:
+                self.record.examples.append(f"{self.graph} step {self.step}, token {t}, layer {layer}: ONNX Runtime "
+                                            f"experts {got}, its router's top-k {want}: {why}")
+
+    def _fp32_ties(self, layer, beta, scores, kept, rest) -> None:
         if rest.shape[1] == 0:
             return
-        beta = fp32_score_bounds(x, w, b)
         gap = scores.gather(1, kept)[:, :, None] - scores.gather(1, rest)[:, None, :]  # [T, k, E - k]
         bound = beta.gather(1, kept)[:, :, None] + beta.gather(1, rest)[:, None, :]
         ratio = (gap / bound).flatten(1)
         closest, pair = ratio.min(-1)
-        for t in range(x.shape[0]):
+        for t in range(scores.shape[0]):
             r = float(closest[t])
             a, c = divmod(int(pair[t]), rest.shape[1])
             if r > 1.0:

@@ -14,10 +14,11 @@ sparse attention then reads ONNX Runtime's selection in the rows accepted as nea
 output, and with it every later layer's cache rows, by O(1). Logits and caches then compare with the dtype's
 tolerance.
 
-Expert routing is decided from each side's own router inputs: verify runs a copy of each graph whose MoE nodes'
-inputs are also outputs (``router_taps``; the artifact is not modified), recomputes ONNX Runtime's routing from them
-and forces the reference to ONNX Runtime's experts for the tokens whose routing differs, counting them
-(``routing_ties``); the router inputs are judged like any output, and no row is excused.
+Expert routing is read from ONNX Runtime: verify runs a copy of each graph whose MoE nodes' router inputs and
+chosen expert ids are also outputs (``router_taps``; the artifact is not modified), checks the ids against ORT's
+router arithmetic on those inputs (equal up to fp32 ties, else a failure), and forces the reference to ONNX
+Runtime's experts for the tokens whose routing differs, counting them (``routing_ties``); the router inputs are
+judged like any output, and no row is excused.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return (all(s.ok(self.tolerance) for s in self.outputs.values())
+        return (all(s.ok(self.tolerance) for s in self.outputs.values()) and self.routing.ok
                 and all(a.acceptable for a in (*self.selections.values(), *self.greedy.values(),
                                                *self.cache_codes.values())))
 
