@@ -1,8 +1,9 @@
 """Expert routing of two runtimes, decided from each side's own router inputs, the reference teacher-forced to ORT's.
 
-``m3export verify`` runs an artifact's graphs next to the PyTorch reference. Which experts an MoE node chose is not a
-graph output, but what decides it is: verify runs a copy of each graph whose MoE nodes' router inputs ``x`` are also
-outputs (``router_taps``), and at every MoE layer of the reference (a forward pre-hook, ``RoutingForcing``):
+``m3export verify`` runs an artifact's graphs next to the PyTorch reference. Which experts an MoE node chose, and
+what decided it, are not graph outputs of the artifact: verify runs a copy of each graph whose MoE nodes' router
+inputs ``x`` and chosen ids are also outputs (``router_taps``), and at every MoE layer of the reference (a forward
+pre-hook, ``RoutingForcing``):
 
 - the reference's routing is its op's own: ``ops.moe.route`` on the reference's x (the same function the op calls,
   so the same choice, bit for bit);
@@ -42,9 +43,10 @@ practice; where it was not, that token's later rows fail and the report's fp32 t
 excused for it either. The worst case is wide at real widths: at the ``mini`` preset's D = 6144 with its random
 router about 18 % of routings are fp32 ties (measured on random inputs; at the tiny preset's D = 64 none).
 
-What this cannot see: an ORT MoE node that routes otherwise than its own router arithmetic says (a wrong TopK, a
-wrong bias) is not a routing difference here; its MoE output differs from the forced reference's, and the rows
-after it fail as they should. The verify-only graph copy adds only outputs; ORT runs the same nodes.
+An ORT MoE node that routes otherwise than its own router arithmetic says (a wrong TopK, a wrong bias) fails the
+ids check; where the ids are not read it is no routing difference here, but its MoE output differs from the
+reference's and the rows after it fail as they should. The verify-only graph copy adds only outputs (and one
+Identity per tap); ORT runs the same nodes.
 """
 
 from __future__ import annotations
