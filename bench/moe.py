@@ -39,9 +39,10 @@ SMOKE = False  # --smoke: tiny dims on CPU tensors under the Triton interpreter,
 ORACLE_MAX_TOKENS = 4096  # prefill: the fp32 oracle loops over experts, affordable up to 4k (--smoke: 64)
 ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # Tile variants tried when --sweep is on, next to the launcher's default (config None: moe.default_config, the
-# winners of round 2 of the sweep, 2026-11-30 22:12 UTC, commit b0036a9), each with its own error against the oracle;
-# a variant equal to the default at that shape is not run twice. MX_MODE 1 broadcasts one scale per 32 columns, 2 is
-# tl.dot_scaled; GU_FUSED 1 makes the gate and up tiles one dot of twice the width (moe._gate_up); GEMV is the
+# winners of rounds 2-4 of the sweep, the last 2026-12-01 03:40 UTC, commit a2ec016), each with its own error
+# against the oracle; a variant equal to the default at that shape is not run twice. MX_MODE 1 broadcasts one scale
+# per 32 columns, 2 is tl.dot_scaled, 3 converts E4M3 by integer operations (moe._e4m3_tile_bf16, TMA tiles only);
+# GU_FUSED 1 makes the gate and up tiles one dot of twice the width (moe._gate_up); GEMV is the
 # CUDA-core path of moe_gemv.py (one program per token and expert); PREFETCH loads GEMV K steps ahead in registers,
 # PIPELINE S names the GEMV K loop's stages so that Triton copies the next S - 1 steps into shared memory with
 # cp.async (moe_gemv.py); SPLIT_K splits each GEMV's K loop over programs; BLOCK_M 16 without GEMV forces the
@@ -65,6 +66,13 @@ PREVIOUS_DEFAULTS = {
     "tc16_bn64_unfused": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1),
     # MXFP8 MoE prefill: 64-row blocks, gemm_config(64) (tl.dot_scaled), gate and up as two dots.
     "prefill_bm64_unfused": dict(BLOCK_M=64),
+    # Replaced by round 4's prefill winners (moe.PREFILL_MXFP8 / PREFILL_MXFP8_LARGE / PREFILL_BF16): MXFP8 up to
+    # 256 assignments per expert (64-row blocks, gate and up as one dot, no TMA) ...
+    "prefill_bm64_gu": dict(BLOCK_M=64, GU_FUSED=1),
+    # ... MXFP8 above (128-row blocks, 128-wide N tiles) ...
+    "prefill_bm128_bn128": dict(BLOCK_M=128, BLOCK_N=128),
+    # ... and bf16 weights from 48 per expert (block_m_for's 128-row blocks with gemm_config(128)'s tiles).
+    "prefill_bm128": dict(BLOCK_M=128),
 }
 # The batch-1 MXFP8 push (49 % of copy bandwidth in round 2; docs/performance.md says why): the GEMV's loads sit in
 # registers (one K step in flight per program, 6-7 programs per SM), so these keep the loads in flight through
@@ -117,7 +125,25 @@ PREFILL_ROUND4 = {
     "prefill_bm128_bn128_group8_tma": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1),
     "prefill_bm128_gu_bn128_w8_group8": dict(BLOCK_M=128, GU_FUSED=1, BLOCK_N=128, num_warps=8, GROUP_M=8),
 }
-NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **PREFILL_ROUND4}
+# Prefill round 5 (after round 4, bench/results/moe_h200_prefill_round4.json: MXFP8 169 / 207 -> 221 / 280 TFLOP/s
+# at 4k / 16k with TMA, bf16 254 / 311 -> 362 / 466). The MXFP8 kernels are bound by the E4M3 -> bf16 conversion,
+# not the MMA: the sm_90 compile of tl.dot_scaled (MX_MODE 2, 64-row TMA gate-up) spends per thread and 64-wide K
+# step 32 E4M3 -> f16x2 and 64 f16 -> bf16 conversions (F2FP / F2F, a quarter of the integer rate), about 3x the
+# cycles of the 128 x 64 x 64 wgmma they feed; at 16k the 256-row blocks amortise it and _down (15.0 ms for half
+# of _gate_up's FLOPs) is what is left. Three variants: (1) and (2) the two MXFP8 winners with MX_MODE 3
+# (moe._e4m3_tile_bf16: the same bf16 values from integer operations, four codes per register, no conversion
+# instruction); (3) 128-row blocks with TMA at 4k (128 assignments per expert: ~1.5 blocks per expert instead of
+# ~2.5 of 64 rows, each weight tile converted once for twice the rows). bf16: round 4's second (the 128 x 256
+# GU_FUSED tile, 20.8 ms at 16k without TMA) with TMA.
+PREFILL_ROUND5 = {
+    "prefill_bm64_gu_group8_tma_int": dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1, MX_MODE=3),
+    "prefill_bm256_gu_w8_group8_tma_int": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1,
+                                               MX_MODE=3),
+    "prefill_bm128_gu_group8_tma": dict(BLOCK_M=128, GU_FUSED=1, GROUP_M=8, TMA=1),
+    "prefill_bm128_gu_bn128_w8_group8_tma": dict(BLOCK_M=128, GU_FUSED=1, BLOCK_N=128, num_warps=8, GROUP_M=8,
+                                                 TMA=1),
+}
+NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **PREFILL_ROUND4, **PREFILL_ROUND5}
 # The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
 GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"], PREVIOUS_DEFAULTS["gemv_4warps"],
               PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"]]
@@ -125,20 +151,23 @@ SPLITK_SWEEP: list = []  # split-K with PREFETCH 1 lost in round 2 (259 / 193 us
 # 16-row tensor-core tiles (MXFP8 from 8 tokens): the previous defaults and the batch-64 N tile with GU_FUSED.
 TC_DECODE_SWEEP = [PREVIOUS_DEFAULTS["tc16_bn32_unfused"], PREVIOUS_DEFAULTS["tc16_bn64_unfused"],
                    dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, MX_MODE=1, GU_FUSED=1)]
-# Prefill (BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The MXFP8 defaults are
-# {BLOCK_M 64, GU_FUSED 1} up to 256 assignments per expert and {BLOCK_M 128, BLOCK_N 128} above; each is a
-# variant at the other's size.
-# Dropped to make room for round 4 in one H200 call: MXFP8 prefill_bm64_unfused (the default before round 2; lost
-# by 7-15 % in rounds 2 and 3) and bf16 {BLOCK_M 128, GU_FUSED 1} (even at 4k, 20 % slower at 16k in round 3).
-# Round 4's MXFP8 128 x 256 tile (prefill_bm128_gu_bn128_w8_group8) spills without TMA (255 registers, 8 bytes of
-# stack) and is left to bf16; the bf16 tiles are the two bigger ones and TMA.
+# Prefill (BLOCK_M plus moe.gemm_config's keys; a missing key takes gemm_config(BLOCK_M)'s). The defaults are round
+# 4's winners (moe.default_config; a variant equal to the default at a shape is not run twice): MXFP8
+# prefill_bm64_gu_group8_tma up to 256 assignments per expert and prefill_bm256_gu_w8_group8_tma above (each a
+# variant at the other's size), bf16 prefill_bm128_bn128_group8_tma. Next to them the defaults they replaced, round
+# 5, and round 4's runner-up for bf16. Round 4's losers are no longer swept (moe_h200_prefill_round4.json keeps
+# their times): MXFP8 GROUP_M without TMA (13.5 / 46.0 ms against 13.7 / 45.0 for the old defaults), the 64 x 256
+# tile (16.4 / 54.6), bf16's 64 x 256 (7.8 / 24.6 against 6.4 / 20.0 for the winner). Round 4's MXFP8 128 x 256
+# tile (prefill_bm128_gu_bn128_w8_group8) spills without TMA (255 registers, 8 bytes of stack) and is left to bf16.
 PREFILL_SWEEP = {
-    "mxfp8": [dict(BLOCK_M=64, GU_FUSED=1), dict(BLOCK_M=128, BLOCK_N=128),  # BK 64, 8 warps, 3 stages, MX_MODE 2
-              *(PREFILL_ROUND4[name] for name in ("prefill_bm64_gu_group8", "prefill_bm64_gu_bn128_w8_group8",
-                                                  "prefill_bm128_bn128_group8", "prefill_bm64_gu_group8_tma",
-                                                  "prefill_bm256_gu_w8_group8_tma"))],
-    "bf16": [PREFILL_ROUND4[name] for name in ("prefill_bm64_gu_bn128_w8_group8", "prefill_bm128_gu_bn128_w8_group8",
-                                               "prefill_bm128_bn128_group8_tma")],
+    "mxfp8": [PREVIOUS_DEFAULTS["prefill_bm64_gu"], PREVIOUS_DEFAULTS["prefill_bm128_bn128"],
+              PREFILL_ROUND4["prefill_bm64_gu_group8_tma"], PREFILL_ROUND4["prefill_bm256_gu_w8_group8_tma"],
+              *(PREFILL_ROUND5[name] for name in ("prefill_bm64_gu_group8_tma_int",
+                                                  "prefill_bm256_gu_w8_group8_tma_int",
+                                                  "prefill_bm128_gu_group8_tma"))],
+    "bf16": [PREVIOUS_DEFAULTS["prefill_bm128"], PREFILL_ROUND4["prefill_bm128_bn128_group8_tma"],
+             PREFILL_ROUND4["prefill_bm128_gu_bn128_w8_group8"],
+             PREFILL_ROUND5["prefill_bm128_gu_bn128_w8_group8_tma"]],
 }
 
 

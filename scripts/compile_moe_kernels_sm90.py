@@ -118,17 +118,23 @@ def variants(quick: bool):
             tiles.append((bm, {**moe_kernels.gemm_config(bm), "GU_FUSED": 1}, False))
     formats = {}  # a prefill tile's weight formats (the tiles above: both for the defaults, else MXFP8 only)
     listed = {(bm, tuple(sorted(cfg.items()))) for bm, cfg, _ in tiles}
-    if not quick:  # bench/moe.py's prefill sweep, each tile in the format(s) it is swept with
-        for fmt, sweep in _bench_moe().PREFILL_SWEEP.items():
-            for c in sweep:
-                bm = c["BLOCK_M"]
-                cfg = {**moe_kernels.gemm_config(bm), **{k: v for k, v in c.items() if k != "BLOCK_M"}}
-                key = (bm, tuple(sorted(cfg.items())))
-                if key in listed:
-                    continue
-                if key not in formats:
-                    tiles.append((bm, cfg, False))
-                formats.setdefault(key, set()).add(fmt == "mxfp8")
+    # The launcher's prefill defaults (moe.default_config) and the tiles it falls back to where the weights cannot
+    # be read by TMA (moe.tma_unusable: the same tile with TMA 0), then unless ``quick`` bench/moe.py's prefill
+    # sweep, each tile in the format(s) it is run with.
+    defaults = [("mxfp8", moe_kernels.PREFILL_MXFP8), ("mxfp8", moe_kernels.PREFILL_MXFP8_LARGE),
+                ("bf16", moe_kernels.PREFILL_BF16)]
+    prefill = [*defaults, *((fmt, {**c, "TMA": 0}) for fmt, c in defaults)]
+    if not quick:
+        prefill += [(fmt, c) for fmt, sweep in _bench_moe().PREFILL_SWEEP.items() for c in sweep]
+    for fmt, c in prefill:
+        bm = c["BLOCK_M"]
+        cfg = {**moe_kernels.gemm_config(bm), **{k: v for k, v in c.items() if k != "BLOCK_M"}}
+        key = (bm, tuple(sorted(cfg.items())))
+        if key in listed:
+            continue
+        if key not in formats:
+            tiles.append((bm, cfg, False))
+        formats.setdefault(key, set()).add(fmt == "mxfp8")
     for bm, cfg, default in tiles:
         for mx in (True, False):
             swept = formats.get((bm, tuple(sorted(cfg.items()))))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the kernels need triton (the [gpu] extra)")
+import triton.language as tl  # noqa: E402
 
 from m3export.ops import moe as ref  # noqa: E402
 from m3export.ops import mxfp8  # noqa: E402
@@ -26,6 +27,7 @@ from m3export.plugins.kernels import moe as moe_kernel  # noqa: E402
 from m3export.plugins.kernels import moe_mxfp8 as moe_mxfp8_kernel  # noqa: E402
 from m3export.plugins.kernels import moe_routing  # noqa: E402
 from m3export.plugins.kernels import mxfp8_linear as linear_kernel  # noqa: E402
+from m3export.plugins.kernels.moe import _e4m3_tile_bf16  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0 in this process: CPU tensors cannot run")
@@ -287,10 +289,11 @@ def test_moe_one_token_most_experts_empty(fmt, config):
                                      (20, 3, "mxfp8"), (80, 3, "mxfp8"), (80, 3, "bf16"), (300, 2, "mxfp8")])
 def test_moe_default_config_per_batch_bucket(t, e, fmt):
     # Each branch of moe.default_config through the launcher's own default, bf16 activations as the model runs:
-    # the GEMV tiles at 1 token (MXFP8: BN 4 / 2 warps; bf16: BN 8 / 4 warps; both PIPELINE 4), the 16-row tensor-core tiles from 2
-    # tokens (GU_FUSED with MXFP8: 8 and 20 tokens), MXFP8 prefill in 64-row GU_FUSED blocks (80 tokens x top-2
-    # over 3 experts: 53 assignments per expert) and in 128-row blocks with 128-wide N tiles (300 tokens over 2
-    # experts: 300 per expert, above the 256 split), bf16 prefill in block_m_for's 128-row blocks.
+    # the GEMV tiles at 1 token (MXFP8: BN 4 / 2 warps; bf16: BN 8 / 4 warps; both PIPELINE 4), the 16-row
+    # tensor-core tiles from 2 tokens (GU_FUSED with MXFP8: 8 and 20 tokens), the round-4 prefill tiles (TMA,
+    # GROUP_M 8): MXFP8 64-row GU_FUSED blocks (80 tokens x top-2 over 3 experts: 53 assignments per expert),
+    # 256-row ones (300 tokens over 2 experts: 300 per expert, above the 256 split), bf16 128 x 128 tiles (53 per
+    # expert, block_m_for's 128-row bucket).
     _check_moe(MoECase(t, 96, 32, 64, e, 2, seed=10 + t), torch.bfloat16, fmt)
 
 
@@ -300,9 +303,85 @@ def test_moe_default_config_buckets():
     assert d(1, 4, 128, True) == moe_kernel.GEMV_DECODE and d(1, 4, 128, False) == moe_kernel.GEMV_DECODE_BF16
     assert d(8, 32, 128, True) == {"GU_FUSED": 1} == d(64, 256, 128, True)
     assert d(8, 32, 128, False) == {} == d(64, 256, 128, False)
-    assert d(4096, 16384, 128, True) == {"BLOCK_M": 64, "GU_FUSED": 1}
-    assert d(16384, 65536, 128, True) == {"BLOCK_M": 128, "BLOCK_N": 128}
-    assert d(4096, 16384, 128, False) == {}
+    # Prefill, bf16 activations (round 4): MXFP8 up to 256 assignments per expert and above, bf16 weights from
+    # block_m_for's 128-row bucket (mean > 48); its 64-row bucket (16 < mean <= 48) keeps block_m_for's tiles.
+    assert d(4096, 16384, 128, True) == moe_kernel.PREFILL_MXFP8 == d(8192, 32768, 128, True)
+    assert d(8193, 32772, 128, True) == moe_kernel.PREFILL_MXFP8_LARGE == d(16384, 65536, 128, True)
+    assert d(4096, 16384, 128, False) == moe_kernel.PREFILL_BF16 == d(16384, 65536, 128, False)
+    assert d(1024, 4096, 128, False) == {}  # 32 per expert
+    # fp32 activations keep the tiles from before round 4 (the round-4 stages do not fit shared memory in fp32).
+    f32 = torch.float32
+    assert d(4096, 16384, 128, True, f32) == {"BLOCK_M": 64, "GU_FUSED": 1}
+    assert d(16384, 65536, 128, True, f32) == {"BLOCK_M": 128, "BLOCK_N": 128}
+    assert d(4096, 16384, 128, False, f32) == {}
+    assert d(1, 4, 128, True, f32) == moe_kernel.GEMV_DECODE
+
+
+def _off_alignment(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose storage starts one element past a 16-byte boundary (as a view at an odd offset)."""
+    base = torch.empty(t.numel() + 16, dtype=t.dtype)
+    start = next(i for i in range(1, 17) if (base.data_ptr() + i * t.element_size()) % 16)
+    out = base[start:start + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@cpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_moe_default_falls_back_without_tma_where_weights_do_not_allow_it(fmt):
+    # The default prefill tiles read weights by TMA; weights a descriptor cannot address (here w2 at an odd offset)
+    # must run the same tile without TMA inside a model step, not raise. 80 tokens x top-2 over 3 experts (53 per
+    # expert: the TMA defaults in both formats), bf16 activations; then the same config given explicitly (a
+    # benchmark asking for TMA) is an error naming the tensor's layout.
+    case = MoECase(80, 64, 64, 64, 3, 2, seed=70)
+    args = list(case.bf16_args(torch.bfloat16) if fmt == "bf16" else case.mxfp8_args(torch.bfloat16))
+    w2 = 4 if fmt == "bf16" else 5
+    args[w2] = _off_alignment(args[w2])
+    weights = args[3:] if fmt == "bf16" else args[3::2]
+    scales = (None,) * 4 if fmt == "bf16" else tuple(args[4::2])
+    stacks = [moe_kernel._Weights(w, sc) for w, sc in zip(weights, scales)]
+    assert moe_kernel.tma_unusable(stacks) is not None
+    default = moe_kernel.default_config(80, 160, 3, fmt == "mxfp8")
+    assert default["TMA"] == 1
+    reference = ref.moe_reference if fmt == "bf16" else ref.moe_mxfp8_reference
+    want = reference(*args, *case.attrs())
+    _close(moe_kernel.run_moe(*args[:3], *weights, *case.attrs(), scales=scales), want,
+           reference(*_as64(args), *case.attrs()))
+    with pytest.raises(ValueError, match="TMA needs contiguous weight rows with 16-byte aligned"):
+        moe_kernel.run_moe(*args[:3], *weights, *case.attrs(), scales=scales, config=default)
+
+
+def test_tma_descriptor_memory_is_on_the_current_device_at_launch(monkeypatch):
+    # Triton's allocator is process-wide (per thread); the descriptors of a launch must live on the device the
+    # launch runs on (torch.cuda.current_device() then), not on the device of the first TMA launch. No GPU here:
+    # torch.empty and the current device are stand-ins that record what was asked.
+    current, asked = [1], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch, "empty", lambda size, dtype, device: asked.append((size, dtype, device)) or size)
+    moe_kernel._descriptor_memory(256, 128, None)
+    current[0] = 0
+    moe_kernel._descriptor_memory(128, 64, 7)
+    assert asked == [(256, torch.int8, torch.device("cuda", 1)), (128, torch.int8, torch.device("cuda", 0))]
+
+
+def test_tma_descriptor_allocator_is_installed_once_and_never_replaces_another():
+    import contextvars
+
+    from triton.runtime import _allocation
+
+    def installed(preset=None):
+        if preset is not None:
+            triton.set_allocator(preset)
+        moe_kernel._ensure_descriptor_allocator()
+        return _allocation._allocator.get()
+
+    # Fresh contexts (as a new thread has): Triton's null allocator is replaced, someone else's is kept.
+    assert contextvars.Context().run(installed) is moe_kernel._descriptor_memory
+
+    def other(size, alignment, stream):
+        raise AssertionError("not called")
+
+    assert contextvars.Context().run(installed, other) is other
 
 
 @cpu_only
@@ -331,41 +410,88 @@ def test_moe_ties_in_router_scores():
 # zeros there, the ordinary loads mask); clamps active. GROUP_M 3 over 16-row blocks (8 blocks: groups of 3, 3 and
 # a short last one of 2); a GROUP_M that skipped or repeated a tile would leave rows of the empty activation
 # buffer unwritten. TMA unfused (two copies per K step) and GU_FUSED (one [1, 2, BN, BK] copy, gate and up
-# stacked). MX_MODE 1: tl.dot_scaled (MX_MODE 2) has no interpreter implementation.
+# stacked). MX_MODE 1, and 3 (the integer E4M3 conversion with the transposed product; the interpreter runs its
+# element-wise form, the GPU its PTX): tl.dot_scaled (MX_MODE 2) has no interpreter implementation.
 @cpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("config", [dict(GROUP_M=3, BLOCK_M=16),
                                     dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=1),
-                                    dict(TMA=1, GU_FUSED=1, GROUP_M=2, BLOCK_N=64, BLOCK_K=64, MX_MODE=1)],
-                         ids=["group3", "tma", "tma_gu_group2"])
+                                    dict(TMA=1, GU_FUSED=1, GROUP_M=2, BLOCK_N=64, BLOCK_K=64, MX_MODE=1),
+                                    dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=3),
+                                    dict(TMA=1, GU_FUSED=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=3)],
+                         ids=["group3", "tma", "tma_gu_group2", "tma_int", "tma_gu_int"])
 def test_moe_tile_order_and_tma(fmt, config):
     _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=51), torch.float32, fmt, config=config)
 
 
-def _prefill_round4_cases():
-    from bench.moe import PREFILL_ROUND4, PREFILL_SWEEP
+def _prefill_sweep_cases():
+    from bench.moe import PREFILL_ROUND4, PREFILL_ROUND5, PREFILL_SWEEP
 
-    return [pytest.param(c, fmt, id=f"{name}-{fmt}") for name, c in PREFILL_ROUND4.items()
+    return [pytest.param(c, fmt, id=f"{name}-{fmt}") for name, c in {**PREFILL_ROUND4, **PREFILL_ROUND5}.items()
             for fmt in ("mxfp8", "bf16") if c in PREFILL_SWEEP[fmt]]
 
 
 @cpu_only
-@pytest.mark.parametrize("config,fmt", _prefill_round4_cases())
-def test_moe_prefill_round4_tiles(config, fmt):
-    # bench/moe.py's prefill round-4 variants (PREFILL_ROUND4, imported so that the tested tiles are the swept ones)
-    # in the formats the sweep runs them, bf16 activations as the model runs: 64- and 128-row blocks, 128-wide N
-    # tiles, GROUP_M 8 (5 row blocks here: one short group), TMA; odd H / I as above. The interpreter takes
-    # MX_MODE 1 where the GPU takes 2 (tl.dot_scaled); the sweep checks MX_MODE 2 against the fp32 oracle on the H200.
+@pytest.mark.parametrize("config,fmt", _prefill_sweep_cases())
+def test_moe_prefill_sweep_tiles(config, fmt):
+    # bench/moe.py's prefill variants of rounds 4 and 5 (PREFILL_ROUND4 / PREFILL_ROUND5, imported so that the
+    # tested tiles are the swept ones) in the formats the sweep runs them, bf16 activations as the model runs: 64-,
+    # 128- and 256-row blocks, 128-wide N tiles, GROUP_M 8 (5 row blocks here: one short group), TMA, MX_MODE 3;
+    # odd H / I as above. The interpreter takes MX_MODE 1 where the GPU takes 2 (tl.dot_scaled); the sweep checks
+    # MX_MODE 2 against the fp32 oracle on the H200.
     _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=52), torch.bfloat16, fmt, config=config)
+
+
+@triton.jit
+def _convert_tile(w_ptr, s_ptr, out_ptr, BN: tl.constexpr, BK: tl.constexpr):
+    r = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    g = tl.arange(0, BK // 32)
+    w = tl.load(w_ptr + r[:, None] * BK + k[None, :])
+    s = tl.load(s_ptr + r[:, None] * (BK // 32) + g[None, :])
+    tl.store(out_ptr + r[:, None] * BK + k[None, :], _e4m3_tile_bf16(w, s))
+
+
+def _e4m3_codes_times_scales(scale_bytes: list[int], device: str = "cpu"):
+    """Every E4M3 code (one row of 256 per scale byte, 8 scale blocks of 32 codes each) against the reference's
+    dequantisation rounded to bf16 (its fp32 product is exact, so that is one correct rounding)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(len(scale_bytes), 1)
+    w = codes.view(torch.float8_e4m3fn).to(device)
+    s = torch.tensor(scale_bytes, dtype=torch.uint8)[:, None].repeat(1, 8).to(device)
+    out = torch.empty(w.shape, dtype=torch.bfloat16, device=device)
+    _convert_tile[(len(scale_bytes),)](w, s, out, BN=1, BK=256)
+    want = mxfp8.dequantize(w, s, torch.float32).to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan], want[~nan])  # bit for bit: +-0, subnormals, infinities included
+
+
+@cpu_only
+def test_e4m3_integer_conversion_is_exact_for_every_code():
+    # MX_MODE 3's conversion (moe._e4m3_tile_bf16; under the interpreter its element-wise form with fp32
+    # products) for all 256 codes (NaN 0x7F / 0xFF, +-0, the subnormals) times scale bytes 10-255: exact products,
+    # overflow to inf (247-254), +inf (255: 0 x inf is NaN). Bytes 0-9 make bf16 subnormals, which Triton 3.6's
+    # interpreter flushes to zero on its own bf16 stores: those are checked compiled, on the GPU, below.
+    _e4m3_codes_times_scales(list(range(10, 256)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+def test_gpu_e4m3_integer_conversion_is_exact_for_every_code_and_scale():
+    # The PTX of MX_MODE 3 (four codes per register, prmt / shifts / masks) for every code times every scale byte,
+    # roundings to bf16 subnormals and overflow to inf included.
+    _e4m3_codes_times_scales(list(range(256)), "cuda")
 
 
 def test_moe_tma_rejects_scale_gather_mode_and_unaligned_rows():
     case = MoECase(4, 64, 32, 32, 4, 2)
-    with pytest.raises(ValueError, match="TMA takes MX_MODE 1 or 2"):
+    with pytest.raises(ValueError, match="TMA takes MX_MODE 1, 2 or 3"):
         _check_moe(case, torch.float32, "mxfp8", config={"TMA": 1, "MX_MODE": 0})
     odd = MoECase(4, 34, 32, 32, 4, 2)  # fp32 rows of 34 values: 136 bytes, not a multiple of 16
     with pytest.raises(ValueError, match="TMA needs contiguous weight rows with 16-byte aligned"):
         _check_moe(odd, torch.float32, "bf16", config={"TMA": 1})
+    with pytest.raises(ValueError, match="MX_MODE 3 .* needs TMA 1"):
+        _check_moe(case, torch.float32, "mxfp8", config={"MX_MODE": 3})
 
 
 @cpu_only
@@ -466,10 +592,11 @@ def test_gpu_moe_gemv_pipeline_mini_dims(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
-@pytest.mark.parametrize("config,fmt", _prefill_round4_cases())
-def test_gpu_moe_prefill_round4_mini_dims(config, fmt):
-    # The prefill round-4 tiles compiled: tl.dot_scaled (MX_MODE 2) on TMA-loaded weight tiles, the grouped order
-    # over 1-D grids and the device-made descriptors exist only there. mini dims, 16 experts, 700 tokens x top-4
+@pytest.mark.parametrize("config,fmt", _prefill_sweep_cases())
+def test_gpu_moe_prefill_sweep_mini_dims(config, fmt):
+    # The prefill tiles of rounds 4 and 5 compiled: tl.dot_scaled (MX_MODE 2) and the PTX E4M3 conversion (MX_MODE
+    # 3) on TMA-loaded weight tiles, the grouped order over 1-D grids and the device-made descriptors exist only
+    # there. mini dims, 16 experts, 700 tokens x top-4
     # (175 assignments per expert: 3 row blocks of 64 or 2 of 128 per expert, several groups of 8).
     case = MoECase(700, 6144, 3072, 3072, 16, 4, gain=0.02, seed=60)
     args = [a.cuda() for a in (case.mxfp8_args(torch.bfloat16) if fmt == "mxfp8" else case.bf16_args(torch.bfloat16))]

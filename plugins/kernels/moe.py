@@ -33,8 +33,8 @@ import triton.language as tl
 from triton import cdiv
 from . import moe_gemv
 from .moe_routing import ExpertBlocks, group_by_expert, route
-from .mxfp8_linear import (_e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8, dot_acc, mx_mode2_available,
-                           use_f32_dot, weight_dot)
+from .mxfp8_linear import (_INTERPRETED, _e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8, dot_acc,
+                           mx_mode2_available, use_f32_dot, weight_dot)
 
 OP = "m3::moe"
 
@@ -64,11 +64,81 @@ def _tile_ids(GROUP_M: tl.constexpr, N_TILES: tl.constexpr):
     return pid_m, pid_n
 
 
+# ``_e4m3_tile_bf16``'s bits for four E4M3 codes b0..b3 in one register ($2, b0 lowest), two bf16 per output
+# register ($0 = (b0, b1), $1 = (b2, b3), element 0 in the low half). prmt places b0 and b1 in the high bytes of
+# the two halves (b << 8 per half); per half the sign stays at bit 15 and exponent and mantissa move to bits 4-10
+# (>> 4). NaN codes (magnitude 0x7F): magnitude + 1 carries into bit 7 of the code's byte in f, prmt's
+# sign-replicating selectors (nibbles 8-B) spread that bit over the code's half, and 0x7F80 of it is or-ed in (an
+# all-ones exponent over the code's non-zero mantissa).
+_E4M3_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 f, a, t, n;
+and.b32 f, $2, 0x7F7F7F7F;
+add.u32 f, f, 0x01010101;
+prmt.b32 a, $2, 0, 0x1404;
+prmt.b32 n, f, 0, 0x9988;
+shr.u32 t, a, 4;
+and.b32 a, a, 0x80008000;
+and.b32 t, t, 0x07F007F0;
+and.b32 n, n, 0x7F807F80;
+or.b32 a, a, t;
+or.b32 $0, a, n;
+prmt.b32 a, $2, 0, 0x3424;
+prmt.b32 n, f, 0, 0xBBAA;
+shr.u32 t, a, 4;
+and.b32 a, a, 0x80008000;
+and.b32 t, t, 0x07F007F0;
+and.b32 n, n, 0x7F807F80;
+or.b32 a, a, t;
+or.b32 $1, a, n;
+}
+""")
+
+
+@triton.jit
+def _e4m3_tile_bf16(w, s):
+    """MX_MODE 3: an E4M3 tile [BN, BK] times its UE8M0 scales [BN, BK / 32] as bf16, by integer operations on the
+    bits instead of the conversion instructions ``tl.dot_scaled`` lowers to on sm_90 (per element an E4M3 -> f16
+    ``cvt`` for two, an f16 -> bf16 ``cvt``, then a bf16 multiply: the conversions run at a quarter of the integer
+    rate, and at 64-row blocks they cost about what the MMA does). Exact, every code included:
+
+    * E4M3 (bias 7) and bf16 (bias 127) differ in exponent bias by 120 and E4M3's 3 mantissa bits fit bf16's 7, so
+      sign << 15 | (exponent and mantissa) << 4 is the bf16 of the value times 2^-120, normal or subnormal (an
+      E4M3 subnormal lands on a bf16 subnormal of the same significand) and zero;
+    * times 2^120 (exact: the result is the E4M3 value itself), then times the scale 2^(s - 127) built in the bf16
+      exponent field (byte 0 is the subnormal 2^-127, byte 255 +inf as ``docs/ops.md`` §8 says), one rounding
+      exactly as the reference's fp32 product rounded to bf16;
+    * the NaN codes 0x7F / 0xFF get an all-ones exponent (their mantissa bits are already non-zero)."""
+    BN: tl.constexpr = w.shape[0]
+    BK: tl.constexpr = w.shape[1]
+    u8 = w.to(tl.uint8, bitcast=True)
+    if _INTERPRETED:  # the same construction one element at a time (no PTX) in fp32, whose bias differs from
+        # E4M3's by 120 too; Triton 3.6's interpreter multiplies bf16 wrongly and flushes bf16 subnormals. The fp32
+        # product is exact, so ``cast``'s one rounding is the GPU's.
+        u = u8.to(tl.uint32)
+        mag = u & 0x7F
+        bits = ((u & 0x80) << 24) | (mag << 20)
+        v = tl.where(mag == 0x7F, bits | 0x7F800000, bits).to(tl.float32, bitcast=True)
+        v = v * 1.329227995784916e36  # 2^120
+        out = cast(tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * _scale_value(s)[:, :, None], (BN, BK)),
+                   tl.bfloat16)
+    else:  # four codes per 32-bit register, two bf16 per output register; packed bf16 multiplies
+        v = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,=r,r", [u8], dtype=tl.bfloat16, is_pure=True, pack=4)
+        v = v * tl.full((1, 1), 0x7B80, tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^120 (exponent field 247)
+        b = s.to(tl.uint16)
+        f = tl.where(b == 0, 0x0040, b << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        out = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * f[:, :, None], (BN, BK))
+    return out
+
+
 @triton.jit
 def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.constexpr, MX_MODE: tl.constexpr,
               F32: tl.constexpr, PREC: tl.constexpr):
     """acc += x [BM, BK] @ w^T for a weight tile [BN, BK] already loaded (the TMA path): ``weight_dot``'s bf16 and
-    MX_MODE 1 / 2 branches (``mxfp8_linear.py``) after its load; ``s_rows`` [BN] address the rows' scales."""
+    MX_MODE 1 / 2 branches (``mxfp8_linear.py``) after its load, and MX_MODE 3 (``_e4m3_tile_bf16``, bf16
+    activations); ``s_rows`` [BN] address the rows' scales. MX_MODE 3 computes the transposed product (acc^T +=
+    w @ x^T) as ``tl.dot_scaled``'s lowering does on sm_90: the converted weights are then the MMA's register
+    operand and the block's rows its N, instead of a round trip through shared memory."""
     if not MXFP8:
         acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
     else:
@@ -78,6 +148,8 @@ def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.cons
         s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=r_ok[:, None] & (g[None, :] < K // 32), other=127)
         if MX_MODE == 2:
             acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
+        elif MX_MODE == 3:
+            acc = tl.trans(dot_acc(_e4m3_tile_bf16(w, s), tl.trans(x), tl.trans(acc), F32, PREC))
         else:
             w3 = tl.reshape(_e4m3_value(w), (BN, BK // 32, 32)) * _scale_value(s)[:, :, None]
             acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BK)), x.dtype)), acc, F32, PREC)
@@ -240,9 +312,9 @@ def _combine(y_ptr, out_ptr, T, sy_t, sy_s, so_t, scaling, H: tl.constexpr, TOP_
 def block_m_for(num_assignments: int, num_experts: int) -> int:
     """Rows per block from the mean assignments per expert: 16 (the smallest tensor-core tile) at decode, 64 or
     128 in prefill. Larger blocks amortise each weight tile's load and dequantisation over more rows; smaller
-    ones waste fewer padding rows (each expert in use pads up to BLOCK_M - 1). With MXFP8 weights the launcher's
-    default picks the prefill blocks itself (``default_config``: 64-row blocks up to 256 assignments per expert,
-    128-row blocks with 128-wide N tiles above, as measured on the H200); bf16 weights keep this table."""
+    ones waste fewer padding rows (each expert in use pads up to BLOCK_M - 1). The launcher's default overrides
+    the prefill blocks with the measured winners (``default_config``: MXFP8 64 / 256 rows, bf16 128 with 128-wide
+    N tiles); the 16-row decode bucket and the bucket bounds are this table's."""
     mean = num_assignments / max(1, num_experts)
     if mean <= 16:
         return 16
@@ -279,11 +351,26 @@ GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PI
 GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
 
 
-def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool) -> dict:
-    """The launcher's choice when the caller gives no ``config``, per batch bucket and weight format: the winners
-    of the H200 sweeps (round 2, 2026-11-30 22:12 UTC, commit b0036a9; one token: round 3, 2026-12-01 00:35 UTC,
-    commit bd355ce; 128 experts, H 6144, I 3072, top-4; graph replays), each checked against the fp32 oracle in
-    that run.
+# The prefill tiles that won bench/moe.py's round-4 sweep on the H200 (2026-12-01 03:40 UTC, commit a2ec016, mini
+# dims, 128 experts, bf16 activations, bench/results/moe_h200_prefill_round4.json; each within the default's error
+# against the fp32 oracle at 4k and equal to its output at 16k). Every one reads the weight tiles by TMA and walks
+# the row blocks in groups of 8 (GROUP_M). MXFP8 at 4k tokens (128 assignments per expert): 64-row blocks, gate and
+# up as one dot, 13.74 -> 10.53 ms (169 -> 221 TFLOP/s; _gate_up 8.25 -> 6.28 ms, _down 4.98 -> 3.51 ms). MXFP8 at
+# 16k (512 per expert): 256-row blocks at 8 warps, 44.95 -> 33.27 ms (207 -> 280 TFLOP/s; _gate_up 27.5 -> 15.9
+# ms, _down 16.3 -> 15.0 ms). bf16 at 4k and 16k: 128 x 128 tiles, 9.16 -> 6.43 ms (254 -> 362 TFLOP/s) and 29.95
+# -> 19.97 ms (311 -> 466). The tiles they replaced are bench/moe.py's PREVIOUS_DEFAULTS "prefill_bm64_gu",
+# "prefill_bm128_bn128" (MXFP8) and "prefill_bm128" (bf16), re-measured by every sweep.
+PREFILL_MXFP8 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)
+PREFILL_MXFP8_LARGE = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1)
+PREFILL_BF16 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1)
+
+
+def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The launcher's choice when the caller gives no ``config``, per batch bucket, weight format and activation
+    dtype: the winners of the H200 sweeps (round 2, 2026-11-30 22:12 UTC, commit b0036a9; one token: round 3,
+    2026-12-01 00:35 UTC, commit bd355ce; prefill: round 4, 2026-12-01 03:40 UTC, commit a2ec016; 128 experts, H
+    6144, I 3072, top-4, bf16 activations), each checked against the fp32 oracle in that run.
 
     * One token: the CUDA-core GEMV (no permutation) with its K loop pipelined through shared memory,
       ``GEMV_DECODE`` with MXFP8 weights, ``GEMV_DECODE_BF16`` with bf16 weights.
@@ -292,22 +379,30 @@ def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool) 
       ``GU_FUSED`` (gate and up as one dot of twice the width, ``_gate_up``): it won at 8 and 64 tokens. bf16
       weights take the plain tiles there (they won at 8 tokens over the GEMV; GU_FUSED not measured with bf16).
       Batches 2-7 are not measured: they take the bucket of 8.
-    * MXFP8 in prefill: 64-row blocks with ``GU_FUSED`` up to 256 assignments per expert (measured at 4k tokens =
-      128 per expert), 128-row blocks with 128-wide N tiles above (measured at 16k = 512 per expert; the split
-      between the two is not measured). bf16 weights keep ``block_m_for``'s 128-row blocks.
+    * MXFP8 in prefill: ``PREFILL_MXFP8`` (64-row blocks, TMA) up to 256 assignments per expert (measured at 4k
+      tokens = 128 per expert), ``PREFILL_MXFP8_LARGE`` (256-row blocks, TMA) above (measured at 16k = 512 per
+      expert; the split between the two is not measured). bf16 weights: ``PREFILL_BF16`` (128 x 128 tiles, TMA)
+      from ``block_m_for``'s 128-row bucket (mean > 48; measured at 128 and 512 per expert); between 16 and 48 per
+      expert (not measured) its 64-row blocks.
+    * fp32 activations (tests, precision runs; none measured) keep the prefill tiles from before round 4: the
+      round-4 tiles were sized for 16-bit activation tiles, and in fp32 the 256-row block's activation stages
+      alone would fill the 227 KB of shared memory.
     Returned as an override dict, so the shared expert gets exactly the tiles the sweep ran it with. Every tile
-    here computes the same function (rounding points unchanged, sums in fp32 in another order). The settings
-    these replaced are named variants of ``bench/moe.py``'s sweep (``PREVIOUS_DEFAULTS``), re-measured each run."""
+    here computes the same function (rounding points unchanged, sums in fp32 in another order). Where the weights
+    cannot be read by TMA (``tma_unusable``) the launcher runs the same tile without it. The settings these
+    replaced are named variants of ``bench/moe.py``'s sweep (``PREVIOUS_DEFAULTS``), re-measured each run."""
     if t == 1:
         return dict(GEMV_DECODE if mxfp8 else GEMV_DECODE_BF16)
-    if not mxfp8:
-        return {}
     mean = num_assignments / max(1, num_experts)
-    if block_m_for(num_assignments, num_experts) <= 16:
+    bm = block_m_for(num_assignments, num_experts)
+    wide = dtype.itemsize <= 2
+    if not mxfp8:
+        return dict(PREFILL_BF16) if bm == 128 and wide else {}
+    if bm <= 16:
         return {"GU_FUSED": 1}
     if mean <= 256:
-        return {"BLOCK_M": 64, "GU_FUSED": 1}
-    return {"BLOCK_M": 128, "BLOCK_N": 128}
+        return dict(PREFILL_MXFP8) if wide else {"BLOCK_M": 64, "GU_FUSED": 1}
+    return dict(PREFILL_MXFP8_LARGE) if wide else {"BLOCK_M": 128, "BLOCK_N": 128}
 
 
 def _grid(grid_m: int, grid_n: int, cfg: dict) -> tuple:
@@ -315,25 +410,58 @@ def _grid(grid_m: int, grid_n: int, cfg: dict) -> tuple:
     return (grid_m * grid_n,) if cfg.get("GROUP_M") else (grid_m, grid_n)
 
 
-def _check_tma(cfg: dict, weights: "list[_Weights]") -> None:
-    """TMA reads each expert stack through a tensor descriptor made on the device: contiguous rows, 16-byte aligned
-    base and row / expert strides, the MX_MODE 1 / 2 scale paths (``_tile_dot``), and on the GPU a global-memory
-    allocator for the descriptors (Triton asks for one at launch; set here once, from torch's caching allocator)."""
-    if not cfg.get("TMA"):
-        return
-    if weights[0].mxfp8 and cfg["MX_MODE"] not in (1, 2):
-        raise ValueError(f"moe: TMA takes MX_MODE 1 or 2 with MXFP8 weights, got {cfg['MX_MODE']}")
+def tma_unusable(weights: "list[_Weights]") -> str | None:
+    """Why the TMA path cannot read these weight stacks, or None. A tensor descriptor (Hopper's bulk tensor copy)
+    needs a 16-byte aligned base, unit stride along K and every other stride a multiple of 16 bytes: the model's
+    parameters ([E, 2I, H] / [E, H, I] stacks and the shared expert's [2I, H] / [H, I], MXFP8 or bf16, the MTP
+    layer's too) meet that whenever the row length in bytes is a multiple of 16 (H and I at every preset); a
+    tensor-parallel slice of I that is not, or a view with an odd offset, does not."""
     for w in weights:
         size = w.w.element_size()
         if w.w.stride(-1) != 1 or w.w.data_ptr() % 16 or any(st * size % 16 for st in w.w.stride()[:-1]):
-            raise ValueError(f"moe: TMA needs contiguous weight rows with 16-byte aligned base and strides, got "
-                             f"shape {tuple(w.w.shape)} strides {w.w.stride()} ({w.w.dtype})")
-    if not triton.knobs.runtime.interpret:
-        from triton.runtime import _allocation
+            return (f"TMA needs contiguous weight rows with 16-byte aligned base and strides, got shape "
+                    f"{tuple(w.w.shape)} strides {w.w.stride()} ({w.w.dtype})")
+    return None
 
-        if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-            dev = weights[0].w.device
-            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
+
+def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global-memory allocator for the tensor descriptors the TMA kernels make on the device: on the
+    current CUDA device at launch time, which is the device Triton launches on (a process that drives several GPUs,
+    or a torch.distributed rank, gets its descriptors next to the kernel, never on the device of the first call).
+    torch's caching allocator aligns to 512 bytes (Triton asks for 128 at most) and orders the reuse of the block
+    on the current stream, the stream Triton launches on."""
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Install ``_descriptor_memory`` as Triton's allocator unless one is set. Triton keeps it in a context
+    variable (per thread), so each thread that launches gets it on its first TMA launch."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_descriptor_memory)
+
+
+def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
+    """``cfg`` as the launch will run it. TMA reads each expert stack through a device-made tensor descriptor: the
+    MX_MODE 1 / 2 / 3 scale paths (``_tile_dot``), weights ``tma_unusable`` accepts, and on the GPU a global-memory
+    allocator for the descriptors. Weights TMA cannot read: with ``fallback`` (the launcher's own default, inside
+    a model step) the same tile without TMA; without it (a config the caller chose) a ValueError. MX_MODE 3 (the
+    integer E4M3 conversion) exists on the TMA path only."""
+    if not cfg.get("TMA"):
+        if weights[0].mxfp8 and cfg["MX_MODE"] == 3:
+            raise ValueError("moe: MX_MODE 3 (integer E4M3 conversion) needs TMA 1")
+        return cfg
+    if weights[0].mxfp8 and cfg["MX_MODE"] not in (1, 2, 3):
+        raise ValueError(f"moe: TMA takes MX_MODE 1, 2 or 3 with MXFP8 weights, got {cfg['MX_MODE']}")
+    why = tma_unusable(weights)
+    if why is not None:
+        if not fallback:
+            raise ValueError(f"moe: {why}")
+        return {**cfg, "TMA": 0, "MX_MODE": 1 if cfg["MX_MODE"] == 3 else cfg["MX_MODE"]}
+    if not triton.knobs.runtime.interpret:
+        _ensure_descriptor_allocator()
+    return cfg
 
 
 def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,
@@ -417,8 +545,9 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         return out
     ids, route_w = route(x, router_weight, bias, top_k)
     n = t * top_k
+    defaulted = config is None
     if config is None:
-        config = default_config(t, n, e, scales[0] is not None)
+        config = default_config(t, n, e, scales[0] is not None, x.dtype)
         if owned is not None and config.get("GEMV"):  # the GEMV path computes every expert: grouped tiles instead
             config = {}
     if owned is not None:
@@ -450,11 +579,14 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     shared_cfg = gemm_config(shared_bm, mode2) | {k: v for k, v in (config or {}).items() if k != "BLOCK_M"}
     f32, prec = use_f32_dot(x.dtype), "tf32"
     check_mx_mode(cfg["MX_MODE"], x.dtype)
+    if scales[0] is not None and cfg["MX_MODE"] == 3 and x.dtype == torch.float16:
+        raise ValueError("moe: MX_MODE 3 makes bf16 weight tiles; it takes bf16 or fp32 activations, not fp16")
     dev, dt = x.device, x.dtype
 
     routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
     shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
-    _check_tma(cfg, [routed13, routed2, shared13, shared2])
+    weights = [routed13, routed2, shared13, shared2]
+    cfg, shared_cfg = (_check_tma(c, weights, fallback=defaulted) for c in (cfg, shared_cfg))
     act = torch.empty((blocks.rows.shape[0], i), dtype=dt, device=dev)
     act_s = torch.empty((t, i_s), dtype=dt, device=dev)
     y = (torch.empty if owned is None else torch.zeros)((t, top_k + 1, h), dtype=dt, device=dev)
