@@ -4,11 +4,21 @@ Not a kernel module (it is not in ``KERNEL_MODULES``): ``moe.py`` and ``moe_mxfp
 for the device (no ``.tolist()``, ``.item()``, ``nonzero`` or data-dependent shapes): every size follows from
 ``T``, ``top_k``, ``E`` and the row tile, so one decode batch shape is one set of launch shapes (CUDA-graph safe).
 
-Routing (``docs/ops.md`` §5): fp32 logits (``float(x) @ float(router)^T``, the reference's own expression, so the
-selection sees the same logits), then one Triton program per block of tokens: sigmoid, + correction bias for the
-selection only, ``top_k`` rounds of "largest value, lowest expert id among equals" (exactly the reference's stable
-descending sort), and the unbiased scores of the chosen experts renormalised to sum 1. The routed scaling factor
-is applied where the expert outputs are combined (``moe.py``).
+Routing (``docs/ops.md`` §5): fp32 logits ``float(x) @ float(router)^T`` (the reference's expression), then one
+Triton program per block of tokens: sigmoid, + correction bias for the selection only, ``top_k`` rounds of
+"largest value, lowest expert id among equals" (exactly the reference's stable descending sort), and the unbiased
+scores of the chosen experts renormalised to sum 1. The routed scaling factor is applied where the expert outputs
+are combined (``moe.py``).
+
+At decode sizes (``T <= LOGITS_KERNEL_MAX_T``) the logits come from ``_router_logits``, which reads the 16-bit x
+and the router weight as they are: the same fp32 products as ``x.float() @ router.float().t()`` (a product of two
+bf16 values is exact in fp32; a bf16 x times an fp32 weight is rounded once, or fused into the add) summed in fp32
+in another order. It replaces a cast of x, cuBLAS's fp32 GEMV (a dot kernel and a reduction kernel) with one
+launch per MoE layer. Any fp32 summation of the H products (FMA or not, any order) is within
+gamma_(H+1) * sum_h |x_h w_h| of the exact sum (gamma_n = n u / (1 - n u), u = 2^-24), cuBLAS's included, so the
+two differ by at most twice that: the routing can differ only where two experts' scores are that close, which
+the reference's own result on another device (another summation order) does as well. Every expert's logit is
+summed in the same order, so experts with identical router rows tie exactly, as in the reference.
 """
 
 from __future__ import annotations
@@ -57,6 +67,45 @@ def _route(
         sel = tl.where(hit, float("-inf"), sel)
 
 
+@triton.jit
+def _router_logits(x_ptr, w_ptr, out_ptr, E, s_xt, s_we, s_ot, H: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """logits[t, e-block] = sum_h fp32(x[t, h]) * fp32(w[e, h]): one token and BLOCK_E experts per program, fp32
+    partial sums per lane over the H steps, then one fp32 reduction (the same order for every expert)."""
+    t = tl.program_id(1)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        xv = tl.load(x_ptr + t.to(tl.int64) * s_xt + h, mask=h_ok, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + e[:, None].to(tl.int64) * s_we + h[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                     other=0.0).to(tl.float32)
+        acc += wv * xv[None, :]
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + e, tl.sum(acc, axis=1), mask=e_ok)
+
+
+LOGITS_KERNEL_MAX_T = 64  # the decode buckets; a prefill's logits are a GEMM (cuBLAS)
+_LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [T, E]: ``_router_logits`` at decode sizes, else the reference's matmul."""
+    t, h = x.shape
+    e = router_weight.shape[0]
+    if not (0 < t <= LOGITS_KERNEL_MAX_T and x.dtype in _LOGITS_DTYPES and router_weight.dtype in _LOGITS_DTYPES
+            and x.stride(-1) == 1 and router_weight.stride(-1) == 1):
+        return x.float() @ router_weight.float().t()
+    out = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    # One expert row per program (E = 128 programs at T = 1, about one per SM): an fp32 row of the mini preset
+    # (H = 6144) is 24 KB, read in three 8 KB steps of 16 values per thread; fewer, longer programs wait on
+    # more dependent loads each.
+    _router_logits[(e, t)](x, router_weight, out, e, x.stride(0), router_weight.stride(0), out.stride(0), H=h,
+                           BLOCK_E=1, BLOCK_H=2048, num_warps=4)
+    return out
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_k: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (expert ids [T, top_k] int32 in selection order, weights [T, top_k] fp32 summing to 1 per token)."""
@@ -65,7 +114,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_
         raise ValueError(f"moe: top_k={top_k} must be in [1, num_experts={e}]")
     if bias.shape != (e,):
         raise ValueError(f"moe: e_score_correction_bias has shape {tuple(bias.shape)}, expected ({e},)")
-    logits = x.float() @ router_weight.float().t()
+    logits = _logits(x, router_weight)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     if t:
