@@ -64,43 +64,32 @@ def _tile_ids(GROUP_M: tl.constexpr, N_TILES: tl.constexpr):
     return pid_m, pid_n
 
 
+def _e4m3_pair_asm(out: int, codes: str, nans: str) -> str:
+    """PTX for one output register of ``_E4M3_BF16_ASM``: the pair of codes that prmt selector ``codes`` places,
+    whose NaN flags selector ``nans`` spreads."""
+    return (f"prmt.b32 a, $2, 0, {codes}; prmt.b32 n, f, 0, {nans}; shr.u32 t, a, 4; and.b32 a, a, 0x80008000;"
+            f" and.b32 t, t, 0x07F007F0; and.b32 n, n, 0x7F807F80; or.b32 a, a, t; or.b32 ${out}, a, n;\n")
+
+
 # ``_e4m3_tile_bf16``'s bits for four E4M3 codes b0..b3 in one register ($2, b0 lowest), two bf16 per output
 # register ($0 = (b0, b1), $1 = (b2, b3), element 0 in the low half). prmt places b0 and b1 in the high bytes of
 # the two halves (b << 8 per half); per half the sign stays at bit 15 and exponent and mantissa move to bits 4-10
 # (>> 4). NaN codes (magnitude 0x7F): magnitude + 1 carries into bit 7 of the code's byte in f, prmt's
 # sign-replicating selectors (nibbles 8-B) spread that bit over the code's half, and 0x7F80 of it is or-ed in (an
 # all-ones exponent over the code's non-zero mantissa).
-_E4M3_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 f, a, t, n;
-and.b32 f, $2, 0x7F7F7F7F;
-add.u32 f, f, 0x01010101;
-prmt.b32 a, $2, 0, 0x1404;
-prmt.b32 n, f, 0, 0x9988;
-shr.u32 t, a, 4;
-and.b32 a, a, 0x80008000;
-and.b32 t, t, 0x07F007F0;
-and.b32 n, n, 0x7F807F80;
-or.b32 a, a, t;
-or.b32 $0, a, n;
-prmt.b32 a, $2, 0, 0x3424;
-prmt.b32 n, f, 0, 0xBBAA;
-shr.u32 t, a, 4;
-and.b32 a, a, 0x80008000;
-and.b32 t, t, 0x07F007F0;
-and.b32 n, n, 0x7F807F80;
-or.b32 a, a, t;
-or.b32 $1, a, n;
-}
-""")
+_E4M3_BF16_ASM = tl.constexpr("{ .reg .b32 f, a, t, n; and.b32 f, $2, 0x7F7F7F7F; add.u32 f, f, 0x01010101;\n"
+                              + _e4m3_pair_asm(0, "0x1404", "0x9988") + _e4m3_pair_asm(1, "0x3424", "0xBBAA") + "}")
 
 
 @triton.jit
 def _e4m3_tile_bf16(w, s):
     """MX_MODE 3: an E4M3 tile [BN, BK] times its UE8M0 scales [BN, BK / 32] as bf16, by integer operations on the
     bits instead of the conversion instructions ``tl.dot_scaled`` lowers to on sm_90 (per element an E4M3 -> f16
-    ``cvt`` for two, an f16 -> bf16 ``cvt``, then a bf16 multiply: the conversions run at a quarter of the integer
-    rate, and at 64-row blocks they cost about what the MMA does). Exact, every code included:
+    ``cvt`` for two, an f16 -> bf16 ``cvt``, then a bf16 multiply; the conversions run at a quarter of the integer
+    rate, and at 64-row blocks they take about 3x the cycles of the wgmma they feed). The sm_90 compile of the
+    64-row TMA gate-up has no conversion left in its K loop and 145 registers instead of 162, but about as many
+    integer instructions as the conversions it removes cost (a third of them for the NaN codes): whether it is
+    faster is bench/moe.py's question (PREFILL_ROUND5). Exact, every code included:
 
     * E4M3 (bias 7) and bf16 (bias 127) differ in exponent bias by 120 and E4M3's 3 mantissa bits fit bf16's 7, so
       sign << 15 | (exponent and mantissa) << 4 is the bf16 of the value times 2^-120, normal or subnormal (an
