@@ -8,26 +8,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from m3export.model.batch import Batch
 from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
 from tests.runtime_fixtures import model, tiny_model  # noqa: F401  (fixtures)
-
-PAGE = 4
+from tests.test_runtime_cuda_graph import PAGE, _batch as host_batch
 
 
 def _batch(tables, starts, counts, device="cpu"):
-    """len(tables) sequences, each with counts[i] new tokens from position starts[i] (block tables as given)."""
-    pos, slots, qsl, lens = [], [], [0], []
-    for pages, s, n in zip(tables, starts, counts):
-        for p in range(s, s + n):
-            pos.append(p)
-            slots.append(pages[p // PAGE] * PAGE + p % PAGE)
-        qsl.append(qsl[-1] + n)
-        lens.append(s + n)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    b = Batch(torch.tensor(pos), torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), bt,
-              torch.tensor(slots))
+    """``tests/test_runtime_cuda_graph.py``'s flattened batch, on ``device``."""
+    b = host_batch(tables, starts, counts)
     return b if device == "cpu" else b.to(device)
 
 
