@@ -133,13 +133,18 @@ PREFILL_ROUND4 = {
 # of _gate_up's FLOPs) is what is left. Three variants: (1) and (2) the two MXFP8 winners with MX_MODE 3
 # (moe._e4m3_tile_bf16: the same bf16 values from integer operations, four codes per register, no conversion
 # instruction); (3) 128-row blocks with TMA at 4k (128 assignments per expert: ~1.5 blocks per expert instead of
-# ~2.5 of 64 rows, each weight tile converted once for twice the rows). bf16: round 4's second (the 128 x 256
-# GU_FUSED tile, 20.8 ms at 16k without TMA) with TMA.
+# ~2.5 of 64 rows, each weight tile converted once for twice the rows); (4) the 16k winner with a 128-wide N tile
+# for the down GEMM alone (moe._launch_down BLOCK_N_DOWN): at BN 64 each row block's activations are re-read by 96
+# N tiles of H (~46 GB through L2 at 16k), and _down ran at 165 TFLOP/s against _gate_up's 311; its MMA is then
+# the 256 x 128 of the gate-up tile (sm_90: 211-228 registers there, no spills). bf16: round 4's second (the
+# 128 x 256 GU_FUSED tile, 20.8 ms at 16k without TMA) with TMA.
 PREFILL_ROUND5 = {
     "prefill_bm64_gu_group8_tma_int": dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1, MX_MODE=3),
     "prefill_bm256_gu_w8_group8_tma_int": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1,
                                                MX_MODE=3),
     "prefill_bm128_gu_group8_tma": dict(BLOCK_M=128, GU_FUSED=1, GROUP_M=8, TMA=1),
+    "prefill_bm256_gu_w8_group8_tma_down128": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8,
+                                                   TMA=1, BLOCK_N_DOWN=128),
     "prefill_bm128_gu_bn128_w8_group8_tma": dict(BLOCK_M=128, GU_FUSED=1, BLOCK_N=128, num_warps=8, GROUP_M=8,
                                                  TMA=1),
 }
@@ -164,7 +169,8 @@ PREFILL_SWEEP = {
               PREFILL_ROUND4["prefill_bm64_gu_group8_tma"], PREFILL_ROUND4["prefill_bm256_gu_w8_group8_tma"],
               *(PREFILL_ROUND5[name] for name in ("prefill_bm64_gu_group8_tma_int",
                                                   "prefill_bm256_gu_w8_group8_tma_int",
-                                                  "prefill_bm128_gu_group8_tma"))],
+                                                  "prefill_bm128_gu_group8_tma",
+                                                  "prefill_bm256_gu_w8_group8_tma_down128"))],
     "bf16": [PREVIOUS_DEFAULTS["prefill_bm128"], PREFILL_ROUND4["prefill_bm128_bn128_group8_tma"],
              PREFILL_ROUND4["prefill_bm128_gu_bn128_w8_group8"],
              PREFILL_ROUND5["prefill_bm128_gu_bn128_w8_group8_tma"]],

@@ -143,7 +143,8 @@ def variants(quick: bool):
             if swept is None and not mx and not default:  # MX_MODE variants only matter for MXFP8 weights
                 continue
             for kind, fn in (("gate_up", moe_kernels._gate_up), ("down", moe_kernels._down)):
-                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
+                bn = cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"] if kind == "down" else cfg["BLOCK_N"]
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_M=bm, BLOCK_N=bn,
                               BLOCK_K=cfg["BLOCK_K"], F32=False, PREC="tf32", MX_MODE=cfg["MX_MODE"] if mx else 0)
                 if cfg.get("GU_FUSED"):
                     if kind != "gate_up" and not (cfg.get("GROUP_M") or cfg.get("TMA") or cfg["BLOCK_N"] > 64):
@@ -152,7 +153,7 @@ def variants(quick: bool):
                         consts["GU_FUSED"] = 1
                 for key in ("GROUP_M", "TMA"):  # trailing constexprs: ASTSource takes no defaults
                     consts[key] = cfg.get(key, 0)
-                label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{cfg['BLOCK_N']:<3} "
+                label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{bn:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
                          f"{' gu' if consts.get('GU_FUSED') else ''}"
                          f"{' g%d' % cfg['GROUP_M'] if cfg.get('GROUP_M') else ''}{' tma' if cfg.get('TMA') else ''}")

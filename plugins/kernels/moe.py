@@ -461,19 +461,25 @@ def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows
     rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)  # unused when not routed
     _gate_up[_grid(grid_m, cdiv(i, cfg["BLOCK_N"]), cfg)](
         x, w.w, w.s, act, rows, block_expert, num_rows, x.stride(0), *w.strides(), act.stride(0), alpha, limit,
-        H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32, PREC=prec, **cfg,
+        H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32, PREC=prec,
+        **{k: v for k, v in cfg.items() if k != "BLOCK_N_DOWN"},  # a down key
     )
 
 
 def _launch_down(act, w: "_Weights", y, blocks: ExpertBlocks | None, route_w, num_rows, h, i, top_k, bm, cfg, f32,
                  prec):
+    """``BLOCK_N_DOWN`` (optional): the down GEMM's own N tile. Every N tile re-reads the block's activation rows
+    ([BLOCK_M, I]), so a narrow one multiplies that traffic (BN 64 over H 6144: 96 passes); the gate-up GEMM keeps
+    ``BLOCK_N``."""
     routed = blocks is not None
     grid_m = blocks.num_blocks if routed else cdiv(num_rows, bm)
     rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)
-    _down[_grid(grid_m, cdiv(h, cfg["BLOCK_N"]), cfg)](
+    bn = cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
+    _down[_grid(grid_m, cdiv(h, bn), cfg)](
         act, w.w, w.s, y, rows, block_expert, route_w if routed else act, num_rows, act.stride(0), *w.strides(),
         y.stride(0), y.stride(1), H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32,
-        PREC=prec, **{k: v for k, v in cfg.items() if k != "GU_FUSED"},  # a gate-up key
+        PREC=prec, BLOCK_N=bn,
+        **{k: v for k, v in cfg.items() if k not in ("GU_FUSED", "BLOCK_N", "BLOCK_N_DOWN")},  # gate-up keys
     )
 
 
@@ -502,7 +508,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
             owned: tuple[int, int] | None = None) -> torch.Tensor:
     """Both ops' launcher. ``scales`` = (w13, w2, shared_w13, shared_w2) UE8M0 scales for MXFP8, else Nones.
     ``config`` overrides the tile choice (benchmarks): keys BLOCK_M plus those of gemm_config (and GU_FUSED, GROUP_M,
-    TMA, see ``_gate_up``), or ``GEMV`` with
+    TMA, see ``_gate_up``; BLOCK_N_DOWN, see ``_launch_down``), or ``GEMV`` with
     BLOCK_N / BLOCK_K / num_warps / num_stages for the CUDA-core decode path (``moe_gemv.py``); None takes
     ``default_config`` (the measured winners per batch bucket and weight format).
 
