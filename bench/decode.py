@@ -331,6 +331,9 @@ def main() -> int:
         eager_tokens = be.forward(ids, batch, li)[0].argmax(-1)
         be.use_graphs = not SMOKE
         be.pad_eagerly = SMOKE  # the CPU has no graphs: the padded shapes run eagerly instead
+        if not SMOKE:  # what the engine hands a graphed backend (its batch_device() is the host): a host batch and
+            # logits rows, the token ids on the device (sampled there); the replay's own staging copy moves them
+            batch, li = batch.to("cpu"), li.cpu()
         graph_tokens = be.forward(ids, batch, li)[0].argmax(-1)  # captures on first use
         row["graphs_captured"] = bool(be.replays) or SMOKE
         row["graphs_ms"] = timed_ms(lambda: be.forward(ids, batch, li), args.reps) if be.use_graphs or SMOKE \
