@@ -45,6 +45,7 @@ step's [rows, V] probabilities (a view, no copy); the verify step stacks the row
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -130,25 +131,28 @@ class MTPDrafter(Drafter):
             if self.max_drafts is not None and j.num_drafts > self.max_drafts:
                 raise ValueError(f"request {r.request_id}: {j.num_drafts} drafts asked of an MTP drafter built "
                                  f"for at most {self.max_drafts}")
+        kept = [i for i, j in enumerate(jobs) if len(j.hidden)]
+        for j in jobs:
+            j.request.num_mtp_computed = j.start + len(j.hidden)
+        if not kept:
+            return
+        drafting = [i for i in kept if jobs[i].num_drafts > 0]
+        for i in drafting:
+            jobs[i].request.clear_drafts()
+        # A replayed round first: it needs none of the per-module bookkeeping below (a greedy round at batch 1
+        # always replays, and that bookkeeping was a sizeable share of its host work).
+        if self._replay_chain(jobs, drafting):
+            return
         # pending[m][i]: what module m must still write for job i, first its catch-up.
         pending: list[dict[int, _Run]] = [{} for _ in range(self.modules_used)]
-        for i, j in enumerate(jobs):
-            r, n = j.request, len(j.hidden)
-            if n:
-                for runs in pending:
-                    runs[i] = _Run(j.start)
-                    runs[i].extend(r.tokens[j.start + 1:j.start + n + 1], j.hidden)
-            r.num_mtp_computed = j.start + n
-        if not pending[0]:
-            return
+        for i in kept:
+            j = jobs[i]
+            for runs in pending:
+                runs[i] = _Run(j.start)
+                runs[i].extend(j.request.tokens[j.start + 1:j.start + len(j.hidden) + 1], j.hidden)
         # A backend that replays one-position steps from graphs gets each module's entries as soon as they are
         # known (every chain call then has one position per request); any other gets them merged (see above).
         single = self.backend.replays_single_position_mtp_steps
-        drafting = [i for i, j in enumerate(jobs) if j.num_drafts > 0 and i in pending[0]]
-        for i in drafting:
-            jobs[i].request.clear_drafts()
-        if self._replay_chain(jobs, drafting):
-            return
         on_device = self.backend.takes_device_token_ids
         rnd: RoundDrafts | None = None  # made at the first proposal, where the logits are
         drafted: dict[int, int] = {}  # job -> drafts proposed this round
@@ -289,6 +293,7 @@ class ChainPlan(NamedTuple):
     calls: tuple[tuple[int, int, int], ...]
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of four small ints, asked once per round
 def chain_plan(q: int, k: int, num_modules: int, modules_used: int) -> ChainPlan:
     """The module calls ``MTPDrafter.run`` makes for one request that kept q positions and drafts k: module 0 over
     the kept positions, then each chain step's module over what it still owes (its catch-up, then the chain
