@@ -68,3 +68,42 @@ def test_a_replayed_round_builds_no_per_module_runs_and_plans_each_shape_once(tr
     assert eng.stats.accepted_tokens > 0
     # shapes: q = 1 .. k + 1 kept positions by k' = 1 .. k drafts (fewer near max_tokens), each planned once
     assert plans.calls <= (k + 1) * k < be.chain_replays, (plans.calls, be.chain_replays)
+
+
+def test_a_replayed_chain_computes_no_index_per_call(trained, monkeypatch):
+    """Inside the replayed round (run eagerly here: ``pad_eagerly`` runs the captured step itself each round) each
+    call's ``query_start_loc`` and last-position rows are read from tensors made once per shape, not computed
+    (two ``arange`` kernels and two more per call per replay before). Same tokens as plain."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Aranges(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ == "arange"
+            return func(*args, **(kwargs or {}))
+
+    be = GraphedTorchBackend(trained, use_graphs=False, pad_eagerly=True)
+    per_round = []
+    chain = be.mtp_chain
+
+    def counted(plan, *args):
+        with Aranges() as mode:
+            out = chain(plan, *args)
+        per_round.append((plan, mode.n))
+        return out
+
+    monkeypatch.setattr(be, "mtp_chain", counted)
+    plain = Engine(GraphedTorchBackend(trained, use_graphs=False), num_pages=64).generate(PROMPTS[:1], PARAMS)
+    outs = Engine(be, num_pages=64, num_speculative_tokens=2).generate(PROMPTS[:1], PARAMS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert be.chain_replays > 5
+    # the first round of a plan makes its static inputs and any index of a new call size; a plan seen before none
+    seen, again = set(), []
+    for plan, n in per_round:
+        if plan in seen:
+            again.append(n)
+        seen.add(plan)
+    assert len(again) > 5 and sum(again) == 0, per_round

@@ -310,6 +310,7 @@ class GraphedTorchBackend(TorchBackend):
         self.eager_mtp_steps = 0  # MTP module steps run eagerly (what a speculative decode round should not do)
         self.ragged_verify_steps = 0  # verify steps of unequal draft counts run padded (graph or pad_eagerly)
         self.chain_replays = 0  # speculative rounds whose MTP calls ran as one (``mtp_chain``: graph or pad_eagerly)
+        self._chain_indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # ``_chain_index``, per shape
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         super().allocate(num_pages + 1, page_size)  # page num_pages: scratch for padding rows
@@ -470,6 +471,16 @@ class GraphedTorchBackend(TorchBackend):
         inputs._hidden_rows = b
         return inputs
 
+    def _chain_index(self, bucket: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain call's ``query_start_loc`` and last-position rows over ``bucket`` sequences of ``n`` positions,
+        made once (at the capture's warm-up, outside the graph) and kept: a replayed round reads them instead of
+        computing them (four kernels per call inside the graph before, eight per round of two calls)."""
+        key = (bucket, n, str(device))
+        if key not in self._chain_indices:
+            self._chain_indices[key] = (torch.arange(0, bucket * n + 1, n, dtype=torch.int32, device=device),
+                                        torch.arange(bucket, device=device) * n + (n - 1))
+        return self._chain_indices[key]
+
     def _chain_step(self, inputs: DecodeInputs, plan):
         """The captured round (see ``mtp_chain``): returns (drafts [bucket, k], None)."""
         bucket, span = inputs.bucket, inputs.q
@@ -486,12 +497,10 @@ class GraphedTorchBackend(TorchBackend):
             drafts = torch.empty(bucket, k, dtype=torch.int64, device=tokens.device)
             for c, (module, lo, hi) in enumerate(plan.calls):
                 n = hi - lo
-                sub = Batch(positions=positions[:, lo:hi].reshape(-1),
-                            query_start_loc=torch.arange(0, bucket * n + 1, n, dtype=torch.int32,
-                                                         device=tokens.device),
-                            seq_lens=first + hi, block_tables=inputs.batch.block_tables,
-                            slot_mapping=slots[:, lo:hi].reshape(-1))
-                last = torch.arange(bucket if c < k else 0, device=tokens.device) * n + (n - 1)
+                qsl, last = self._chain_index(bucket, n, tokens.device)
+                sub = Batch(positions=positions[:, lo:hi].reshape(-1), query_start_loc=qsl, seq_lens=first + hi,
+                            block_tables=inputs.batch.block_tables, slot_mapping=slots[:, lo:hi].reshape(-1))
+                last = last if c < k else last[:0]
                 logits, out, _, _ = self.model.mtp_step(module, tokens[:, lo:hi].reshape(-1),
                                                         hidden[:, lo:hi].reshape(-1, h), sub,
                                                         self._mtp_caches[module], last, inplace=True)
