@@ -15,13 +15,20 @@ from __future__ import annotations
 import torch
 
 
-def use_fused_kernels(x: torch.Tensor, inplace: bool) -> bool:
-    """Whether this call (activations ``x``; ``inplace``: a runtime step that may update its pools in place) runs
-    the fused kernels."""
-    if not (inplace and x.is_cuda):
+def kernels_serve(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run the ops for activations ``x``: CUDA, registered by ``use_on``, not inside
+    ``references()``. Code that calls a kernel's launcher directly outside a runtime step (the expert-parallel MoE
+    of ``parallel/layers.py``) asks this; the fused paths ask ``use_fused_kernels``."""
+    if not x.is_cuda:
         return False
     try:
         from m3export.plugins.kernels import active
     except ImportError:  # an install without the plugins: the references serve CUDA too
         return False
     return active()
+
+
+def use_fused_kernels(x: torch.Tensor, inplace: bool) -> bool:
+    """Whether this call (activations ``x``; ``inplace``: a runtime step that may update its pools in place) runs
+    the fused kernels."""
+    return bool(inplace) and kernels_serve(x)

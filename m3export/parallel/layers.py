@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import M3Config
+from ..model import fusion
 from ..model.linear import Linear
 from ..model.mlp import DenseMLP, Experts, MoE
 from ..ops import mxfp8 as mx
@@ -78,7 +79,7 @@ class ExpertParallelMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ex, sh, lo, dt = self.cfg, self.experts, self.shared_experts, self.owned.start, x.dtype
-        if _kernels_active(x):  # the m3::moe kernels, told which experts are this rank's (no host sync)
+        if fusion.kernels_serve(x):  # the m3::moe kernels, told which experts are this rank's (no host sync)
             from m3export.plugins.kernels.moe import run_moe
 
             scales = ((ex.w13_scale_inv, ex.w2_scale_inv, sh.gate_up_proj.weight_scale_inv,
@@ -104,18 +105,6 @@ class ExpertParallelMoE(MoE):
         out = _moe(x, self.gate.weight, self.gate.e_score_correction_bias, expert, shared, c.num_experts_per_tok,
                    c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit, owned=self.owned)
         return all_reduce(out, self.group)
-
-
-def _kernels_active(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels run the ops for ``x`` (CUDA, registered, not inside ``references()``); the
-    expert-parallel MoE then calls their launcher directly, else the reference loop over the rank's experts."""
-    if not x.is_cuda:
-        return False
-    try:
-        from m3export.plugins.kernels import active
-    except ImportError:
-        return False
-    return active()
 
 
 class VocabParallelLMHead(nn.Linear):
