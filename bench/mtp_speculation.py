@@ -24,7 +24,9 @@ a greedy round the graphed backend replays as one chain (``Backend.mtp_chain``) 
 Backends: ``torch`` (the checkpoint in PyTorch; on CUDA the decode, verify and MTP steps replay from CUDA graphs,
 all captured in the warm-up), ``torch-eager`` (the same without graphs; on the CPU identical to ``torch``),
 ``torch-padded`` (the graphed backend's padded bucket shapes run eagerly, ``pad_eagerly``: the graphed path's
-host work on a CPU), ``onnxruntime`` (an artifact exported in this run, ``--threads`` intra-op threads).
+host work on a CPU), ``torch-replayed`` (``--profile`` only: ``torch-padded`` whose graph runs answer with the outputs
+a first pass over the same requests recorded, ``GraphTape``: the host work alone, as an instant model would leave
+it), ``onnxruntime`` (an artifact exported in this run, ``--threads`` intra-op threads).
 
 ``--profile`` replaces the comparison with where a decode step's time goes, per backend and k (greedy, one
 request at a time): host microseconds per phase (engine step, target call, static-input fill, graph run, decision,
@@ -33,6 +35,7 @@ CUDA runtime calls per step (kernel and graph launches, copies, waits); ``--trac
 
   python bench/mtp_speculation.py --device cuda --profile --backends torch --prompts 4   # the graphed rounds
   python bench/mtp_speculation.py --profile --backends torch-padded --prompts 2           # CPU stand-in
+  python bench/mtp_speculation.py --profile --backends torch-replayed --prompts 4         # host work alone
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from results_file import write_results  # noqa: E402  (bench/results_file.py)
 
 KS = (0, 1, 2, 3)
 TEMPERATURES = (0.0, 0.8)
-BACKENDS = ("torch", "torch-eager", "torch-padded", "onnxruntime")
+BACKENDS = ("torch", "torch-eager", "torch-padded", "torch-replayed", "onnxruntime")
 
 
 @dataclass
@@ -109,13 +112,17 @@ def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threa
         if backend in ("torch", "torch-eager"):
             engines[k] = Engine.from_checkpoint(ckpt, device=device, enforce_eager=backend == "torch-eager",
                                                 **common)
-        elif backend == "torch-padded":
+        elif backend in ("torch-padded", "torch-replayed"):
             from m3export import load_model
             from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
             from m3export.runtime.tokenizer import find_tokenizer
 
             model = engines[KS[0]].backend.model if engines else load_model(ckpt, device=device)  # one copy
-            engines[k] = Engine(GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True),
+            be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True)
+            if backend == "torch-replayed":  # every pass over the prompts must make the same calls: no prefix cache
+                GraphTape(be)
+                common["enable_prefix_caching"] = False
+            engines[k] = Engine(be,
                                 find_tokenizer(ckpt, model.config), **common)
         else:
             from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
@@ -155,6 +162,43 @@ def measure(engines: dict, clocks: dict, groups: list[list[list[int]]], temperat
 
 
 # ---------------------------------------------------------------------------------------------- --profile
+class GraphTape:
+    """``--backends torch-replayed``: the graphed backend's graph runs (``_run``: one replay each on a GPU) recorded
+    over one pass of the requests, then answered from the recording in the same order (cyclically: with prefix
+    caching off every pass over the same greedy requests makes the same calls). The model then costs nothing, and
+    what ``--profile`` times is the engine's and the backend's own host work, with the interpreter's caches as
+    warm as on a GPU host (an eager CPU model run between the host phases evicts them and inflates those)."""
+
+    def __init__(self, backend):
+        self.outputs: list[tuple] = []
+        self.at, self.recording = 0, True
+        inner = backend._run
+
+        def run(key, step):
+            if self.recording:
+                out = inner(key, step)
+                self.outputs.append(tuple(None if t is None else t.clone() for t in out))
+                return out
+            out = self.outputs[self.at % len(self.outputs)]
+            self.at += 1
+            return out
+
+        backend._run = run
+        backend.tape = self
+
+    def record(self, engine, prompts: list[list[int]], new_tokens: int) -> None:
+        """One pass of ``profile_engine``'s requests (one at a time, greedy), recorded; replayed from then on."""
+        from m3export.runtime import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        self.outputs, self.recording = [], True  # not the warm-up's runs
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"tape-{i}", prompt, params)
+            while engine.has_unfinished():
+                engine.step()
+        self.recording, self.at = False, 0
+
+
 #: What ``--profile`` times, as (label, owner, attribute): the owner is resolved per engine ("engine", "scheduler",
 #: "backend", "drafter", "inputs" = the graphed backend's static-input class, or a module of the runtime for a
 #: function it imports by name). Phases nest (``engine.step`` holds all the others; ``target.forward`` holds its
@@ -329,14 +373,16 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
                "phases_note": "host_us_per_step: perf_counter around each phase, no synchronisation, phases nest "
                               "(engine.step holds the others); profiled_host_us_per_step / device_us_per_step: the "
                               "same ranges under torch.profiler (its overhead included) and the device time of "
-                              "what they launched",
+                              "what they launched; host_us_per_step_without_graph: engine.step less graph.run (the "
+                              "graph runs: replays on a GPU, the eager padded model on a CPU; on a GPU the decision's "
+                              "wait for the device stays in), host_cost_in_plain_steps: that over k = 0's",
                "rows": rows}
         write_results(out, json_path)
 
-    cols = ("engine.step", "target.forward", "inputs.fill", "graph.run", "decide", "draft", "mtp.forward", "mtp.chain",
-            "propose")
-    print(f"{'backend':12s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s} {'x plain':>7s} "
-          f"{'speedup':>7s}  host us per step: "
+    cols = ("engine.step", "schedule", "build_batch", "fill_tokens", "target.forward", "inputs.fill", "graph.run",
+            "decide", "settle", "draft", "mtp.forward", "mtp.chain", "propose", "output")
+    print(f"{'backend':14s} {'k':>2s} {'tok/step':>8s} {'wall us/step':>12s} {'us/token':>8s} {'x plain':>7s} "
+          f"{'speedup':>7s} {'host-graph':>10s} {'x plain':>7s}  host us per step: "
           + " ".join(f"{c:>14s}" for c in cols) + f"  {'device us/step':>14s} {'launches':>8s} {'copies':>6s}",
           flush=True)
     for backend in backends:
@@ -346,6 +392,8 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
             if hasattr(eng.backend, "capture_shapes"):
                 eng.backend.capture_shapes(1, k + 2 if k else 1, eng.drafter.modules_used if eng.drafter else 0,
                                            chain_drafts=k)
+            if backend == "torch-replayed":
+                eng.backend.tape.record(eng, prompts, args.new_tokens)
             trace = Path(args.trace_dir) / f"mtp_profile_{backend}_k{k}.json" if args.trace_dir else None
             if trace is not None:
                 trace.parent.mkdir(parents=True, exist_ok=True)
@@ -353,14 +401,22 @@ def run_profile(args, backends: list[str], ckpt: Path, prompts: list[list[int]],
             res.update(backend=backend, k=k)
             base = next((r for r in rows if r["backend"] == backend and r["k"] == 0), res)
             # A step of k > 0 is a round: its cost in plain steps, and the speed-up its tokens per round give.
+            # Host work without the graph runs (a replay each on a GPU; the padded model on a CPU): what a round
+            # costs the host, in plain steps' host work.
+            ph = res["phases"]
+            res["host_us_per_step_without_graph"] = (ph["engine.step"]["host_us_per_step"]
+                                                     - ph["graph.run"]["host_us_per_step"])
             res.update(step_cost_in_plain_steps=res["wall_us_per_step"] / base["wall_us_per_step"],
+                       host_cost_in_plain_steps=res["host_us_per_step_without_graph"]
+                       / base["host_us_per_step_without_graph"],
                        speedup_vs_k0=base["wall_us_per_token"] / res["wall_us_per_token"])
             rows.append(res)
             ph, rt = res["phases"], res["runtime_calls_per_step"]
             launches = sum(v for n, v in rt.items() if "Launch" in n)
             copies = sum(v for n, v in rt.items() if "Memcpy" in n)
-            print(f"{backend:12s} {k:2d} {res['tokens_per_step']:8.2f} {res['wall_us_per_step']:12.1f} "
+            print(f"{backend:14s} {k:2d} {res['tokens_per_step']:8.2f} {res['wall_us_per_step']:12.1f} "
                   f"{res['wall_us_per_token']:8.1f} {res['step_cost_in_plain_steps']:7.2f} {res['speedup_vs_k0']:6.2f}x"
+                  f" {res['host_us_per_step_without_graph']:10.1f} {res['host_cost_in_plain_steps']:7.2f}"
                   "                   "
                   + " ".join(f"{ph[c]['host_us_per_step']:14.1f}" for c in cols)
                   + f"  {ph['engine.step']['device_us_per_step']:14.1f} {launches:8.1f} {copies:6.1f}", flush=True)
@@ -401,6 +457,9 @@ def main() -> int:
         ap.error(f"unknown backends {unknown}: expected some of {', '.join(BACKENDS)}")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: this torch build sees no CUDA device")
+    if "torch-replayed" in backends and not args.profile:
+        ap.error("--backends torch-replayed: --profile only (its graph runs replay a recorded pass of the same "
+                 "greedy requests, one at a time)")
     if min(args.prompts, args.prompt_len, args.new_tokens, args.batch, args.repeats, args.threads) < 1:
         ap.error("--prompts, --prompt-len, --new-tokens, --batch, --repeats and --threads must be >= 1")
     torch.set_num_threads(args.threads)
