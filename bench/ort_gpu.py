@@ -43,6 +43,7 @@ means the step is launch- or sync-bound, not bandwidth-bound.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -214,12 +215,13 @@ def profile_variant(art, provider, flavour, torch_be, pages: int, page: int, ste
     from m3export.plugins.onnxruntime.session import PagedSession
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    be = OnnxRuntimeBackend(art, provider, flavour=flavour)
-    with tempfile.TemporaryDirectory(prefix="ort_profile_") as tmp:
+    with contextlib.closing(OnnxRuntimeBackend(art, provider, flavour=flavour)) as be, \
+            tempfile.TemporaryDirectory(prefix="ort_profile_") as tmp:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "step")
+        be._main.close()  # the backend's own session, replaced by the profiled one (closed with the backend)
         be._main = PagedSession.from_artifact(art, "model", flavour=flavour, providers=be.provider, options=options)
         be.allocate(pages, page)
         fill_ort_pools(be, torch_be)
@@ -285,13 +287,10 @@ def main() -> int:
 
     from m3export.export.artifact import load_artifact
     from m3export.plugins.onnxruntime.providers import parse_provider, require
-    from m3export.runtime.backends import create_backend
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
     provider = require(parse_provider("cpu" if SMOKE else args.provider))
-    device = torch.device(provider.device)
     art = load_artifact(args.artifact, verify_checksums=False)
-    cfg, page = art.config, art.page_size
     ort_be = OnnxRuntimeBackend(art, provider)
     lowered_be, lowered_error = None, None
     if "ort-contrib" in art.manifest.flavours:
@@ -299,6 +298,20 @@ def main() -> int:
             lowered_be = OnnxRuntimeBackend(art, provider, flavour="ort-contrib")
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             lowered_error = f"{type(e).__name__}: {e}"[:2000]
+    try:
+        return measure(args, art, provider, ort_be, lowered_be, lowered_error)
+    finally:  # every ORT session closed while the CUDA runtime is up: one left to the exit aborted a process once
+        for be in (ort_be, lowered_be):
+            if be is not None:
+                be.close()
+
+
+def measure(args, art, provider, ort_be, lowered_be, lowered_error) -> int:
+    """The rows (and ``--profile``) of ``main`` with the ONNX Runtime backends it opened (and closes)."""
+    from m3export.runtime.backends import create_backend
+
+    device = torch.device(provider.device)
+    cfg, page = art.config, art.page_size
     torch_be = create_backend("torch", args.artifact, device=str(device))
     if SMOKE:  # the class the GPU gets (CUDA graphs off here): its pools hold a scratch page past the sessions'
         from m3export.runtime.backends.cuda_graph import GraphedTorchBackend

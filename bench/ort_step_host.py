@@ -32,6 +32,7 @@ numbers for the `mini` bf16 graph of the same structure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -115,14 +116,15 @@ def profile_nodes(art, provider, threads, pages: int, page: int, step, steps: in
     from m3export.plugins.onnxruntime.session import PagedSession
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    be = OnnxRuntimeBackend(art, provider, threads=threads)
-    with tempfile.TemporaryDirectory(prefix="ort_nodes_") as tmp:
+    with contextlib.closing(OnnxRuntimeBackend(art, provider, threads=threads)) as be, \
+            tempfile.TemporaryDirectory(prefix="ort_nodes_") as tmp:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "step")
         if threads:
             options.intra_op_num_threads = threads
+        be._main.close()  # the backend's own session, replaced by the profiled one (closed with the backend)
         be._main = PagedSession.from_artifact(art, "model", providers=be.provider, options=options)
         be.allocate(pages, page)
         for _ in range(2 + steps):
@@ -232,9 +234,17 @@ def main() -> int:
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
     provider = require(parse_provider(args.provider))
-    device = torch.device(provider.device)
     art = load_artifact(args.artifact, verify_checksums=False)
     backend = OnnxRuntimeBackend(art, provider, threads=args.threads)
+    try:
+        return measure(args, art, provider, backend)
+    finally:  # every ORT session closed while the CUDA runtime is up: one left to the exit aborted a process once
+        backend.close()
+
+
+def measure(args, art, provider, backend) -> int:
+    """The rows (and ``--nodes``, ``--cuda-placement``) of ``main`` with the backend it opened (and closes)."""
+    device = torch.device(provider.device)
     session = backend._main
     default = "1x64,8x256" if device.type == "cpu" else "1x4096,8x4096,1x32768,8x32768"
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or default).split(",")]

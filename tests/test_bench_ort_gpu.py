@@ -5,8 +5,6 @@ across the bench's per-shape allocations."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,18 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "ort_gpu.py"
 sys.path.insert(0, str(BENCH.parent))
 import ort_gpu  # noqa: E402  (bench/ort_gpu.py)
+from tests.session_census import run_with_census  # noqa: E402
 
 PAGE = 16  # the tiny_artifact fixture's page size
 
 
 def test_smoke_run_writes_rows_with_both_backends_and_a_profile(tiny_artifact, tmp_path):  # noqa: F811
     out = tmp_path / "ort.json"
-    run = subprocess.run([sys.executable, str(BENCH), "--smoke", "--artifact", str(tiny_artifact), "--json",
-                          str(out), "--reps", "2", "--profile", "--profile-steps", "2"],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT),
-                                                                                       os.environ.get("PYTHONPATH"))))})
+    run, opened, unclosed = run_with_census(BENCH, ["--smoke", "--artifact", str(tiny_artifact), "--json", str(out),
+                                                    "--reps", "2", "--profile", "--profile-steps", "2"], timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    # the backend's sessions and the profiled variant's (its backend's own one replaced): all closed before exit
+    assert opened >= 3 and unclosed == 0, (opened, unclosed)
     res = json.loads(out.read_text())
     assert res["provider"] == "CPUExecutionProvider" and len(res["rows"]) == 2
     for row in res["rows"]:

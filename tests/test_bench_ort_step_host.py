@@ -6,21 +6,22 @@ host nodes and copies."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.session_census import run_with_census
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "ort_step_host.py"
 
 
 def test_cpu_run_writes_rows_and_a_steady_step_binds_nothing(tiny_artifact, tmp_path):
     out = tmp_path / "host.json"
-    run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
-                          "--threads", "1", "--reps", "2", "--shapes", "1x20,2x40", "--nodes", "--profile-steps", "2",
-                          "--cuda-placement",
-                          "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run, opened, unclosed = run_with_census(BENCH, ["--artifact", str(tiny_artifact), "--provider", "cpu", "--threads",
+                                                    "1", "--reps", "2", "--shapes", "1x20,2x40", "--nodes",
+                                                    "--profile-steps", "2", "--cuda-placement", "--json", str(out)],
+                                            timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    # the backend's sessions and --nodes' profiled one (its backend's own one replaced): all closed before exit
+    assert opened >= 3 and unclosed == 0, (opened, unclosed)
     res = json.loads(out.read_text())
     assert res["provider"] == "CPUExecutionProvider" and res["pools"] > 0
     assert [(r["batch"], r["context"]) for r in res["rows"]] == [(1, 20), (2, 40)]
