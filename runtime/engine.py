@@ -275,8 +275,9 @@ class Engine:
         self._pending.append(self._output(req))
 
     def close(self) -> None:
-        """Release what the backend holds outside this process (a parallel backend's worker processes and its
-        process group); idempotent. Also ``with Engine(...) as engine:``."""
+        """Release what the backend holds outside Python's reach (``Backend.close``: a parallel backend's worker
+        processes and process group, the onnxruntime backend's ONNX Runtime sessions, which on CUDA must go while
+        the CUDA runtime is up); idempotent. Also ``with Engine(...) as engine:``."""
         self.backend.close()
 
     def __enter__(self) -> Engine:

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _generate(args, engine, prompt, params)
     finally:
-        engine.close()  # a parallel engine's worker processes stop here
+        engine.close()  # worker processes stop, ONNX Runtime sessions close (before CUDA shuts down at exit)
 
 
 def _generate(args: argparse.Namespace, engine, prompt, params) -> int:

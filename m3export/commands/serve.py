@@ -145,5 +145,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        server.engine.close()  # a parallel engine's worker processes stop with the server
+        server.engine.close()  # worker processes stop, ONNX Runtime sessions close with the server
     return 0

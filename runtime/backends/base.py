@@ -93,7 +93,8 @@ class Backend(ABC):
         raise MediaError(f"the {self.name} backend does not run the vision encoder (use the torch backend)")
 
     def close(self) -> None:
-        """Release resources held outside this object (processes, process groups); a no-op for most backends."""
+        """Release resources held outside this object (processes, process groups, ONNX Runtime sessions); a no-op
+        for most backends."""
 
     @abstractmethod
     def mtp_forward(self, module: int, input_ids: torch.Tensor, hidden: torch.Tensor, batch: Batch,
