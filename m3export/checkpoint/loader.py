@@ -141,7 +141,8 @@ FINITE_CHUNK_BYTES = 64 << 20
 
 def check_finite(t: torch.Tensor, where: str) -> torch.Tensor:
     """``t`` if it holds no NaN or infinity (E4M3's NaN codes S.1111.111 and a UE8M0 scale of 255, NaN in the OCP
-    MX format, included); otherwise a ``CheckpointError`` naming ``where`` and how many values are bad.
+    MX format, included); otherwise a ``CheckpointError`` naming ``where`` and how many values are bad. UE8M0 bytes
+    0 are counted and recorded (``mxfp8.note_zero_scales``: the MXFP8 kernels then avoid ``tl.dot_scaled``).
 
     Checked in slices of ``FINITE_CHUNK_BYTES`` (views, no copy of ``t``), so the check needs memory for one slice's
     temporaries whatever the tensor's size."""
@@ -156,9 +157,14 @@ def check_finite(t: torch.Tensor, where: str) -> torch.Tensor:
             return c.numel() - torch.count_nonzero(torch.isfinite(c))
     else:
         return t
-    bad = int(sum(count(c) for c in _slices(t, max(1, FINITE_CHUNK_BYTES // t.element_size()))))
+    most = max(1, FINITE_CHUNK_BYTES // t.element_size())
+    bad = int(sum(count(c) for c in _slices(t, most)))
     if bad:
         raise CheckpointError(f"{where} holds {bad} NaN or infinite value(s) (a corrupt or diverged checkpoint)")
+    if t.dtype == torch.uint8:  # scale byte 0 (2^-127): valid, but the kernels' tl.dot_scaled path reads it as 0
+        zeros = int(sum(torch.count_nonzero(c == 0) for c in _slices(t, most)))
+        if zeros:
+            mx.note_zero_scales(where, zeros)
     return t
 
 

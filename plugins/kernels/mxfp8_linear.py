@@ -17,6 +17,8 @@ import triton.language as tl
 
 from triton import cdiv
 
+from m3export.ops import mxfp8
+
 OP = "m3::mxfp8_linear"
 
 # 2**-127: the one UE8M0 scale that is an fp32 subnormal, so it cannot be built by shifting the byte into the
@@ -136,12 +138,18 @@ def check_mxfp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def mx_mode2_available(dtype: torch.dtype) -> bool:
-    """``tl.dot_scaled`` takes bf16 activations and has no interpreter implementation."""
-    return dtype == torch.bfloat16 and not triton.knobs.runtime.interpret
+    """``tl.dot_scaled`` takes bf16 activations and has no interpreter implementation; and it reads UE8M0 byte 0
+    as 0 (docs/ops.md §8: 2^-127), so not once weights with that byte are loaded (``mxfp8.zero_scales_loaded``)."""
+    return dtype == torch.bfloat16 and not triton.knobs.runtime.interpret and not mxfp8.zero_scales_loaded()
 
 
 def check_mx_mode(mode: int, dtype: torch.dtype) -> None:
     if mode == 2 and not mx_mode2_available(dtype):
+        zeros = mxfp8.zero_scales_loaded()
+        if zeros:
+            where = next(iter(zeros))
+            raise ValueError(f"MX_MODE 2 (tl.dot_scaled) reads UE8M0 byte 0 as 0, not 2^-127, and {where} (and "
+                             f"{len(zeros) - 1} more) holds such scales: use MX_MODE 1 or 3")
         raise ValueError("MX_MODE 2 (tl.dot_scaled) needs bf16 activations and compiled kernels")
 
 
