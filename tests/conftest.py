@@ -18,3 +18,12 @@ from tests.export_fixtures import fp8_artifact, mxfp8_artifact, mxfp8_checkpoint
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_zero_scales_from_other_tests(monkeypatch):
+    """Scale bytes 0 that one test's loads record (``mxfp8.note_zero_scales``, process-wide: the MXFP8 kernels then
+    leave ``tl.dot_scaled``) must not steer another test's kernels: each test starts with a clean record."""
+    from m3export.ops import mxfp8
+
+    monkeypatch.setattr(mxfp8, "_zero_scales", {})

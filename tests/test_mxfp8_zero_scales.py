@@ -5,7 +5,8 @@ per tensor and records it (``mxfp8.note_zero_scales``), and from then on the Tri
 ``tl.dot_scaled`` (``MX_MODE`` 2), which reads that byte as 0 on sm_90, but their exact per-32-scale path
 (``MX_MODE`` 1). CPU: the loader's count on a tiny MXFP8 checkpoint with one byte changed, the kernels' path choice,
 and ``MX_MODE`` 1 against float64 on rows whose scales are all byte 0 (interpreter). GPU: the default path of
-``mxfp8_linear`` at a prefill size, bf16, after such a load.
+``mxfp8_linear`` at a prefill size, bf16, after such a load. Each test starts with a clean record (the record is
+process-wide; ``tests/conftest.py`` resets it).
 """
 
 from __future__ import annotations
@@ -28,12 +29,6 @@ from m3export.plugins.kernels import mxfp8_linear as linear_kernel  # noqa: E402
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
-@pytest.fixture
-def no_zero_scales(monkeypatch):
-    """A clean record for the test (the record is process-wide; the test's entries go with it)."""
-    monkeypatch.setattr(mxfp8, "_zero_scales", {})
-
-
 def _with_scale_byte(src, dst, value: int) -> str:
     """A copy of checkpoint ``src`` at ``dst`` whose first routed-expert scale tensor starts with byte ``value``;
     returns that tensor's name."""
@@ -47,7 +42,7 @@ def _with_scale_byte(src, dst, value: int) -> str:
     return name
 
 
-def test_a_scale_byte_0_is_counted_once_at_load_and_named(mxfp8_checkpoint, tmp_path, no_zero_scales):
+def test_a_scale_byte_0_is_counted_once_at_load_and_named(mxfp8_checkpoint, tmp_path):
     load_model(mxfp8_checkpoint, progress=False)
     assert mxfp8.zero_scales_loaded() == {}  # the quantiser never writes byte 0: a real-style checkpoint is clean
     name = _with_scale_byte(mxfp8_checkpoint, tmp_path / "zero", 0)
@@ -56,13 +51,13 @@ def test_a_scale_byte_0_is_counted_once_at_load_and_named(mxfp8_checkpoint, tmp_
     assert repr(name) in where and count == 1
 
 
-def test_a_scale_byte_255_is_refused_naming_the_tensor(mxfp8_checkpoint, tmp_path, no_zero_scales):
+def test_a_scale_byte_255_is_refused_naming_the_tensor(mxfp8_checkpoint, tmp_path):
     name = _with_scale_byte(mxfp8_checkpoint, tmp_path / "inf", 255)
     with pytest.raises(CheckpointError, match=f"{name!r} holds 1 NaN or infinite"):
         load_model(tmp_path / "inf", progress=False)
 
 
-def test_kernels_leave_dot_scaled_once_byte_0_is_loaded(monkeypatch, no_zero_scales):
+def test_kernels_leave_dot_scaled_once_byte_0_is_loaded(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)  # as compiled on the GPU: only the path choice
     assert linear_kernel.mx_mode2_available(torch.bfloat16)
     assert linear_kernel.tile_config(128, linear_kernel.mx_mode2_available(torch.bfloat16))["MX_MODE"] == 2
@@ -110,7 +105,7 @@ def test_mx_mode_1_is_exact_on_scale_byte_0():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
-def test_gpu_default_linear_is_exact_on_scale_byte_0_once_it_is_loaded(no_zero_scales):
+def test_gpu_default_linear_is_exact_on_scale_byte_0_once_it_is_loaded():
     gen = torch.Generator().manual_seed(0)
     w, s = _zero_scale_rows(256, 1024, 64, gen)
     x = torch.randn(256, 1024, generator=gen).bfloat16()
