@@ -150,4 +150,9 @@ class TritonPythonModel:
                 sink.fail(f"could not read the request: {type(e).__name__}: {e}")
 
     def finalize(self) -> None:
+        """Stop the driver, then free the engine's sessions and pools (an ONNX Runtime session on a GPU provider left
+        to interpreter exit can free pinned memory after the CUDA runtime has gone, which aborts the stub). The
+        engine is closed only once the driver's thread has stopped: a thread still stepping it owns it."""
         self._driver.close()
+        if not self._driver.alive:
+            self._driver.engine.close()
