@@ -21,7 +21,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   files="${GPU_TEST_FILES:-test_gpu_decode_step.py:150 test_kernels_attention_gpu.py:200 test_gpu_engine.py:90
          test_kernels_moe.py:420 test_kernels_rms_norm_gpu.py:60 test_kv_cache_fp8_gpu.py:200
          test_projection_fusion_gpu.py:240 test_runtime_speculative_chain.py:150
-         test_runtime_cuda_graph_staging.py:150 test_kernels_router_logits.py:120
+         test_runtime_cuda_graph_staging.py:150 test_kernels_router_logits.py:120 test_mxfp8_zero_scales.py:240
          test_runtime_cuda_graph.py:150 test_runtime_step_host_work.py:90 test_runtime_speculative_round_work.py:90
          test_op_conformance.py:240 test_tensorrt_plugins_gpu.py:300}"
   for spec in $files; do
