@@ -34,6 +34,19 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+# Shared memory one program may use on Hopper (H100 / H200: 227 KB, the opt-in per-block limit Triton checks a launch
+# against). The interpreter (CPU tensors) assumes it too, so the CPU tests run the settings an H200 launch would.
+HOPPER_SHARED_BYTES = 232448
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on ``device`` (a property read, no sync); Hopper's on the CPU."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", HOPPER_SHARED_BYTES))
+    return HOPPER_SHARED_BYTES
+
+
 def launch_settings(kernel: str, defaults: dict, config: dict | None, part: str) -> dict:
     """``defaults[part]`` (a kernel module's DEFAULTS table) with the entries of ``config[part]``; a name the table
     does not have is refused by name, so a misspelt setting never silently keeps its default."""

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, query_tiles,
-                     sequence_of, splits_for, tokens_per_tile)
+from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
+                     query_tiles, sequence_of, splits_for, tokens_per_tile)
 from ._splitk import LOG2E, Partials, attend_tile
 from .paged_attention import _check, scale_pools
 
@@ -51,10 +51,16 @@ DEFAULTS = {
     # selections like a prompt's (bench/prefill_selections.py "model": 192 / 208 / 185 TFLOP/s at 4k / 16k / 64k
     # against 91 / 115 / 121), but 1.2-2.1x its time on independent random selections (the worst case, where 8
     # tokens' union is 5x top-k: 92 / 58 TFLOP/s at 16k / 64k against 115 / 121). Prompts' neighbouring tokens
-    # share most blocks (the forced local block, slowly moving queries). It is NOT the default: inside the `mini`
-    # model (tests/test_kernels_attention_gpu.py, 04:20 UTC) its launch asked for 256 KB of shared memory (the
-    # H200 has 227 KB) where the benchmark's compiled 160 KB, so prefill keeps "flat-t1-n64-w4-s3-waves2", the
-    # setting every GPU test ran with, until the union tile's shared memory is bounded for every shape it meets.
+    # share most blocks (the forced local block, slowly moving queries). It is NOT the default yet: inside the
+    # `mini` model (tests/test_kernels_attention_gpu.py, 04:20 UTC) its launch asked for 256 KB of shared memory
+    # (the H200 has 227 KB) where the benchmark's compiled 160 KB. The cause is the dtype, not the page: the model
+    # tests run in fp32, so K and V tiles of 128 keys x 128 dims in 2 stages are 256 KB (compiled for sm_90 on the
+    # CPU machine: 262144 bytes, pages of 64 and 128 alike). The launcher now fits key tile and stages to the
+    # device's shared memory (``fit_shared_memory``: that fp32 launch runs 64-key tiles, 160 KB compiled; bf16 and
+    # FP8 pools keep every swept setting). Before copying the union setting here, one H200 call must pass, with it:
+    #   timeout 600 python3 -m pytest -q -x tests/test_kernels_attention_gpu.py -k "greedy or mini_dims"
+    #   timeout 600 python3 -m pytest -q -x tests/test_runtime_cuda_graph.py -k mini_kernels
+    # (the mini greedy test: fp32, pages of 128; the graphs test: fp32, pages of 64, no-spec and MTP k = 2).
     "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat"),
     "prefill": dict(tile_tokens=1, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
                     loop="flat"),
@@ -130,6 +136,50 @@ def settings(config: dict | None, mode: str) -> dict:
     if cfg["loop"] not in _LOOPS:
         raise ValueError(f"sparse_paged_attention: loop {cfg['loop']!r} is not one of {_LOOPS}")
     return cfg
+
+
+# Shared memory the compiled kernel may need beyond its tiles (pipeline barriers, reductions' scratch): the largest
+# remainder over the cases tests/test_kernels_attention_shared_memory.py records is 1 KB.
+_SHARED_SLACK = 2048
+
+
+def shared_memory_bound(rows: int, block_n: int, block_d: int, block_dv: int, stages: int, q_bytes: int,
+                        kv_bytes: int, fp8: bool) -> int:
+    """Most bytes of shared memory a launch of ``_sparse_paged_attention`` can ask for: every stage's K and V tiles
+    as loaded (``stages`` buffers of [BLOCK_N, BLOCK_D + BLOCK_DV] in the pool's dtype: what the software pipeliner
+    allocates), FP8 tiles once more widened to the queries' dtype (the dots' operands; for fp32 queries also their
+    16-bit step, E4M3 pairs converting to f16 pairs), the queries [ROWS, BLOCK_D] (a dot operand), and
+    ``_SHARED_SLACK``. An upper bound, not the compiler's exact plan: checked against Triton 3.6's sm_90 compiles
+    (``metadata.shared``) of every loop form, dtype and tile the launcher runs
+    (tests/test_kernels_attention_shared_memory.py): 160 KB for the 8-token union tile with bf16 pools, bound 162 KB;
+    256 KB with fp32 pools (the `mini` model tests' dtype), bound 322 KB; loose mostly where the compiler buffers
+    fewer stages than asked or keeps the queries in registers."""
+    tiles = block_n * (block_d + block_dv)
+    widened = tiles * (q_bytes + (2 if q_bytes > 2 else 0)) if fp8 else 0
+    return stages * tiles * kv_bytes + widened + rows * block_d * q_bytes + _SHARED_SLACK
+
+
+def fit_shared_memory(rows: int, block_n: int, block_d: int, block_dv: int, stages: int, q_bytes: int,
+                      kv_bytes: int, fp8: bool, limit: int) -> tuple[int, int]:
+    """(block_n, stages) whose ``shared_memory_bound`` fits ``limit``: fewer stages down to 2 first, then halved key
+    tiles down to 16 (a tensor-core dot's least), then one stage. The requested pair when it fits (every bf16 / FP8
+    setting of DEFAULTS and VARIANTS at M3's dims does); fp32 pools (the reference-comparison tests' model dtype)
+    are what it shrinks: the 8-token union tile asked for 256 KB there, where the H200 has 227 KB."""
+    def bound(n, s):
+        return shared_memory_bound(rows, n, block_d, block_dv, s, q_bytes, kv_bytes, fp8)
+
+    while bound(block_n, stages) > limit:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(f"sparse_paged_attention: a tile of {rows} query rows x {block_d} dims needs "
+                             f"{bound(block_n, stages)} bytes of shared memory with 16-key tiles in one stage; "
+                             f"the device has {limit}")
+    return block_n, stages
 
 
 def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
@@ -441,23 +491,27 @@ def forward(
     splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
-    block_n = min(cfg["block_n"], max(16, next_pow2(block_size)))
     ks, vs = scale_pools(k_scale, v_scale, kc)
     # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs ("halves":
     # each group of tokens / 2 at least 16). TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for
     # sm_90 at mini dims it takes the prefill default from 168 to 115 registers, but the decode default from 168 to
     # 186 (three programs per multiprocessor by registers down to two), so decode keeps a page id per key.
     rows = 2 * max(16, tokens // 2 * g_pad) if loop == "halves" else max(16, tokens * g_pad)
+    block_d, block_dv = next_pow2(max(d, 16)), next_pow2(max(dv, 16))
+    # key tile at most the block; key tile and stages within the device's shared memory (fit_shared_memory)
+    block_n, stages = fit_shared_memory(rows, min(cfg["block_n"], max(16, next_pow2(block_size))), block_d, block_dv,
+                                        cfg["num_stages"], q.element_size(), kc.element_size(), k_scale is not None,
+                                        max_shared_memory(q.device))
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), sel.stride(0),
         sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E, FP8=k_scale is not None,
         HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=rows, D=d,
-        BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)), PAGE=page, BS=block_size, K=topk,
+        BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page, BS=block_size, K=topk,
         K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
         PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
         TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts else out
