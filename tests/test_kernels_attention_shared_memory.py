@@ -31,9 +31,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m
 BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 
 # What Triton 3.6 compiled for sm_90 (GPUTarget("cuda", 90, 32), the JIT's own specialisation of the launch that
-# ``forward`` makes at M3's dims, D = DV = 128), 2026-12-01, before the launcher bounded anything:
-# (setting, mode, queries, pools, ROWS, BLOCK_N, num_stages, metadata.shared bytes): DEFAULTS and VARIANTS with
-# bf16, fp32 and FP8 pools. ("union-t8-n128-w8-s2", "prefill", "fp32", "fp32") is the model tests' failing launch;
+# ``forward`` makes at M3's dims, D = DV = 128; ``compile_sm90`` below), 2026-12-01: (setting, mode, queries, pools,
+# ROWS, BLOCK_N, num_stages, metadata.shared bytes) for DEFAULTS and VARIANTS with bf16, fp32 and FP8 pools, and the
+# fitted fp32 union launches. ("union-t8-n128-w8-s2", "prefill", "fp32", "fp32") is the model tests' failing launch;
 # pages of 64 and of 128 compiled the same (union-t8-n128 and the prefill default, both checked).
 RECORDED = [
     ("flat-t1-n128-w4-s3", "prefill", "bf16", "bf16", 16, 128, 3, 73732),
@@ -64,6 +64,8 @@ RECORDED = [
     ("union-t8-n128-w8-s2", "prefill", "bf16", "fp8", 128, 128, 2, 99328),
     ("union-t8-n128-w8-s2", "prefill", "fp32", "fp32", 128, 128, 2, 262144),
     ("union-t8-n128-w8-s2", "prefill", "fp32", "fp8", 128, 128, 2, 230400),
+    ("union-t8-n64-w8-s2", "prefill", "fp32", "fp32", 128, 64, 2, 164352),  # what the fitted fp32 launches run
+    ("union-t8-n64-w8-s2", "prefill", "fp32", "fp8", 128, 64, 2, 147968),
     ("union-t8-n64-w8-s3", "prefill", "bf16", "bf16", 128, 64, 3, 98436),
     ("union-t8-n64-w8-s3", "prefill", "bf16", "fp8", 128, 64, 3, 66052),
     ("union-t8-n64-w8-s3", "prefill", "fp32", "fp32", 128, 64, 3, 164356),
@@ -118,11 +120,14 @@ def test_every_16_bit_or_fp8_setting_keeps_its_tile(kv):
             assert got == (cfg["block_n"], cfg["num_stages"]), (mode, name)
 
 
-def test_fit_shrinks_stages_then_key_tiles_and_names_a_tile_that_never_fits():
+def test_fit_keeps_the_largest_key_tile_then_the_most_stages_and_names_a_tile_that_never_fits():
     limit = _batch.HOPPER_SHARED_BYTES
     assert spa.fit_shared_memory(128, 128, D, D, 2, 4, 4, False, limit) == (64, 2)  # the model tests' union tile
-    assert spa.fit_shared_memory(16, 128, D, D, 3, 4, 4, False, limit) == (64, 2)
-    assert spa.fit_shared_memory(16, 128, D, D, 3, 2, 2, False, limit) == (128, 3)
+    assert spa.fit_shared_memory(16, 128, D, D, 3, 4, 4, False, limit) == (64, 3)  # fp32 decode default
+    assert spa.fit_shared_memory(16, 128, D, D, 3, 2, 2, False, limit) == (128, 3)  # bf16: as asked
+    assert spa.fit_shared_memory(16, 128, D, D, 4, 2, 2, False, limit) == (128, 3)  # a stage less before a tile
+    assert spa.fit_shared_memory(16, 128, D, D, 1, 4, 4, False, limit) == (128, 1)  # one stage stays one
+    assert spa.fit_shared_memory(400, 128, D, D, 2, 4, 4, False, limit) == (16, 1)  # 200 KB of fp32 queries
     with pytest.raises(ValueError, match="4096 query rows x 128 dims"):
         spa.fit_shared_memory(4096, 128, D, D, 2, 4, 4, False, limit)
 

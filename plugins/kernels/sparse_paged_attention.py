@@ -161,25 +161,26 @@ def shared_memory_bound(rows: int, block_n: int, block_d: int, block_dv: int, st
 
 def fit_shared_memory(rows: int, block_n: int, block_d: int, block_dv: int, stages: int, q_bytes: int,
                       kv_bytes: int, fp8: bool, limit: int) -> tuple[int, int]:
-    """(block_n, stages) whose ``shared_memory_bound`` fits ``limit``: fewer stages down to 2 first, then halved key
-    tiles down to 16 (a tensor-core dot's least), then one stage. The requested pair when it fits (every bf16 / FP8
-    setting of DEFAULTS and VARIANTS at M3's dims does); fp32 pools (the reference-comparison tests' model dtype)
-    are what it shrinks: the 8-token union tile asked for 256 KB there, where the H200 has 227 KB."""
-    def bound(n, s):
-        return shared_memory_bound(rows, n, block_d, block_dv, s, q_bytes, kv_bytes, fp8)
+    """(block_n, stages) whose ``shared_memory_bound`` fits ``limit``: the largest key tile (halving down to 16, a
+    tensor-core dot's least) that fits with 2 or more of the stages asked for, with the most of those stages; else
+    16-key tiles in one stage. The requested pair when it fits (every bf16 / FP8 setting of DEFAULTS and VARIANTS
+    at M3's dims does); fp32 pools (the reference-comparison tests' model dtype) are what it shrinks: the 8-token
+    union tile asked for 256 KB there, where the H200 has 227 KB (now 64-key tiles in 2 stages), and, the bound
+    being loose there, the decode default's 128-key tiles in 3 stages (compiled 145 KB) run 64-key tiles in 3."""
+    def fits(n, s):
+        return shared_memory_bound(rows, n, block_d, block_dv, s, q_bytes, kv_bytes, fp8) <= limit
 
-    while bound(block_n, stages) > limit:
-        if stages > 2:
-            stages -= 1
-        elif block_n > 16:
-            block_n //= 2
-        elif stages > 1:
-            stages -= 1
-        else:
-            raise ValueError(f"sparse_paged_attention: a tile of {rows} query rows x {block_d} dims needs "
-                             f"{bound(block_n, stages)} bytes of shared memory with 16-key tiles in one stage; "
-                             f"the device has {limit}")
-    return block_n, stages
+    n = block_n
+    while n >= 16:
+        for s in range(stages, min(stages, 2) - 1, -1):
+            if fits(n, s):
+                return n, s
+        n //= 2
+    if fits(16, 1):
+        return 16, 1
+    raise ValueError(f"sparse_paged_attention: a tile of {rows} query rows x {block_d} dims needs "
+                     f"{shared_memory_bound(rows, 16, block_d, block_dv, 1, q_bytes, kv_bytes, fp8)} bytes of "
+                     f"shared memory with 16-key tiles in one stage; the device has {limit}")
 
 
 def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
