@@ -166,7 +166,8 @@ def fit_shared_memory(rows: int, block_n: int, block_d: int, block_dv: int, stag
     16-key tiles in one stage. The requested pair when it fits (every bf16 / FP8 setting of DEFAULTS and VARIANTS
     at M3's dims does); fp32 pools (the reference-comparison tests' model dtype) are what it shrinks: the 8-token
     union tile asked for 256 KB there, where the H200 has 227 KB (now 64-key tiles in 2 stages), and, the bound
-    being loose there, the decode default's 128-key tiles in 3 stages (compiled 145 KB) run 64-key tiles in 3."""
+    being loose there, it would shrink the decode default's 128-key tiles in 3 stages (compiled 145 KB) to 64-key
+    tiles in 3, so ``forward`` applies it to tiles of several tokens only."""
     def fits(n, s):
         return shared_memory_bound(rows, n, block_d, block_dv, s, q_bytes, kv_bytes, fp8) <= limit
 
@@ -499,10 +500,14 @@ def forward(
     # 186 (three programs per multiprocessor by registers down to two), so decode keeps a page id per key.
     rows = 2 * max(16, tokens // 2 * g_pad) if loop == "halves" else max(16, tokens * g_pad)
     block_d, block_dv = next_pow2(max(d, 16)), next_pow2(max(dv, 16))
-    # key tile at most the block; key tile and stages within the device's shared memory (fit_shared_memory)
-    block_n, stages = fit_shared_memory(rows, min(cfg["block_n"], max(16, next_pow2(block_size))), block_d, block_dv,
-                                        cfg["num_stages"], q.element_size(), kc.element_size(), k_scale is not None,
-                                        max_shared_memory(q.device))
+    # key tile at most the block; for tiles of several tokens, key tile and stages within the device's shared memory
+    # (fit_shared_memory: the union tile in fp32 asked for 256 KB). One token per program (16 rows) launches as set:
+    # every such setting ran on the H200 in bf16 and fp32 as it is (e.g. the fp32 decode default, 128-key tiles in
+    # 3 stages, compiled 145 KB), where the bound, loose for fp32, would shrink it to an untested tile.
+    block_n, stages = min(cfg["block_n"], max(16, next_pow2(block_size))), cfg["num_stages"]
+    if rows > 16:
+        block_n, stages = fit_shared_memory(rows, block_n, block_d, block_dv, stages, q.element_size(),
+                                            kc.element_size(), k_scale is not None, max_shared_memory(q.device))
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
