@@ -75,6 +75,22 @@ def attend_tile(q, k, v, ks_ptrs, vs_ptrs, kmask, allowed, qk_scale, m_i, l_i, a
 
 
 @triton.jit
+def finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv,
+                HQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr):
+    """The rows' output (one split), or their partial (m, l, acc) for ``_merge`` (the end of every split-K
+    attention program: dense and sparse)."""
+    if SPLITS == 1:
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
+        tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    else:
+        r = (tok.to(tl.int64) * HQ + hq) * SPLITS + split
+        tl.store(m_ptr + r, m_i, mask=row_ok)
+        tl.store(l_ptr + r, l_i, mask=row_ok)
+        tl.store(acc_ptr + r[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
 def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)  # (token, query head) flattened: partials are [T * Hq, SPLITS, (DV)]

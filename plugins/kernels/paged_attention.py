@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, next_pow2, query_tiles, sequence_of,
                      splits_for, tokens_per_tile)
-from ._splitk import LOG2E, Partials, attend_tile
+from ._splitk import LOG2E, Partials, attend_tile, finish_rows
 
 OP = "m3::paged_attention"
 
@@ -115,15 +115,7 @@ def _paged_attention(
                                     vs_ptr + page * svs_p + row * svs_r + g, kmask, j[None, :] <= pos[:, None],
                                     qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
 
-    if SPLITS == 1:
-        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
-        tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    else:
-        r = (tok.to(tl.int64) * HQ + hq) * SPLITS + split
-        tl.store(m_ptr + r, m_i, mask=row_ok)
-        tl.store(l_ptr + r, l_i, mask=row_ok)
-        tl.store(acc_ptr + r[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
+    finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV, SPLITS)
 
 
 def forward(

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
                      query_tiles, sequence_of, splits_for, tokens_per_tile)
-from ._splitk import LOG2E, Partials, attend_tile
+from ._splitk import LOG2E, Partials, attend_tile, finish_rows
 from .paged_attention import _check, scale_pools
 
 OP = "m3::sparse_paged_attention"
@@ -285,21 +285,6 @@ def _tile_rows(q_ptr, pos_ptr, sel_base, start, end, first, g, sq_t, sq_h, ss_t,
 
 
 @triton.jit
-def _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ: tl.constexpr,
-            DV: tl.constexpr, SPLITS: tl.constexpr):
-    """The rows' output (one split), or their partial (m, l, acc) for ``_splitk``'s merge."""
-    if SPLITS == 1:
-        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
-        tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
-    else:
-        r = (tok.to(tl.int64) * HQ + hq) * SPLITS + split
-        tl.store(m_ptr + r, m_i, mask=row_ok)
-        tl.store(l_ptr + r, l_i, mask=row_ok)
-        tl.store(acc_ptr + r[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & (dv[None, :] < DV))
-
-
-@triton.jit
 def _sparse_paged_attention(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
     sel_ptr, uni_ptr, cnt_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, num_seqs,
@@ -367,10 +352,10 @@ def _sparse_paged_attention(
                 allowed = wants_b[:, None] & kmask[None, :] & (j[None, :] <= pos_b[:, None])
                 m_b, l_b, acc_b = attend_tile(q_b, k, v, ks_rows, vs_rows, kmask, allowed, qk_scale, m_b, l_b, acc_b,
                                               FP8, PREC, INTERPRETED)
-        _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc_a, m_a, l_a, tok_a, hq_a, ok_a, split, so_t, so_h, dv, HQ, DV,
-                SPLITS)
-        _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc_b, m_b, l_b, tok_b, hq_b, ok_b, split, so_t, so_h, dv, HQ, DV,
-                SPLITS)
+        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc_a, m_a, l_a, tok_a, hq_a, ok_a, split, so_t, so_h, dv, HQ, DV,
+                    SPLITS)
+        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc_b, m_b, l_b, tok_b, hq_b, ok_b, split, so_t, so_h, dv, HQ, DV,
+                    SPLITS)
     else:
         rel, tok, hq, row_ok, pos, q, sel_rows = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, 0, g, sq_t, sq_h,
                                                             ss_t, G, G_PAD, TOKENS, ROWS, D, BLOCK_D, K, K_PAD)
@@ -421,8 +406,8 @@ def _sparse_paged_attention(
                     sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
                     BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED)
 
-        _finish(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
-                SPLITS)
+        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
+                    SPLITS)
 
 
 def forward(
