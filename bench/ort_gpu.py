@@ -207,22 +207,33 @@ def summarize_kernels(prof, steps: int, top: int = 15) -> dict:
                              "share": us / busy} for k, (n, us) in rows]}
 
 
-def profile_variant(art, provider, flavour, torch_be, pages: int, page: int, step, steps: int) -> dict:
-    """A fresh session of ``flavour`` with ONNX Runtime's profiler on (and torch's, for the GPU kernels, on CUDA):
-    two warm-up steps, then ``steps`` profiled ones of ``step(backend)``; the summaries of both profilers."""
+@contextlib.contextmanager
+def profiled_backend(art, provider, prefix: str, flavour: str | None = None, threads: int | None = None):
+    """An ``OnnxRuntimeBackend`` whose main session runs with ONNX Runtime's profiler on (its files under a
+    temporary folder, read with ``be._main.session.end_profiling()`` inside the block); closed on exit."""
     import onnxruntime as ort
 
     from m3export.plugins.onnxruntime.session import PagedSession
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    with contextlib.closing(OnnxRuntimeBackend(art, provider, flavour=flavour)) as be, \
-            tempfile.TemporaryDirectory(prefix="ort_profile_") as tmp:
+    kw = {} if flavour is None else {"flavour": flavour}
+    with contextlib.closing(OnnxRuntimeBackend(art, provider, threads=threads, **kw)) as be, \
+            tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "step")
+        if threads:
+            options.intra_op_num_threads = threads
         be._main.close()  # the backend's own session, replaced by the profiled one (closed with the backend)
-        be._main = PagedSession.from_artifact(art, "model", flavour=flavour, providers=be.provider, options=options)
+        be._main = PagedSession.from_artifact(art, "model", providers=be.provider, options=options, **kw)
+        yield be
+
+
+def profile_variant(art, provider, flavour, torch_be, pages: int, page: int, step, steps: int) -> dict:
+    """A fresh session of ``flavour`` with ONNX Runtime's profiler on (and torch's, for the GPU kernels, on CUDA):
+    two warm-up steps, then ``steps`` profiled ones of ``step(backend)``; the summaries of both profilers."""
+    with profiled_backend(art, provider, "ort_profile_", flavour=flavour) as be:
         be.allocate(pages, page)
         fill_ort_pools(be, torch_be)
         device = be.device

@@ -32,7 +32,6 @@ numbers for the `mini` bf16 graph of the same structure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import sys
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import decode_batch  # noqa: E402  (bench/decode.py: the decode step's batch)
-from ort_gpu import summarize_ort_profile, timed_ms  # noqa: E402  (bench/ort_gpu.py: median ms; ORT's profile)
+from ort_gpu import profiled_backend, summarize_ort_profile, timed_ms  # noqa: E402  (bench/ort_gpu.py)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
 BINDING_CALLS = ("bind_input", "bind_output", "bind_ortvalue_input", "bind_ortvalue_output", "get_outputs")
@@ -111,21 +110,7 @@ def attribute_nodes(events: list[dict], steps: int) -> dict:
 
 def profile_nodes(art, provider, threads, pages: int, page: int, step, steps: int) -> dict:
     """``attribute_nodes`` of ``steps`` steady steps (after two warm-up steps) in a fresh profiled session."""
-    import onnxruntime as ort
-
-    from m3export.plugins.onnxruntime.session import PagedSession
-    from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
-
-    with contextlib.closing(OnnxRuntimeBackend(art, provider, threads=threads)) as be, \
-            tempfile.TemporaryDirectory(prefix="ort_nodes_") as tmp:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tmp) / "step")
-        if threads:
-            options.intra_op_num_threads = threads
-        be._main.close()  # the backend's own session, replaced by the profiled one (closed with the backend)
-        be._main = PagedSession.from_artifact(art, "model", providers=be.provider, options=options)
+    with profiled_backend(art, provider, "ort_nodes_", threads=threads) as be:
         be.allocate(pages, page)
         for _ in range(2 + steps):
             step(be)
