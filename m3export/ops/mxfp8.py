@@ -70,3 +70,8 @@ def note_zero_scales(where: str, count: int) -> None:
 def zero_scales_loaded() -> dict[str, int]:
     """The scale tensors with byte 0 loaded in this process (``note_zero_scales``), with their counts."""
     return dict(_zero_scales)
+
+
+def zero_scales_seen() -> bool:
+    """Whether any scale tensor with byte 0 was loaded (the kernels ask this per launch: no copy of the record)."""
+    return bool(_zero_scales)

@@ -139,8 +139,8 @@ def check_mxfp8(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
 
 def mx_mode2_available(dtype: torch.dtype) -> bool:
     """``tl.dot_scaled`` takes bf16 activations and has no interpreter implementation; and it reads UE8M0 byte 0
-    as 0 (docs/ops.md §8: 2^-127), so not once weights with that byte are loaded (``mxfp8.zero_scales_loaded``)."""
-    return dtype == torch.bfloat16 and not triton.knobs.runtime.interpret and not mxfp8.zero_scales_loaded()
+    as 0 (docs/ops.md §8: 2^-127), so not once weights with that byte are loaded (``mxfp8.zero_scales_seen``)."""
+    return dtype == torch.bfloat16 and not triton.knobs.runtime.interpret and not mxfp8.zero_scales_seen()
 
 
 def check_mx_mode(mode: int, dtype: torch.dtype) -> None:
