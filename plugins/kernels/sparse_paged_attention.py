@@ -29,6 +29,7 @@ block), its page id is one scalar load instead of one per key.
 
 from __future__ import annotations
 
+import functools
 import torch
 import triton
 import triton.language as tl
@@ -159,6 +160,7 @@ def shared_memory_bound(rows: int, block_n: int, block_d: int, block_dv: int, st
     return stages * tiles * kv_bytes + widened + rows * block_d * q_bytes + _SHARED_SLACK
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of launch shape and device limit, asked per prefill call
 def fit_shared_memory(rows: int, block_n: int, block_d: int, block_dv: int, stages: int, q_bytes: int,
                       kv_bytes: int, fp8: bool, limit: int) -> tuple[int, int]:
     """(block_n, stages) whose ``shared_memory_bound`` fits ``limit``: the largest key tile (halving down to 16, a
