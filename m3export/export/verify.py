@@ -224,16 +224,15 @@ class _Comparison:
         """A cache pool after the step. FP8 pools (uint8 E4M3 codes in the graph, float8 in the reference): the
         codes of the rows this step wrote (``slots``; each row counted once), equal up to near-ties
         (``Agreement.update_codes``); their scale pools are float32 outputs compared whole, like any pool."""
+        if ref.dtype != kv_fp8.FP8:
+            self.close(name, got, ref)
+            return
 
         def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(-1, *t.shape[2:])
+            return t.reshape(-1, *t.shape[2:])[slots]
 
-        if ref.dtype != kv_fp8.FP8:
-            got_t = self.dtype.to_torch(got) if got.dtype == self.dtype.storage else torch.from_numpy(got)
-            self.report.outputs.setdefault(name, Stat()).update(rows(got_t.float()), rows(ref.float()))
-            return
         codes = self.report.cache_codes.setdefault(name, Agreement())
-        codes.update_codes(rows(torch.from_numpy(got))[slots], rows(ref.view(torch.uint8))[slots])
+        codes.update_codes(rows(torch.from_numpy(got)), rows(ref.view(torch.uint8)))
 
     def teacher(self, name: str, got: np.ndarray, batch, step: int):
         """The ``ChooseBlocks`` hook of one sparse layer: compares ONNX Runtime's selection ``got`` with the
