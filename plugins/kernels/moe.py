@@ -34,7 +34,7 @@ from triton import cdiv
 from . import moe_gemv
 from .moe_routing import ExpertBlocks, group_by_expert, route
 from .mxfp8_linear import (_INTERPRETED, _e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8, dot_acc,
-                           mx_mode2_available, use_f32_dot, weight_dot)
+                           mx_mode2_available, tile_dot, tile_scales, use_f32_dot, weight_dot)
 
 OP = "m3::moe"
 
@@ -100,18 +100,13 @@ def _e4m3_tile_bf16(w, s):
     * the NaN codes 0x7F / 0xFF get an all-ones exponent (their mantissa bits are already non-zero)."""
     BN: tl.constexpr = w.shape[0]
     BK: tl.constexpr = w.shape[1]
-    u8 = w.to(tl.uint8, bitcast=True)
-    if _INTERPRETED:  # the same construction one element at a time (no PTX) in fp32, whose bias differs from
-        # E4M3's by 120 too; Triton 3.6's interpreter multiplies bf16 wrongly and flushes bf16 subnormals. The fp32
-        # product is exact, so ``cast``'s one rounding is the GPU's.
-        u = u8.to(tl.uint32)
-        mag = u & 0x7F
-        bits = ((u & 0x80) << 24) | (mag << 20)
-        v = tl.where(mag == 0x7F, bits | 0x7F800000, bits).to(tl.float32, bitcast=True)
-        v = v * 1.329227995784916e36  # 2^120
-        out = cast(tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * _scale_value(s)[:, :, None], (BN, BK)),
-                   tl.bfloat16)
+    if _INTERPRETED:  # no PTX here: the value it computes, in fp32 (Triton 3.6's interpreter multiplies bf16
+        # wrongly and flushes bf16 subnormals); an E4M3 value times 2^(s - 127) is exact in fp32 (the smallest,
+        # 2^-9 x 2^-127, is above fp32's least subnormal), so ``cast``'s one rounding is the GPU's.
+        out = cast(tl.reshape(tl.reshape(_e4m3_value(w), (BN, BK // 32, 32)) * _scale_value(s)[:, :, None],
+                              (BN, BK)), tl.bfloat16)
     else:  # four codes per 32-bit register, two bf16 per output register; packed bf16 multiplies
+        u8 = w.to(tl.uint8, bitcast=True)
         v = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,=r,r", [u8], dtype=tl.bfloat16, is_pure=True, pack=4)
         v = v * tl.full((1, 1), 0x7B80, tl.uint16).to(tl.bfloat16, bitcast=True)  # 2^120 (exponent field 247)
         b = s.to(tl.uint16)
@@ -123,25 +118,16 @@ def _e4m3_tile_bf16(w, s):
 @triton.jit
 def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.constexpr, MX_MODE: tl.constexpr,
               F32: tl.constexpr, PREC: tl.constexpr):
-    """acc += x [BM, BK] @ w^T for a weight tile [BN, BK] already loaded (the TMA path): ``weight_dot``'s bf16 and
-    MX_MODE 1 / 2 branches (``mxfp8_linear.py``) after its load, and MX_MODE 3 (``_e4m3_tile_bf16``, bf16
-    activations); ``s_rows`` [BN] address the rows' scales. MX_MODE 3 computes the transposed product (acc^T +=
-    w @ x^T) as ``tl.dot_scaled``'s lowering does on sm_90: the converted weights are then the MMA's register
-    operand and the block's rows its N, instead of a round trip through shared memory."""
-    if not MXFP8:
-        acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
+    """acc += x [BM, BK] @ w^T for a weight tile [BN, BK] already loaded (the TMA path): ``mxfp8_linear.tile_dot``
+    (bf16 weights, MX_MODE 1 / 2), and MX_MODE 3 (``_e4m3_tile_bf16``, bf16 activations); ``s_rows`` [BN] address
+    the rows' scales. MX_MODE 3 computes the transposed product (acc^T += w @ x^T) as ``tl.dot_scaled``'s lowering
+    does on sm_90: the converted weights are then the MMA's register operand and the block's rows its N, instead of
+    a round trip through shared memory."""
+    if MXFP8 and MX_MODE == 3:
+        s = tile_scales(s_rows, k0, ss_k, r_ok, K, w.shape[1])
+        acc = tl.trans(dot_acc(_e4m3_tile_bf16(w, s), tl.trans(x), tl.trans(acc), F32, PREC))
     else:
-        BN: tl.constexpr = w.shape[0]
-        BK: tl.constexpr = w.shape[1]
-        g = k0 // 32 + tl.arange(0, BK // 32)
-        s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=r_ok[:, None] & (g[None, :] < K // 32), other=127)
-        if MX_MODE == 2:
-            acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
-        elif MX_MODE == 3:
-            acc = tl.trans(dot_acc(_e4m3_tile_bf16(w, s), tl.trans(x), tl.trans(acc), F32, PREC))
-        else:
-            w3 = tl.reshape(_e4m3_value(w), (BN, BK // 32, 32)) * _scale_value(s)[:, :, None]
-            acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BK)), x.dtype)), acc, F32, PREC)
+        acc = tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K, MXFP8, MX_MODE, F32, PREC)
     return acc
 
 

@@ -68,25 +68,43 @@ def weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BL
     1: one scale per 32 columns loaded as a [BN, BLOCK_K / 32] tile and broadcast over a reshaped tile;
     2: ``tl.dot_scaled`` (bf16 activations only; Triton lowers it to the same upcast on sm_90; not available
        under the interpreter).
+    Modes 1 and 2 and bf16 weights are ``tile_dot`` on the loaded tile (the MoE kernels' TMA path shares it).
     """
     k = k0 + tl.arange(0, BLOCK_K)
     mask = n_ok[:, None] & (k[None, :] < K)
     w = tl.load(w_rows[:, None] + k[None, :] * sw_k, mask=mask, other=0.0)
     # One return at the end: Triton compiles the code after a return inside a constexpr branch too.
-    if not MXFP8:
-        acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
-    elif MX_MODE == 0:
+    if MXFP8 and MX_MODE == 0:
         s = tl.load(s_rows[:, None] + (k[None, :] // 32) * ss_k, mask=mask, other=127)
         acc = dot_acc(x, tl.trans(cast(_e4m3_value(w) * _scale_value(s), x.dtype)), acc, F32, PREC)
     else:
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s = tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=n_ok[:, None] & (g[None, :] < K // 32), other=127)
+        acc = tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, K, MXFP8, MX_MODE, F32, PREC)
+    return acc
+
+
+@triton.jit
+def tile_scales(s_rows, k0, ss_k, n_ok, K: tl.constexpr, BK: tl.constexpr):
+    """The UE8M0 scales [BN, BK / 32] of a weight tile's rows (``s_rows``) at columns k0 .. k0 + BK."""
+    g = k0 // 32 + tl.arange(0, BK // 32)
+    return tl.load(s_rows[:, None] + g[None, :] * ss_k, mask=n_ok[:, None] & (g[None, :] < K // 32), other=127)
+
+
+@triton.jit
+def tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, K: tl.constexpr, MXFP8: tl.constexpr, MX_MODE: tl.constexpr,
+             F32: tl.constexpr, PREC: tl.constexpr):
+    """acc += x [BM, BK] @ w^T for a weight tile w [BN, BK] already loaded: bf16 / fp32 weights, or MXFP8 with
+    MX_MODE 1 or 2 (``weight_dot``); ``s_rows`` [BN] address the rows' scales."""
+    if not MXFP8:
+        acc = dot_acc(x, tl.trans(cast(w, x.dtype)), acc, F32, PREC)
+    else:
+        BN: tl.constexpr = w.shape[0]
+        BK: tl.constexpr = w.shape[1]
+        s = tile_scales(s_rows, k0, ss_k, n_ok, K, BK)
         if MX_MODE == 2:
             acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
         else:
-            BN: tl.constexpr = w.shape[0]
-            w3 = tl.reshape(_e4m3_value(w), (BN, BLOCK_K // 32, 32)) * _scale_value(s)[:, :, None]
-            acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BLOCK_K)), x.dtype)), acc, F32, PREC)
+            w3 = tl.reshape(_e4m3_value(w), (BN, BK // 32, 32)) * _scale_value(s)[:, :, None]
+            acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, (BN, BK)), x.dtype)), acc, F32, PREC)
     return acc
 
 
