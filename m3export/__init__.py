@@ -26,13 +26,10 @@ def load_model(path_or_preset, device="cpu", dtype=None, **kwargs):
     per process; the references stay the CPU implementation and the definition of truth), and each attention
     layer's input projections share one weight buffer (``M3ForCausalLM.fuse_projections``)."""
     from .checkpoint.loader import load_model as _load
+    from .model import fusion
 
     model = _load(path_or_preset, device=device, dtype=dtype, **kwargs)
-    if str(device).startswith("cuda"):
-        from m3export.plugins.kernels import use_on
-
-        if use_on(device):
-            model.fuse_projections()
+    fusion.serve_on(model, device)
     return model
 
 

@@ -32,3 +32,17 @@ def use_fused_kernels(x: torch.Tensor, inplace: bool) -> bool:
     """Whether this call (activations ``x``; ``inplace``: a runtime step that may update its pools in place) runs
     the fused kernels."""
     return bool(inplace) and kernels_serve(x)
+
+
+def serve_on(model, device) -> bool:
+    """Where a model is put on ``device`` (``m3export.load_model``, the torch backend): on CUDA the Triton kernels
+    become the ops' implementation (``use_on``) and, where they serve, each layer's input projections are fused
+    into one launch (``M3ForCausalLM.fuse_projections``; idempotent). Returns whether the kernels serve."""
+    if torch.device(device).type != "cuda":
+        return False
+    from m3export.plugins.kernels import use_on
+
+    serving = use_on(device)
+    if serving:
+        model.fuse_projections()
+    return serving

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from m3export.model import M3ForCausalLM
+from m3export.model import M3ForCausalLM, fusion
 from m3export.model.batch import Batch
 from m3export.model.media import place_rows
 
@@ -23,11 +23,7 @@ class TorchBackend(Backend):
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.dtype = cache_dtype or model.lm_head.weight.dtype
-        if self.device.type == "cuda":
-            from m3export.plugins.kernels import use_on
-
-            if use_on(self.device):  # kernels serve the ops: each layer's input projections become one launch
-                model.fuse_projections()
+        fusion.serve_on(model, self.device)  # CUDA: the kernels serve the ops, each layer's projections one launch
         self._caches: list | None = None
         self._mtp_caches: list | None = None
 
