@@ -116,8 +116,7 @@ class MTPDrafter(Drafter):
         self.ensure_pages = ensure_pages
         self.num_modules = backend.num_mtp_modules
         self.max_drafts = num_speculative_tokens
-        self.modules_used = self.num_modules if num_speculative_tokens is None else \
-            max(1, min(self.num_modules, num_speculative_tokens))
+        self.modules_used = modules_used(self.num_modules, num_speculative_tokens)
 
     def cached_len(self, req: Request) -> int:
         return req.num_mtp_computed
@@ -291,6 +290,12 @@ class ChainPlan(NamedTuple):
     q: int
     k: int
     calls: tuple[tuple[int, int, int], ...]
+
+
+def modules_used(num_modules: int, num_speculative_tokens: int | None) -> int:
+    """How many of ``num_modules`` MTP modules a drafter of ``num_speculative_tokens`` drafts runs: all of them
+    when None, else one per draft, at least one and at most all (the drafter, and the graphs captured for it)."""
+    return num_modules if num_speculative_tokens is None else max(1, min(num_modules, num_speculative_tokens))
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of four small ints, asked once per round

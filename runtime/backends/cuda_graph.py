@@ -546,9 +546,9 @@ class GraphedTorchBackend(TorchBackend):
                             inputs = self.padded_inputs(ids, empty, key, rows, hidden[:0])
                             self._run(key, self._mtp_step(module, inputs, wanted))
             if chain_drafts and mtp_modules and self.mtp_graphs:
-                from ..drafter import chain_plan
+                from ..drafter import chain_plan, modules_used
 
-                used = max(1, min(self.num_mtp_modules, chain_drafts))  # the drafter's modules_used
+                used = modules_used(self.num_mtp_modules, chain_drafts)
                 for k in range(1, chain_drafts + 1):  # fewer drafts: a request near its max_tokens
                     for q in range(1, min(chain_drafts + 1, self._page_size - k + 1) + 1):
                         key = ("chain", bucket, chain_plan(q, k, self.num_mtp_modules, used))
