@@ -60,11 +60,11 @@ def test_a_fill_writes_the_static_inputs_in_one_copy(trained, monkeypatch, batch
     per_fill = []
     fill = DecodeInputs.fill
 
-    def counted(self, input_ids, batch_, logits_indices, hidden=None):
+    def counted(self, input_ids, batch_, logits_indices, hidden=None, **kw):
         with StaticWrites(_integer_storages(self)) as ints:
             with StaticWrites({self.hidden.untyped_storage().data_ptr()} if self.hidden is not None else set()) \
                     as hid:
-                fill(self, input_ids, batch_, logits_indices, hidden)
+                fill(self, input_ids, batch_, logits_indices, hidden, **kw)
             self.upload()  # what the step does first (again there: the same image, the same values)
         # ids holding drafts that stayed on the device are queued into the host image; on the CPU none is "on the
         # device", so every integer input arrives in the one copy of the host image.

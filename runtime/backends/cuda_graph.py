@@ -195,7 +195,7 @@ class DecodeInputs:
         rows = bucket * q
         device = torch.device(device)
         self.hidden = None if hidden is None else torch.zeros(rows, hidden[0], dtype=hidden[1], device=device)
-        self._hidden_rows = 0  # rows of ``hidden`` that hold a step's values (past them: zeros)
+        self._hidden_seqs = 0  # sequences whose ``hidden`` rows hold a step's values (past them: zeros)
         n_logits = rows if logits_rows is None else logits_rows
         # (name, shape, dtype) of each field in the buffer: the int64 ones first, so every view is aligned.
         fields = [("input_ids", (rows,), torch.int64), ("logits_indices", (n_logits,), torch.int64),
@@ -238,13 +238,15 @@ class DecodeInputs:
         )
 
     def fill(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
-             hidden: torch.Tensor | None = None) -> None:
+             hidden: torch.Tensor | None = None, kept: int | None = None) -> None:
         """Copy a step of B <= bucket sequences of q tokens each in (from the host or the device); the rest becomes
         scratch-page padding. ``logits_indices``: at most as many rows as the graph computes (past them: padding
         rows), or none. Host values are written into the staging image (numpy, no torch operation); a value
         already on the device (ids holding drafts that stayed there) is one queued copy into it, an MTP
-        module's hidden states one device copy. The image reaches the device in the step itself (``upload``)."""
-        t, w = input_ids.shape[0], batch.block_tables.shape[1]
+        module's hidden states one device copy. The image reaches the device in the step itself (``upload``).
+        ``kept``: ``hidden`` holds each sequence's first ``kept`` positions only (a replayed MTP chain, whose graph
+        writes the rest); default all q."""
+        w = batch.block_tables.shape[1]
         if w > self.batch.block_tables.shape[1]:
             raise ValueError(f"block table of {w} pages is wider than the captured {self.batch.block_tables.shape[1]}")
         if self._uploaded is not None:
@@ -257,12 +259,14 @@ class DecodeInputs:
                 _head(self._host[name], value)[...] = value.numpy()
             else:
                 self._stage_from_device(name, value)
-        if self.hidden is not None and hidden is not None:  # None: the caller places its hidden rows itself
-            if t:
-                self.hidden[:t].copy_(hidden)
-            if self._hidden_rows > t:  # rows a longer step filled before: padding rows read zeros again
-                self.hidden[t:self._hidden_rows].zero_()
-            self._hidden_rows = t
+        if self.hidden is not None and hidden is not None:
+            b, kept = batch.seq_lens.shape[0], self.q if kept is None else kept
+            rows = self.hidden.view(self.bucket, self.q, self.hidden.shape[-1])
+            if b:
+                rows[:b, :kept].copy_(hidden.reshape(b, kept, -1))
+            if self._hidden_seqs > b:  # sequences a larger step filled before: padding rows read zeros again
+                rows[b:self._hidden_seqs].zero_()
+            self._hidden_seqs = b
         # query_start_loc is arange(0, bucket * q + 1, q) for every such step.
 
     def _stage_from_device(self, name: str, value: torch.Tensor) -> None:
@@ -454,21 +458,14 @@ class GraphedTorchBackend(TorchBackend):
 
     def _chain_inputs(self, key: tuple, input_ids, batch: Batch, hidden) -> DecodeInputs:
         """The static inputs of chain shape ``key`` filled with a round (its hidden rows at each sequence's first
-        q positions; rows of sequences a larger round filled before are zeroed, as ``DecodeInputs.fill`` does)."""
+        q positions, ``DecodeInputs.fill``'s ``kept``)."""
         bucket, plan = key[1], key[2]
         q, span, h = plan.q, plan.q + plan.k - 1, hidden.shape[-1]
         if key not in self._inputs:
             self._inputs[key] = DecodeInputs(bucket, span, self._table_width, self._scratch_page, self._page_size,
                                              self.device, (h, hidden.dtype), logits_rows=0)
         inputs = self._inputs[key]
-        inputs.fill(input_ids, batch, input_ids[:0])
-        b = batch.seq_lens.shape[0]
-        rows = inputs.hidden.view(bucket, span, h)
-        if b:
-            rows[:b, :q].copy_(hidden.reshape(b, q, h))
-        if inputs._hidden_rows > b:
-            rows[b:inputs._hidden_rows].zero_()
-        inputs._hidden_rows = b
+        inputs.fill(input_ids, batch, input_ids[:0], hidden, kept=q)
         return inputs
 
     def _chain_index(self, bucket: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
