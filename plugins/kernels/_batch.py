@@ -65,6 +65,38 @@ def splits_for(device: torch.device, programs: int, most: int, waves: int = _WAV
     return max(1, min(most, cdiv(waves * num_sms(device), max(1, programs))))
 
 
+
+# Ticket counters of "the last program to finish does the rest" launches (``ticket_counters``), per device; every
+# buffer ever handed out stays referenced (a CUDA graph captured with a smaller one keeps its address).
+_TICKETS: dict = {}
+_OUTGROWN: list = []
+_MIN_TICKETS = 1 << 14
+
+
+def ticket_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A device buffer of at least ``n`` int32 counters, all 0, for launches whose programs take a ticket
+    (``tl.atomic_add(counter, 1, sem="acq_rel")`` after their stores) so that the last one of a group to finish
+    finishes the group's work, and then puts its counter back to 0 (``tl.atomic_xchg(counter, 0)``). So the buffer
+    is zero between launches without a host-side reset per call, and a CUDA graph replays the launch as is.
+
+    One buffer per device, allocated (zeroed) on first use and grown outside graph capture only: during a capture a
+    new buffer would come from the graph's private pool and outlive it here, so a capture that needs more counters
+    than a launch before it did is refused (a warm-up call before capturing, as every capture here makes, sizes
+    it). Launches that take tickets on one device must be ordered (one stream), as a model step's are; two
+    concurrent launches on two streams of one device would share counters."""
+    key = (device.type, device.index)
+    buf = _TICKETS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"ticket_counters: {n} counters on {device} not allocated before CUDA graph capture "
+                               f"(have {0 if buf is None else buf.numel()}); run the launch once before capturing")
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = torch.zeros(max(_MIN_TICKETS, next_pow2(n)), dtype=torch.int32, device=device)
+        _TICKETS[key] = buf
+    return buf
+
+
 @triton.jit
 def sequence_of(qsl_ptr, t, num_seqs, LOG2_SEQS: tl.constexpr):
     """The sequence token ``t`` belongs to: the largest b < num_seqs with query_start_loc[b] <= t (a binary

@@ -32,6 +32,8 @@ import triton.language as tl
 
 from triton import cdiv
 from . import moe_gemv
+from ._tma import descriptor_memory as _descriptor_memory  # noqa: F401  (the tests read it here)
+from ._tma import ensure_descriptor_allocator as _ensure_descriptor_allocator
 from .moe_routing import ExpertBlocks, group_by_expert, route
 from .mxfp8_linear import (_INTERPRETED, _e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8, dot_acc,
                            mx_mode2_available, tile_dot, tile_scales, use_f32_dot, weight_dot)
@@ -397,24 +399,6 @@ def tma_unusable(weights: "list[_Weights]") -> str | None:
             return (f"TMA needs contiguous weight rows with 16-byte aligned base and strides, got shape "
                     f"{tuple(w.w.shape)} strides {w.w.stride()} ({w.w.dtype})")
     return None
-
-
-def _descriptor_memory(size: int, alignment: int, stream) -> torch.Tensor:
-    """Triton's global-memory allocator for the tensor descriptors the TMA kernels make on the device: on the
-    current CUDA device at launch time, which is the device Triton launches on (a process that drives several GPUs,
-    or a torch.distributed rank, gets its descriptors next to the kernel, never on the device of the first call).
-    torch's caching allocator aligns to 512 bytes (Triton asks for 128 at most) and orders the reuse of the block
-    on the current stream, the stream Triton launches on."""
-    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
-
-
-def _ensure_descriptor_allocator() -> None:
-    """Install ``_descriptor_memory`` as Triton's allocator unless one is set. Triton keeps it in a context
-    variable (per thread), so each thread that launches gets it on its first TMA launch."""
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_descriptor_memory)
 
 
 def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
