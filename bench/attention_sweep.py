@@ -343,6 +343,11 @@ class Sweep:
             return self.LI.block_topk(scores, pos, *attrs, config=cfg)
 
         def run_scan(settings):
+            if settings.get("fold_topk"):  # the top-k runs inside this launch: time the op (scan + top-k)
+                fn = lambda *s: self.LI.forward(iq, self.ikc, *s, *attrs, config={"scan": settings})  # noqa: E731
+                ok, detail = self.check_selection(fn(*sets[0])[:n], ref, iq[:n], first)
+                return (self.graph_time(fn, sets), scan_bytes, 2 * bsz * dm["hi"] * ctx * dm["di"], ok, detail,
+                        {"includes_topk": True})
             fn = scan({"scan": settings})
             ok, detail = self.check_selection(topk(fn(*sets[0]), None)[:n], ref, iq[:n], first)
             return (self.graph_time(fn, sets), scan_bytes, 2 * bsz * dm["hi"] * ctx * dm["di"], ok, detail, None)
@@ -428,8 +433,8 @@ class Sweep:
                             num_stages=int(k.metadata.num_stages),
                             per_sm_by_shared=233472 // (shared + 1024),
                             per_sm_by_registers=65536 // (regs * 32 * warps) if regs else None,
-                            constexprs={n: consts[n] for n in ("TOKENS", "ROWS", "BLOCK_N", "SPLITS", "LOOP", "BS")
-                                        if n in consts}))
+                            constexprs={n: consts[n] for n in ("TOKENS", "ROWS", "BLOCK_N", "SPLITS", "LOOP", "BS",
+                                                               "TMA", "STAGES", "FOLD") if n in consts}))
                     except Exception as e:  # noqa: BLE001  (an attribute this Triton does not have)
                         rows.append(dict(kernel=getattr(k, "name", "?"), error=f"{type(e).__name__}: {e}"[:200]))
         self.res["compiled_kernels"] = rows

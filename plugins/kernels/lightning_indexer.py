@@ -7,7 +7,8 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
    a time (read straight from the paged pool through the block table). Each tile of scores is reduced on chip to
    the max of every ``block_size`` keys (causally masked per row), and only those block maxima reach memory
    (1/block_size of the token scores). The context is cut into a fixed number of splits chosen from shapes, so
-   one decode batch shape is one launch shape whatever the lengths (CUDA-graph safe).
+   one decode batch shape is one launch shape whatever the lengths (CUDA-graph safe). Key tiles come by gathering
+   rows through the block table, or (``loads="tma"``) one page-sized tile per bulk tensor copy in a pipelined loop.
 2. ``_block_topk``: one program per (token, head) over at most ``ceil(max_pages * page_size / block_size)``
    blocks: forced blocks (local / init) as +inf, blocks after the token's own as -inf, then ``topk`` rounds of
    "largest value, lowest id among equals": exactly the reference's stable descending order; -inf -> -1.
@@ -15,6 +16,7 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
    one int64 key per block, (order-preserving bits of the score) << 32 | (NB_PAD - 1 - id): keys are distinct and
    their descending order is "larger score first, lower id among equal scores" (0.0 and -0.0 made one value
    first, as float comparison has them equal).
+   With ``fold_topk`` the scan's last program per query tile (an atomic ticket) runs this top-k itself: one launch.
 
 Launch parameters are the table ``DEFAULTS``; ``forward(..., config=...)`` overrides entries of it (how
 ``bench/attention.py --sweep`` times the alternatives in one run). Every entry keeps the op's exact result.
@@ -27,59 +29,74 @@ import triton
 import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, query_tiles,
-                     sequence_of, splits_for, tokens_per_tile)
+                     sequence_of, splits_for, ticket_counters, tokens_per_tile)
 from ._fp8 import widen
+from ._tma import ensure_descriptor_allocator
 
 OP = "m3::lightning_indexer"
 
 DEFAULTS = {
-    # block_n: key tile (raised to block_size when blocks are longer: a tile never splits a block);
-    # waves: programs per multiprocessor the context splits aim for; max_splits: most splits of one tile's
+    # block_n: key tile (gather: raised to block_size when blocks are longer, a tile never splits a block; tma:
+    # lowered to the page, a tile never crosses a page, and a longer block keeps its max across its tiles);
+    # loads: "gather" (each key row's address from its page id, cp.async) or "tma" (one bulk tensor copy per
+    # page-sized tile; pools a descriptor cannot address, ``tma_usable``, are gathered); fold_topk: 1 runs the
+    # block top-k in the scan launch (``forward`` only; ``scan`` alone never folds); waves: programs per multiprocessor the context splits aim for; max_splits: most splits of one tile's
     # context (the launch has slots x splits programs); min_split_tiles: when > 0, no more splits than
     # ceil(key tiles of the widest block table / min_split_tiles) (a shape, so still one launch per batch
     # shape), so short contexts do not launch programs that find no key.
     # H200 sweep 2026-11-30 22:12 UTC: "n64-w4-s3-waves4-max1024" 0.94x the earlier defaults' time; top-k
     # "bitonic-w4" 0.61x.
-    "scan": dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0),
+    "scan": dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0, loads="gather",
+                 fold_topk=0),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys).
     "topk": dict(method="bitonic", num_warps=4),
 }
 
 
-def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0):
+def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, loads="gather", fold_topk=0):
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, waves=waves, max_splits=max_splits,
-                min_split_tiles=min_split_tiles)
+                min_split_tiles=min_split_tiles, loads=loads, fold_topk=fold_topk)
 
 
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
-# tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (n: key tile, w:
-# warps, s: stages, waves, max: most splits, min: min_split_tiles; topk: method, w: warps; the test derives every
-# name from its settings), so a change of DEFAULTS renames nothing; a part's winner is copied into DEFAULTS by
-# hand (the sweep skips a variant equal to the defaults).
+# tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (tma: key tiles by
+# tensor descriptor; n: key tile, w: warps, s: stages, waves, max: most splits, min: min_split_tiles, fold: the
+# top-k inside the scan launch; topk: method, w: warps; the test derives every name from its settings), so a
+# change of DEFAULTS renames nothing; a part's winner is copied into DEFAULTS by hand (the sweep skips a variant
+# equal to the defaults).
 #
 # Scan at batch 1 / 128k on the H200 (59 % of copy bandwidth; 71 % at batch 8 / 32k): blocks of 128 keys raise every
 # key tile to 128 (n64 runs as n128 there), so the launch reads 1024 tiles of 32 KB (33.5 MB) from one query tile. The
-# defaults' 4 waves ask for 528 splits: 2 tiles each, 512 programs with work (the launcher now drops the 16 empty
-# ones); at 64-96 KB of shared memory in 3 stages (an estimate: 2-3 buffered key tiles) two or three programs fit on
-# an SM, so 264-396 run at once, in about two waves of programs that are nearly all start (sequence, position, query,
-# block table, then the first key tile: dependent loads) and no steady streaming. The old defaults (256 splits of 4
-# tiles, one wave) were slower still (54 %), so the variants below try the other corners: 2 stages (32-64 KB: three or
-# more per SM) with 342 splits of 3 tiles (all resident at once) or 1024 splits of one tile (short programs, ~2.6
-# waves, each one's start hidden under the others' streaming), and 128 long programs of 8 tiles in 4 stages (one per
-# SM, three tiles in flight).
+# defaults' 4 waves ask for 528 splits: 2 tiles each, 512 programs with work. What sm_90 compiles (Triton 3.6's
+# ptxas on the CPU machine, 2026-12-01; the JSON's ``compiled_kernels`` says the same on the H200): the gather loop
+# holds ONE key tile buffer whatever num_stages says (37 KB of shared memory at s2, s3 and s4; 86-92 registers),
+# because Triton's pipeliner splits the stages between the two chained loads (page ids, then keys) and gives each
+# (num_stages - 2) / 2 buffers, rounded up: one tile in flight per program, the next copy issued only after the
+# current tile is read. The "tma" loads keep that chain (a page id, then one bulk copy of the page's tile), so
+# their buffers are num_stages 6 / 8 / 10 -> 2 / 3 / 4 tiles (70 / 103 / 135 KB with 128-key tiles, 89-94
+# registers), i.e. 3 / 2 / 1 programs per SM; "tma" splits cut the context into runs of whole tiles that differ by
+# at most one tile (132 programs of 7-8 tiles at waves 1), so each SM ramps up once and streams 3-4 tiles deep.
+# The gather loop at s8 gets 3 buffers the same way. "fold": the last program of a query tile runs the block
+# top-k over the tile's block maxima (an atomic ticket per query tile; ``_batch.ticket_counters``): one launch
+# instead of two per layer; its sweep row times scan + top-k (``bench/attention_sweep.py``), to be read against
+# the scan row plus the top-k row of the same shape.
 VARIANTS = {
     "scan": {
         "n64-w4-s3-waves2-max256": _scan(64, 4, 3, 2, 256),  # the defaults before 2026-11-30 22:12
         "n64-w4-s3-waves4-max1024": _scan(64, 4, 3, 4, 1024),
         "n64-w4-s3-waves8-max1024-min2": _scan(64, 4, 3, 8, 1024, 2),
-        "n64-w4-s3-waves2-max256-min4": _scan(64, 4, 3, 2, 256, 4),
         "n256-w4-s3-waves4-max1024": _scan(256, 4, 3, 4, 1024),
-        "n64-w8-s3-waves4-max1024": _scan(64, 8, 3, 4, 1024),
         "n64-w4-s4-waves4-max1024-min2": _scan(64, 4, 4, 4, 1024, 2),
-        # aimed at batch 1 / 128k (above)
         "n128-w4-s2-waves3-max1024": _scan(128, 4, 2, 3, 1024),
         "n128-w4-s2-waves8-max1024": _scan(128, 4, 2, 8, 1024),
-        "n128-w4-s4-waves1-max1024": _scan(128, 4, 4, 1, 1024),
+        # 2026-12-01: a deeper gather pipeline, TMA key tiles in runs of one or two programs per SM, the fold
+        "n128-w4-s8-waves2-max1024": _scan(128, 4, 8, 2, 1024),
+        "tma-n128-w4-s10-waves1-max1024": _scan(128, 4, 10, 1, 1024, loads="tma"),
+        "tma-n128-w4-s8-waves2-max1024": _scan(128, 4, 8, 2, 1024, loads="tma"),
+        "tma-n128-w4-s6-waves3-max1024": _scan(128, 4, 6, 3, 1024, loads="tma"),
+        "tma-n64-w4-s10-waves2-max1024": _scan(64, 4, 10, 2, 1024, loads="tma"),
+        "tma-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma", fold_topk=1),
+        "n64-w4-s3-waves4-max1024-fold": _scan(64, 4, 3, 4, 1024, fold_topk=1),
     },
     "topk": {
         "rounds-w4": dict(method="rounds", num_warps=4),  # the defaults before 2026-11-30 22:12
@@ -94,11 +111,20 @@ VARIANTS = {
 @triton.jit
 def _index_scan(
     q_ptr, k_ptr, ks_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
-    num_seqs, sq_t, sq_h, sk_p, sk_r, sks_p, sks_r, sbt_b, so_t, so_h,
+    cnt_ptr, sel_ptr, num_seqs, num_rows, sq_t, sq_h, sk_p, sk_r, sks_p, sks_r, sbt_b, so_t, so_h, ssel_t, ssel_h,
     FP8: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr = False,
+    STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB: tl.constexpr = 1, NB_PAD: tl.constexpr = 2,
+    TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 2, LOCAL: tl.constexpr = 0, INIT: tl.constexpr = 0,
+    METHOD: tl.constexpr = "bitonic",
 ):
+    """TMA: key tiles of BLOCK_N keys (<= PAGE, so one page each) copied by a device-made tensor descriptor over the
+    pool viewed [pages * PAGE, D], in a loop pipelined STAGES deep; the context is cut into SPLITS runs of whole
+    groups (max(BLOCK_N, BS) keys) of sizes differing by at most one, and a block longer than the tile keeps its
+    running max across its tiles. FOLD: after its stores every program takes a ticket on its query tile's
+    counter; the last of the tile's SPLITS programs puts the counter back to 0 and runs the block top-k of the
+    tile's rows on the block maxima (as ``_block_topk``)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     if TOKENS == 1:  # one program per token (decode-like batches): its sequence by binary search
@@ -117,33 +143,113 @@ def _index_scan(
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
     last = tl.max(pos, axis=0)  # keys 0..last are all this tile reads (-1: an unused slot)
 
-    n_tiles = (last + BLOCK_N) // BLOCK_N
-    per = (n_tiles + SPLITS - 1) // SPLITS
-    lo = split * per
-    hi = tl.minimum(lo + per, n_tiles)
-
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
     own = pos // BS
-    NB_TILE: tl.constexpr = BLOCK_N // BS
     out_row = out_ptr + tok.to(tl.int64) * so_t + head * so_h
-    for it in range(lo, hi):
-        j = it * BLOCK_N + tl.arange(0, BLOCK_N)
-        kmask = j <= last
-        page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_b + j // PAGE, mask=kmask, other=0).to(tl.int64)
-        k = tl.load(k_ptr + page[:, None] * sk_p + (j % PAGE)[:, None] * sk_r + d[None, :],
-                    mask=kmask[:, None] & (d[None, :] < D), other=0.0)
-        if FP8:  # E4M3 keys: the dot on the exact values, each key's scale on its score column
-            k = widen(k, q_ptr.dtype.element_ty)
-            ks = tl.load(ks_ptr + page * sks_p + (j % PAGE) * sks_r, mask=kmask, other=0.0)
-            s = mma(q, tl.trans(k), PREC, INTERPRETED) * ks[None, :]
-        else:
-            s = mma(q, tl.trans(k), PREC, INTERPRETED)
-        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
-        bmax = tl.max(tl.reshape(s, (ROWS, NB_TILE, BS)), axis=2)
-        c = it * NB_TILE + tl.arange(0, NB_TILE)
-        tl.store(out_row[:, None] + c[None, :], bmax, mask=row_ok[:, None] & (c[None, :] <= own[:, None]))
+    if TMA:
+        GROUP: tl.constexpr = BLOCK_N if BLOCK_N > BS else BS  # what a split never cuts: whole tiles, whole blocks
+        SUBS: tl.constexpr = GROUP // BLOCK_N  # key tiles per block (1 when a tile holds whole blocks)
+        NB_TILE: tl.constexpr = BLOCK_N // BS if BLOCK_N > BS else 1
+        units = (last + GROUP) // GROUP
+        lo = (split * units) // SPLITS * SUBS
+        hi = ((split + 1) * units) // SPLITS * SUBS
+        desc = tl.make_tensor_descriptor(k_ptr, shape=[num_rows, D], strides=[sk_r, 1], block_shape=[BLOCK_N, BLOCK_D])
+        run = tl.full((ROWS,), float("-inf"), tl.float32)  # a block longer than the tile: its max so far
+        for it in tl.range(lo, hi, num_stages=STAGES):
+            j0 = it * BLOCK_N
+            # a tile past the last key (the rest of the last block) reads page 0's first rows, all masked below
+            page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_b + j0 // PAGE, mask=j0 <= last, other=0)
+            k = desc.load([page * PAGE + j0 % PAGE, 0])
+            j = j0 + tl.arange(0, BLOCK_N)
+            if FP8:
+                k = widen(k, q_ptr.dtype.element_ty)
+                ks = tl.load(ks_ptr + page.to(tl.int64) * sks_p + (j % PAGE) * sks_r, mask=j <= last, other=0.0)
+                s = mma(q, tl.trans(k), PREC, INTERPRETED) * ks[None, :]
+            else:
+                s = mma(q, tl.trans(k), PREC, INTERPRETED)
+            s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+            if SUBS == 1:
+                bmax = tl.max(tl.reshape(s, (ROWS, NB_TILE, BS)), axis=2)
+                c = it * NB_TILE + tl.arange(0, NB_TILE)
+                tl.store(out_row[:, None] + c[None, :], bmax, mask=row_ok[:, None] & (c[None, :] <= own[:, None]))
+            else:
+                run = tl.maximum(run, tl.max(s, axis=1))
+                done = it % SUBS == SUBS - 1
+                blk = it // SUBS
+                tl.store(out_row + blk, run, mask=row_ok & (blk <= own) & done)
+                run = tl.where(done, float("-inf"), run)
+    else:
+        n_tiles = (last + BLOCK_N) // BLOCK_N
+        per = (n_tiles + SPLITS - 1) // SPLITS
+        lo = split * per
+        hi = tl.minimum(lo + per, n_tiles)
+        NB_TILE: tl.constexpr = BLOCK_N // BS
+        for it in range(lo, hi):
+            j = it * BLOCK_N + tl.arange(0, BLOCK_N)
+            kmask = j <= last
+            page = tl.load(bt_ptr + seq.to(tl.int64) * sbt_b + j // PAGE, mask=kmask, other=0).to(tl.int64)
+            k = tl.load(k_ptr + page[:, None] * sk_p + (j % PAGE)[:, None] * sk_r + d[None, :],
+                        mask=kmask[:, None] & (d[None, :] < D), other=0.0)
+            if FP8:  # E4M3 keys: the dot on the exact values, each key's scale on its score column
+                k = widen(k, q_ptr.dtype.element_ty)
+                ks = tl.load(ks_ptr + page * sks_p + (j % PAGE) * sks_r, mask=kmask, other=0.0)
+                s = mma(q, tl.trans(k), PREC, INTERPRETED) * ks[None, :]
+            else:
+                s = mma(q, tl.trans(k), PREC, INTERPRETED)
+            s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+            bmax = tl.max(tl.reshape(s, (ROWS, NB_TILE, BS)), axis=2)
+            c = it * NB_TILE + tl.arange(0, NB_TILE)
+            tl.store(out_row[:, None] + c[None, :], bmax, mask=row_ok[:, None] & (c[None, :] <= own[:, None]))
+    if FOLD:
+        tl.debug_barrier()  # every thread's block maxima stored before the ticket (its release covers them)
+        ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLITS - 1:  # the tile's last program: all its block maxima are written
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # zero again for the next launch (or graph replay)
+            FROWS: tl.constexpr = TOKENS * H_PAD
+            fr = tl.arange(0, FROWS)
+            ftok = start + fr // H_PAD
+            fhead = fr % H_PAD
+            fok = (ftok < end) & (fhead < H)
+            fown = (tl.load(pos_ptr + ftok, mask=fok, other=0) // BS).to(tl.int32)
+            cb = tl.arange(0, NB_PAD)
+            visible = (cb[None, :] <= fown[:, None]) & (cb[None, :] < NB) & fok[:, None]
+            v = tl.load(out_ptr + ftok[:, None].to(tl.int64) * so_t + fhead[:, None] * so_h + cb[None, :],
+                        mask=visible, other=float("-inf"), cache_modifier=".cg")  # from L2: other SMs wrote them
+            ids = _select_blocks(v, visible, fown, FROWS, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
+            i = tl.arange(0, TOPK_PAD)
+            tl.store(sel_ptr + ftok[:, None].to(tl.int64) * ssel_t + fhead[:, None] * ssel_h + i[None, :], ids,
+                     mask=fok[:, None] & (i[None, :] < TOPK))
+
+
+@triton.jit
+def _select_blocks(v, visible, own, R: tl.constexpr, NB_PAD: tl.constexpr, TOPK: tl.constexpr,
+                   TOPK_PAD: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr):
+    """Block maxima v [R, NB_PAD] (-inf where not ``visible``), each row's own block ``own`` [R] -> the ids of
+    its top-k [R, TOPK_PAD] (columns past TOPK unused): forced blocks (local / init) as +inf, then "largest value,
+    lowest id among equals"; -inf -> -1."""
+    c = tl.arange(0, NB_PAD)
+    forced = visible & ((c[None, :] > own[:, None] - LOCAL) | (c[None, :] < INIT))
+    v = tl.where(forced, float("inf"), v)
+    i = tl.arange(0, TOPK_PAD)
+    if METHOD == "rounds":
+        out = tl.full((R, TOPK_PAD), -1, tl.int32)
+        for r in tl.static_range(TOPK):
+            top = tl.max(v, axis=1)
+            pick = tl.min(tl.where(v == top[:, None], c[None, :], NB_PAD), axis=1)
+            out = tl.where(i[None, :] == r, tl.where(top == float("-inf"), -1, pick)[:, None], out)
+            v = tl.where(c[None, :] == pick[:, None], float("-inf"), v)
+    else:  # "bitonic": one key per block, (order-preserving score bits) << 32 | (NB_PAD - 1 - id), top-k of keys
+        bits = v.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so one key value
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
+        key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c)[None, :].to(tl.int64)
+        top = tl.topk(key, TOPK_PAD)  # descending, along the blocks
+        pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+        NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
+        out = tl.where((top >> 32) == NEG_INF, -1, pick)
+    return out
 
 
 @triton.jit
@@ -154,29 +260,13 @@ def _block_topk(
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    own = (tl.load(pos_ptr + t) // BS).to(tl.int32)
+    own = (tl.load(pos_ptr + t + tl.arange(0, 1)) // BS).to(tl.int32)  # [1]: one row of _select_blocks
     c = tl.arange(0, NB_PAD)
-    visible = (c <= own) & (c < NB)
-    v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c, mask=visible, other=float("-inf"))
-    forced = visible & ((c > own - LOCAL) | (c < INIT))
-    v = tl.where(forced, float("inf"), v)
-    base = out_ptr + t.to(tl.int64) * so_t + h * so_h
-    if METHOD == "rounds":
-        for i in tl.static_range(TOPK):
-            top = tl.max(v, axis=0)
-            pick = tl.min(tl.where(v == top, c, NB_PAD), axis=0)
-            tl.store(base + i, tl.where(top == float("-inf"), -1, pick))
-            v = tl.where(c == pick, float("-inf"), v)
-    else:  # "bitonic": one key per block, (order-preserving score bits) << 32 | (NB_PAD - 1 - id), top-k of keys
-        bits = v.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so one key value
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
-        key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c).to(tl.int64)
-        top = tl.topk(key, TOPK_PAD)  # descending
-        pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-        NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
-        i = tl.arange(0, TOPK_PAD)
-        tl.store(base + i, tl.where((top >> 32) == NEG_INF, -1, pick), mask=i < TOPK)
+    visible = (c[None, :] <= own[:, None]) & (c[None, :] < NB)
+    v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c[None, :], mask=visible, other=float("-inf"))
+    ids = _select_blocks(v, visible, own, 1, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
+    i = tl.arange(0, TOPK_PAD)
+    tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + i[None, :], ids, mask=i[None, :] < TOPK)
 
 
 def forward(
@@ -196,11 +286,15 @@ def forward(
 ) -> torch.Tensor:
     """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32.
     An FP8 key pool comes with its fp32 scale pool [pages, page]. ``config``: {"scan": {...}, "topk": {...}},
-    entries overriding ``DEFAULTS`` (None for the op)."""
+    entries overriding ``DEFAULTS`` (None for the op). With the scan's ``fold_topk`` the top-k runs inside the
+    scan launch (one launch)."""
     t, h, _ = index_q.shape
     if topk_blocks == 0 or t == 0 or seq_lens.shape[0] == 0:
         _check(index_q, index_k_cache, block_size, index_k_scale)
         return torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
+    if launch_settings("lightning_indexer", DEFAULTS, config, "scan")["fold_topk"]:
+        return _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
+                            index_k_scale, config, fold=(topk_blocks, local_blocks, init_blocks))[1]
     scores = scan(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
                   index_k_scale, config=config)
     return block_topk(scores, positions, block_size, topk_blocks, local_blocks, init_blocks, config=config)
@@ -232,9 +326,36 @@ def scan(
     config: dict | None = None,
 ) -> torch.Tensor:
     """The first launch alone: block maxima [T, H, NB] fp32, NB = blocks of the widest block table (entries past a
-    token's own block are not written)."""
+    token's own block are not written). A ``fold_topk`` setting is not run here (the top-k needs the op's
+    attributes): ``forward`` runs it."""
+    return _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
+                        index_k_scale, config, fold=None)[0]
+
+
+def tma_usable(index_k_cache: torch.Tensor) -> str | None:
+    """Why a tensor descriptor cannot read this key pool in page-sized tiles, or None: the pool viewed
+    [pages * page, D] needs unit stride along D, pages of contiguous rows, a 16-byte aligned base and row stride,
+    and a power-of-two page (a key tile never crosses a page). The launcher reads any other pool by gathering."""
+    kc = index_k_cache
+    pages, page, d = kc.shape
+    size = kc.element_size()
+    if kc.stride(2) != 1 or kc.stride(0) != page * kc.stride(1) or kc.data_ptr() % 16 or (kc.stride(1) * size) % 16:
+        return f"index_k_cache {tuple(kc.shape)} strides {kc.stride()} is not rows of 16-byte aligned contiguous keys"
+    if page & (page - 1):
+        return f"page size {page} is not a power of two"
+    if pages * page >= 2**31:
+        return f"{pages * page} key rows do not fit a descriptor's 32-bit coordinates"
+    return None
+
+
+def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
+                 index_k_scale, config, fold):
+    """(block maxima, ids or None): the scan launch, with the top-k folded in when ``fold`` = (topk_blocks,
+    local_blocks, init_blocks)."""
     _check(index_q, index_k_cache, block_size, index_k_scale)
     cfg = launch_settings("lightning_indexer", DEFAULTS, config, "scan")
+    if cfg["loads"] not in ("gather", "tma"):
+        raise ValueError(f"lightning_indexer: scan loads {cfg['loads']!r} is not 'gather' or 'tma'")
     t, h, d = index_q.shape
     b = seq_lens.shape[0]
     page = index_k_cache.shape[1]
@@ -253,24 +374,48 @@ def scan(
         slots = t
     else:
         seq, start, end, slots = query_tiles(qsl, t, tokens)
-    block_n = max(cfg["block_n"], block_size)
+    tma = cfg["loads"] == "tma" and tma_usable(kc) is None  # any other pool: the same launch by gathering
+    if tma:
+        block_n = min(cfg["block_n"], page)  # one page per key tile
+        group = max(block_n, block_size)  # splits cut whole groups (tiles and blocks)
+    else:
+        block_n = group = max(cfg["block_n"], block_size)
+    widest = cdiv(block_tables.shape[1] * page, group)  # groups of the widest block table
     most = cfg["max_splits"]
     if cfg["min_split_tiles"] > 0:
-        most = min(most, cdiv(cdiv(block_tables.shape[1] * page, block_n), cfg["min_split_tiles"]))
+        most = min(most, cdiv(widest, cfg["min_split_tiles"]))
     splits = splits_for(index_q.device, slots, most, cfg["waves"])
-    widest = cdiv(block_tables.shape[1] * page, block_n)  # key tiles of the widest block table
-    splits = cdiv(widest, cdiv(widest, splits))  # none left without a tile there (528 of 1024 -> 512 of 2 each)
+    # none left without a group there (528 of 1024 -> 512 of 2 each; the TMA split sizes differ by at most one)
+    splits = min(splits, widest) if tma else cdiv(widest, cdiv(widest, splits))
     ks = index_k_scale.contiguous() if index_k_scale is not None else kc  # kc: never read (FP8 off)
+    fold_args = {}
+    counters = sel = scores  # never touched without the fold
+    if fold is not None:
+        topk_blocks, local_blocks, init_blocks = fold
+        method = launch_settings("lightning_indexer", DEFAULTS, config, "topk")["method"]
+        _check_method(method)
+        sel = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=index_q.device)
+        counters = ticket_counters(index_q.device, slots)
+        topk_pad = next_pow2(max(topk_blocks, 2))
+        fold_args = dict(FOLD=True, NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad), TOPK=topk_blocks,
+                         TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=method)
+    if tma and not interpreted(index_q):
+        ensure_descriptor_allocator()
     _index_scan[(slots, splits)](
-        q, kc, ks, bt, pos, qsl, seq, start, end, scores, b,
+        q, kc, ks, bt, pos, qsl, seq, start, end, scores, counters, sel, b, kc.shape[0] * page,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), bt.stride(0),
-        scores.stride(0), scores.stride(1), FP8=index_k_scale is not None,
+        scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1), FP8=index_k_scale is not None,
         H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
         ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits,
-        PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), TMA=tma, STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fold_args,
     )
-    return scores
+    return scores, (sel if fold is not None else None)
+
+
+def _check_method(method: str) -> None:
+    if method not in ("rounds", "bitonic"):
+        raise ValueError(f"lightning_indexer: topk method {method!r} is not 'rounds' or 'bitonic'")
 
 
 def block_topk(
@@ -288,8 +433,7 @@ def block_topk(
     t, h, nb = scores.shape
     out = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=scores.device)  # every id is written
     pos = positions.contiguous()
-    if cfg["method"] not in ("rounds", "bitonic"):
-        raise ValueError(f"lightning_indexer: topk method {cfg['method']!r} is not 'rounds' or 'bitonic'")
+    _check_method(cfg["method"])
     topk_pad = next_pow2(max(topk_blocks, 2))
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
