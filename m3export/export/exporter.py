@@ -370,6 +370,10 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
             from .lowering import DEFAULT, FLAVOUR, write_flavour_files as write_lowered
 
             flavours[FLAVOUR] = write_lowered(tmp, graphs, tuple(lower or DEFAULT), cfg)
+        if not mxfp8:  # the decode-only step graphs (``decode_graph.py``; MXFP8 experts have no such form)
+            from .decode_graph import FLAVOUR as DECODE, write_decode_graphs
+
+            flavours[DECODE] = write_decode_graphs(tmp, graphs, kv_fp8)
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)

@@ -20,6 +20,8 @@ Fast paths (Triton kernels, TensorRT plugins) replace the node, never the semant
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from onnx import FunctionProto, TensorProto, helper
 
@@ -180,16 +182,57 @@ class SequenceLayout(TokenGroups):
         """pool [pages, page, *rest] -> fp32 [B, L, *rest]: every sequence's context, read once. With ``scale``
         (the pool's [pages, page, *rest[:-1]] fp32 scales) the pool holds uint8 E4M3 codes, decoded after the
         gather."""
-        b = self.b
-
-        def rows(p: str) -> str:
-            return b.Gather(_page_rows(b, p, 2), self.slots, axis=0)
-
-        return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
+        return _gather_slots(self.b, self.slots, pool, scale)
 
     def num_blocks(self, block_size: str) -> str:
         b = self.b
         return b.Div(b.Add(self.length, b.Sub(block_size, b.const(1))), block_size)
+
+
+@dataclass(frozen=True)
+class DecodeSizes:
+    """The artifact's static sizes a decode-only body is built with: as constants they cost nothing on any
+    provider, where a size read from a pool's ``Shape`` (which ONNX Runtime does not fold: the page count is
+    dynamic) and used as data is a host -> device copy per use and layer on a GPU provider."""
+
+    page_size: int
+    kv_heads: int
+
+
+class DecodeContext:
+    """A decode step's contexts, for the decode-only bodies (``model.decode.onnx``, ``decode_graph.py``): every
+    sequence has exactly one new token, so token t is sequence t and no regrouping is needed (``TokenGroups``' data-
+    dependent ``Tmax``). Keys 0 .. L-1 of every sequence, L = the block-table width x the page size: a size read from
+    shapes only, never from the step's values (``max(positions) + 1`` is a device -> host copy on a GPU provider,
+    and a captured CUDA graph would freeze it); keys past a sequence's own are masked as in the general body, so the
+    result is the same whatever the table width (the engine's tables are as wide as the step's longest sequence, a
+    CUDA-graph runtime's as its bucket). ``slots`` [B, L] (0 past a sequence's length), ``visible`` [T, L]."""
+
+    def __init__(self, b: Builder, block_tables: str, seq_lens: str, positions: str, sizes: DecodeSizes):
+        self.b = b
+        page = b.const(sizes.page_size)
+        self.length = b.Mul(_dim(b, block_tables, 1), page)  # shape arithmetic, on the host
+        self.key_pos = b.Range(b.const(0), self.length, b.const(1))  # [L]
+        pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(self.key_pos, page), axis=1)  # [B, L]
+        inside = b.Less(b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
+        self.slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(self.key_pos, page)), b.const(0))  # [B, L]
+        self.visible = b.LessOrEqual(
+            b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
+        )  # [T, L]
+
+    def gather(self, pool: str, scale: str | None = None) -> str:
+        """pool [pages, page, *rest] -> fp32 [B, L, *rest] (``SequenceLayout.gather``)."""
+        return _gather_slots(self.b, self.slots, pool, scale)
+
+
+def _gather_slots(b: Builder, slots: str, pool: str, scale: str | None) -> str:
+    """The rows ``slots`` [B, L] of ``pool`` [pages, page, *rest] -> fp32 [B, L, *rest]. With ``scale`` (the pool's
+    [pages, page, *rest[:-1]] fp32 scales) the pool holds uint8 E4M3 codes, decoded after the gather."""
+
+    def rows(p: str) -> str:
+        return b.Gather(_page_rows(b, p, 2), slots, axis=0)
+
+    return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
 
 
 def _lowest_ids_first(b: Builder, scores: str, values: str, topk_ids: str, k: str, n: str) -> str:
@@ -230,12 +273,28 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     q = seqs.padded(b.Cast("index_q", to=F32))  # [B, Tmax, H, D]
     scores = b.MatMul(q, b.Unsqueeze(b.Transpose(keys, perm=[0, 2, 1]), b.const([1])))  # [B, Tmax, H, L]
     scores = b.GatherND(scores, seqs.index)  # [T, H, L]
-    neg = b.const(-INF, np.float32)
-    scores = b.Where(b.Unsqueeze(seqs.visible, b.const([1])), scores, neg)
+    scores = b.Where(b.Unsqueeze(seqs.visible, b.const([1])), scores, b.const(-INF, np.float32))
+    return _function("LightningIndexer", b, [_select_blocks(b, scores, seqs.length)], kv_fp8)
 
+
+def lightning_indexer_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> FunctionProto:
+    """``lightning_indexer`` for decode steps only (``DecodeContext``: token t is sequence t): the scores
+    ``[T, H, L]`` of each token against its own sequence's keys, L from shapes; the selection as the general body's."""
+    b = Builder("")
+    ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes)
+    keys = ctx.gather("index_k_cache", "index_k_scale" if kv_fp8 else None)  # [T, L, D]
+    scores = b.MatMul(b.Cast("index_q", to=F32), b.Transpose(keys, perm=[0, 2, 1]))  # [T, H, L]
+    scores = b.Where(b.Unsqueeze(ctx.visible, b.const([1])), scores, b.const(-INF, np.float32))
+    return _function("LightningIndexer", b, [_select_blocks(b, scores, ctx.length)], kv_fp8)
+
+
+def _select_blocks(b: Builder, scores: str, length: str) -> str:
+    """Masked scores ``[T, H, L]`` (-inf where the token sees no key), L = ``length`` -> int32 ``[T, H, topk]``
+    block ids: block maxima, forced blocks at +inf, top-k with ties to the lower id, -1 where nothing ranks."""
+    neg = b.const(-INF, np.float32)
     bs = b.attr(Ref("block_size", INT))
-    nb = seqs.num_blocks(bs)
-    pad = b.Sub(b.Mul(nb, bs), seqs.length)
+    nb = b.Div(b.Add(length, b.Sub(bs, b.const(1))), bs)
+    pad = b.Sub(b.Mul(nb, bs), length)
     scores = b.Pad(scores, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, pad), axis=0), neg)
     blocked = b.Reshape(scores, b.Concat(b.const([0, 0]), _vec(b, nb), _vec(b, bs), axis=0))
     block_max = b.ReduceMax(blocked, b.const([3]), keepdims=0)  # [T, H, NB]; -inf where nothing is visible
@@ -260,7 +319,7 @@ def lightning_indexer(kv_fp8: bool = False) -> FunctionProto:
     values, idx = b.TopK(block_max, _vec(b, topk), axis=-1, largest=1, sorted=1, n_out=2)
     idx = _lowest_ids_first(b, block_max, values, idx, topk, b.Add(nb, extra))
     idx = b.Where(_unranked(b, values), b.const(-1), idx)
-    return _function("LightningIndexer", b, [b.Cast(idx, to=TensorProto.INT32)], kv_fp8)
+    return b.Cast(idx, to=TensorProto.INT32)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -287,6 +346,25 @@ def paged_attention(kv_fp8: bool = False) -> FunctionProto:
     values = b.Where(b.Unsqueeze(seen, b.const([2, 3])), values, b.const(0.0, np.float32))
     out = b.MatMul(probs, b.Unsqueeze(b.Transpose(values, perm=[0, 2, 1, 3]), b.const([2])))  # [B,Hkv,Tmax,G,Dv]
     out = b.GatherND(b.Transpose(out, perm=[0, 2, 1, 3, 4]), seqs.index)  # [T, Hkv, G, Dv]
+    out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
+    return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
+
+
+def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> FunctionProto:
+    """``paged_attention`` for decode steps only (``DecodeContext``): token t attends to its own sequence's keys
+    0 .. L-1 (L from shapes), masked past its position, in one batched ``[T, Hkv, G, L]`` product."""
+    b = Builder("")
+    ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes)
+    keys = ctx.gather("k_cache", "k_scale" if kv_fp8 else None)  # [T, L, Hkv, D]
+    values = ctx.gather("v_cache", "v_scale" if kv_fp8 else None)
+    hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
+    q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), d, axis=0))  # [T, Hkv, G, D]
+    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 2, 3, 1]))  # [T, Hkv, G, L]
+    scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
+    probs = b.Softmax(b.Where(b.Unsqueeze(ctx.visible, b.const([1, 2])), scores, b.const(-INF, np.float32)), axis=-1)
+    # Values the token cannot see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
+    values = b.Where(b.Unsqueeze(ctx.visible, b.const([2, 3])), values, b.const(0.0, np.float32))
+    out = b.MatMul(probs, b.Transpose(values, perm=[0, 2, 1, 3]))  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
@@ -378,8 +456,75 @@ def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
     return _function("SparsePagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
 
+def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> FunctionProto:
+    """``sparse_paged_attention`` for decode steps only (``DecodeContext``: token t is sequence t): each token
+    gathers its own K selected blocks, ``[T, Hkv, K * block_size]`` keys and values, K the list's static width,
+    so no size depends on the step's values (the general body's union width N is data-dependent: a device -> host
+    copy per layer on a GPU provider). A block listed twice counts once (the op's contract), and the token's
+    blocks are laid out in ascending id order, unused slots last, as the general body lays out a lone token's
+    union: the same keys in the same order, so the sums run in the same order.
+    """
+    b = Builder("")
+    bs = b.attr(Ref("block_size", INT))
+    blk = b.Cast("block_idx", to=I64)  # [T, Hkv, K]
+    counted = b.And(b.GreaterOrEqual(blk, b.const(0)),
+                    b.LessOrEqual(blk, b.Div(b.Unsqueeze("positions", b.const([1, 2])), bs)))  # [T, Hkv, K]
+    k = b.Shape("block_idx", start=2)  # [1]: the list's width (static)
+    slot = b.Range(b.const(0), b.Squeeze(k, b.const([0])), b.const(1))
+    earlier = b.Less(b.Unsqueeze(slot, b.const([0])), b.Unsqueeze(slot, b.const([1])))  # [K (j), K (j')]: j' < j
+    same = b.Equal(b.Unsqueeze(blk, b.const([-1])), b.Unsqueeze(blk, b.const([-2])))  # [T, Hkv, K (j), K (j')]
+    repeated = b.Greater(b.ReduceSum(b.Cast(b.And(same, earlier), to=TensorProto.INT32), b.const([-1]),
+                                     keepdims=0), b.const(0, np.int32))  # an earlier slot lists the same block
+    # counted ids ascending (distinct finite keys -id: no TopK tie matters), then unused slots (NOTHING, masked)
+    key = b.Where(b.And(counted, b.Not(repeated)), b.Neg(b.Cast(blk, to=F32)), b.const(NOTHING, np.float32))
+    top = b.TopK(key, k, axis=-1, largest=1, sorted=1, n_out=2)[0]  # [T, Hkv, K]
+    filled = b.Not(_unranked(b, top))
+    ids = b.Where(filled, b.Cast(b.Neg(top), to=I64), b.const(0))  # exact: ids < 2^24
+
+    keys_pos = b.Add(b.Unsqueeze(b.Mul(ids, bs), b.const([3])), b.Range(b.const(0), bs, b.const(1)))  # [T,Hkv,K,bs]
+    stored = b.And(b.Unsqueeze(filled, b.const([3])),
+                   b.Less(keys_pos, b.Unsqueeze(b.Cast("seq_lens", to=I64), b.const([1, 2, 3]))))
+    keys_pos = b.Where(stored, keys_pos, b.const(0))
+    page = b.const(sizes.page_size)
+    # each token's pages from its own block-table row (GatherElements: no row offset t * width, whose width, a
+    # shape, would have to be copied to the device)
+    flat = b.Reshape(b.Div(keys_pos, page), b.const([0, -1]))  # [T, Hkv * K * bs]
+    pages = b.Reshape(b.GatherElements(b.Cast("block_tables", to=I64), flat, axis=1), b.Shape(keys_pos))
+    slots = b.Where(stored, b.Add(b.Mul(pages, page), b.Mod(keys_pos, page)), b.const(0))  # [T, Hkv, K, bs]
+    hkv = b.const(sizes.kv_heads)
+    heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1, 1))  # [1, Hkv, 1, 1]
+    index = b.Reshape(b.Add(b.Mul(slots, hkv), heads), b.const([0, 0, -1]))  # [T, Hkv, K * bs]
+
+    def rows_of(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [T, Hkv, K * bs, *rest]
+        return b.Gather(_page_rows(b, pool, 3), index, axis=0)
+
+    def gather(pool: str, scale: str) -> str:  # -> fp32 [T, Hkv, K * bs, D]
+        return decode_rows(b, rows_of(pool), rows_of(scale)) if kv_fp8 else b.Cast(rows_of(pool), to=F32)
+
+    keys, values = gather("k_cache", "k_scale"), gather("v_cache", "v_scale")
+    allowed = b.And(stored, b.LessOrEqual(keys_pos, b.Unsqueeze("positions", b.const([1, 2, 3]))))
+    allowed = b.Reshape(allowed, b.const([0, 0, 1, -1]))  # [T, Hkv, 1, S]
+    q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), b.Shape("k_cache", start=2, end=3), b.const([-1]),
+                                                b.Shape("q", start=2), axis=0))  # [T, Hkv, G, D]
+    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, S]
+    scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
+    probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
+    values = b.Where(b.Unsqueeze(b.Reshape(stored, b.const([0, 0, -1])), b.const([3])), values,
+                     b.const(0.0, np.float32))
+    out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
+    out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
+    return _function("SparsePagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
+
+
 # ---------------------------------------------------------------------------------------------- MoE
-def _moe(name: str, mxfp8: bool) -> FunctionProto:
+def _moe(name: str, mxfp8: bool, decode: bool = False) -> FunctionProto:
+    """``decode``: the body of the decode-only graphs (``decode_graph.py``), which may hold no control flow: the
+    routed sum always per assignment (``_gathered_sum``), never the per-expert ``Scan``; MXFP8 experts have no
+    such form (ONNX Runtime's CUDA EP has no float8 ``Gather``)."""
+    if decode and mxfp8:
+        raise ValueError(f"{name}: no decode-only body for MXFP8 experts: ONNX Runtime's CUDA EP has no float8 "
+                         "Gather, so the per-assignment routed sum cannot gather E4M3 expert weights, and the "
+                         "per-expert Scan is control flow, which a captured CUDA graph cannot hold")
     b = Builder("")
     alpha, limit = b.attr(Ref("swiglu_alpha", FLOAT)), b.attr(Ref("swiglu_limit", FLOAT))
 
@@ -416,6 +561,8 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
     scan_in = ["w13", "w13_scale", "w2", "w2_scale"] if mxfp8 else ["w13", "w2"]
     if mxfp8:
         routed = b.Scan(_zeros_like_x(b), experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+    elif decode:  # the If's per-assignment branch, unconditionally (a decode step's T * top_k <= E or not)
+        routed = _gathered_sum(b, alpha, limit, idx, w)
     else:
         # Decode-sized steps (T * top_k <= E: the chosen experts' weights, gathered per assignment, are at most
         # the whole weight once) take a gather + batched product instead: no Scan over every expert and no
@@ -437,19 +584,23 @@ def _moe(name: str, mxfp8: bool) -> FunctionProto:
 
 
 def _moe_gathered(alpha: str, limit: str, idx: str, w: str):
-    """If branch: the routed sum from each assignment's own expert weights, gathered ([T, k, 2I, H] and
-    [T, k, H, I]) and applied as a batch of T * k products. Each assignment's output is rounded to the activation
-    dtype after its routing weight, as in the Scan; the k of a token are then summed in fp32 and rounded once (the
-    Scan rounds after each add: the two differ by rounding only, as the GPU kernels' fp32 sum does)."""
+    """If branch: ``_gathered_sum`` as a subgraph."""
     g = Builder("g_")
+    return g.graph("moe_gathered", [], [_gathered_sum(g, alpha, limit, idx, w)])
+
+
+def _gathered_sum(g: Builder, alpha: str, limit: str, idx: str, w: str) -> str:
+    """The routed sum from each assignment's own expert weights, gathered ([T, k, 2I, H] and [T, k, H, I]) and
+    applied as a batch of T * k products. Each assignment's output is rounded to the activation dtype after its
+    routing weight, as in the Scan; the k of a token are then summed in fp32 and rounded once (the Scan rounds
+    after each add: the two differ by rounding only, as the GPU kernels' fp32 sum does)."""
     w13 = g.CastLike(g.Gather("w13", idx, axis=0), "x")  # [T, k, 2I, H]
     w2 = g.CastLike(g.Gather("w2", idx, axis=0), "x")  # [T, k, H, I]
     xe = g.Unsqueeze("x", g.const([1, 2]))  # [T, 1, 1, H]
     act = _swiglu(g, g.MatMul(xe, g.Transpose(w13, perm=[0, 1, 3, 2])), alpha, limit)  # [T, k, 1, I]
     y = g.Squeeze(g.MatMul(act, g.Transpose(w2, perm=[0, 1, 3, 2])), g.const([2]))  # [T, k, H]
     y = g.CastLike(g.Mul(g.Cast(y, to=F32), g.Unsqueeze(w, g.const([2]))), "x")
-    out = g.CastLike(g.ReduceSum(g.Cast(y, to=F32), g.const([1]), keepdims=0), "x")
-    return g.graph("moe_gathered", [], [out])
+    return g.CastLike(g.ReduceSum(g.Cast(y, to=F32), g.const([1]), keepdims=0), "x")
 
 
 def _zeros_like_x(b: Builder) -> str:
@@ -465,12 +616,12 @@ def _moe_scanned(experts: str, scan_in: list[str], body):
     return g.graph("moe_scanned", [], [routed])
 
 
-def moe() -> FunctionProto:
-    return _moe("MoE", mxfp8=False)
+def moe(decode: bool = False) -> FunctionProto:
+    return _moe("MoE", mxfp8=False, decode=decode)
 
 
-def moe_mxfp8() -> FunctionProto:
-    return _moe("MoEMXFP8", mxfp8=True)
+def moe_mxfp8(decode: bool = False) -> FunctionProto:
+    return _moe("MoEMXFP8", mxfp8=True, decode=decode)
 
 
 def mxfp8_linear() -> FunctionProto:
@@ -488,13 +639,26 @@ BUILDERS = {
     "MoEMXFP8": moe_mxfp8,
     "MXFP8Linear": mxfp8_linear,
 }
+# The decode-only bodies (``decode_graph.py``: steps where every sequence has one new token), where they differ
+DECODE_READERS = {
+    "LightningIndexer": lightning_indexer_decode,
+    "PagedAttention": paged_attention_decode,
+    "SparsePagedAttention": sparse_paged_attention_decode,
+}
 
 
-def body(name: str, kv_fp8: bool = False) -> FunctionProto:
-    """One op's body; ``kv_fp8``: the cache readers' form on uint8 E4M3 pools with scale pools."""
+def body(name: str, kv_fp8: bool = False, decode: DecodeSizes | None = None) -> FunctionProto:
+    """One op's body; ``kv_fp8``: the cache readers' form on uint8 E4M3 pools with scale pools; ``decode`` (the
+    artifact's sizes): the decode-only form (no control flow, no size computed from the step's values), the same
+    op for decode steps."""
+    if decode is not None and name in DECODE_READERS:
+        return DECODE_READERS[name](decode, kv_fp8=kv_fp8)
+    if decode is not None and name in ("MoE", "MoEMXFP8"):
+        return BUILDERS[name](decode=True)
     return BUILDERS[name](kv_fp8=True) if kv_fp8 and name in CACHE_READERS else BUILDERS[name]()
 
 
-def functions_for(op_types: set[str], kv_fp8: bool = False) -> list[FunctionProto]:
+def functions_for(op_types: set[str], kv_fp8: bool = False, decode: DecodeSizes | None = None
+                  ) -> list[FunctionProto]:
     """The bodies of the given m3 ops, in a fixed order (so exports are byte-identical)."""
-    return [body(name, kv_fp8) for name in sorted(op_types)]
+    return [body(name, kv_fp8, decode) for name in sorted(op_types)]

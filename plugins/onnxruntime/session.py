@@ -182,9 +182,11 @@ class PagedSession:
         if self._closed:
             raise RuntimeError(f"{self.graph.file}: this PagedSession was closed (close()); open a new one")
 
-    def allocate(self, num_pages: int) -> None:
+    def allocate(self, num_pages: int, pools_of: PagedSession | None = None) -> None:
         """Zeroed pools of ``num_pages`` pages for every cache input, in the execution provider's memory, bound as
-        their cache inputs and aliased outputs in a new io_binding that every later step keeps."""
+        their cache inputs and aliased outputs in a new io_binding that every later step keeps. ``pools_of``:
+        bind that session's pools instead (allocated already, same names, shapes and memory), so that two graphs
+        of one model (the general step graph and its decode-only form) update one set of caches."""
         self._check_open()
         self._table = None  # the previous pools' binding goes before the new pools are allocated
         self.pool_tensors = {}
@@ -193,7 +195,16 @@ class PagedSession:
             shape = [num_pages if d == "pages" else d for d in sig.shape]
             if not all(isinstance(d, int) for d in shape):
                 raise ValueError(f"{name}: cannot size pool dims {sig.shape} (only 'pages' is free)")
-            self.pool_tensors[name] = torch.zeros(shape, dtype=BY_NAME[sig.dtype].torch, device=self.device)
+            dtype = BY_NAME[sig.dtype].torch
+            if pools_of is None:
+                self.pool_tensors[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+                continue
+            shared = pools_of.pool_tensors.get(name)
+            if shared is None or list(shared.shape) != shape or shared.dtype != dtype or shared.device != self.device:
+                has = "none" if shared is None else f"{shared.dtype} {list(shared.shape)} on {shared.device}"
+                raise ValueError(f"{self.graph.file}: pool {name} cannot be shared with {pools_of.graph.file}'s (it "
+                                 f"has {has}; this graph needs {dtype} {shape} on {self.device})")
+            self.pool_tensors[name] = shared
         table = _BindTable(self.session.io_binding())
         for sig in self.graph.outputs:  # graph order, so ORT's outputs come back in the order table keeps
             if sig.name in self.graph.aliases:

@@ -1,0 +1,112 @@
+"""The decode-only step graphs: ``<graph>.decode.onnx`` beside ``model.onnx`` and each ``mtp{k}.onnx``, for steps
+where every sequence has exactly one new token.
+
+A runtime that can replay a captured step (ONNX Runtime's CUDA graphs, ``enable_cuda_graph``) needs a graph with
+no control flow, no size computed from the step's values (on a GPU provider each is a device -> host copy, and a
+capture would freeze it) and every node on the device: the general graph has an ``If`` / ``Scan`` in the MoE and
+data-dependent sizes in the cache readers (``Tmax``, the context length ``max(positions) + 1``, the sparse body's
+union width). The decode graph is the same graph (the same nodes, inputs, outputs and pools, so a runtime binds
+the same buffers to either) with the ``m3`` nodes' function bodies specialised (``functions.body(..., decode=True)``):
+the context length from the block-table width x the page size, no regrouping of tokens by sequence, the sparse
+body's per-token gather of its K selected blocks, the MoE's per-assignment routed sum unconditionally. On a decode
+step it computes what the general graph computes (``tests/test_ort_decode_graph.py``); on any other step its
+result is undefined, so a runtime picks it only for decode steps (``is_decode_step``).
+
+MXFP8 experts have no decode body (ONNX Runtime's CUDA EP has no float8 ``Gather``; their per-expert ``Scan`` is
+control flow): an MXFP8 artifact gets no decode graphs, and asking for one says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from ..errors import ArtifactError
+from ..ops import DOMAIN
+from .flavour_files import write_flavour_graphs
+from .functions import DecodeSizes, functions_for
+
+FLAVOUR = "decode"
+CONTROL_FLOW = ("If", "Loop", "Scan")
+# ops whose output shape depends on input values (a device -> host copy and a host wait on a GPU provider)
+VALUE_SHAPED = ("NonZero", "Unique", "Compress", "NonMaxSuppression")
+STATUS = ("decode steps only (every sequence one new token); no control flow, no value-dependent sizes: "
+          "replayable as an ONNX Runtime CUDA graph")
+
+
+def flavour_file(graph: str) -> str:
+    return f"{graph}.decode.onnx"
+
+
+def decode_model(model: onnx.ModelProto, kv_fp8: bool = False) -> onnx.ModelProto:
+    """``model`` (a step graph, loaded with or without its weights) with every ``m3`` function body replaced by its
+    decode-only form; nodes, inputs, outputs and initializers unchanged. ``kv_fp8``: the graph's pools are FP8
+    (uint8 codes with scale pools)."""
+    used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+    try:
+        bodies = {f.name: f for f in functions_for(used, kv_fp8, decode=sizes_of(model))}
+    except ValueError as e:
+        raise ArtifactError(f"no decode-only graph for this artifact: {e}") from None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.functions[:]
+    out.functions.extend(bodies.get(f.name, f) if f.domain == DOMAIN else f for f in model.functions)
+    missing = sorted(used - {f.name for f in out.functions if f.domain == DOMAIN})
+    if missing:
+        raise ArtifactError(f"{model.graph.name}: m3 nodes {missing} have no function body to specialise")
+    return out
+
+
+def sizes_of(model: onnx.ModelProto) -> DecodeSizes:
+    """The page size and KV heads of a step graph, from its first ``k_cache`` pool input ([pages, page_size, Hkv,
+    D]): the constants its decode bodies are built with."""
+    for i in model.graph.input:
+        if i.name.split(".")[0] == "k_cache":
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
+            if len(dims) == 4 and dims[1] and dims[2]:
+                return DecodeSizes(page_size=dims[1], kv_heads=dims[2])
+            raise ArtifactError(f"{model.graph.name}: pool {i.name} has shape {dims}; a decode graph needs a static "
+                                "page size and KV head count")
+    raise ArtifactError(f"{model.graph.name}: no k_cache pool input, so no decode graph")
+
+
+def problems(model: onnx.ModelProto) -> list[str]:
+    """What in ``model`` (its graph and its function bodies, subgraphs included) a captured step cannot hold:
+    control-flow nodes and nodes whose output shape depends on values. Empty for a decode graph."""
+    found = []
+
+    def walk(nodes, where: str) -> None:
+        for n in nodes:
+            if n.op_type in CONTROL_FLOW or n.op_type in VALUE_SHAPED:
+                found.append(f"{where}: {n.op_type} {n.name!r}")
+            for a in n.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    walk(g.node, f"{where}/{n.name}")
+
+    walk(model.graph.node, "graph")
+    for f in model.functions:
+        walk(f.node, f"{f.domain}.{f.name}")
+    return found
+
+
+def graphs_with_decode_form(graphs: dict) -> list[str]:
+    """The graphs of an artifact (name -> manifest ``GraphInfo``) that get a decode form: the step graph and the
+    MTP modules (not the split parts, which a runtime does not run, nor the vision graph)."""
+    return [g for g in graphs if g == "model" or (g.startswith("mtp") and g[3:].isdigit())]
+
+
+def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False) -> dict:
+    """Write ``<graph>.decode.onnx`` beside ``model.onnx`` and each ``mtp{k}.onnx`` in ``directory`` through the
+    flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file). Returns the
+    manifest's ``flavours["decode"]`` record (per graph: file, source, external data, ``status``)."""
+
+    def rewrite(name: str, model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+        decoded = decode_model(model, kv_fp8)
+        left = problems(decoded)
+        if left:
+            raise ArtifactError(f"{name}: the decode graph still holds {left[:3]}")
+        return decoded, {"status": STATUS}
+
+    return write_flavour_graphs(Path(directory), graphs, graphs_with_decode_form(graphs), FLAVOUR, flavour_file,
+                                rewrite, protected={g.file for g in graphs.values()})

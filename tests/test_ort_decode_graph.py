@@ -1,0 +1,148 @@
+"""The decode-only step graphs (``model.decode.onnx``, ``export/decode_graph.py``) on ONNX Runtime's CPU EP: on
+decode steps they compute what the general graphs compute (logits, hidden states, every cache pool row written,
+block selections), whatever the block-table width; they hold no control flow and no size computed from the step's
+values (graph inspection, and the CUDA EP placement predicted by ``bench/ort_step_host.py``: no Memcpy node);
+an MXFP8 model has none, with a clear error.
+
+Both graphs of a case run in one process on one set of pools (``PagedSession.allocate(pools_of=...)``): the
+decode graph first, then the general graph on the same step, which rewrites the same rows; the rows the decode
+graph wrote are compared with the general graph's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from m3export.errors import ArtifactError
+from m3export.export.artifact import load_artifact
+from m3export.export.decode_graph import FLAVOUR, decode_model, problems
+from m3export.export.exporter import export_artifact
+from m3export.model.batch import Segment, build_batch
+from m3export.plugins.onnxruntime.session import PagedSession
+
+pytest.importorskip("onnxruntime")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+PAGES = 40
+LENGTHS = (37, 9, 58)  # contexts past several indexer blocks (tiny: 4 keys a block, top 3 of them, 1 local)
+
+
+@pytest.fixture(scope="module")
+def fp16_artifact(tmp_path_factory):
+    """The tiny preset in float16 with pages of 8 (two indexer blocks per page)."""
+    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16", dtype="float16", page_size=8,
+                           progress=False)
+
+
+def _sessions(path):
+    art = load_artifact(path)
+    general = PagedSession.from_artifact(art, threads=1)
+    decode = PagedSession.from_artifact(art, flavour=FLAVOUR, threads=1)
+    general.allocate(PAGES)
+    decode.allocate(PAGES, pools_of=general)
+    return art, general, decode
+
+
+def _feeds(ids, batch):
+    return {"input_ids": ids, **dict(zip(batch.input_names(), batch.inputs())),
+            "logits_indices": torch.arange(ids.shape[0], dtype=torch.int64)}
+
+
+def _pages(page_size: int):
+    """Each sequence's block table: pages laid out so that the sequences interleave in the pool."""
+    need = [-(-(n + 8) // page_size) for n in LENGTHS]
+    return [list(range(i, len(LENGTHS) * n, len(LENGTHS)))[:n] for i, n in enumerate(need)]
+
+
+def _compare(art, general, decode, steps: int, extra_width: int = 0):
+    """A prefill of ``LENGTHS`` through the general graph, then ``steps`` decode steps through both graphs (the
+    decode graph's tables ``extra_width`` pages wider, as a CUDA-graph runtime pads them). -> the largest relative
+    difference of logits / hidden, and of the pool rows written."""
+    rng = np.random.default_rng(0)
+    page, pages = art.page_size, _pages(art.page_size)
+    prompts = [rng.integers(0, art.config.vocab_size, n).tolist() for n in LENGTHS]
+    ids, batch = build_batch([Segment(p, 0, t) for p, t in zip(pages, prompts)], page)
+    general.run(_feeds(ids, batch))
+    lengths = list(LENGTHS)
+    worst = {"out": 0.0, "pools": 0.0}
+    for _ in range(steps):
+        tokens = rng.integers(0, art.config.vocab_size, len(lengths)).tolist()
+        segments = [Segment(p, n, [t]) for p, n, t in zip(pages, lengths, tokens)]
+        ids, batch = build_batch(segments, page)
+        wide_ids, wide = build_batch(segments, page, min_table_width=batch.block_tables.shape[1] + extra_width)
+        got = {k: v.copy() for k, v in decode.run(_feeds(wide_ids, wide)).items()}
+        written = {k: v.clone() for k, v in general.pool_tensors.items()}
+        want = general.run(_feeds(ids, batch))
+        for name, w in want.items():
+            g = got[name]
+            if name.startswith("selection"):  # block ids: exact (both bodies rank with the same tie rule)
+                assert np.array_equal(g, w), f"{name}: decode graph selections differ"
+                continue
+            g, w = g.astype(np.float64), w.astype(np.float64)
+            worst["out"] = max(worst["out"], float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)))
+        for name, t in general.pool_tensors.items():
+            d = (written[name].double() - t.double()).abs().max() / t.double().abs().max().clamp_min(1e-30)
+            worst["pools"] = max(worst["pools"], float(d))
+        lengths = [n + 1 for n in lengths]
+    return worst
+
+
+@pytest.mark.parametrize("extra_width", [0, 3])
+def test_decode_graph_equals_general_graph_fp32(tiny_artifact, extra_width):
+    art, general, decode = _sessions(tiny_artifact)
+    with general, decode:
+        worst = _compare(art, general, decode, steps=4, extra_width=extra_width)
+    # fp32: the same products over the same keys in the same order (the sparse body lays a lone token's blocks
+    # out as the general body lays out its union); what may differ is the summation grouping of a longer masked
+    # row (softmax / MatMul over L = the table's width instead of max(position) + 1), a few fp32 ulps, amplified
+    # by the 4 layers: 1e-5 relative is 100x that and 100x below the smallest real difference (a wrong key set,
+    # a wrong mask) any of these tests' mutations gave
+    assert worst["out"] <= 1e-5 and worst["pools"] <= 1e-5, worst
+
+
+def test_decode_graph_equals_general_graph_fp16(fp16_artifact):
+    art, general, decode = _sessions(fp16_artifact)
+    with general, decode:
+        worst = _compare(art, general, decode, steps=3, extra_width=2)
+    # fp16 activations: each fp32 difference above can move a rounding to fp16 (2^-11 = 4.9e-4 relative) in a
+    # cast, and a moved rounding propagates through the 4 layers; 4e-3 is 8 fp16 ulps
+    assert worst["out"] <= 4e-3 and worst["pools"] <= 4e-3, worst
+
+
+def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
+    """Graph inspection: no If / Scan / Loop and no value-shaped op (NonZero, ...) in the decode graph or its bodies
+    (the general graph has the MoE's If and Scan); the same nodes, inputs and outputs as the general graph."""
+    art = load_artifact(tiny_artifact)
+    general = onnx.load(str(art.path("model")), load_external_data=False)
+    decoded = onnx.load(str(art.root / art.manifest.flavours[FLAVOUR]["model"]["file"]), load_external_data=False)
+    assert any("If" in p or "Scan" in p for p in problems(general))  # the inspection sees what it looks for
+    assert problems(decoded) == []
+    assert [n.op_type for n in decoded.graph.node] == [n.op_type for n in general.graph.node]  # the same nodes
+    assert [i.name for i in decoded.graph.input] == [i.name for i in general.graph.input]
+    assert [o.name for o in decoded.graph.output] == [o.name for o in general.graph.output]
+
+
+def test_decode_graph_places_every_node_on_the_cuda_ep(fp16_artifact):
+    """The placement ORT's CUDA EP would make (``bench/ort_step_host.cuda_placement``) of the fp16 decode graphs
+    (the closest CPU-runnable stand-in for bf16) needs no Memcpy node: no size comes from a value on the device,
+    and the nodes left on the CPU EP are shape arithmetic (ORT's CUDA-graph capture tolerates those)."""
+    from ort_step_host import cuda_placement
+
+    art = load_artifact(fp16_artifact)
+    for graph, record in art.manifest.flavours[FLAVOUR].items():
+        p = cuda_placement(art.root / record["file"])
+        assert p["memcpy_to_host"] == 0 and p["memcpy_from_host"] == 0, (graph, p)
+    assert cuda_placement(art.path("model"))["memcpy_to_host"] > 0  # the general graph's data-dependent sizes
+
+
+def test_mxfp8_artifact_has_no_decode_graph(mxfp8_artifact):
+    art = load_artifact(mxfp8_artifact)
+    assert FLAVOUR not in art.manifest.flavours
+    model = onnx.load(str(art.path("model")), load_external_data=False)
+    with pytest.raises(ArtifactError, match="MXFP8 experts.*float8 Gather"):
+        decode_model(model)
