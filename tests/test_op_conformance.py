@@ -17,7 +17,7 @@ import torch
 import m3export.ops
 from m3export.export.functions import BUILDERS
 from m3export.export.schemas import SPEC_BY_NAME
-from m3export.ops import conformance as conf
+from m3export.ops import conformance as conf, routing_bound
 from m3export.plugins import kernels as kernel_registry
 
 
@@ -156,6 +156,55 @@ def test_near_tie_rule_reports_only_near_ties():
     assert want[0, 0].tolist() == [2, 1]
     assert not _verdict(case, inputs, attrs, want, [1, 2]).ok
     assert _verdict(case, inputs, attrs, want, [2, 0]).ok  # the near tie behind the forced block
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2.0, 3.5])
+def test_routing_near_tie_rule_excuses_only_swaps_within_the_fp32_bound(ratio):
+    """A body that keeps token 0's (k+1)-th expert instead of its k-th: excused (a near tie, reported) only when the
+    two float64 scores differ by at most what fp32 routing can move them (``ops/routing_bound.py``), else a
+    failure. The margin is set in units of the derivation's leading term, written out here as the oracle: per
+    score D u A_e / 4 (the router dot's D roundings of u = 2^-24 relative to A_e = sum |x W_e|, through the
+    sigmoid's slope 1/4); the sigmoid and bias-add terms add ~2 % at these sizes. 3.5 units apart was excused by
+    the rule before (D * eps32 with a slack of 2: 4x wider) and is caught now; a bound 4x too wide or too narrow
+    fails this test."""
+    case = conf.CASES["MoE/top2-9tok"]
+    inputs, attrs = case.inputs(torch.float32)
+    x, rw, bias = (t.double() for t in inputs[:3])
+    k = attrs["top_k"]
+    leading = x.shape[1] * 2.0**-24 * (x.abs() @ rw.abs().t())[0] / 4
+
+    def scores(b):
+        return torch.sigmoid(x @ rw.t()) + b
+
+    order = torch.sort(scores(bias), dim=-1, descending=True, stable=True).indices[0]
+    a, c = int(order[k - 1]), int(order[k])  # token 0's last kept expert and its first dropped one
+    unit = float(leading[a] + leading[c])
+    bias[c] += scores(bias)[0, a] - scores(bias)[0, c] - ratio * unit
+    inputs[2] = bias.float()
+    margin = float(scores(inputs[2].double())[0, a] - scores(inputs[2].double())[0, c])
+    assert margin == pytest.approx(ratio * unit, rel=1e-2)  # the bias rounded to fp32 kept the margin
+    want = conf.reference_function("MoE")(*conf.upcast(inputs), *attrs.values())
+    swapped = conf.upcast(inputs)
+    swapped[0], swapped[2] = swapped[0][:1], swapped[2].clone()
+    swapped[2][c] += 2 * margin  # the wrong body's routing: c ahead of a for token 0
+    got = want.clone()
+    got[0] = conf.reference_function("MoE")(*swapped, *attrs.values())[0]
+    assert (got[0] - want[0]).abs().max() > 1e-3 * want.abs().max()  # the swap is visible in the output
+    v = conf.compare(case, torch.float32, got.float(), inputs, attrs, want)
+    near_token0 = any(r.startswith("token 0:") for r in v.near_ties)
+    assert (v.ok, near_token0) == ((True, True) if ratio <= 1 else (False, False)), (v.failures, v.near_ties)
+
+
+def test_fp32_router_scores_stay_within_the_bound():
+    """The reference's fp32 routing arithmetic (``ops.moe.route``'s matmul, sigmoid and bias add on the CPU) on
+    random inputs at D = 2048: every biased score within ``fp32_score_bounds`` of float64 (ONNX Runtime's is
+    checked in tests/test_verify_routing_ties.py)."""
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(256, 2048, generator=g), torch.randn(16, 2048, generator=g) * 0.05, torch.randn(16) * 0.1
+    s32 = torch.sigmoid(x @ w.t()) + b
+    x64, w64, b64 = x.double(), w.double(), b.double()
+    beta = routing_bound.fp32_score_bounds(x64, w64, b64)
+    assert bool(((s32.double() - (torch.sigmoid(x64 @ w64.t()) + b64)).abs() <= beta).all())
 
 
 def test_exact_ties_go_to_the_lower_id():

@@ -24,6 +24,7 @@ from onnx import TensorProto, helper
 from m3export.export import routing_ties, verify
 from m3export.export.artifact import load_artifact, load_torch_model
 from m3export.export.router_taps import tap_router_inputs
+from m3export.ops import routing_bound
 
 LAYER = 1  # the first MoE layer of the tiny preset: later layers' cache rows and selections are in play
 SEPARATION = 1e-3  # the raised expert's margin to every other token's routing: far above fp32's (~1e-6 here)
@@ -198,7 +199,7 @@ def test_router_taps_add_outputs_only(tiny_artifact):
 
 def test_ort_fp32_router_is_within_the_bound():
     """ONNX Runtime's fp32 router arithmetic (the MoE body's Cast / MatMul / Sigmoid / Add) on random inputs at
-    D = 2048 stays within ``fp32_score_bounds`` of float64; its Sigmoid alone within ``SIGMOID_ERROR``."""
+    D = 2048 stays within ``routing_bound.fp32_score_bounds`` of float64; its Sigmoid alone within ``SIGMOID_ERROR``."""
     d, e = 2048, 16
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "wt"], ["z"]), helper.make_node("Sigmoid", ["z"], ["s"]),
@@ -214,14 +215,14 @@ def test_ort_fp32_router_is_within_the_bound():
     s32, out, _ = sess.run(None, {"x": x, "wt": np.ascontiguousarray(w.T), "b": b})
     x64, w64, b64 = (torch.from_numpy(a.astype(np.float64)) for a in (x, w, b))
     exact = torch.sigmoid(x64 @ w64.t()) + b64
-    beta = routing_ties.fp32_score_bounds(x64, w64, b64)
+    beta = routing_bound.fp32_score_bounds(x64, w64, b64)
     assert bool(((torch.from_numpy(out.astype(np.float64)) - exact).abs() <= beta).all())
     # the Sigmoid kernel alone, over a dense sweep of fp32 inputs (its error does not depend on the MatMul's)
     z = np.linspace(-30, 30, 1 << 20, dtype=np.float32)[None, :]
     sig, _, _ = sess.run(None, {"x": z.reshape(-1, 1), "wt": np.ones((1, 1), np.float32),
                                "b": np.zeros(1, np.float32)})
     err = np.abs(sig.astype(np.float64)[:, 0] - 1 / (1 + np.exp(-z[0].astype(np.float64)))).max()
-    assert err <= routing_ties.SIGMOID_ERROR, err
+    assert err <= routing_bound.SIGMOID_ERROR, err
 
 
 def test_without_graphsurgeon_verify_says_what_to_install(tiny_artifact, monkeypatch):

@@ -20,23 +20,12 @@ pre-hook, ``RoutingForcing``):
   every row is judged with the dtype's tolerance, and the router inputs themselves are judged as outputs.
 
 ORT decides in fp32, not float64; the float64 recomputation is ORT's choice unless ORT's fp32 arithmetic could have
-swapped two experts. Derivation (x ORT's router input, exact in fp32 at every artifact dtype; W and b the fp32
-router weight and bias; D the hidden size; u32 = 2^-24, fp32's unit roundoff; A_e = sum_i |x_i W_ei|):
-
-- ``logits = x W^T`` is an fp32 MatMul (the CUDA EP with TF32 off: every session this project opens says
-  ``use_tf32=0``): each D-term dot, in any summation order, with or without FMA, is within gamma_D A_e of the
-  exact value, gamma_D = D u32 / (1 - D u32) (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed.,
-  section 3.1: a D·eps32-sized bound, eps32 = 2 u32).
-- ``Sigmoid`` has slope at most 1/4, so the score moves by at most gamma_D A_e / 4, plus the fp32 sigmoid's own
-  error: at most ``SIGMOID_ERROR`` absolute (ORT's CPU kernel checked against float64 in
-  ``tests/test_verify_routing_ties.py``).
-- ``Add`` of the bias rounds once: at most u32 |s + b| <= u32 (1 + |b_e|).
-- The float64 recomputation is itself off by gamma_D(2^-53) A_e / 4 and a few 2^-53 (``F64_SLACK`` covers both).
-
-So ORT's biased fp32 score is within beta_e = (gamma_D(u32) + gamma_D(u64)) A_e / 4 + SIGMOID_ERROR
-+ u32 (1 + |b_e|) + F64_SLACK of the float64 one, and ORT can have kept c where the float64 choice keeps a only if
-S_a - S_c <= beta_a + beta_c. Such a token is an *fp32 tie* on ORT's side: counted and reported with its margin.
-With ORT's ids read, ORT's own choice settles it. Without them (a body the copy cannot tap), ORT's routing is taken
+swapped two experts: ``m3export.ops.routing_bound`` derives how far each fp32 biased score may be from the float64
+one (beta_e: the router MatMul's gamma_D A_e through the sigmoid's slope 1/4, the fp32 Sigmoid's own error, the
+bias add's rounding; x ORT's router input, exact in fp32 at every artifact dtype; the CUDA EP with TF32 off: every
+session this project opens says ``use_tf32=0``). The op conformance suite's near-tie rule applies the same bound.
+ORT can have kept c where the float64 choice keeps a only if S_a - S_c <= beta_a + beta_c. Such a token is an
+*fp32 tie* on ORT's side: counted and reported with its margin. With ORT's ids read, ORT's own choice settles it. Without them (a body the copy cannot tap), ORT's routing is taken
 to be the float64 choice there too (the reference forced to it where its own differs): ORT's
 real fp32 dot errors are far below the worst case gamma_D, about sqrt(D) u32 A_e, so the float64 choice is ORT's in
 practice; where it was not, that token's later rows fail and the report's fp32 ties say where to look. Nothing is
@@ -60,30 +49,8 @@ import torch
 from ..model.batch import Batch
 from ..model.mlp import MoE
 from ..ops.moe import route
+from ..ops.routing_bound import fp32_score_bounds, swap_pairs
 from .router_taps import RouterTap
-
-U32 = 2.0 ** -24  # fp32's unit roundoff
-U64 = 2.0 ** -53
-SIGMOID_ERROR = 2.0 ** -21
-"""Absolute error of an fp32 ``Sigmoid`` kernel: 8 units of 2^-24 (ORT's CPU kernel, a polynomial approximation, was
-measured at 2.8 over a dense sweep of [-30, 30]; ``1 / (1 + expf(-z))`` with a 2-ulp ``expf``, as GPU kernels
-compute it, stays within 4; a correctly rounded one within 0.5). Next to the dot's gamma_D A_e / 4 it is small:
-it only keeps the bound honest where A_e is tiny."""
-F64_SLACK = 2.0 ** -48  # the float64 recomputation's own sigmoid, add and comparison roundings, generously
-
-
-def gamma(n: int, u: float) -> float:
-    """Higham's gamma_n = n u / (1 - n u): the relative bound of an n-term dot product's roundings, any order."""
-    return n * u / (1 - n * u)
-
-
-def fp32_score_bounds(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """beta [T, E] of the module docstring: how far ORT's fp32 biased score may be from the float64 one computed
-    from the same router input x [T, D], weight [E, D] and bias [E] (all float64)."""
-    d = x.shape[-1]
-    abs_sum = x.abs() @ weight.abs().t()  # A_e
-    return (gamma(d, U32) + gamma(d, U64)) * abs_sum / 4 + SIGMOID_ERROR + U32 * (1 + bias.abs()) + F64_SLACK
-
 
 @dataclass
 class RoutingDifference:
@@ -231,10 +198,9 @@ class RoutingForcing:
                                f"reference's {list(x.shape)}")
         self.record.routings += x.shape[0]
         scores = torch.sigmoid(x_ort @ w.t()) + b  # [T, E] float64
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        kept, rest = order[:, :k], order[:, k:]
         beta = fp32_score_bounds(x_ort, w, b)
-        self._fp32_ties(layer, beta, scores, kept, rest)
+        kept, rest, gap, bound = swap_pairs(scores, beta, k)
+        self._fp32_ties(layer, kept, rest, gap, bound)
         theirs = kept.sort(-1).values
         if ids is not None:  # ORT's own choice: checked against its router's arithmetic, then taken
             ids = ids.long().sort(-1).values
@@ -277,14 +243,12 @@ class RoutingForcing:
                 self.record.examples.append(f"{self.graph} step {self.step}, token {t}, layer {layer}: ONNX Runtime "
                                             f"experts {got}, its router's top-k {want}: {why}")
 
-    def _fp32_ties(self, layer, beta, scores, kept, rest) -> None:
+    def _fp32_ties(self, layer, kept, rest, gap, bound) -> None:
         if rest.shape[1] == 0:
             return
-        gap = scores.gather(1, kept)[:, :, None] - scores.gather(1, rest)[:, None, :]  # [T, k, E - k]
-        bound = beta.gather(1, kept)[:, :, None] + beta.gather(1, rest)[:, None, :]
         ratio = (gap / bound).flatten(1)
         closest, pair = ratio.min(-1)
-        for t in range(scores.shape[0]):
+        for t in range(kept.shape[0]):
             r = float(closest[t])
             a, c = divmod(int(pair[t]), rest.shape[1])
             if r > 1.0:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import OPS, kv_fp8, mxfp8
+from . import OPS, kv_fp8, mxfp8, routing_bound
 from .indexer import lightning_indexer_reference
 from .paged import gather_sequence, sequences
 
@@ -573,25 +573,21 @@ def _compare_float(got: torch.Tensor, want: torch.Tensor, tol: Tolerance, v: Ver
 
 
 def _routing_near_ties(inputs64: list[torch.Tensor], attrs: dict, v: Verdict) -> torch.Tensor:
-    """Tokens whose top_k boundary (biased score of the k-th vs the (k+1)-th expert) is closer than fp32 routing
-    arithmetic resolves: an fp32 implementation may route them differently. Exact ties (margin 0) are not near
-    ties: they must go to the lower expert id in every implementation."""
+    """Tokens where an fp32 routing may keep another expert set than the float64 one: some kept expert a and dropped
+    c with 0 < S_a - S_c <= beta_a + beta_c (``routing_bound``: the bound ``m3export verify`` applies too). Exact
+    ties (margin 0) are not near ties: they must go to the lower expert id in every implementation."""
     x, router, bias = inputs64[0], inputs64[1], inputs64[2]
     k = attrs["top_k"]
-    e = router.shape[0]
-    if k >= e:
+    if k >= router.shape[0]:
         return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    logits = x @ router.t()
-    bound = x.shape[1] * EPS32 * (x.abs() @ router.abs().t()) + EPS32  # fp32 dot + sigmoid rounding
-    s = torch.sigmoid(logits) + bias
-    top = torch.sort(s, dim=-1, descending=True, stable=True)
-    kth, nxt = top.indices[:, k - 1:k], top.indices[:, k:k + 1]
-    margin = (top.values[:, k - 1] - top.values[:, k])
-    slack = SCORE_SLACK * (bound.gather(1, kth) + bound.gather(1, nxt)).squeeze(1) / 4  # sigmoid' <= 1/4
-    near = (margin > 0) & (margin <= slack)
+    beta = routing_bound.fp32_score_bounds(x, router, bias)
+    kept, rest, gap, bound = routing_bound.swap_pairs(torch.sigmoid(x @ router.t()) + bias, beta, k)
+    swappable = (gap > 0) & (gap <= bound)
+    near = swappable.flatten(1).any(-1)
     for t in near.nonzero().flatten().tolist():
-        v.near_ties.append(f"token {t}: experts {int(kth[t])} / {int(nxt[t])} differ by {margin[t].item():.2e} "
-                           f"(fp32 resolves {slack[t].item():.2e})")
+        a, c = divmod(int(torch.where(swappable[t], gap[t] / bound[t], torch.inf).argmin()), rest.shape[1])
+        v.near_ties.append(f"token {t}: experts {int(kept[t, a])} / {int(rest[t, c])} differ by "
+                           f"{gap[t, a, c].item():.2e} (fp32 resolves {bound[t, a, c].item():.2e})")
     return near
 
 
