@@ -1,0 +1,152 @@
+"""The lightning indexer's TMA key loads and its folded top-k (``plugins/kernels/lightning_indexer.py``, issue 11)
+against the reference, under Triton's interpreter at tiny sizes (on a GPU machine the same cases run compiled).
+
+TMA reads one page-sized key tile per bulk copy and cuts the context into runs of whole tiles / blocks, so the
+cases cover a tile holding several blocks, a block spanning several tiles (running max), pages a descriptor cannot
+address (gathered instead), FP8 pools, decode, verify and mixed batches. The fold runs the top-k in the scan's
+last program per query tile: its ticket counters must be back at 0 after every launch (the next launch, or a
+CUDA graph replay, starts from them), and the selections must be the reference's exactly: ties, forced blocks, -1.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from tests.test_kernels_attention import CASES, DEVICE, Paged  # sets TRITON_INTERPRET without a GPU
+
+from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
+from m3export.plugins.kernels import _batch  # noqa: E402
+from m3export.plugins.kernels import lightning_indexer as LI  # noqa: E402
+
+TMA = {"scan": dict(loads="tma", block_n=16, num_stages=3)}
+FOLD = {"scan": dict(loads="tma", block_n=16, fold_topk=1)}
+
+
+@pytest.fixture(autouse=True)
+def _sixteen_sms(monkeypatch):
+    """16 multiprocessors: every query tile's context is cut into several splits (tickets > 1 per counter)."""
+    monkeypatch.setattr(_batch, "num_sms", lambda device: 16)
+
+
+def _case(name):
+    ctx, new, page, *attrs = CASES[name]
+    return Paged(ctx, new, page, zlib.crc32(name.encode())), tuple(attrs)
+
+
+def _run(paged, attrs, config, dtype=torch.float32, d=32, scale=False):
+    q, pool = paged.randn(paged.tokens, 2, d, dtype=dtype), paged.pool(d, dtype=dtype)
+    ks = None
+    if scale:  # E4M3 pool with per-row fp32 scales, read by kernel and reference alike
+        from m3export.ops.kv_fp8 import quantize_rows
+
+        pool, ks = quantize_rows(paged.pool(d))
+    ref = lightning_indexer_reference(q, pool, *paged.args("cpu"), *attrs, index_k_scale=ks)
+    got = LI.forward(q.to(DEVICE), pool.to(DEVICE), *paged.args(), *attrs,
+                     None if ks is None else ks.to(DEVICE), config=config)
+    return got.cpu(), ref
+
+
+# (case, key tile): "wide-blocks" has blocks of 16 on pages of 4 (four tiles per block: the running max);
+# "page-larger-than-block" tiles of 16 keys hold 4 blocks; "page-smaller-than-block" has pages of 3, which no
+# descriptor tile can follow (gathered); "mixed-with-empty-seq" pages of 5 likewise.
+@pytest.mark.parametrize("name", ["decode-one-token-seqs", "verify-multi-token", "wide-blocks",
+                                  "page-larger-than-block", "page-smaller-than-block", "mixed-with-empty-seq"])
+@pytest.mark.parametrize("config", [TMA, FOLD], ids=["tma", "tma-fold"])
+def test_tma_and_fold_select_exactly_as_reference(name, config):
+    paged, attrs = _case(name)
+    got, ref = _run(paged, attrs, config, dtype=torch.bfloat16)
+    assert torch.equal(got, ref)
+
+
+def test_tma_tile_smaller_than_page_and_block():
+    """2-key tiles on pages of 8 with blocks of 4: two tiles per block, four per page."""
+    paged, attrs = _case("decode-one-token-seqs")
+    got, ref = _run(paged, attrs, {"scan": dict(loads="tma", block_n=2, num_stages=2)})
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("config", [TMA, FOLD], ids=["tma", "tma-fold"])
+def test_fp8_pool_through_tma(config):
+    paged, attrs = _case("many-blocks-top16")
+    got, ref = _run(paged, attrs, config, scale=True)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("method", ["rounds", "bitonic"])
+@pytest.mark.parametrize("values", ["zeros", "ints"])
+def test_fold_ties_go_to_forced_then_lower_id(method, values):
+    """Exact ties (every block scores 0, or integer scores with many equal maxima), forced local / init blocks and
+    -1 padding (a one-block sequence), with the gather loads and either top-k method folded into the scan."""
+    paged = Paged([23, 6, 40], [23, 6, 2], 4, seed=1)
+    attrs = (4, 4, 2, 1)
+    if values == "zeros":
+        q, pool = paged.randn(paged.tokens, 2, 16), paged.pool(16, values=lambda *s: torch.zeros(*s))
+    else:
+        ints = lambda *s: torch.randint(-1, 2, s, generator=paged.gen).float()  # noqa: E731
+        q, pool = ints(paged.tokens, 2, 16), paged.pool(16, values=ints)
+    ref = lightning_indexer_reference(q, pool, *paged.args("cpu"), *attrs)
+    assert (ref == -1).any()
+    config = {"scan": dict(fold_topk=1), "topk": dict(method=method)}
+    got = LI.forward(q.to(DEVICE), pool.to(DEVICE), *paged.args(), *attrs, config=config)
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_fold_puts_every_ticket_counter_back_to_zero():
+    """Two launches in a row (different batches, so different query tiles and splits) leave the shared counters
+    at 0, and the second launch is right: it started from zeros the first one restored."""
+    counters = _batch.ticket_counters(torch.device(DEVICE), 1)
+    for name in ("verify-multi-token", "decode-one-token-seqs"):
+        paged, attrs = _case(name)
+        got, ref = _run(paged, attrs, FOLD)
+        assert torch.equal(got, ref)
+        assert int(counters.count_nonzero()) == 0
+
+
+def test_fold_of_an_empty_batch_and_scan_alone():
+    """No query token: every id -1 and no launch. ``scan`` alone never folds (it returns block maxima)."""
+    paged, attrs = _case("decode-one-token-seqs")
+    q, pool = paged.randn(0, 2, 32), paged.pool(32)
+    bt, _, sl, pos = paged.args()
+    qsl = torch.zeros(sl.numel() + 1, dtype=torch.int32, device=DEVICE)
+    got = LI.forward(q.to(DEVICE), pool.to(DEVICE), bt, qsl, sl, pos[:0], *attrs, config=FOLD)
+    assert got.shape == (0, 2, attrs[1])
+    q = paged.randn(paged.tokens, 2, 32)
+    folded = LI.scan(q.to(DEVICE), pool.to(DEVICE), *paged.args(), attrs[0], config=FOLD)
+    plain = LI.scan(q.to(DEVICE), pool.to(DEVICE), *paged.args(), attrs[0])
+    own = paged.positions // attrs[0]
+    for t in range(paged.tokens):  # entries past a token's own block are never written
+        assert torch.equal(folded[t, :, :own[t] + 1].cpu(), plain[t, :, :own[t] + 1].cpu())
+
+
+def test_tma_usable_names_what_a_descriptor_cannot_read():
+    pool = torch.zeros(6, 8, 32)
+    assert LI.tma_usable(pool) is None
+    assert "power of two" in LI.tma_usable(torch.zeros(6, 3, 32))
+    assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 8, 33))  # rows of 132 bytes
+    assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 8, 32)[:, :4])  # pages not one row run
+
+
+def test_unknown_loads_are_refused():
+    paged, attrs = _case("decode-one-token-seqs")
+    with pytest.raises(ValueError, match="scan loads 'bulk'"):
+        _run(paged, attrs, {"scan": dict(loads="bulk")})
+
+
+def test_ticket_counters_grow_but_never_inside_a_capture(monkeypatch):
+    """More counters than the buffer has: a new, larger zeroed buffer (the old one kept referenced); inside a CUDA
+    graph capture the same request is refused by name instead (it would come from the graph's pool)."""
+    dev = torch.device("cpu")
+    monkeypatch.setattr(_batch, "_TICKETS", {})
+    monkeypatch.setattr(_batch, "_OUTGROWN", [])
+    small = _batch.ticket_counters(dev, 3)
+    assert small.numel() == _batch._MIN_TICKETS and int(small.count_nonzero()) == 0
+    assert _batch.ticket_counters(dev, 5) is small
+    big = _batch.ticket_counters(dev, _batch._MIN_TICKETS + 1)
+    assert big.numel() == 2 * _batch._MIN_TICKETS and _batch._OUTGROWN == [small]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="not allocated before CUDA graph capture"):
+        _batch.ticket_counters(cuda, 1)
