@@ -95,14 +95,32 @@ def test_fold_ties_go_to_forced_then_lower_id(method, values):
 
 
 def test_fold_puts_every_ticket_counter_back_to_zero():
-    """Two launches in a row (different batches, so different query tiles and splits) leave the shared counters
-    at 0, and the second launch is right: it started from zeros the first one restored."""
+    """Launches in a row (different batches, so different query tiles and splits) leave the shared counters at 0,
+    and each later launch is right: it started from zeros the one before restored."""
     counters = _batch.ticket_counters(torch.device(DEVICE), 1)
-    for name in ("verify-multi-token", "decode-one-token-seqs"):
+    for name in ("decode-one-token-seqs", "decode-between-empty-seqs", "decode-one-token-seqs"):
         paged, attrs = _case(name)
         got, ref = _run(paged, attrs, FOLD)
         assert torch.equal(got, ref)
         assert int(counters.count_nonzero()) == 0
+
+
+def test_fold_serves_decode_batches_and_leaves_prefill_tiles_to_the_topk_launch(monkeypatch):
+    """Decode-like batches (one token per program) take no top-k launch; a verify batch (query tiles of several
+    tokens) and a decode batch past ``FOLD_MOST_KEYS`` do, with the same result as without the fold."""
+    launches = []
+    plain = LI.block_topk
+    monkeypatch.setattr(LI, "block_topk", lambda *a, **k: launches.append(1) or plain(*a, **k))
+    paged, attrs = _case("decode-one-token-seqs")
+    got, ref = _run(paged, attrs, FOLD)
+    assert torch.equal(got, ref) and launches == []
+    paged, attrs = _case("verify-multi-token")
+    got, ref = _run(paged, attrs, FOLD)
+    assert torch.equal(got, ref) and launches == [1]
+    monkeypatch.setattr(LI, "FOLD_MOST_KEYS", 8)  # 2 heads x 16 blocks (pages of 8, blocks of 4) is more
+    paged, attrs = _case("decode-one-token-seqs")
+    got, ref = _run(paged, attrs, FOLD)
+    assert torch.equal(got, ref) and launches == [1, 1]
 
 
 def test_fold_of_an_empty_batch_and_scan_alone():

@@ -40,7 +40,7 @@ DEFAULTS = {
     # lowered to the page, a tile never crosses a page, and a longer block keeps its max across its tiles);
     # loads: "gather" (each key row's address from its page id, cp.async) or "tma" (one bulk tensor copy per
     # page-sized tile; pools a descriptor cannot address, ``tma_usable``, are gathered); fold_topk: 1 runs the
-    # block top-k in the scan launch (``forward`` only; ``scan`` alone never folds); waves: programs per multiprocessor the context splits aim for; max_splits: most splits of one tile's
+    # block top-k in the scan launch (``forward`` only, decode-like batches up to ``FOLD_MOST_KEYS``); waves: programs per multiprocessor the context splits aim for; max_splits: most splits of one tile's
     # context (the launch has slots x splits programs); min_split_tiles: when > 0, no more splits than
     # ceil(key tiles of the widest block table / min_split_tiles) (a shape, so still one launch per batch
     # shape), so short contexts do not launch programs that find no key.
@@ -286,18 +286,27 @@ def forward(
 ) -> torch.Tensor:
     """index_q [T, H, D], index_k_cache [pages, page, D] -> selected block ids [T, H, topk_blocks] int32.
     An FP8 key pool comes with its fp32 scale pool [pages, page]. ``config``: {"scan": {...}, "topk": {...}},
-    entries overriding ``DEFAULTS`` (None for the op). With the scan's ``fold_topk`` the top-k runs inside the
-    scan launch (one launch)."""
+    entries overriding ``DEFAULTS`` (None for the op). With the scan's ``fold_topk`` the top-k of decode-like
+    batches runs inside the scan launch (one launch; ``FOLD_MOST_KEYS``)."""
     t, h, _ = index_q.shape
     if topk_blocks == 0 or t == 0 or seq_lens.shape[0] == 0:
         _check(index_q, index_k_cache, block_size, index_k_scale)
         return torch.full((t, h, topk_blocks), -1, dtype=torch.int32, device=index_q.device)
+    fold = None
     if launch_settings("lightning_indexer", DEFAULTS, config, "scan")["fold_topk"]:
-        return _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
-                            index_k_scale, config, fold=(topk_blocks, local_blocks, init_blocks))[1]
-    scores = scan(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
-                  index_k_scale, config=config)
+        fold = (topk_blocks, local_blocks, init_blocks)
+    scores, ids = _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions,
+                               block_size, index_k_scale, config, fold)
+    if ids is not None:
+        return ids
     return block_topk(scores, positions, block_size, topk_blocks, local_blocks, init_blocks, config=config)
+
+
+# The fold's last program ranks all of its query tile's rows at once ([rows, blocks] int64 keys in registers), so
+# it folds decode-like batches (one token per program: 4 index heads) up to this many (row, block) keys (4 heads x
+# 1024 blocks = 128k tokens: 32 keys per thread at 4 warps); longer contexts and prefill tiles run the top-k
+# launch.
+FOLD_MOST_KEYS = 4096
 
 
 def _check(index_q, index_k_cache, block_size, index_k_scale) -> None:
@@ -351,7 +360,7 @@ def tma_usable(index_k_cache: torch.Tensor) -> str | None:
 def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
                  index_k_scale, config, fold):
     """(block maxima, ids or None): the scan launch, with the top-k folded in when ``fold`` = (topk_blocks,
-    local_blocks, init_blocks)."""
+    local_blocks, init_blocks) and the batch is one the fold serves (``FOLD_MOST_KEYS``; otherwise ids is None)."""
     _check(index_q, index_k_cache, block_size, index_k_scale)
     cfg = launch_settings("lightning_indexer", DEFAULTS, config, "scan")
     if cfg["loads"] not in ("gather", "tma"):
@@ -392,13 +401,17 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     counters = sel = scores  # never touched without the fold
     if fold is not None:
         topk_blocks, local_blocks, init_blocks = fold
+        topk_pad = next_pow2(max(topk_blocks, 2))
+        nb_pad = max(next_pow2(max(nb, 2)), topk_pad)
+        if tokens > 1 or h_pad * nb_pad > FOLD_MOST_KEYS:
+            fold = None  # ``forward`` runs the top-k launch
+    if fold is not None:
         method = launch_settings("lightning_indexer", DEFAULTS, config, "topk")["method"]
         _check_method(method)
         sel = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=index_q.device)
         counters = ticket_counters(index_q.device, slots)
-        topk_pad = next_pow2(max(topk_blocks, 2))
-        fold_args = dict(FOLD=True, NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad), TOPK=topk_blocks,
-                         TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=method)
+        fold_args = dict(FOLD=True, NB=nb, NB_PAD=nb_pad, TOPK=topk_blocks, TOPK_PAD=topk_pad, LOCAL=local_blocks,
+                         INIT=init_blocks, METHOD=method)
     if tma and not interpreted(index_q):
         ensure_descriptor_allocator()
     _index_scan[(slots, splits)](

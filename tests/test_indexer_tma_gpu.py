@@ -1,0 +1,112 @@
+"""The lightning indexer's TMA and folded-top-k variants compiled on a CUDA device at M3's dimensions (4 index heads
+of 128, blocks of 128, top-16, one local block), against the reference. Skipped without a GPU (CI); on the H200:
+``python3 -m pytest -q -m gpu tests/test_indexer_tma_gpu.py`` in a process of its own (the CPU test files switch
+Triton to its interpreter).
+
+Every scan variant that loads by TMA or folds the top-k runs on a mixed batch (prefill chunk, decodes, a verify, a
+sequence without new tokens) on pages of 128 and 64 (a block then spans two key tiles), bf16 and FP8 pools, and at
+batch 1 / 128k; selections equal the reference's up to fp32 near-ties (the conformance suite's rule). The fold is
+also captured in a CUDA graph: replays give the eager launch's bits, the ticket counters are back at 0 after
+each, and no launcher syncs the host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+HI, DI, BS, TOPK, LOCAL, INIT = 4, 128, 128, 16, 1, 0
+ATTRS = (BS, TOPK, LOCAL, INIT)
+
+
+def _new_variants():
+    from m3export.plugins.kernels import lightning_indexer as LI
+
+    return {n: s for n, s in LI.VARIANTS["scan"].items() if s["loads"] == "tma" or s["fold_topk"]}
+
+
+def _check(sel, iq, ikc, args, iks=None):
+    from m3export.ops.conformance import Verdict, _compare_selection, upcast
+    from m3export.ops.indexer import lightning_indexer_reference
+
+    ref = lightning_indexer_reference(iq, ikc, *args, *ATTRS, index_k_scale=iks)
+    if torch.equal(sel, ref):
+        return
+    if iks is not None:  # the near-tie rule on the keys as read
+        from m3export.ops.kv_fp8 import dequantize_rows
+
+        ikc = dequantize_rows(ikc, iks, torch.float64)
+    verdict = Verdict()
+    _compare_selection(sel, ref, upcast([iq, ikc, *args]),
+                       dict(block_size=BS, topk_blocks=TOPK, local_blocks=LOCAL, init_blocks=INIT), verdict)
+    assert verdict.ok, verdict.failures[:5]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("page", [128, 64])
+def test_variants_on_a_mixed_batch_without_host_sync(page, fp8):
+    from m3export.plugins.kernels import lightning_indexer as LI
+    from tests.test_kernels_attention_gpu import MIXED, _batch
+
+    gen = torch.Generator().manual_seed(page + fp8)
+    pages, args = _batch(*MIXED, page, gen)
+    t = args[3].numel()
+    iq = torch.randn(t, HI, DI, device="cuda", dtype=torch.bfloat16)
+    ikc, iks = torch.randn(pages, page, DI, device="cuda", dtype=torch.bfloat16), None
+    if fp8:
+        from m3export.ops.kv_fp8 import quantize_rows
+
+        ikc, iks = quantize_rows(ikc)
+    for name, settings in _new_variants().items():
+        LI.forward(iq, ikc, *args, *ATTRS, iks, config={"scan": settings})  # compile, counters allocated
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync inside the launcher raises
+        try:
+            sel = LI.forward(iq, ikc, *args, *ATTRS, iks, config={"scan": settings})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        _check(sel, iq, ikc, args, iks)
+
+
+def test_variants_at_batch_1_and_128k():
+    from m3export.plugins.kernels import lightning_indexer as LI
+    from tests.test_kernels_attention_gpu import _batch
+
+    pages, args = _batch([131072], [1], 128, torch.Generator().manual_seed(3))
+    iq = torch.randn(1, HI, DI, device="cuda", dtype=torch.bfloat16)
+    ikc = torch.randn(pages, 128, DI, device="cuda", dtype=torch.bfloat16)
+    for name, settings in _new_variants().items():
+        _check(LI.forward(iq, ikc, *args, *ATTRS, config={"scan": settings}), iq, ikc, args)
+
+
+def test_fold_replayed_from_a_cuda_graph():
+    from m3export.plugins.kernels import _batch as batch_helpers
+    from m3export.plugins.kernels import lightning_indexer as LI
+    from tests.test_kernels_attention_gpu import _batch
+
+    pages, args = _batch([32768] * 8, [1] * 8, 128, torch.Generator().manual_seed(5))
+    iq = torch.randn(8, HI, DI, device="cuda", dtype=torch.bfloat16)
+    ikc = torch.randn(pages, 128, DI, device="cuda", dtype=torch.bfloat16)
+    for name, settings in _new_variants().items():
+        if not settings["fold_topk"]:
+            continue
+        cfg = {"scan": settings}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager = LI.forward(iq, ikc, *args, *ATTRS, config=cfg)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = LI.forward(iq, ikc, *args, *ATTRS, config=cfg)
+        counters = batch_helpers.ticket_counters(iq.device, 1)
+        for _ in range(3):
+            out.fill_(-7)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), name
+            assert int(counters.count_nonzero()) == 0, name
+        _check(eager, iq, ikc, args)
