@@ -91,6 +91,48 @@ def finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, 
 
 
 @triton.jit
+def finish_rows_fused(out_ptr, acc_ptr, m_ptr, l_ptr, tick_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h,
+                      dv, HQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr):
+    """``finish_rows`` with the merge in the same launch: every split stores its partial, then takes a ticket on its
+    rows' counter (``tick_ptr``: one int32 per (query tile, KV head), from ``Tickets``); the split that draws the
+    last ticket merges all ``SPLITS`` partials of the rows, in split order (so the bits do not depend on which split
+    came last), writes the output and puts the counter back to 0 for the next launch.
+
+    Ordering: a CTA barrier after the partial stores, then the ticket as an ``acq_rel`` atomic at GPU scope (its
+    release publishes the stores the barrier ordered before it; the last split's acquire makes every other split's
+    published stores visible), then a barrier so that all of the last program's threads read after the acquire;
+    the partials are read with ``.cg`` (L2, never a stale L1 line)."""
+    if SPLITS == 1:
+        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
+                    SPLITS)
+    else:
+        r = (tok.to(tl.int64) * HQ + hq) * SPLITS
+        tl.store(m_ptr + r + split, m_i, mask=row_ok)
+        tl.store(l_ptr + r + split, l_i, mask=row_ok)
+        keep = row_ok[:, None] & (dv[None, :] < DV)
+        tl.store(acc_ptr + (r + split)[:, None] * DV + dv[None, :], acc, mask=keep)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tick_ptr, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if ticket == SPLITS - 1:
+            mx = tl.full(m_i.shape, float("-inf"), tl.float32)
+            for s in tl.static_range(SPLITS):
+                mx = tl.maximum(mx, tl.load(m_ptr + r + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+            ref = tl.where(mx == float("-inf"), 0.0, mx)
+            o = tl.zeros(acc.shape, tl.float32)
+            den = tl.zeros(l_i.shape, tl.float32)
+            for s in tl.static_range(SPLITS):
+                w = tl.exp2(tl.load(m_ptr + r + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - ref)
+                den += w * tl.load(l_ptr + r + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+                o += w[:, None] * tl.load(acc_ptr + (r + s)[:, None] * DV + dv[None, :], mask=keep, other=0.0,
+                                          cache_modifier=".cg")
+            o = o / tl.where(row_ok, den, 1.0)[:, None]  # padding rows: no 0/0; a real empty row stays NaN
+            tl.store(out_ptr + tok[:, None].to(tl.int64) * so_t + hq[:, None] * so_h + dv[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=keep)
+            tl.atomic_xchg(tick_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)  # (token, query head) flattened: partials are [T * Hq, SPLITS, (DV)]
@@ -108,6 +150,26 @@ def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_D
                   mask=(s[:, None] < SPLITS) & (d[None, :] < DV), other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * so_t + hd * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < DV)
+
+
+class Tickets:
+    """The split counters of ``finish_rows_fused``: one persistent, zeroed int32 buffer per device, owned here.
+    Each launch leaves every counter it used back at 0 (the last split resets it), so the buffer is zeroed once,
+    when it is made, never by a host op per call: CUDA-graph replays and eager calls see 0 at launch. Launches that
+    use it must be ordered (one stream, as a model step's layers are): two launches running at once on one device
+    would share counters. A larger request makes a larger buffer and keeps the old ones alive (a captured graph may
+    still point at them)."""
+
+    _buffers: dict = {}
+
+    @classmethod
+    def get(cls, device: torch.device, n: int) -> torch.Tensor:
+        key = (device.type, device.index if device.index is not None else
+               (torch.cuda.current_device() if device.type == "cuda" else 0))
+        held = cls._buffers.setdefault(key, [])
+        if not held or held[-1].numel() < n:
+            held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+        return held[-1]
 
 
 class Partials:

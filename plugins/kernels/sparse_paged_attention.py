@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
                      query_tiles, sequence_of, splits_for, tokens_per_tile)
-from ._splitk import LOG2E, Partials, attend_tile, finish_rows
+from ._splitk import LOG2E, Partials, Tickets, attend_tile, finish_rows, finish_rows_fused
 from .paged_attention import _check, scale_pools
 
 OP = "m3::sparse_paged_attention"
@@ -67,6 +67,28 @@ DEFAULTS = {
                     loop="flat"),
 }
 _LOOPS = ("nested", "flat", "union", "halves")
+# Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
+# pools allow it (``tma_usable``; else the same walk with pointer loads); "fused", the split-K merge in the same launch
+# (``_splitk.finish_rows_fused``: the last split of each tile merges; no second launch).
+_MODIFIERS = ("tma", "fused")
+
+
+# Most sequences whose starts a one-token program loads at once to find its sequence (``_sequence_by_count``; the fused
+# variants): 1024 starts are 4 KB, 8 registers a thread at 4 warps; above, the binary search.
+_COUNTED_SEQS = 1024
+
+
+def loop_form(loop: str) -> tuple[str, bool, bool]:
+    """A ``loop`` setting -> (walk, tma, fused); refused by name unless it is a walk of ``_LOOPS`` followed by
+    distinct modifiers of ``_MODIFIERS`` in that order."""
+    walk, *mods = loop.split("_")
+    if walk not in _LOOPS or mods != [m for m in _MODIFIERS if m in mods]:
+        raise ValueError(f"sparse_paged_attention: loop {loop!r} is not one of {_LOOPS}, optionally followed by "
+                         f"{' / '.join('_' + m for m in _MODIFIERS)} in that order")
+    if walk == "halves" and "fused" in mods:
+        raise ValueError(f"sparse_paged_attention: loop {loop!r}: the 'halves' walk finishes its two row groups "
+                         "apart, so its merge cannot be fused")
+    return walk, "tma" in mods, "fused" in mods
 
 
 def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None):
@@ -111,6 +133,22 @@ VARIANTS = {
         "flat-n128-w4-s3-waves4-max8": _decode("flat", 128, 4, 3, 4, 8),
         # one block per split: 1024 programs at batch 16 (the most programs, the most partial traffic)
         "flat-n64-w4-s3-waves8-max16": _decode("flat", 64, 4, 3, 8, 16),
+        # One launch (issue 11, 2026-12-01): the split-K merge fused into the kernel ("_fused": the last split of a
+        # (token, KV head) merges, _splitk.finish_rows_fused) and the sequence found by one vector load of the starts
+        # instead of a binary search (_sequence_by_count): at batch 16 / 32k the 29-30 us held ~13 us that do not
+        # scale with the bytes (batch 64 reads 4x the bytes in 76 us), of which the second launch and the programs'
+        # chain of dependent loads before their first key are the part these remove. "waves" from the sm_90 compile
+        # (Triton 3.6 ptxas on the CPU machine): flat_fused n128 s3 168 registers / 74 KB -> 3 programs per SM; n64
+        # s2 ~120 registers / 39 KB -> 4.
+        "flat_fused-n128-w4-s3-waves2": _decode("flat_fused", 128, 4, 3, 2),
+        "flat_fused-n128-w4-s3-waves3": _decode("flat_fused", 128, 4, 3, 3),
+        "flat_fused-n64-w4-s2-waves4-max8": _decode("flat_fused", 64, 4, 2, 4, 8),
+        "flat_fused-n64-w4-s3-waves4-max8": _decode("flat_fused", 64, 4, 3, 4, 8),
+        # K / V through TMA ("_tma": a bulk tensor copy per key tile, _load_kv) over the selection compacted to its
+        # usable blocks (no masked visit: a bulk copy cannot be masked), merge fused.
+        "flat_tma_fused-n64-w4-s3-waves3-max8": _decode("flat_tma_fused", 64, 4, 3, 3, 8),
+        "flat_tma_fused-n128-w4-s3-waves2": _decode("flat_tma_fused", 128, 4, 3, 2),
+        "flat_tma-n64-w4-s3-waves3-max8": _decode("flat_tma", 64, 4, 3, 3, 8),
     },
     "prefill": {
         "nested-tauto-n64-w4-s2-waves2": _prefill("nested", None, 64, 4, 2),  # the defaults before 22:12
@@ -127,6 +165,12 @@ VARIANTS = {
         # pipeliner leaves loads whose dots sit under a branch unpipelined (the union tiles get cp.async), so this
         # measures whether the skipped work outweighs the lost overlap. 128-key tiles spilled (144-608 bytes).
         "halves-t8-n64-w8-s3-waves2": _prefill("halves", 8, 64, 8, 3),
+        # the union tile with K / V through TMA (bulk tensor copies, pipelined by the compiler without cp.async's
+        # per-thread address math), and the halves walk with TMA (whether bulk copies give it the pipelining its
+        # branches cost it; see above)
+        "union_tma-t8-n128-w8-s2-waves2": _prefill("union_tma", 8, 128, 8, 2),
+        "union_tma-t8-n64-w8-s3-waves2": _prefill("union_tma", 8, 64, 8, 3),
+        "halves_tma-t8-n64-w8-s3-waves2": _prefill("halves_tma", 8, 64, 8, 3),
     },
 }
 
@@ -134,9 +178,22 @@ VARIANTS = {
 def settings(config: dict | None, mode: str) -> dict:
     """DEFAULTS[mode] with the entries of ``config[mode]`` (unknown names or loop forms refused by name)."""
     cfg = launch_settings("sparse_paged_attention", DEFAULTS, config, mode)
-    if cfg["loop"] not in _LOOPS:
-        raise ValueError(f"sparse_paged_attention: loop {cfg['loop']!r} is not one of {_LOOPS}")
+    loop_form(cfg["loop"])
     return cfg
+
+
+def tma_usable(pool: torch.Tensor, block_n: int, block_size: int, block_d: int) -> bool:
+    """Whether ``_load_kv`` can read ``pool`` [pages, page, Hkv, D] as bulk tensor copies: a Hopper-or-later GPU (or
+    the interpreter), the pool laid out as a row-major [pages * page, Hkv * D] matrix with a 16-byte aligned base and
+    row length (a tensor descriptor's rules), D a power of two (the box is [BLOCK_N, D]) and key tiles inside one
+    page and one block (one box per tile)."""
+    if pool.device.type == "cuda" and torch.cuda.get_device_capability(pool.device)[0] < 9:
+        return False
+    pages, page, hkv, d = pool.shape
+    row = hkv * d
+    return (d == block_d and pool.stride(3) == 1 and pool.stride(2) == d and pool.stride(1) == row
+            and pool.stride(0) == page * row and pool.data_ptr() % 16 == 0 and row * pool.element_size() % 16 == 0
+            and page % block_n == 0 and block_size % block_n == 0)
 
 
 # Shared memory the compiled kernel may need beyond its tiles (pipeline barriers, reductions' scratch): the largest
@@ -212,6 +269,17 @@ def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Te
 
 
 @triton.jit
+def _sequence_by_count(qsl_ptr, t, num_seqs, SEQS_PAD: tl.constexpr):
+    """``sequence_of``'s answer (the largest b < num_seqs with query_start_loc[b] <= t) as the count of starts <= t,
+    less one: query_start_loc is non-decreasing, so that count is exactly b + 1. One load of ``SEQS_PAD`` starts
+    where the binary search makes log2(B) loads that each wait for the last (the start latency of a short decode
+    program)."""
+    b = tl.arange(0, SEQS_PAD)
+    starts = tl.load(qsl_ptr + b, mask=b < num_seqs, other=2147483647)
+    return tl.sum((starts <= t).to(tl.int32), axis=0) - 1
+
+
+@triton.jit
 def _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K: tl.constexpr, BS: tl.constexpr):
     """Visit ``visit`` = (token ``visit // K`` of the tile, selection slot ``visit % K``) -> (block id, whether the
     tile reads the block here, the rows whose token selected it). A block is read once per tile, at its first
@@ -229,24 +297,39 @@ def _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K: tl.con
 @triton.jit
 def _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, D: tl.constexpr,
              DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-             TILE_IN_PAGE: tl.constexpr):
+             TILE_IN_PAGE: tl.constexpr, TMA: tl.constexpr = False):
     """Key tile ``sub`` of block ``c``: (key positions j, which exist and are visible to the tile, page id and row
     of each key, K [BLOCK_N, D], V [BLOCK_N, DV]); nothing is read unless ``use``. ``TILE_IN_PAGE``: the tile
     lies inside one page (BLOCK_N divides both the page and the block), so its page id is one scalar load and
-    its rows are consecutive, instead of a page id per key."""
+    its rows are consecutive, instead of a page id per key. ``TMA`` (the tile inside one page): ``k_ptr`` / ``v_ptr``
+    are tensor descriptors over the pools viewed [pages * page, Hkv * D], and the tile is one bulk copy of the box
+    [BLOCK_N, D] at (page * PAGE + first row, g * D). A bulk copy cannot be masked: a tile that is not ``use``d
+    reads page 0's rows (the callers visit usable blocks only, so this is at most the tail of the last block), and
+    V's rows outside ``kmask`` are zeroed, since a pool row past a sequence's end may hold anything, NaN included
+    (a masked score gives P = 0, and 0 * NaN in P V is NaN); K's are harmless (their scores are masked)."""
     j = c * BS + sub * BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = use & (j < c * BS + BS) & (j <= last)
-    if TILE_IN_PAGE:
+    if TMA:
         j0 = c * BS + sub * BLOCK_N
-        page = tl.load(bt_row + j0 // PAGE, mask=use & (j0 <= last), other=0).to(tl.int64)
+        page = tl.load(bt_row + j0 // PAGE, mask=use & (j0 <= last), other=0)
+        row0 = page * PAGE + j0 % PAGE
+        k = k_ptr.load([row0, g * D])
+        v = v_ptr.load([row0, g * DV])
+        v = tl.where(kmask[:, None], v, tl.zeros_like(v))
+        page = page.to(tl.int64)
         row = j0 % PAGE + tl.arange(0, BLOCK_N)
     else:
-        page = tl.load(bt_row + j // PAGE, mask=kmask, other=0).to(tl.int64)
-        row = j % PAGE
-    k_rows = k_ptr + page * sk_p + row * sk_r + g * sk_h
-    v_rows = v_ptr + page * sv_p + row * sv_r + g * sv_h
-    k = tl.load(k_rows[:, None] + d[None, :], mask=kmask[:, None] & (d[None, :] < D), other=0.0)
-    v = tl.load(v_rows[:, None] + dv[None, :], mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
+        if TILE_IN_PAGE:
+            j0 = c * BS + sub * BLOCK_N
+            page = tl.load(bt_row + j0 // PAGE, mask=use & (j0 <= last), other=0).to(tl.int64)
+            row = j0 % PAGE + tl.arange(0, BLOCK_N)
+        else:
+            page = tl.load(bt_row + j // PAGE, mask=kmask, other=0).to(tl.int64)
+            row = j % PAGE
+        k_rows = k_ptr + page * sk_p + row * sk_r + g * sk_h
+        v_rows = v_ptr + page * sv_p + row * sv_r + g * sv_h
+        k = tl.load(k_rows[:, None] + d[None, :], mask=kmask[:, None] & (d[None, :] < D), other=0.0)
+        v = tl.load(v_rows[:, None] + dv[None, :], mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
     return j, kmask, page, row, k, v
 
 
@@ -254,10 +337,10 @@ def _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h
 def _attend_block(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
                   sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TILE_IN_PAGE: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+                  TILE_IN_PAGE: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr):
     """Key tile ``sub`` of block ``c`` for the rows that ``wants`` (causally); nothing is read unless ``use``."""
     j, kmask, page, row, k, v = _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h, sv_p,
-                                         sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE)
+                                         sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE, TMA)
     allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
     return attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g, vs_ptr + page * svs_p + row * svs_r + g,
                        kmask, allowed, qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
@@ -296,14 +379,18 @@ def _sparse_paged_attention(
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, LOOP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr = False,  # last, with a default: the TensorRT wrappers pass the others by position
+    TILE_IN_PAGE: tl.constexpr = False,  # these last, with defaults: the TensorRT wrappers pass the others by position
+    TMA: tl.constexpr = False, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
     hkv = tl.num_programs(1)
     split = tl.program_id(2)
     if TOKENS == 1:  # one program per token (decode-like batches): its sequence by binary search
-        seq = sequence_of(qsl_ptr, tile, num_seqs, LOG2_SEQS)
+        if SEQS_PAD > 0:  # or by one vector load of every sequence's start (no chain of dependent loads)
+            seq = _sequence_by_count(qsl_ptr, tile, num_seqs, SEQS_PAD)
+        else:
+            seq = sequence_of(qsl_ptr, tile, num_seqs, LOG2_SEQS)
         start = tile
         end = tile + 1
     else:
@@ -319,6 +406,14 @@ def _sparse_paged_attention(
     PER: tl.constexpr = (VISITS + SPLITS - 1) // SPLITS
     SUB: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + seq.to(tl.int64) * sbt_b
+    if TMA:  # K / V tiles as bulk tensor copies (_load_kv) through descriptors over the pools as [pages * page, Hkv * D]
+        k_src = tl.make_tensor_descriptor(k_ptr, shape=[kv_rows, hkv * D], strides=[sk_r, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_ptr, shape=[kv_rows, hkv * DV], strides=[sv_r, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_src = k_ptr
+        v_src = v_ptr
     if LOOP == "halves":  # the tile's union; its rows in two groups of TOKENS / 2 tokens (module docstring)
         HALF_T: tl.constexpr = TOKENS // 2
         HALF: tl.constexpr = ROWS // 2
@@ -340,8 +435,9 @@ def _sparse_paged_attention(
         u_hi = tl.minimum(u_lo + PER, n_uni)
         for it in range(u_lo * SUB, u_hi * SUB):
             c = tl.load(uni_row + it // SUB)
-            j, kmask, page, row, k, v = _load_kv(k_ptr, v_ptr, bt_row, c, it % SUB, c >= 0, last_h, d, dv, g, sk_p,
-                                                 sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE)
+            j, kmask, page, row, k, v = _load_kv(k_src, v_src, bt_row, c, it % SUB, c >= 0, last_h, d, dv, g, sk_p,
+                                                 sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE,
+                                                 TMA)
             ks_rows = ks_ptr + page * sks_p + row * sks_r + g
             vs_rows = vs_ptr + page * svs_p + row * svs_r + g
             wants_a = tl.max((sel_a == c).to(tl.int32), axis=1) > 0
@@ -370,17 +466,25 @@ def _sparse_paged_attention(
                 c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
                 for sub in range(0, tl.where(use, SUB, 0)):
                     m_i, l_i, acc = _attend_block(
-                        q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
+                        q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
                         sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
-                        BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED)
+                        BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
         else:
             if TOKENS == 1:
                 sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
+                if TMA:  # the usable first occurrences, in selection order: every visit reads a block it uses
+                    repeat = tl.max(((kk[None, :] < kk[:, None]) & (sel_one[None, :] == sel_one[:, None])).to(tl.int32),
+                                    axis=1)
+                    first_use = (sel_one >= 0) & (sel_one * BS <= last) & (repeat == 0)
+                    rank = tl.cumsum(first_use.to(tl.int32), axis=0) - 1
             if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
                 n_vis = tl.load(cnt_ptr + tile * hkv + g)
                 uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
             else:
                 n_vis = (end - start) * K
+                if TOKENS == 1:
+                    if TMA:
+                        n_vis = tl.sum(first_use.to(tl.int32), axis=0)
             v_lo = split * PER
             v_hi = tl.minimum(v_lo + PER, n_vis)
             for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
@@ -396,20 +500,28 @@ def _sparse_paged_attention(
                 else:
                     if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
                         # loop counter and this visit's addresses, and repeats are a 1-D test
-                        c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
-                        seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
                         wants = row_ok
-                        use = (c >= 0) & (c * BS <= last) & (seen == 0)
+                        if TMA:  # visit = rank among the usable first occurrences
+                            c = tl.sum(tl.where(first_use & (rank == visit), sel_one, 0), axis=0)
+                            use = visit < n_vis
+                        else:
+                            c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
+                            seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
+                            use = (c >= 0) & (c * BS <= last) & (seen == 0)
                     else:
                         c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
                 # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
                 m_i, l_i, acc = _attend_block(
-                    q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
+                    q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
                     sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
-                    BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED)
+                    BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
 
-        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
-                    SPLITS)
+        if FUSED:  # the split-K merge in this launch: the last split of the (tile, KV head) merges (_splitk)
+            finish_rows_fused(out_ptr, acc_ptr, m_ptr, l_ptr, tick_ptr + tile * hkv + g, acc, m_i, l_i, tok, hq, row_ok,
+                              split, so_t, so_h, dv, HQ, DV, SPLITS)
+        else:
+            finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
+                        SPLITS)
 
 
 def forward(
@@ -463,7 +575,7 @@ def forward(
         slots = t
     else:
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
-    loop = cfg["loop"]
+    loop, tma, fused = loop_form(cfg["loop"])
     if loop == "halves" and tokens == 1:
         loop = "union"  # one token has no halves: its own list, the same computation
     if loop == "halves" and tokens % 2:
@@ -480,6 +592,7 @@ def forward(
     splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
+    ticks = Tickets.get(q.device, slots * hkv) if fused else None
     ks, vs = scale_pools(k_scale, v_scale, kc)
     # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs ("halves":
     # each group of tokens / 2 at least 16). TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for
@@ -495,6 +608,11 @@ def forward(
     if rows > 16:
         block_n, stages = fit_shared_memory(rows, block_n, block_d, block_dv, stages, q.element_size(),
                                             kc.element_size(), k_scale is not None, max_shared_memory(q.device))
+    tma = tma and tma_usable(kc, block_n, block_size, block_d) and tma_usable(vc, block_n, block_size, block_dv)
+    if tma and not interpreted(q):
+        from .moe import _ensure_descriptor_allocator  # the one allocator of device-made descriptors
+
+        _ensure_descriptor_allocator()
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
@@ -505,6 +623,8 @@ def forward(
         K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
         PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
         TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
+        TMA=tma, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
+        SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
-    return parts.merge_into(out) if parts else out
+    return parts.merge_into(out) if parts and not fused else out

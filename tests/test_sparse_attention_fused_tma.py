@@ -1,0 +1,181 @@
+"""The sparse attention kernel's one-launch split-K merge ("_fused") and TMA key / value tiles ("_tma") against the
+reference (issue 11: decode at batch 16 under 60 % of copy bandwidth).
+
+Under ``TRITON_INTERPRET=1`` on CPU at tiny sizes (on a GPU the same cases run compiled): key tiles of 16 inside
+pages of 16 or 32 keys and blocks of 16 (so a tile is one bulk copy, as at M3's 128 / 128 / 128), the device made to
+look like it has 16 multiprocessors so that every launch splits its selections and merges them. The pools hold NaN
+in every slot no sequence owns (``Paged``): a bulk copy cannot be masked, so a kernel that let one of those rows reach
+P V would fail here. Every launch is checked to have run the path named (TMA on, splits > 1). The fused merge's
+counters must be back at 0 after every launch (the next launch, or a CUDA-graph replay, starts from them) and a
+repeated call must give the same bits (the merge sums splits in split order, not in arrival order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kernels_attention import DEVICE, Paged, _assert_attention_close  # sets TRITON_INTERPRET
+
+from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E402
+from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
+from m3export.plugins.kernels import _batch, _splitk  # noqa: E402
+from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
+
+# (context lengths, new tokens): decode with one-token sequences; decode between sequences without new tokens (the
+# counted sequence search must skip them as the binary search does); prefill mixing decode-like, one-token and
+# page-crossing sequences whose odd tile tails leave tiles partly empty.
+BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]),
+           "decode-empty-seqs": ([12, 40, 30, 5, 17], [0, 1, 0, 1, 0]),
+           "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3])}
+LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
+         "prefill": ["flat_fused", "union_fused", "union_tma", "union_tma_fused", "halves_tma"]}
+
+
+@pytest.fixture(autouse=True)
+def _sixteen_sms(monkeypatch):
+    monkeypatch.setattr(_batch, "num_sms", lambda device: 16)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel's launches (grid and keyword arguments) as ``forward`` made them; each still runs."""
+    seen = []
+    kernel = SPA._sparse_paged_attention
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(dict(kwargs, grid=grid))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(SPA, "_sparse_paged_attention", Spy())
+    return seen
+
+
+def _case(batch: str, page: int, dtype=torch.bfloat16, fp8: bool = False):
+    """q, k, v (and FP8 scales), args, the indexer's selection (forced local and init blocks) with -1 entries,
+    repeats and ids past the token's own block mixed in, and the reference output."""
+    ctx, new = BATCHES[batch]
+    paged = Paged(ctx, new, page, seed=page + len(batch))
+    t, hq, hkv, d, bs = paged.tokens, 32, 2, 32, 16  # 16 query heads per KV head, as M3
+    q = paged.randn(t, hq, d, dtype=dtype)
+    scales = ()
+    if fp8:
+        from m3export.ops.kv_fp8 import quantize_rows
+
+        (k, ks), (v, vs) = quantize_rows(paged.pool(hkv, d)), quantize_rows(paged.pool(hkv, d))
+        scales = (ks, vs)
+    else:
+        k, v = paged.pool(hkv, d, dtype=dtype), paged.pool(hkv, d, dtype=dtype)
+    sel = lightning_indexer_reference(paged.randn(t, hkv, d), paged.pool(d), *paged.args("cpu"), bs, 3, 1, 1)
+    noise = torch.randint(-1, max(ctx) // bs + 2, (t, hkv, 2), generator=paged.gen, dtype=torch.int32)
+    sel = torch.cat([sel, noise, sel[..., :1]], dim=-1)
+    ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5, *scales)
+    return paged, (q, k, v), scales, sel, bs, d**-0.5, ref
+
+
+def _run(paged, qkv, scales, sel, bs, scale, mode, loop):
+    cfg = {"loop": loop, "block_n": 16, **({"tile_tokens": 4} if mode == "prefill" else {})}
+    return SPA.forward(*[x.to(DEVICE) for x in qkv], *paged.args(), sel.to(DEVICE), bs, scale,
+                       *[s.to(DEVICE) for s in scales], config={mode: cfg})
+
+
+def _counters_zero() -> bool:
+    return all(int(b.abs().sum()) == 0 for held in _splitk.Tickets._buffers.values() for b in held)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("batch, loop", [(b, lp) for b, lps in LOOPS.items() for lp in lps])
+def test_fused_and_tma_loops_match_reference(batch, loop, page, launches):
+    mode = "prefill" if batch == "prefill" else "decode"
+    paged, qkv, scales, sel, bs, scale, ref = _case(batch, page)
+    got = _run(paged, qkv, scales, sel, bs, scale, mode, loop)
+    _assert_attention_close(got, ref, qkv[2])
+    (kw,) = launches
+    assert kw["TMA"] == ("tma" in loop) and kw["FUSED"] == ("fused" in loop)
+    assert kw["SPLITS"] > 1, "the case must split its selections for the merge to be exercised"
+    if "fused" in loop:
+        assert _counters_zero()
+        assert (kw["SEQS_PAD"] > 0) == (mode == "decode")  # the counted sequence search in one-token programs
+        again = _run(paged, qkv, scales, sel, bs, scale, mode, loop)
+        assert torch.equal(got.view(torch.int16), again.view(torch.int16))
+        assert _counters_zero()
+
+
+@pytest.mark.parametrize("batch, loop", [("decode", "flat_tma_fused"), ("prefill", "union_tma_fused")])
+def test_tma_reads_fp8_pools_as_the_fp8_reference(batch, loop, launches):
+    """E4M3 pools with per-row scales through bulk copies; fp32 queries (the bound of tests/test_kernels_attention's
+    fp32 cases: the E4M3 values and scales are exact in fp32)."""
+    mode = "prefill" if batch == "prefill" else "decode"
+    paged, qkv, scales, sel, bs, scale, ref = _case(batch, 16, dtype=torch.float32, fp8=True)
+    got = _run(paged, qkv, scales, sel, bs, scale, mode, loop)
+    from m3export.ops.kv_fp8 import dequantize_rows
+
+    _assert_attention_close(got, ref, dequantize_rows(qkv[2], scales[1]))
+    assert launches[0]["TMA"] and launches[0]["SPLITS"] > 1 and _counters_zero()
+
+
+def test_tma_falls_back_where_a_key_tile_crosses_pages(launches):
+    """Pages of 8 keys under 16-key tiles: no tile is one box, so the same walk runs with pointer loads."""
+    paged, qkv, scales, sel, bs, scale, ref = _case("decode", 8)
+    got = _run(paged, qkv, scales, sel, bs, scale, "decode", "flat_tma_fused")
+    _assert_attention_close(got, ref, qkv[2])
+    assert launches[0]["TMA"] is False and launches[0]["FUSED"] is True
+
+
+@pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),
+                                           ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused")])
+def test_loop_forms_refuse_what_the_kernel_has_not(loop, message):
+    with pytest.raises(ValueError, match=message):
+        SPA.settings({"decode": {"loop": loop}}, "decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("loop", ["flat_fused", "flat_tma_fused"])
+def test_fused_merge_replays_from_a_cuda_graph_with_the_same_bits(loop):
+    """M3's dims (64 / 4 heads of 128, blocks and pages of 128, top-16), batch 16 at 4k, bf16: eager calls and
+    CUDA-graph replays of the one-launch kernel give the same bits, the counters are 0 after each, and the output is
+    within the bf16 bound of the reference."""
+    from m3export.plugins.kernels import paged_attention
+
+    torch.manual_seed(0)
+    dev, b, ctx, page, bs, topk = torch.device("cuda"), 16, 4096, 128, 128, 16
+    per = ctx // page
+    pages = b * per + 4
+    kc = torch.randn(pages, page, 4, 128, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn(pages, page, 4, 128, device=dev, dtype=torch.bfloat16)
+    bt = torch.randperm(pages, device=dev)[:b * per].view(b, per).to(torch.int32)
+    qsl = torch.arange(b + 1, device=dev, dtype=torch.int32)
+    sl = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+    pos = torch.full((b,), ctx - 1, device=dev, dtype=torch.long)
+    sel = torch.stack([torch.randperm(per, device=dev)[:topk] for _ in range(b * 4)]).view(b, 4, topk).int()
+    sel[:, :, 0] = per - 1  # the local block
+    q = torch.randn(b, 64, 128, device=dev, dtype=torch.bfloat16)
+    cfg = {"decode": {**SPA.VARIANTS["decode"][f"{loop}-n128-w4-s3-waves2"]}}
+
+    def call():
+        return SPA.forward(q, kc, vc, bt, qsl, sl, pos, sel, bs, 128**-0.5, config=cfg)
+
+    eager = call()
+    torch.cuda.synchronize()
+    assert _counters_zero()
+    assert torch.equal(eager, call())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call()
+    for _ in range(3):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager) and _counters_zero()
+    ref = sparse_paged_attention_reference(q, kc, vc, bt, qsl, sl, pos, sel, bs, 128**-0.5)
+    bound = paged_attention.output_error_bound(torch.bfloat16, vc.abs().max().item())
+    assert (eager.float() - ref.float()).abs().max().item() <= bound
