@@ -25,7 +25,7 @@ from ..checkpoint.random_init import random_parameter
 from ..checkpoint.shards import Checkpoint
 from ..config import ConfigError, M3Config, preset
 from ..errors import CheckpointError
-from ..model import M3ForCausalLM
+from ..model import M3ForCausalLM, fusion
 from ..model.mlp import MoE
 from ..ops import mxfp8 as mx
 from ..sources import is_preset
@@ -135,7 +135,13 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
     Its ``step`` / ``mtp_step`` return the full logits and hidden states on every rank (collectives on ``group``,
     else the default ``torch.distributed`` group, which must be initialised); its caches hold the rank's KV heads
     (its ``config`` is the local one). ``model.load_stats`` says what the rank read and its peak host memory.
-    With ``tensor_parallel_size == 1`` this is ``load_model``.
+    With ``tensor_parallel_size == 1`` this is ``m3export.load_model``.
+
+    On CUDA, as ``m3export.load_model``: the Triton kernels serve the ops and each attention layer's input
+    projections are fused into one buffer (``fusion.serve_on``). That is exact on a rank too: its q / k / v
+    (+ index q) projections are plain ``Linear``s holding whole output rows of the global weight (the sharding
+    splits them along N, never K; the index key projection is replicated), so the fused product's columns are the
+    same dot products of the same rows as each member's own product.
     """
     dtype = dtype or torch.float32
     if parallel.tensor_parallel_size == 1:
@@ -143,10 +149,7 @@ def load_model_shard(source: str | os.PathLike, parallel: ParallelConfig, rank: 
                            progress=progress)
     else:
         model = _load_shard(source, parallel, rank, device, dtype, group, progress, seed, mxfp8, dequantize)
-    if str(device).startswith("cuda"):  # as m3export.load_model: the ops run the Triton kernels on CUDA
-        from m3export.plugins.kernels import use_on
-
-        use_on(device)
+    fusion.serve_on(model, device)
     return model
 
 
