@@ -486,8 +486,14 @@ class GraphedTorchBackend(TorchBackend):
         def step():
             inputs.upload()
             h = inputs.hidden.shape[-1]
-            tokens = inputs.input_ids.view(bucket, span).clone()
-            hidden = inputs.hidden.view(bucket, span, h).clone()
+            # The chain writes each draft and its hidden state straight into the static inputs (no copies: a clone
+            # of each was two more kernels per replayed round). Safe for the next replay: the token ids are part
+            # of the buffer ``upload`` rewrites whole just above; hidden rows below q are written only by ``fill``,
+            # and a row at q + c only by call c, before any later call of the same replay reads it (``chain_plan``:
+            # a call reads chain positions up to the one its predecessor wrote), so what a replay left at q + c is
+            # never read. Nothing here aliases a graph output; the drafts returned are one (``mtp_chain`` copies).
+            tokens = inputs.input_ids.view(bucket, span)
+            hidden = inputs.hidden.view(bucket, span, h)
             positions = inputs.batch.positions.view(bucket, span)
             slots = inputs.batch.slot_mapping.view(bucket, span)
             first = inputs.batch.seq_lens - span  # each sequence's first position (padding: 0)
