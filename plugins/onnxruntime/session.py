@@ -50,6 +50,8 @@ from m3export.errors import BackendUnavailable
 from .providers import Provider, parse_provider, require
 from .streams import SharedStream, run_options
 
+CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option for ONNX Runtime's CUDA graphs (``run_replayed``)
+
 if TYPE_CHECKING:
     from m3export.export.manifest import GraphInfo
 
@@ -110,8 +112,8 @@ class PagedSession:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                              str(Path(path).parent))
         try:
-            self.session = ort.InferenceSession(str(path) if model is None else model, sess_options=options,
-                                                providers=providers)
+            self._session = ort.InferenceSession(str(path) if model is None else model, sess_options=options,
+                                                 providers=providers)
         except Exception as e:  # ORT raises its own exception types; say which graph and why
             hint = (" (no kernel for an op in this dtype: the CPU execution provider runs float32 and float16 "
                     "artifacts, bfloat16 needs e.g. the CUDA one)") if "NOT_IMPLEMENTED" in str(e) else ""
@@ -130,7 +132,7 @@ class PagedSession:
         self._flat: dict[str, torch.Tensor] = {}  # the session's buffer of each fed input and plain output
         self._free_users: dict[str, int | None] = {}  # an output buffer's storage users when nothing else holds it
         self._input_views: dict[str, torch.Tensor] = {}  # each fed input's buffer at its last shape
-        self._closed = False
+        self._replays: dict[int, _Replay] = {}  # ``run_replayed``: each CUDA graph id's run options and outputs
 
     @classmethod
     def from_artifact(cls, artifact, graph: str = "model", flavour: str | None = None, **kwargs) -> PagedSession:
@@ -149,22 +151,29 @@ class PagedSession:
         wrap the pools' and buffers' memory), the ``InferenceSession`` (the EP's own allocations go with it), the
         torch buffers (pools, fed inputs, outputs; results a caller still holds stay valid: torch owns them), the
         shared stream. On a CUDA device the queued work finishes first. Idempotent; any later use raises."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)  # ORT's last step may still read or write the bound buffers
         if self._table is not None:
             self._table.binding.clear_binding_inputs()
             self._table.binding.clear_binding_outputs()
         self._table = None
-        del self.session  # the one reference to the InferenceSession: ORT frees it (and its EP's memory) here
-        self.pool_tensors, self._flat, self._input_views, self._free_users = {}, {}, {}, {}
+        self._session = None  # the one reference to the InferenceSession: ORT frees it (and its EP's memory) here
+        self.pool_tensors, self._flat, self._input_views, self._free_users, self._replays = {}, {}, {}, {}, {}
         self._stream = self._run_options = None
 
     @property
+    def session(self):
+        """The ``onnxruntime.InferenceSession``; after ``close()`` one clear error (the session's one notion of
+        being closed: ``close()`` drops this reference, every use goes through here)."""
+        if self._session is None:
+            raise RuntimeError(f"{self.graph.file}: this PagedSession was closed (close()); open a new one")
+        return self._session
+
+    @property
     def closed(self) -> bool:
-        return self._closed
+        return self._session is None
 
     def __enter__(self) -> PagedSession:
         return self
@@ -172,15 +181,8 @@ class PagedSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __getattr__(self, name: str):
-        """Only reached for attributes that are not there: after ``close()``, ``session``."""
-        if name == "session" and self.__dict__.get("_closed"):
-            raise RuntimeError(f"{self.graph.file}: this PagedSession was closed (close()); open a new one")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self.graph.file}: this PagedSession was closed (close()); open a new one")
+        self.session  # noqa: B018 - raises once closed
 
     def allocate(self, num_pages: int, pools_of: PagedSession | None = None) -> None:
         """Zeroed pools of ``num_pages`` pages for every cache input, in the execution provider's memory, bound as
@@ -268,6 +270,72 @@ class PagedSession:
         table.check_outputs(self.graph.file)
         return results
 
+    @property
+    def captures(self) -> bool:
+        """Whether the session was opened with ONNX Runtime's CUDA graphs (the CUDA EP's provider option
+        ``enable_cuda_graph``): steps then go through ``run_replayed``."""
+        return self.provider.options.get(CUDA_GRAPH, "0").strip().lower() in ("1", "true")
+
+    def run_replayed(self, inputs: Mapping[str, torch.Tensor], graph_id: int) -> dict[str, torch.Tensor]:
+        """One step as ONNX Runtime's CUDA graph ``graph_id`` (run option ``gpu_graph_id``) of a session opened
+        with ``enable_cuda_graph=1``: the first run of an id captures it (ORT runs the step normally first, then
+        captures it, then replays it: one call), every later run replays it with one launch.
+
+        A captured graph reads and writes the addresses it was captured with, so ``inputs`` (every non-pool
+        input, torch tensors in the EP's memory) are bound where they are, by address, never copied: the caller
+        keeps each id's inputs at fixed addresses and shapes and refills them in place (a moved or reshaped input
+        is an error here, not a silent read of stale memory). The pools stay bound from ``allocate``; the outputs
+        are this id's own buffers, rewritten by its next replay (copy what you keep). The step must give the same
+        result when run twice (ORT's warm-up runs before the capture): a step's cache writes rewrite the same
+        rows with the same values, so every step graph's does."""
+        self._check_open()
+        if not self.captures:
+            raise RuntimeError(f"{self.graph.file}: run_replayed needs a session opened with {CUDA_GRAPH}=1 "
+                               f"(this one: {self.provider})")
+        table = self._table
+        if table is None:
+            raise RuntimeError("call allocate(num_pages) before run_replayed()")
+        if inputs.keys() != self._feed_names:
+            raise ValueError(f"{self.graph.file}: missing inputs {sorted(self._feed_names - set(inputs))}, "
+                             f"unexpected {sorted(set(inputs) - self._feed_names)}")
+        placed = {name: (t.data_ptr(), tuple(t.shape)) for name, t in inputs.items()}
+        replay = self._replays.get(graph_id)
+        if replay is None:
+            dims: dict[str, int] = {}
+            for name, t in inputs.items():
+                if self._as_tensor(name, t).data_ptr() != t.data_ptr():
+                    raise ValueError(f"{self.graph.file}: input {name} is not contiguous; a captured graph binds "
+                                     "its inputs where they are")
+                if t.device != self.device:
+                    raise ValueError(f"{self.graph.file}: input {name} is on {t.device}; a captured graph reads "
+                                     f"{self.device} memory")
+                for d, n in zip(self._inputs[name].shape, t.shape):
+                    if isinstance(d, str) and dims.setdefault(d, n) != n:
+                        raise ValueError(f"{self.graph.file}: input {name} dim {d!r} is {n}, not {dims[d]}")
+            outputs = {sig.name: torch.empty([dims[d] if isinstance(d, str) else d for d in sig.shape],
+                                             dtype=self._dtypes[sig.name].torch, device=self.device)
+                       for sig in self._plain_outputs}
+            replay = self._replays[graph_id] = _Replay(run_options(_ort(), graph_id), outputs, placed)
+        elif placed != replay.inputs:
+            moved = sorted(n for n in placed if placed[n] != replay.inputs[n])
+            raise ValueError(f"{self.graph.file}: CUDA graph {graph_id} was captured with other addresses or shapes "
+                             f"of {moved}: a replay reads the captured ones (keep each graph's inputs in place)")
+        for name, t in inputs.items():
+            table.bind("input", name, t, self._onnx_types[name])
+        for name, out in replay.outputs.items():
+            table.bind("output", name, out, self._onnx_types[name])
+        if self._stream is not None:
+            self._stream.before_run()
+        try:
+            self.session.run_with_iobinding(table.binding, replay.options)
+        except Exception as e:
+            raise BackendUnavailable(f"{self.graph.file}: ONNX Runtime failed to capture or replay CUDA graph "
+                                     f"{graph_id} with {self.session.get_providers()}: {e}") from e
+        if self._stream is not None:
+            self._stream.after_run()
+        table.check_outputs(self.graph.file)
+        return dict(replay.outputs)
+
     def _fill(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The session's buffer for input ``name`` at ``t``'s shape, holding ``t``'s values. On a shared stream a
         host feed goes through pinned memory without a host wait (a copy from pageable memory would block)."""
@@ -314,6 +382,14 @@ class PagedSession:
             raise ValueError(f"{self.graph.file}: input {name} must be {sig.dtype} of rank {len(sig.shape)}, "
                              f"got {value.dtype} {list(value.shape)}")
         return value.contiguous()
+
+
+class _Replay:
+    """One captured CUDA graph of a session (``run_replayed``): its run options (``gpu_graph_id``), its output
+    buffers and the (address, shape) of each input it was captured with."""
+
+    def __init__(self, options, outputs: dict[str, torch.Tensor], inputs: dict[str, tuple]):
+        self.options, self.outputs, self.inputs = options, outputs, inputs
 
 
 class _BindTable:

@@ -25,6 +25,7 @@ STREAM_EPS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 STREAM_OPTION = "user_compute_stream"
 HAS_STREAM_OPTION = "has_user_compute_stream"  # both EPs parse it; set with the stream, not left to inference
 NO_SYNC = "disable_synchronize_execution_providers"  # run option: skip the stream sync at the end of a run
+GRAPH_ID = "gpu_graph_id"  # run option: which captured CUDA graph a run captures or replays (-1: none)
 
 
 def session_providers(provider: Provider, stream_handle: int) -> list:
@@ -37,10 +38,14 @@ def session_providers(provider: Provider, stream_handle: int) -> list:
     return [(provider.name, options), "CPUExecutionProvider"]
 
 
-def run_options(ort):
-    """``RunOptions`` that leave the end-of-run stream synchronisation out."""
+def run_options(ort, graph_id: int | None = None):
+    """``RunOptions`` that leave the end-of-run stream synchronisation out; ``graph_id``: also ONNX Runtime's
+    ``gpu_graph_id``, the CUDA graph a run of a session opened with ``enable_cuda_graph`` captures (its first run
+    of that id) or replays (every later run)."""
     options = ort.RunOptions()
     options.add_run_config_entry(NO_SYNC, "1")
+    if graph_id is not None:
+        options.add_run_config_entry(GRAPH_ID, str(graph_id))
     return options
 
 

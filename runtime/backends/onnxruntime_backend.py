@@ -9,6 +9,19 @@ batches, pools and outputs are host tensors; on a CUDA-like EP they are device t
 step's inputs, the pools and the outputs (the hidden state chained into the MTP graphs included) stay on the
 device between steps. CI runs the CPU EP; the GPU path is the same code and is unverified here.
 
+Decode steps (every sequence one new token) go through the artifact's decode-only graph (``model.decode.onnx``,
+``m3export/export/decode_graph.py``: no control flow, no size computed from the step's values, the same inputs,
+outputs and pools) where the artifact has one, on a device EP by default (``decode_graph``); every other step
+through the general graph. Both sessions bind one set of pools (``PagedSession.allocate(pools_of=...)``). With
+the CUDA EP's provider option ``enable_cuda_graph=1`` (``--provider cuda:enable_cuda_graph=1``) decode steps are
+replayed as ONNX Runtime CUDA graphs: padded to a batch bucket as the torch backend's graphs are
+(``cuda_graph.step_shape`` and ``DecodeInputs``: padding sequences on a scratch page beyond the engine's, fixed
+input buffers refilled by one copy per step), the block-table width padded to a power of two of pages, one captured
+graph per (bucket, width) through ORT's ``gpu_graph_id`` (``PagedSession.run_replayed``). Only the decode session
+gets the option: ORT refuses it for a graph with control flow, so the general graph (MoE ``If`` / ``Scan``) runs as
+before. ``pad_decode`` runs the same padded inputs through the decode graph without capture (any EP: tests).
+The decode session holds its own copy of the weights (two ``InferenceSession``s of one model).
+
 Images and video (a vision-language artifact): ``vision.onnx`` encodes each media item once (``encode_media``),
 and the step graph takes the media tokens of a step as ``media_rows`` / ``media_embeds`` (``MEDIA_INPUTS``),
 placed over the token embeddings; steps without media feed zero rows.
@@ -26,6 +39,10 @@ from m3export.errors import BackendUnavailable, MediaError
 from m3export.model.batch import Batch
 
 from .base import Backend
+from .cuda_graph import DEFAULT_BUCKETS, DecodeInputs, step_shape
+
+DECODE = "decode"  # the artifact's decode-only flavour (m3export/export/decode_graph.py FLAVOUR)
+CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option (plugins/onnxruntime/session.py CUDA_GRAPH)
 
 
 def provider_for(device: str | torch.device = "cpu", provider=None):
@@ -71,11 +88,24 @@ def _check_signature(session, root: Path) -> None:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    def __init__(self, artifact, provider="cpu", flavour: str | None = None, threads: int | None = None):
+    def __init__(self, artifact, provider="cpu", flavour: str | None = None, threads: int | None = None,
+                 decode_graph: bool | None = None, pad_decode: bool = False,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS):
         """``flavour``: run the graphs' recorded flavour (e.g. ``ort-contrib``, experimental) instead of the plain
         ones; it has the same signatures. ``threads``: ONNX Runtime's intra-op threads per session
-        (``PagedSession``)."""
+        (``PagedSession``). ``decode_graph``: decode steps through the artifact's decode-only graph (None: where
+        the artifact has one and the EP keeps its tensors on a device; on the CPU EP it saves no copy and costs a
+        second copy of the weights). ``enable_cuda_graph=1`` among a CUDA provider's options: decode steps
+        replayed as CUDA graphs, padded to ``buckets``; ``pad_decode``: the same padding without capture."""
+        from m3export.plugins.onnxruntime.providers import Provider, parse_provider
         from m3export.plugins.onnxruntime.session import PagedSession
+
+        provider = parse_provider(provider)
+        self.cuda_graphs = provider.options.get(CUDA_GRAPH, "0").strip().lower() in ("1", "true")
+        if self.cuda_graphs and provider.name != "CUDAExecutionProvider":
+            raise BackendUnavailable(f"{CUDA_GRAPH} is an option of the CUDA execution provider (ONNX Runtime's CUDA "
+                                     f"graphs), not of {provider.name}")
+        general = Provider(provider.name, {k: v for k, v in provider.options.items() if k != CUDA_GRAPH})
 
         self.artifact = artifact
         self.config = artifact.config
@@ -84,7 +114,7 @@ class OnnxRuntimeBackend(Backend):
             raise BackendUnavailable(f"{artifact.root}: graphs of dtype {artifact.manifest.dtype!r} cannot be fed "
                                      "from here")
         self.graph_dtype = BY_NAME[artifact.manifest.dtype]  # activations, hidden states and pools
-        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=provider, threads=threads)
+        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=general, threads=threads)
         self.provider = self._main.provider
         self.device = self._main.device  # where the engine builds batches: the EP's memory
         self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", flavour=flavour, providers=self.provider,
@@ -96,6 +126,40 @@ class OnnxRuntimeBackend(Backend):
         self._media_inputs = {"media_rows", "media_embeds"} <= names
         self._vision = None  # vision.onnx's session, opened at the first media item
         self._threads = threads
+        has_decode = "model" in artifact.manifest.flavours.get(DECODE, {})
+        self.pad_decode = pad_decode or self.cuda_graphs
+        if decode_graph is None:
+            decode_graph = has_decode and (self.pad_decode or self.device.type != "cpu")
+        if (decode_graph or self.pad_decode) and not has_decode:
+            why = (f"{CUDA_GRAPH}=1 replays it" if self.cuda_graphs else
+                   "pad_decode runs it" if pad_decode else "decode_graph=True asks for it")
+            raise BackendUnavailable(
+                f"{artifact.root}: no decode-only graph (model.decode.onnx, manifest flavour {DECODE!r}), and {why}: "
+                "export the artifact again with this m3export (MXFP8 artifacts have none: ONNX Runtime's CUDA EP has "
+                "no float8 Gather for their experts)")
+        self._decode_provider = provider  # with enable_cuda_graph where asked: the decode session only
+        self._decode = self._open_decode() if decode_graph else None
+        self.buckets = tuple(sorted(buckets))
+        self._inputs: dict[tuple[int, int], DecodeInputs] = {}  # (bucket, table width) -> fixed padded inputs
+        self._graph_ids: dict[tuple[int, int], int] = {}  # (bucket, table width) -> ORT's gpu_graph_id
+        self._media_zeros: dict[str, torch.Tensor] = {}  # fixed empty media inputs of padded decode steps
+        # how the steps went (benchmarks, tests): general graph, decode graph as is, decode graph padded / replayed
+        self.general_steps = self.decode_steps = self.padded_decode_steps = self.replays = 0
+
+    def _open_decode(self):
+        """The decode graph's session (with ``enable_cuda_graph`` where asked); ORT refusing to capture it is one
+        error naming the cause."""
+        from m3export.plugins.onnxruntime.session import PagedSession
+
+        try:
+            session = PagedSession.from_artifact(self.artifact, "model", flavour=DECODE,
+                                                 providers=self._decode_provider, threads=self._threads)
+        except BackendUnavailable as e:
+            if self.cuda_graphs:
+                raise BackendUnavailable(f"ONNX Runtime refused {CUDA_GRAPH}=1 for the decode graph: {e}") from e
+            raise
+        _check_signature(session, self.artifact.root)
+        return session
 
     @property
     def supports_media(self) -> bool:
@@ -134,7 +198,7 @@ class OnnxRuntimeBackend(Backend):
     def close(self) -> None:
         """Close every ONNX Runtime session this backend opened (``PagedSession.close``; the vision session is
         dropped) while the CUDA runtime is still up; idempotent, called by ``Engine.close``. A later step raises."""
-        for session in (self._main, *self._mtp):
+        for session in (self._main, *self._mtp, *([self._decode] if self._decode is not None else [])):
             session.close()
         self._vision = None  # its only reference: ORT frees the session here
 
@@ -151,11 +215,28 @@ class OnnxRuntimeBackend(Backend):
                 total += elems * BY_NAME[sig.dtype].itemsize
         return total
 
+    @property
+    def batch_device(self) -> torch.device:
+        """Padded decode steps copy the batch into fixed buffers of their own (``DecodeInputs``): the engine then
+        builds batches on the host (one copy per step, the layout readable without a device read)."""
+        return torch.device("cpu") if self.pad_decode else self.device
+
     def allocate(self, num_pages: int, page_size: int) -> None:
+        """Pools of ``num_pages`` pages (plus a scratch page for padding sequences when decode steps are padded),
+        shared by the general and the decode graph. Captured CUDA graphs read the old pools' addresses: their
+        session is opened again (ORT drops a session's graphs only with the session)."""
         if page_size != self.required_page_size:
             raise ValueError(f"the artifact's graphs take pages of {self.required_page_size} tokens, not {page_size}")
-        for session in [self._main, *self._mtp]:
+        self._main.allocate(num_pages + 1 if self.pad_decode else num_pages)
+        for session in self._mtp:
             session.allocate(num_pages)
+        if self._decode is not None:
+            if self._graph_ids:
+                self._decode.close()
+                self._decode = self._open_decode()
+            self._decode.allocate(num_pages + 1 if self.pad_decode else num_pages, pools_of=self._main)
+        self._scratch_page, self._num_pages = num_pages, num_pages
+        self._inputs, self._graph_ids, self._media_zeros = {}, {}, {}
 
     def _run(self, session, batch: Batch, hidden_name: str, **extra: torch.Tensor):
         feeds = {name: t.to(self.device) for name, t in zip(batch.input_names(), batch.inputs())}
@@ -172,7 +253,57 @@ class OnnxRuntimeBackend(Backend):
             extra = {"media_rows": rows.to(torch.int64), "media_embeds": values.to(self.graph_dtype.torch)}
         elif media is not None:
             raise MediaError("this artifact's step graph takes no media embeddings (export it again)")
+        if self._decode is not None and media is None and input_ids.shape[0] == batch.seq_lens.shape[0]:
+            # a decode step: every sequence has one new token (each has at least one, and T == B)
+            if self.pad_decode:
+                out = self._padded_decode(input_ids, batch, logits_indices)
+                if out is not None:
+                    return out
+            self.decode_steps += 1
+            return self._run(self._decode, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices,
+                             **extra)
+        self.general_steps += 1
         return self._run(self._main, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices, **extra)
+
+    def _table_width(self, width: int) -> int:
+        """The padded block-table width of a step whose tables are ``width`` pages: the next power of two, at most
+        the pool's pages (no sequence holds more). A captured graph's dense and indexer bodies read every key of
+        the width, so it tracks the step's contexts within 2x; one graph per width."""
+        return min(1 << max(width - 1, 0).bit_length(), self._num_pages)
+
+    def _padded_decode(self, input_ids, batch: Batch, logits_indices):
+        """A decode step padded to its bucket (``cuda_graph.step_shape``) and table width in fixed buffers
+        (``DecodeInputs``), replayed as an ORT CUDA graph (``cuda_graphs``) or run as is (``pad_decode``). None
+        when the step has no bucket (past the largest) or asks for other logits rows than its tokens'."""
+        key = step_shape(input_ids, batch, logits_indices, self.buckets, self.required_page_size)
+        if key is None or key[1] != 1:
+            return None
+        shape = (key[0], self._table_width(batch.block_tables.shape[1]))
+        inputs = self._inputs.get(shape)
+        if inputs is None:
+            inputs = self._inputs[shape] = DecodeInputs(shape[0], 1, shape[1], self._scratch_page,
+                                                        self.required_page_size, self.device)
+        inputs.fill(input_ids, batch, logits_indices)
+        inputs.upload()
+        feeds = {"input_ids": inputs.input_ids, "logits_indices": inputs.logits_indices,
+                 **dict(zip(inputs.batch.input_names(), inputs.batch.inputs()))}
+        if self._media_inputs:  # a decode step places no media: fixed empty inputs
+            if not self._media_zeros:
+                self._media_zeros = {"media_rows": torch.zeros(0, dtype=torch.int64, device=self.device),
+                                     "media_embeds": torch.zeros(0, self.config.hidden_size,
+                                                                 dtype=self.graph_dtype.torch, device=self.device)}
+            feeds.update(self._media_zeros)
+        self.padded_decode_steps += 1
+        if self.cuda_graphs:
+            graph_id = self._graph_ids.setdefault(shape, len(self._graph_ids))
+            out = self._decode.run_replayed(feeds, graph_id)
+            self.replays += 1
+        else:
+            out = self._decode.run_torch(feeds)
+        t = input_ids.shape[0]
+        logits, hidden = out["logits"][:t], out["hidden"][:t]
+        # a replay's outputs are rewritten by the graph's next replay: the caller gets its own copies
+        return (logits.clone() if logits.dtype == torch.float32 else logits.float()), hidden.clone()
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
         return self._run(self._mtp[module], batch, "hidden_out", input_ids=input_ids, logits_indices=logits_indices,

@@ -1,0 +1,79 @@
+"""The onnxruntime backend's choice of graph (CPU EP): decode steps go through the decode-only graph
+(``model.decode.onnx``), every other step through the general graph, on one set of pools; generation is token for
+token the general graph's alone, with the decode batch as is and padded to a bucket (``pad_decode``: the inputs a
+captured ORT CUDA graph replays, here run without capture); wrong requests are one clear error. The captured
+replay itself is the GPU test ``test_ort_cuda_graph_replay_equals_eager_decode``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3export.errors import BackendUnavailable
+from m3export.export.artifact import load_artifact
+from m3export.runtime import Engine, SamplingParams
+from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _generate(backend, prompts, k: int = 0) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * (len(prompts) - 1) + \
+             [SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True)]
+    eng = Engine(backend, num_pages=48, num_speculative_tokens=k, max_num_batched_tokens=32)
+    try:
+        return [o.token_ids for o in eng.generate(prompts, params)]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", ["decode_graph", "pad_decode"])
+def test_decode_steps_take_the_decode_graph(tiny_artifact, mode):
+    art = load_artifact(tiny_artifact)
+    prompts = _prompts(5, seed=1)
+    want = _generate(OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=False), prompts)
+    backend = OnnxRuntimeBackend(art, "cpu", threads=1, **{mode: True})
+    assert backend._decode is not None and backend._decode.pool_tensors is not backend._main.pool_tensors
+    assert _generate(backend, prompts) == want
+    assert backend.decode_steps + backend.padded_decode_steps >= 11  # 12 tokens: the first comes from a prefill
+    assert backend.general_steps >= 1  # the prefills
+    if mode == "pad_decode":
+        assert backend.padded_decode_steps >= 11 and backend.decode_steps == 0 and backend.replays == 0
+        assert {b for b, _ in backend._inputs} <= set(backend.buckets)  # batches of 1..5 padded to 1, 2, 4, 8
+        assert backend.batch_device.type == "cpu"
+
+
+def test_decode_graph_with_mtp_drafts(tiny_artifact):
+    """Speculative rounds: verify steps (several tokens per sequence) go through the general graph, the plain
+    decode steps between them through the decode graph; tokens as without the decode graph."""
+    art = load_artifact(tiny_artifact)
+    prompts = _prompts(3, seed=2)
+    want = _generate(OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=False), prompts, k=2)
+    backend = OnnxRuntimeBackend(art, "cpu", threads=1, pad_decode=True)
+    assert _generate(backend, prompts, k=2) == want
+    assert backend.general_steps >= 2
+
+
+def test_the_cpu_ep_defaults_to_the_general_graph(tiny_artifact):
+    backend = OnnxRuntimeBackend(load_artifact(tiny_artifact), "cpu", threads=1)
+    assert backend._decode is None and not backend.pad_decode  # no copy saved there, a second weight copy spent
+    backend.close()
+
+
+def test_requests_the_backend_cannot_serve_are_clear_errors(tiny_artifact, mxfp8_artifact):
+    art = load_artifact(tiny_artifact)
+    with pytest.raises(BackendUnavailable, match="enable_cuda_graph is an option of the CUDA execution provider"):
+        OnnxRuntimeBackend(art, "cpu:enable_cuda_graph=1")
+    with pytest.raises(BackendUnavailable, match="no decode-only graph .*decode_graph=True.*MXFP8 artifacts have none"):
+        OnnxRuntimeBackend(load_artifact(mxfp8_artifact), "cpu", decode_graph=True)
+    backend = OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=True)
+    backend.allocate(8, art.page_size)
+    with pytest.raises(RuntimeError, match="run_replayed needs a session opened with enable_cuda_graph=1"):
+        backend._decode.run_replayed({}, 0)
+    backend.close()
