@@ -26,6 +26,14 @@ graphs but keeps the pool handle, and capturing into a pool whose graphs are all
 (``beginAllocateToPool``: ``use_count > 0`` INTERNAL ASSERT), which turned graphs off for every later row of the
 2026-11-30 H200 run.
 
+``decode`` and ``decode-graph`` (``--variants``) are the artifact's decode-only graph (``model.decode.onnx``,
+``m3export/export/decode_graph.py``: no control flow, no value-dependent sizes) run eagerly, and replayed as ONNX
+Runtime CUDA graphs (``--provider cuda:enable_cuda_graph=1`` for its session: the step padded to a batch bucket
+and a power-of-two table width, one captured graph per shape, fed a host batch as the engine hands it), each with
+its greedy agreement and largest logit difference to the torch backend (``<variant>_...`` fields; the plain
+graph's own difference is the yardstick: the decode graph computes the same function). ``plain`` and ``lowered``
+always run the general graph (``decode_graph=False``).
+
 ``--profile`` adds, for the first shape, where one steady ORT step's time goes (``profile`` in the JSON, a table
 on stdout), per variant: ONNX Runtime's own profiler over ``--profile-steps`` steps after two warm-up steps (in
 sessions of their own, so the timed rows carry no profiling cost) gives each node's host time (self time:
@@ -38,6 +46,7 @@ means the step is launch- or sync-bound, not bandwidth-bound.
   python bench/ort_gpu.py --artifact art/mini-bf16              # H200 + onnxruntime-gpu: table + JSON
   python bench/ort_gpu.py --smoke --artifact art/tiny           # CPU script check (CPU EP, fp32 tiny artifact)
   python bench/ort_gpu.py --artifact art/mini-bf16 --shapes 1x4096 --profile   # where an ORT-CUDA step goes
+  python bench/ort_gpu.py --artifact art/mini-bf16 --variants plain,decode,decode-graph   # the decode graph rows
 """
 
 from __future__ import annotations
@@ -293,7 +302,12 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help="profile steady ORT steps at the first shape (ORT's profiler; torch's for the GPU kernels)")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps profiled per variant (default: %(default)s)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"ORT variants to time, among {', '.join(VARIANTS)} (default: all; plain always runs)")
     args = ap.parse_args()
+    wanted = set(args.variants.split(","))
+    if wanted - set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(wanted - set(VARIANTS))}; choose among {', '.join(VARIANTS)}")
     SMOKE = args.smoke
 
     from m3export.export.artifact import load_artifact
@@ -302,22 +316,69 @@ def main() -> int:
 
     provider = require(parse_provider("cpu" if SMOKE else args.provider))
     art = load_artifact(args.artifact, verify_checksums=False)
-    ort_be = OnnxRuntimeBackend(art, provider)
+    ort_be = OnnxRuntimeBackend(art, provider, decode_graph=False)
     lowered_be, lowered_error = None, None
-    if "ort-contrib" in art.manifest.flavours:
+    if "ort-contrib" in art.manifest.flavours and "lowered" in wanted:
         try:  # a lowering ORT cannot load here is a result to report, not the end of the benchmark
-            lowered_be = OnnxRuntimeBackend(art, provider, flavour="ort-contrib")
+            lowered_be = OnnxRuntimeBackend(art, provider, flavour="ort-contrib", decode_graph=False)
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             lowered_error = f"{type(e).__name__}: {e}"[:2000]
+    decode_bes, decode_errors = decode_backends(art, provider, wanted)
     try:
-        return measure(args, art, provider, ort_be, lowered_be, lowered_error)
+        return measure(args, art, provider, ort_be, lowered_be, lowered_error, decode_bes, decode_errors)
     finally:  # every ORT session closed while the CUDA runtime is up: one left to the exit aborted a process once
-        for be in (ort_be, lowered_be):
+        for be in (ort_be, lowered_be, *decode_bes.values()):
             if be is not None:
                 be.close()
 
 
-def measure(args, art, provider, ort_be, lowered_be, lowered_error) -> int:
+VARIANTS = ("plain", "lowered", "decode", "decode-graph")
+
+
+def decode_backends(art, provider, wanted: set[str]) -> tuple[dict, dict]:
+    """The decode-graph variants asked for: ``decode`` (eager) and ``decode-graph`` (replayed as ORT CUDA graphs;
+    on the CPU EP, ``--smoke``, the same padded inputs run without capture). -> (name -> backend, name -> why
+    not): a backend ORT refuses is a result to report."""
+    from m3export.plugins.onnxruntime.providers import Provider
+    from m3export.runtime.backends.onnxruntime_backend import CUDA_GRAPH, OnnxRuntimeBackend
+
+    made, errors = {}, {}
+    for name in ("decode", "decode-graph"):
+        if name not in wanted:
+            continue
+        try:
+            if name == "decode":
+                made[name] = OnnxRuntimeBackend(art, provider, decode_graph=True)
+            elif provider.name == "CUDAExecutionProvider":
+                made[name] = OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"}))
+            else:
+                made[name] = OnnxRuntimeBackend(art, provider, pad_decode=True)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            errors[name] = f"{type(e).__name__}: {e}"[:2000]
+    return made, errors
+
+
+def time_decode_variant(name: str, be, ids, batch: int, context: int, page: int, device, lt, plain_diff: float,
+                        reps: int, t_ms: float) -> dict:
+    """One decode-graph variant's row fields (``<name>_...``), fed the batch where the backend wants it
+    (``batch_device``: the host for padded / replayed steps, as the engine hands them)."""
+    key = name.replace("-", "_")
+    try:
+        where = be.batch_device
+        b, _ = decode_batch(batch, context, page, where)
+        x, rows = ids.to(where), torch.arange(batch, device=where)
+        lx, _ = be.forward(x, b, rows)
+        ms = timed_ms(lambda: be.forward(x, b, rows), reps, device)
+        return {f"ort_{key}_ms": ms, f"ort_{key}_enqueue_ms": timed_ms(lambda: be.forward(x, b, rows), reps, device,
+                                                                        until_done=False),
+                f"{key}_over_torch": ms / t_ms, f"{key}_greedy_same": bool((lx.argmax(-1) == lt.argmax(-1)).all()),
+                f"{key}_max_abs_logit_diff": float((lx - lt).abs().max()), f"{key}_plain_diff": plain_diff,
+                f"{key}_replays": be.replays, f"{key}_general_steps": be.general_steps}
+    except Exception as e:  # noqa: BLE001 - e.g. ORT refusing a capture: reported, the other rows go on
+        return {f"{key}_error": f"{type(e).__name__}: {e}"[:2000]}
+
+
+def measure(args, art, provider, ort_be, lowered_be, lowered_error, decode_bes, decode_errors) -> int:
     """The rows (and ``--profile``) of ``main`` with the ONNX Runtime backends it opened (and closes)."""
     from m3export.runtime.backends import create_backend
 
@@ -341,14 +402,14 @@ def measure(args, art, provider, ort_be, lowered_be, lowered_error) -> int:
                       "not in this artifact (export it with --flavour ort-contrib)",
            "lowerings": {g: {k: r.get(k) for k in ("lowered", "applied", "kept", "gain_rounding")}
                          for g, r in art.manifest.flavours.get("ort-contrib", {}).items()},
-           "rows": []}
+           "decode_variants": sorted(decode_bes), "decode_errors": decode_errors, "rows": []}
     print(f"{'batch':>5s} {'context':>7s} {'torch ms':>9s} {'ort ms':>9s} {'enqueue':>8s} {'ort/torch':>9s} "
           f"{'vs first':>8s} {'roofline ms':>11s}  greedy")
     first: dict[int, float] = {}
     g = torch.Generator(device=device).manual_seed(0)
     for batch, context in shapes:
         b, pages = decode_batch(batch, context, page, device)
-        ort_variants = [be for be in (ort_be, lowered_be) if be is not None]
+        ort_variants = [be for be in (ort_be, lowered_be, *decode_bes.values()) if be is not None]
         for be in ort_variants:
             be.allocate(pages, page)
         fresh_pools(torch_be, pages, page)
@@ -382,6 +443,10 @@ def measure(args, art, provider, ort_be, lowered_be, lowered_error) -> int:
                                "lowered_within_bound": diff <= bound}
                 except Exception as e:  # noqa: BLE001 - e.g. a kernel ORT lacks for these shapes
                     lowered = {"lowered_error": f"{type(e).__name__}: {e}"[:2000]}
+            decoded = {}
+            for name, be in decode_bes.items():
+                decoded.update(time_decode_variant(name, be, ids, batch, context, page, device, lt, plain_diff,
+                                                   args.reps, t_ms))
         if args.profile and "profile" not in res:  # the first shape: the headline row
             res["profile"] = {"batch": batch, "context": context}
             for name, flavour, be in (("plain", None, ort_be), ("lowered", "ort-contrib", lowered_be)):
@@ -402,12 +467,17 @@ def measure(args, art, provider, ort_be, lowered_be, lowered_error) -> int:
                "greedy_same": same, "torch_graphs": graphed,
                "pool_pages": {"torch": int(torch_be._caches[0][0].shape[0]),
                               "ort": int(next(iter(ort_be._main.pool_tensors.values())).shape[0])},
-               **lowered}
+               **lowered, **decoded}
         res["rows"].append(row)
         low = (f"  lowered {lowered['ort_lowered_ms']:.2f} ms "
                f"{'same' if lowered['lowered_greedy_same'] else 'DIFFERENT'} "
                f"{'within' if lowered['lowered_within_bound'] else 'OUTSIDE'} bound" if "ort_lowered_ms" in lowered
                else f"  lowered: {lowered['lowered_error'][:80]}" if lowered else "")
+        for name in decode_bes:
+            key = name.replace("-", "_")
+            low += (f"  {name} {row[f'ort_{key}_ms']:.2f} ms ({row[f'{key}_over_torch']:.2f}x) "
+                    f"{'same' if row[f'{key}_greedy_same'] else 'DIFFERENT'}" if f"ort_{key}_ms" in row
+                    else f"  {name}: {row[f'{key}_error'][:80]}")
         print(f"{batch:5d} {context:7d} {t_ms:9.2f} {o_ms:9.2f} {o_enqueue:8.2f} {o_ms / t_ms:9.2f} "
               f"{o_ms / first[batch]:8.2f} "
               f"{roof_ms:11.3f}  {'same' if same else 'DIFFERENT'}{low}"
@@ -419,7 +489,8 @@ def measure(args, art, provider, ort_be, lowered_be, lowered_error) -> int:
                           res["profile"][name])
     write_results(res, args.json)
     rows_ok = all(r["greedy_same"] and r.get("lowered_greedy_same", True) and r.get("lowered_within_bound", True)
-                  and r["torch_graphs"] is not False for r in res["rows"])
+                  and all(r.get(f"{n.replace('-', '_')}_greedy_same", False) for n in decode_bes)
+                  and r["torch_graphs"] is not False for r in res["rows"]) and not decode_errors
     profile_ok = not any("error" in v for v in res.get("profile", {}).values() if isinstance(v, dict))
     return 0 if rows_ok and profile_ok else 1
 

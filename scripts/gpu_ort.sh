@@ -22,6 +22,8 @@
 #   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
 #   GPU_ORT_DRY=1 bash scripts/gpu_ort.sh    # CPU dry run of the same commands: the installed onnxruntime, the CPU
 #                                            # EP, tiny artifacts only, PagedAttention not lowered (no CPU kernel)
+#   GPU_ORT_DECODE=1 bash scripts/gpu_ort.sh # the decode-only graph's steps only (GPU tests, mini bf16 export,
+#                                            # plain / decode / decode-graph rows -> ort_gpu_decode_h200.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=$PWD
@@ -94,6 +96,22 @@ if '$PROVIDER' == 'cuda':
 " || { [ "$DRY" = 1 ] || exit 2; }
 
 M="python3 -m m3export.cli"
+if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
+  # the decode-only graph (issue 16, export/decode_graph.py) alone: its GPU tests (captured ORT CUDA-graph replay
+  # equal to the eager decode graph, generation equal to the torch backend), then a `mini` bf16 artifact and
+  # bench/ort_gpu.py's plain / decode / decode-graph rows beside the torch backend, then generation through the
+  # onnxruntime backend on CUDA (the decode graph is its default there now)
+  step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
+      --durations=3 tests/test_ort_decode_graph_gpu.py
+  step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --out /tmp/ortgpu-art/big --force
+  step bench_decode 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
+      --variants plain,decode,decode-graph ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} \
+      --json "$OUT/ort_gpu_decode_h200.json"
+  step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
+      tests/test_runtime_onnxruntime.py
+  cat "$OUT/summary.txt"
+  exit "$status"
+fi
 step export_tiny 120 $M export --preset tiny --dtype float32 --out /tmp/ortgpu-art/tiny --force
 step verify_tiny 120 $M verify /tmp/ortgpu-art/tiny --provider "$PROVIDER" --fast
 # the FP8 cache artifact: its verify once aborted at interpreter exit (ORT freeing pinned memory after the CUDA
