@@ -110,7 +110,7 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
     view = _all_from_one_round(ids, places)
     if view is not None:
         return view
-    runs = _runs(places)
+    runs = draft_runs(places)
     if len(runs) <= MAX_COPIED_RUNS:  # ids sent as they are, each run of drafts copied over its rows there
         if ids.device.type == "cpu" and device.type != "cpu":
             out = to_device(ids.to(torch.int64), device)  # a new tensor there, queued
@@ -141,9 +141,10 @@ def fill_tokens(ids: torch.Tensor, places: Sequence[tuple[int, RoundDrafts, int]
 MAX_COPIED_RUNS = 4
 
 
-def _runs(places: Sequence[tuple[int, RoundDrafts, int]]) -> list[tuple[int, RoundDrafts, int, int]]:
+def draft_runs(places: Sequence[tuple[int, RoundDrafts, int]]) -> list[tuple[int, RoundDrafts, int, int]]:
     """``places`` as (first row, round, first flat index, length) runs in which rows and flat indices both step
-    by one (one request's drafts of one round, in chain order)."""
+    by one (one request's drafts of one round, in chain order): what ``fill_tokens`` and a backend that stages its
+    inputs (``Backend.stages_draft_tokens``) copy run by run."""
     runs: list[list] = []
     for row, rnd, src in places:
         last = runs[-1] if runs else None

@@ -394,6 +394,8 @@ class Engine:
         if media_rows and sum(r.numel() for r in media_rows):
             media = (torch.cat(media_rows).to(ids.device), torch.cat(media_values))
             logits, hidden = self.backend.forward(fill_tokens(ids, places), batch, index, media=media)
+        elif places and self.backend.stages_draft_tokens:  # the drafts go straight into its staged inputs
+            logits, hidden = self.backend.forward(ids, batch, index, drafts=places)
         else:
             logits, hidden = self.backend.forward(fill_tokens(ids, places), batch, index)
         return logits, hidden

@@ -46,6 +46,15 @@ class Backend(ABC):
         return False
 
     @property
+    def stages_draft_tokens(self) -> bool:
+        """``forward`` takes the host ``input_ids`` of a batch built on the host together with ``drafts=`` (the
+        (row, round, flat index) places of ``device_drafts.fill_tokens`` whose values are still on the device) and
+        puts them in place itself: a backend that copies its inputs from a host staging image (CUDA graphs) copies
+        the drafts straight into it, instead of getting ids sent to the device, drafts scattered there and the
+        whole row copied back into its staging image to be sent again."""
+        return False
+
+    @property
     def replays_mtp_chains(self) -> bool:
         """``mtp_chain`` may run a speculative round's MTP calls as one (CUDA graphs); the drafter then builds
         one batch per round instead of one per call."""

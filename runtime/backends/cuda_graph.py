@@ -49,6 +49,7 @@ import torch
 
 from m3export.model.batch import Batch
 
+from ..device_drafts import MAX_COPIED_RUNS, draft_runs, fill_tokens
 from ..sampling import to_device
 from .torch_backend import TorchBackend
 
@@ -238,14 +239,21 @@ class DecodeInputs:
         )
 
     def fill(self, input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor,
-             hidden: torch.Tensor | None = None, kept: int | None = None) -> None:
+             hidden: torch.Tensor | None = None, kept: int | None = None, drafts=()) -> None:
         """Copy a step of B <= bucket sequences of q tokens each in (from the host or the device); the rest becomes
         scratch-page padding. ``logits_indices``: at most as many rows as the graph computes (past them: padding
         rows), or none. Host values are written into the staging image (numpy, no torch operation); a value
         already on the device (ids holding drafts that stayed there) is one queued copy into it, an MTP
         module's hidden states one device copy. The image reaches the device in the step itself (``upload``).
         ``kept``: ``hidden`` holds each sequence's first ``kept`` positions only (a replayed MTP chain, whose graph
-        writes the rest); default all q."""
+        writes the rest); default all q. ``drafts`` (``Backend.stages_draft_tokens``): places of host ``input_ids``
+        whose values are drafts still on the device, each run of them one queued copy from the round's tensor into
+        the staging image (the verify step's ids were sent to the device, the drafts scattered there and the row
+        copied back into the image: host -> device -> staging -> device); more runs than ``fill_tokens`` copies one
+        by one (a batch of requests) go through ``fill_tokens`` and are staged from the device as before."""
+        runs = draft_runs(drafts) if drafts else []
+        if len(runs) > MAX_COPIED_RUNS or (runs and input_ids.device.type != "cpu"):
+            input_ids, runs = fill_tokens(input_ids, drafts), []
         w = batch.block_tables.shape[1]
         if w > self.batch.block_tables.shape[1]:
             raise ValueError(f"block table of {w} pages is wider than the captured {self.batch.block_tables.shape[1]}")
@@ -259,6 +267,9 @@ class DecodeInputs:
                 _head(self._host[name], value)[...] = value.numpy()
             else:
                 self._stage_from_device(name, value)
+        ids = self._staged["input_ids"]
+        for row, rnd, src, n in runs:  # after the host ids: the queued copies land over their placeholders
+            ids[row:row + n].copy_(rnd.tokens.view(-1)[src:src + n], non_blocking=self._uploaded is not None)
         if self.hidden is not None and hidden is not None:
             b, kept = batch.seq_lens.shape[0], self.q if kept is None else kept
             rows = self.hidden.view(self.bucket, self.q, self.hidden.shape[-1])
@@ -333,7 +344,7 @@ class GraphedTorchBackend(TorchBackend):
         return torch.device("cpu") if self.use_graphs or self.pad_eagerly else self.device
 
     def padded_inputs(self, input_ids: torch.Tensor, batch: Batch, key: tuple, logits_indices: torch.Tensor,
-                      hidden: torch.Tensor | None = None) -> DecodeInputs:
+                      hidden: torch.Tensor | None = None, drafts=()) -> DecodeInputs:
         """The static inputs of shape ``key`` = (bucket, q) or ("mtp", module, bucket, q, logits wanted) filled
         with this step (also what eager padding runs)."""
         if key not in self._inputs:
@@ -343,24 +354,34 @@ class GraphedTorchBackend(TorchBackend):
             self._inputs[key] = DecodeInputs(bucket, q, self._table_width, self._scratch_page, self._page_size,
                                              self.device, extra, logits_rows=bucket if mtp else None)
         inputs = self._inputs[key]
-        inputs.fill(input_ids, batch, logits_indices, hidden)
+        inputs.fill(input_ids, batch, logits_indices, hidden, drafts=drafts)
         return inputs
 
     @property
     def _mtp_in_buckets(self) -> bool:
         return (self.use_graphs and self.mtp_graphs) or self.pad_eagerly
 
+    @property
+    def stages_draft_tokens(self) -> bool:
+        return self.batch_device.type == "cpu"  # the replayed steps' inputs come from a host staging image
+
     def _on_device(self, input_ids, batch: Batch, logits_indices):
         return input_ids.to(self.device), batch.to(self.device), logits_indices.to(self.device)
 
-    def forward(self, input_ids, batch: Batch, logits_indices, media=None):
+    def forward(self, input_ids, batch: Batch, logits_indices, media=None, drafts=()):
+        """``drafts`` (``stages_draft_tokens``): the verify step's draft places of host ``input_ids``; a step run
+        in a bucket shape copies them into its staging image (``DecodeInputs.fill``), any other one takes
+        ``fill_tokens``' ids."""
         if self._caches is None:
             raise RuntimeError("GraphedTorchBackend.forward before allocate()")
         if media is not None or not (self.use_graphs or self.pad_eagerly):
             # A step that places image / video embeddings is a prefill step: eager, as TorchBackend runs it.
             self.eager_steps += 1
-            return super().forward(*self._on_device(input_ids, batch, logits_indices), media=media)
+            ids = fill_tokens(input_ids, drafts)
+            return super().forward(*self._on_device(ids, batch, logits_indices), media=media)
         key = step_shape(input_ids, batch, logits_indices, self.buckets, self._page_size)
+        if key is None and drafts:  # padded ragged or eager: ids with the drafts in place
+            input_ids, drafts = fill_tokens(input_ids, drafts), ()
         step_ids, step_batch, step_rows, rows = input_ids, batch, logits_indices, None
         if key is None:
             key = self._ragged_key(input_ids, batch, logits_indices)
@@ -370,11 +391,11 @@ class GraphedTorchBackend(TorchBackend):
             step_ids, step_batch, rows = pad_ragged(input_ids, batch, key[1], self._scratch_page, self._page_size)
             step_rows = torch.arange(step_ids.shape[0], dtype=torch.int64)
         t = input_ids.shape[0]
-        inputs = self.padded_inputs(step_ids, step_batch, key, step_rows)
+        inputs = self.padded_inputs(step_ids, step_batch, key, step_rows, drafts=drafts)
         outs = self._run(key, self._target_step(inputs))
         if outs is None:  # capture failed: graphs are off now
             self.eager_steps += 1
-            return super().forward(*self._on_device(input_ids, batch, logits_indices))
+            return super().forward(*self._on_device(fill_tokens(input_ids, drafts), batch, logits_indices))
         if not self.pad_eagerly:
             self.replays += 1
         logits, hidden = outs
