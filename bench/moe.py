@@ -148,7 +148,49 @@ PREFILL_ROUND5 = {
     "prefill_bm128_gu_bn128_w8_group8_tma": dict(BLOCK_M=128, GU_FUSED=1, BLOCK_N=128, num_warps=8, GROUP_M=8,
                                                  TMA=1),
 }
-NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **PREFILL_ROUND4, **PREFILL_ROUND5}
+# Prefill round 6 (issue 12: MXFP8 at 450 TFLOP/s; round 4 left 221 / 280 at 4k / 16k against bf16's 362 / 466).
+# The sm_90 SASS of round 4's 16k winner (scripts/compile_moe_kernels_sm90.py; per thread and 64-wide K step of
+# _gate_up, 337 instructions around 4 HGMMA 64x256x16) shows three costs besides the conversion arithmetic: (a) the
+# step's scales come by a plain global load (2 bytes per weight row: below cp.async's 4, so not pipelined) that
+# the conversion waits on a few instructions later; (b) MX_MODE 3 converts in the loaded tile's layout and moves
+# the bf16 tile to the MMA's register-operand layout through shared memory (STS, 4 LDSM, 7 barriers per step);
+# (c) the activation tile of _down comes by per-thread cp.async with its address and mask arithmetic although a
+# block's rows are consecutive there. The keys (moe._gate_up / moe._down): SCALES_AHEAD 1 loads each step's
+# scales one step early (the load is consumed at the top of the next step); MX_MODE 4 converts as MX_MODE 3 but
+# in the plain product, so the converted tile is written once to shared memory as the MMA's B operand, shared by
+# both warpgroups' row slices, with no register-operand round trip (8 HGMMA 64x128x16, 2 warpgroup waits per step
+# instead of 8); ACT_TMA 1 loads _down's activation tile by TMA. Registers / spills from the sm_90 compile
+# (gate-up / down, routed, no stack anywhere) in each entry's comment. Swept by name (--prefill-variants, MXFP8
+# weights; not in PREFILL_SWEEP, so the plain sweep's length and round 5's measurement stay as they were), checked
+# like every variant against the fp32 oracle at 4k and the default's output at 16k; tests/test_moe_prefill_round6.py
+# checks them on the CPU and (gpu) at mini dims.
+_L256 = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1)  # round 4's 16k winner
+_S64 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)  # round 4's 4k winner
+PREFILL_ROUND6 = {
+    # 16k: the winner with the integer conversion and the down GEMM's 128-wide N tile (round 5's two changes
+    # together): 211 / 226 registers.
+    "prefill_bm256_gu_w8_group8_tma_int_down128": {**_L256, "MX_MODE": 3, "BLOCK_N_DOWN": 128},
+    # ... with tl.dot_scaled (gemm_config's MX_MODE 2), scales a step ahead, the down activations by TMA: 232 / 197.
+    "prefill_bm256_ahead_down128_acttma": {**_L256, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128, "ACT_TMA": 1},
+    # ... with the integer conversion: 213 / 184.
+    "prefill_bm256_int_ahead_down128_acttma": {**_L256, "MX_MODE": 3, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
+                                               "ACT_TMA": 1},
+    # ... with the conversion into the MMA's shared-memory operand: 223 / 177.
+    "prefill_bm256_smem_ahead_down128_acttma": {**_L256, "MX_MODE": 4, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
+                                                "ACT_TMA": 1},
+    # 4k: the 64-row winner with scales ahead and the down activations by TMA (175 / 95), and with the
+    # conversion into shared memory (126 / 72: three programs per SM by registers, 57 KB of shared memory each).
+    "prefill_bm64_gu_group8_tma_ahead_acttma": {**_S64, "SCALES_AHEAD": 1, "ACT_TMA": 1},
+    "prefill_bm64_gu_group8_tma_smem_ahead_acttma": {**_S64, "MX_MODE": 4, "SCALES_AHEAD": 1, "ACT_TMA": 1},
+    # 4k: 128-row blocks (one conversion of each weight tile for twice the rows of the 64-row winner) with the
+    # shared-memory conversion, both GEMMs 8 warps: 119 / 113
+    # registers and 82 KB, so two programs per SM, one converting while the other's MMAs run.
+    "prefill_bm128_gu_w8_group8_tma_smem_ahead_down128_acttma": dict(
+        BLOCK_M=128, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, MX_MODE=4, SCALES_AHEAD=1,
+        BLOCK_N_DOWN=128, ACT_TMA=1),
+}
+NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **PREFILL_ROUND4, **PREFILL_ROUND5,
+         **PREFILL_ROUND6}
 # The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
 GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"], PREVIOUS_DEFAULTS["gemv_4warps"],
               PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"]]
@@ -404,6 +446,9 @@ def main() -> int:
     ap.add_argument("--only", default="",
                     help="comma list of the parts to run (default all): decode, decode1 (decode at batch 1 only), "
                     "prefill, linear; e.g. --only linear,decode1 for the one-row GEMV sweeps alone")
+    ap.add_argument("--prefill-variants", default="",
+                    help="comma list of named prefill tiles (bench/moe.py's NAMES, e.g. PREFILL_ROUND6's) to sweep "
+                    "next to the default instead of PREFILL_SWEEP's list for each format")
     ap.add_argument("--json", default=str(RESULTS / "moe_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU under the Triton interpreter: checks "
                     "that the script runs end to end (numbers meaningless)")
@@ -423,6 +468,10 @@ def main() -> int:
     formats = args.formats.split(",")
     batches = [int(b) for b in args.batches.split(",") if b]
     prefills = [int(t) for t in args.prefill.split(",") if t]
+    picked = [n for n in args.prefill_variants.split(",") if n]
+    if set(picked) - set(NAMES):
+        ap.error(f"--prefill-variants: unknown name(s) {sorted(set(picked) - set(NAMES))}")
+    prefill_sweep = {fmt: [NAMES[n] for n in picked] for fmt in PREFILL_SWEEP} if picked else PREFILL_SWEEP
     only = {p for p in args.only.split(",") if p}
     if only - PARTS:
         ap.error(f"--only: unknown part(s) {sorted(only - PARTS)}; choose from {sorted(PARTS)}")
@@ -499,7 +548,7 @@ def main() -> int:
             x = torch.randn(t, H, device=DEV, generator=g).bfloat16()
             flops = 2 * t * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
             default_cfg = kmoe.default_config(t, t * TOP_K, args.experts, fmt == "mxfp8")
-            variants = [None] + ([v for v in PREFILL_SWEEP[fmt] if v != default_cfg] if args.sweep else [])
+            variants = [None] + ([v for v in prefill_sweep[fmt] if v != default_cfg] if args.sweep else [])
             want = oracle(fmt, x) if t <= ORACLE_MAX_TOKENS else None
             # Without the oracle (16k) each variant is compared with the default's output instead: correct tiles
             # differ from it by summation order and bf16 roundings only (each is 3.8e-3 from the oracle at 4k, so

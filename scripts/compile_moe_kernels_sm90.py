@@ -126,6 +126,7 @@ def variants(quick: bool):
     prefill = [*defaults, *((fmt, {**c, "TMA": 0}) for fmt, c in defaults)]
     if not quick:
         prefill += [(fmt, c) for fmt, sweep in _bench_moe().PREFILL_SWEEP.items() for c in sweep]
+        prefill += [("mxfp8", c) for c in _bench_moe().PREFILL_ROUND6.values()]  # swept by name, MXFP8 only
     for fmt, c in prefill:
         bm = c["BLOCK_M"]
         cfg = {**moe_kernels.gemm_config(bm), **{k: v for k, v in c.items() if k != "BLOCK_M"}}
@@ -151,12 +152,14 @@ def variants(quick: bool):
                         continue  # the down kernel of a GU_FUSED tile is the plain tile's
                     if kind == "gate_up":
                         consts["GU_FUSED"] = 1
-                for key in ("GROUP_M", "TMA"):  # trailing constexprs: ASTSource takes no defaults
-                    consts[key] = cfg.get(key, 0)
+                # trailing constexprs: ASTSource takes no defaults
+                for key in ("GROUP_M", "TMA", "SCALES_AHEAD") + (("ACT_TMA",) if kind == "down" else ()):
+                    consts[key] = cfg.get(key, 0) if mx or key != "SCALES_AHEAD" else 0  # as moe._check_tma
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{bn:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
                          f"{' gu' if consts.get('GU_FUSED') else ''}"
-                         f"{' g%d' % cfg['GROUP_M'] if cfg.get('GROUP_M') else ''}{' tma' if cfg.get('TMA') else ''}")
+                         f"{' g%d' % cfg['GROUP_M'] if cfg.get('GROUP_M') else ''}{' tma' if cfg.get('TMA') else ''}"
+                         f"{' ahead' if consts['SCALES_AHEAD'] else ''}{' acttma' if consts.get('ACT_TMA') else ''}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     # The GEMV tiles (_gemv_tiles), each for both weight formats and the linear.
     for c in _gemv_tiles(quick):
