@@ -102,6 +102,38 @@ BYTES_SWEEP = {
     "gemv_bk1024_8w_pipe2": dict(GEMV=1, BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=2, PIPELINE=2),
     "gemv_bn4_bk1024_pipe2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2, PIPELINE=2),
 }
+# Decode round 5 (issue 12: MXFP8 batch 1 at 56 % of copy bandwidth with GEMV_DECODE, 65 % wanted; the H200
+# profile of the whole step put gate-up at 74 % and down at 57 %, the rest of the layer's 123 us in routing, the
+# combine and the gaps between 8 launches). Each adds one thing to GEMV_DECODE (BN 4, BK 256, 2 warps, PIPELINE 4):
+# SHARED_GRID 1: the shared expert's tokens as more rows of the routed launches' grid (moe_gemv._row_source), so
+# gate-up and down are one launch each instead of two, and no shared launch runs 768 programs (BN 4) on 132 SMs
+# with room for ~1800; COMBINE 1: the combine done by the down launch's last program per (token, N tile)
+# (moe_gemv._combine_tile, bit-identical to moe._combine), one launch fewer; TMA 1: weight tiles by TMA from a
+# descriptor made on the device, pipelined by the same stages (gemv.tma_row_dot); deeper stages with TMA (6: five
+# 1-2 KB tiles in flight per program); BN 8 at 4 warps with all three; SPLIT_K_DOWN 2: the down launch's programs
+# (12 K steps of 256) split in two (at BN 8 the down launch has 5 x 768 programs, ~2 waves). Registers / shared
+# memory from scripts/compile_moe_kernels_sm90.py in the comments (gate-up / down, MXFP8, mini dims, no spills).
+DECODE_ROUND5 = {
+    "gemv_bn4_pipe4_sg": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                              SHARED_GRID=1),
+    "gemv_bn4_pipe4_sg_comb": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                   SHARED_GRID=1, COMBINE=1),
+    "gemv_bn4_pipe4_tma": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4, TMA=1),
+    "gemv_bn4_pipe4_sg_comb_tma": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                       SHARED_GRID=1, COMBINE=1, TMA=1),
+    "gemv_bn4_pipe6_sg_comb_tma": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=6, PIPELINE=6,
+                                       SHARED_GRID=1, COMBINE=1, TMA=1),
+    "gemv_bn8_pipe4_sg_comb_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4,
+                                       SHARED_GRID=1, COMBINE=1, TMA=1),
+    "gemv_bn8_pipe4_sg_comb_sdown2": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4,
+                                          SHARED_GRID=1, COMBINE=1, SPLIT_K_DOWN=2),
+}
+# The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
+LINEAR_ROUND5 = {
+    "gemv_pipe4_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4, TMA=1),
+    "gemv_bn4_pipe4_tma": DECODE_ROUND5["gemv_bn4_pipe4_tma"],
+    "gemv_pipe6_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=6, PIPELINE=6, TMA=1),
+}
 # Prefill round 4 (issue 12: 450 TFLOP/s; rounds 2-3: MXFP8 169 / 206, bf16 253 / 313 at 4k / 16k tokens). What the
 # code and round 3 say is lost (docs/performance.md): (1) tile order: the 2-D grid runs row blocks fastest, so the
 # programs in flight share one N tile over every row block, and each N tile re-reads all activation rows, from HBM
@@ -189,8 +221,8 @@ PREFILL_ROUND6 = {
         BLOCK_M=128, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, MX_MODE=4, SCALES_AHEAD=1,
         BLOCK_N_DOWN=128, ACT_TMA=1),
 }
-NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **PREFILL_ROUND4, **PREFILL_ROUND5,
-         **PREFILL_ROUND6}
+NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **PREFILL_ROUND4,
+         **PREFILL_ROUND5, **PREFILL_ROUND6}
 # The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
 GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"], PREVIOUS_DEFAULTS["gemv_4warps"],
               PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"]]
@@ -224,22 +256,32 @@ def decode_variants(fmt: str, batch: int) -> list:
     round 4's bigger tiles (BYTES_SWEEP). MXFP8 at 2-8 tokens: the two round-3 PIPELINE winners (the GEMV lost to
     the 16-row tensor-core tiles there by 10-20 % in all rounds), the 16-row tensor-core tiles from 8 tokens. bf16
     at 2-8: the register-streamed GEMV tiles, the two PIPELINE winners and GU_FUSED 16-row tiles. The grouped path
-    forced at one token in both formats."""
+    forced at one token in both formats. Round 5 (DECODE_ROUND5: the shared expert in the routed grid, the combine
+    in the down launch, TMA weight tiles) at one token in both formats and at 2-8 tokens with MXFP8."""
     winners = [PIPELINE_SWEEP["gemv_pipe4"], PIPELINE_SWEEP["gemv_bn4_pipe4"]]
     bigger = list(BYTES_SWEEP.values())
+    round5 = list(DECODE_ROUND5.values())
     if fmt == "mxfp8":
-        out = ([PREVIOUS_DEFAULTS["gemv_4warps"], *winners, PIPELINE_SWEEP["gemv_split2_pipe4"], *bigger]
-               if batch == 1 else winners if batch <= 8 else [])
+        out = ([PREVIOUS_DEFAULTS["gemv_4warps"], *winners, PIPELINE_SWEEP["gemv_split2_pipe4"], *bigger, *round5]
+               if batch == 1 else [*winners, *round5] if batch <= 8 else [])
         if batch >= 8:
             out += TC_DECODE_SWEEP
     else:
-        out = ([PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"], PREVIOUS_DEFAULTS["gemv_2warps"], *winners, *bigger]
-               if batch == 1 else [*GEMV_SWEEP, *winners] if batch <= 8 else [])
+        out = ([PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"], PREVIOUS_DEFAULTS["gemv_2warps"], *winners, *bigger,
+                *round5] if batch == 1 else [*GEMV_SWEEP, *winners] if batch <= 8 else [])
         if 1 < batch <= 8:
             out.append(dict(BLOCK_M=16, GU_FUSED=1))
     if batch == 1:
         out.append(dict(BLOCK_M=16))
     return out
+
+
+VARIANTS: set | None = None  # --decode-variants: the names the decode and linear sweeps keep (None: all)
+
+
+def decode_picked(configs: list) -> list:
+    """``configs`` limited to the ``--decode-variants`` names (all of them without that option)."""
+    return configs if VARIANTS is None else [c for c in configs if variant_name(c) in VARIANTS]
 
 
 def variant_name(cfg: dict | None) -> str | None:
@@ -281,9 +323,10 @@ def linear_decode(bw: float, sweep: int) -> list:
             # BN 4 (twice the programs) and round 4's bigger tiles. Eight rows: the tensor-core default against two
             # pipelined GEMV tiles (one program per row and N tile: the 8 rows re-read each weight tile from L2; the
             # GEMV without PIPELINE lost there by 3-4x in rounds 1-2); already compiled at one row.
-            sweep_m = ([PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values()]
+            sweep_m = ([PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values(),
+                        *LINEAR_ROUND5.values()]
                        if m == 1 else [PIPELINE_SWEEP["gemv_pipe4"], BYTES_SWEEP["gemv_bn16_bk512_8w_pipe3"]])
-            for cfg in [None] + (sweep_m if sweep and not small else []):
+            for cfg in [None] + (decode_picked(sweep_m) if sweep and not small else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
                     err = rel_err(klin.run_linear(x, w, sc, config=cfg), want.T)
@@ -443,6 +486,9 @@ def main() -> int:
     ap.add_argument("--formats", default="mxfp8,bf16")
     ap.add_argument("--sweep", type=int, default=1,
                     help="try the tile variants (decode_variants, PREFILL_SWEEP, the linear GEMV tiles)")
+    ap.add_argument("--decode-variants", default="",
+                    help="comma list of variant names (NAMES) the decode and linear sweeps are limited to, next to "
+                    "the default; e.g. --only decode --batches 1,8 --decode-variants gemv_bn4_pipe4_sg_comb")
     ap.add_argument("--only", default="",
                     help="comma list of the parts to run (default all): decode, decode1 (decode at batch 1 only), "
                     "prefill, linear; e.g. --only linear,decode1 for the one-row GEMV sweeps alone")
@@ -453,6 +499,11 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny dims on the CPU under the Triton interpreter: checks "
                     "that the script runs end to end (numbers meaningless)")
     args = ap.parse_args()
+    if args.decode_variants:
+        global VARIANTS
+        VARIANTS = set(args.decode_variants.split(","))
+        if VARIANTS - set(NAMES):
+            ap.error(f"--decode-variants: unknown name(s) {sorted(VARIANTS - set(NAMES))}")
     if args.smoke:
         global H, I, I_SHARED, TOP_K, DEV, SMOKE, ORACLE_MAX_TOKENS
         H, I, I_SHARED, TOP_K, DEV, SMOKE, ORACLE_MAX_TOKENS = 64, 32, 32, 2, "cpu", True, 64
@@ -518,7 +569,8 @@ def main() -> int:
             touched = int(torch.unique(ids).numel())
             need = touched * per + shared + layer.router.numel() * 4 + 2 * x.numel() * 2
             default_cfg = kmoe.default_config(b, b * TOP_K, args.experts, fmt == "mxfp8")
-            variants = [None] + ([v for v in decode_variants(fmt, b) if v != default_cfg] if args.sweep else [])
+            variants = [None] + ([v for v in decode_picked(decode_variants(fmt, b)) if v != default_cfg] if args.sweep
+                                 else [])
             want = oracle(fmt, x)
             tried = []
             for cfg in variants:

@@ -165,32 +165,43 @@ def variants(quick: bool):
     for c in _gemv_tiles(quick):
         bn, bk, gw, gs = c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]
         split, prefetch, pipe = c.get("SPLIT_K", 1), c.get("PREFETCH", 0), gemv.pipeline_kw(c, "compile")
-        tag = f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
+        split_down = c.get("SPLIT_K_DOWN", split)
+        # moe_gemv.launch: SHARED_GRID (shared rows in the routed grid), TMA weight tiles, COMBINE in the down launch
+        shared, tma, comb = int(bool(c.get("SHARED_GRID"))), int(bool(c.get("TMA"))), int(bool(c.get("COMBINE")))
+        tag = (f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
+               f"{' sdown%d' % split_down if split_down != split else ''}{' sg' if shared else ''}"
+               f"{' tma' if tma else ''}{' comb' if comb else ''}")
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
-            common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
+            common = {"w_ptr": w, "s_ptr": "*u8" if mx else w, "sh_w_ptr": w, "sh_s_ptr": "*u8" if mx else w}
             sigs = {
                 "gate_up": (moe_gemv._gate_up_gemv, {
                     "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "part_ptr": "*fp32",
-                    "cnt_ptr": "*i32", "sx_t": "i32", "sw_e": "i64",
+                    "cnt_ptr": "*i32", "n_routed": "i32", "sx_t": "i32", "sw_e": "i64",
                     "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sa_p": "i32",
                     "alpha": "fp32", "limit": "fp32"}),
                 "down": (moe_gemv._down_gemv, {
                     "act_ptr": "*bf16", **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
-                    "part_ptr": "*fp32", "cnt_ptr": "*i32",
+                    "part_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16", "tick_ptr": "*i32",
+                    "n_routed": "i32", "scaling": "fp32",
                     "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32",
-                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32"}),
+                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32", "so_t": "i32"}),
             }
             for kind, (fn, sig) in sigs.items():
-                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                              PREFETCH=prefetch, **pipe)
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk,
+                              SPLIT_K=split_down if kind == "down" else split, PREFETCH=prefetch,
+                              PIPELINE=pipe.get("PIPELINE"), SHARED=shared, TMA=tma,
+                              **({"COMBINE": comb} if kind == "down" else {}))
                 out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} {tag}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
+        if shared or comb or split_down != split:  # MoE-only keys: the linear's tile is listed without them
+            continue
         out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
-                    sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch, **pipe), gw, gs))
+                    sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,
+                              PIPELINE=pipe.get("PIPELINE"), TMA=tma), gw, gs))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]

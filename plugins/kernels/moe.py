@@ -583,14 +583,11 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         local = ids.long() - owned[0]
         ids = torch.where((local >= 0) & (local < e), local, e).to(ids.dtype)  # not ours: expert e, skipped
     if (config or {}).get("GEMV"):  # the CUDA-core decode path (moe_gemv.py): no permutation, no padding
-        routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
-        shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
-        act = torch.empty((n, i), dtype=x.dtype, device=x.device)
-        act_s = torch.empty((t, i_s), dtype=x.dtype, device=x.device)
-        y = torch.empty((t, top_k + 1, h), dtype=x.dtype, device=x.device)
-        moe_gemv.launch(x, act, act_s, y, ids, route_w, routed13, routed2, shared13, shared2, h, i, i_s, top_k,
-                        float(swiglu_alpha), float(swiglu_limit), config)
-        return _combine_launch(y, out, routed_scaling_factor, h, top_k)
+        y = moe_gemv.launch(x, out, ids, route_w, _Weights(w13, scales[0]), _Weights(w2, scales[1]),
+                            _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3]), top_k,
+                            float(swiglu_alpha), float(swiglu_limit), routed_scaling_factor, config,
+                            fallback=defaulted)
+        return out if y is None else _combine_launch(y, out, routed_scaling_factor, h, top_k)
     bm = (config or {}).get("BLOCK_M") or block_m_for(n, e)
     if owned is None:
         blocks: ExpertBlocks = group_by_expert(ids, e, bm)

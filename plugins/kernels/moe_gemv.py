@@ -35,38 +35,82 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, x_tile as _x3
+from ._batch import ticket_counters
+from .gemv import (pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, tma_kw,
+                   tma_row_dot as _tma_dot, x_tile as _x3)
 from .mxfp8_linear import cast
 
 
 @triton.jit
+def _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e, TOP_K: tl.constexpr,
+                ROUTED: tl.constexpr, SHARED: tl.constexpr):
+    """(weights, scales, token, slot) of grid row ``a``: rows below ``n_routed`` are assignments (token * top_k +
+    slot, expert ``ids[a]`` of the stack at ``w_ptr``), the rows from ``n_routed`` on are tokens of the shared
+    expert (``sh_w_ptr``, slot top_k). ROUTED / SHARED say which kinds the launch holds (both: ``SHARED_GRID``)."""
+    if ROUTED and SHARED:
+        if a < n_routed:
+            e = tl.load(ids_ptr + a).to(tl.int64)
+            w_base = w_ptr + e * sw_e
+            s_base = s_ptr + e * ss_e
+            tok = a // TOP_K
+            slot = a % TOP_K
+        else:
+            w_base = sh_w_ptr
+            s_base = sh_s_ptr
+            tok = a - n_routed
+            slot = a * 0 + TOP_K
+    elif ROUTED:
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        w_base = w_ptr + e * sw_e
+        s_base = s_ptr + e * ss_e
+        tok = a // TOP_K
+        slot = a % TOP_K
+    else:
+        w_base = sh_w_ptr
+        s_base = sh_s_ptr
+        tok = a
+        slot = a * 0 + TOP_K
+    return w_base, s_base, tok, slot
+
+
+@triton.jit
 def _gate_up_gemv(
-    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, part_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, act_ptr, ids_ptr, part_ptr, cnt_ptr, n_routed,
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PIPELINE: tl.constexpr = None,
+    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0,
 ):
-    """Program (a, n-tile, split): routed, ``a`` is the assignment token * top_k + slot (expert ``ids[a]``); shared,
-    ``a`` is the token (expert 0 of a stack of one). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's
-    columns. With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, 2, I] and ``cnt_ptr`` int32 [rows, n-tiles]."""
+    """Program (a, n-tile, split): row ``a`` of the grid is an assignment or a token of the shared expert
+    (``_row_source``). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's columns. With SPLIT_K > 1,
+    ``part_ptr`` is fp32 [SPLIT_K, rows, 2, I] and ``cnt_ptr`` int32 [rows, n-tiles]. TMA 1: the gate and up
+    tiles by TMA (``gemv.tma_row_dot``) from a descriptor over the row's [2I, H] matrix."""
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if ROUTED:
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        tok = a // TOP_K
-    else:
-        e = (a * 0).to(tl.int64)
-        tok = a
+    w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e,
+                                            TOP_K, ROUTED, SHARED)
     dt = x_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    w_g = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
-    s_g = s_ptr + e * ss_e + n.to(tl.int64) * ss_n
+    w_g = w_base + n.to(tl.int64) * sw_n
+    s_g = s_base + n.to(tl.int64) * ss_n
     KS: tl.constexpr = ((H + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # K per split
     x_row = x_ptr + tok.to(tl.int64) * sx_t
-    if PREFETCH == 0:  # gate and up in one loop, one K step in flight
+    if TMA:  # one descriptor per program over its expert's [2I, H] (gate rows, then up rows)
+        desc = tl.make_tensor_descriptor(w_base, shape=[2 * I, H], strides=[sw_n, 1],
+                                         block_shape=[BLOCK_N, BLOCK_K])
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
+            k0 = pid_k * KS + kk
+            x = _x3(x_row, k0, H, BLOCK_K)
+            acc_g = _tma_dot(x, acc_g, desc, pid_n * BLOCK_N, s_g, k0, ss_k, n_ok, H, BLOCK_N, BLOCK_K, MXFP8, dt)
+            acc_u = _tma_dot(x, acc_u, desc, I + pid_n * BLOCK_N, s_g + I * ss_n, k0, ss_k, n_ok, H, BLOCK_N,
+                             BLOCK_K, MXFP8, dt)
+        acc_g = _reduce(acc_g)
+        acc_u = _reduce(acc_u)
+    elif PREFETCH == 0:  # gate and up in one loop, one K step in flight
         acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
@@ -122,32 +166,37 @@ def _sum_splits(part_ptrs, split_stride, n_ok, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def _down_gemv(
-    act_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, route_w_ptr, part_ptr, cnt_ptr,
-    sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
+    act_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, y_ptr, ids_ptr, route_w_ptr, part_ptr, cnt_ptr, out_ptr, tick_ptr,
+    n_routed, scaling, sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s, so_t,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PIPELINE: tl.constexpr = None,
+    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, COMBINE: tl.constexpr = 0,
 ):
-    """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (routed), y[token, top_k] = act @ w2^T (shared).
-    With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr`` int32 [rows, n-tiles]."""
+    """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (an assignment row), y[token, top_k] = act[a] @ w2^T
+    (a shared row; ``_row_source``). With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr``
+    int32 [rows, n-tiles]. COMBINE 1 (every routed and shared row in this one launch): the program that stores the
+    last of a token's top_k + 1 slots of this N tile (a ticket per (token, N tile) in ``tick_ptr``, put back to 0
+    after) writes ``out`` as ``moe._combine`` does, from the same bf16 slots in the same order."""
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if ROUTED:
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        tok = a // TOP_K
-        slot = a % TOP_K
-    else:
-        e = (a * 0).to(tl.int64)
-        tok = a
-        slot = TOP_K
+    w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e,
+                                            TOP_K, ROUTED, SHARED)
     dt = act_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
-    w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
-    s_rows = s_ptr + e * ss_e + n.to(tl.int64) * ss_n
+    w_rows = w_base + n.to(tl.int64) * sw_n
+    s_rows = s_base + n.to(tl.int64) * ss_n
     KS: tl.constexpr = ((I + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
-    if PREFETCH == 0:
+    if TMA:
+        desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[sw_n, 1], block_shape=[BLOCK_N, BLOCK_K])
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
+            k0 = pid_k * KS + kk
+            x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
+            acc = _tma_dot(x, acc, desc, pid_n * BLOCK_N, s_rows, k0, ss_k, n_ok, I, BLOCK_N, BLOCK_K, MXFP8, dt)
+        acc = _reduce(acc)
+    elif PREFETCH == 0:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk
@@ -157,57 +206,115 @@ def _down_gemv(
     else:
         acc = _stream(act_ptr + a.to(tl.int64) * sa_p, w_rows, s_rows, sw_k, ss_k, n_ok, pid_k * KS, KS, I, BLOCK_N,
                       BLOCK_K, MXFP8, dt, PREFETCH)
-    out = y_ptr + tok.to(tl.int64) * sy_t + slot * sy_s + n
+    if ROUTED and SHARED:  # a shared row's "routing weight" is 1: y * 1.0 is y, bit for bit
+        route_w = tl.load(route_w_ptr + a, mask=a < n_routed, other=1.0)
+    elif ROUTED:
+        route_w = tl.load(route_w_ptr + a)
+    else:
+        route_w = 1.0
+    y_row = y_ptr + tok.to(tl.int64) * sy_t + n
     if SPLIT_K == 1:
-        _weighted_store(acc, out, n_ok, route_w_ptr + a, ROUTED, dt)
+        _weighted_store(acc, y_row + slot * sy_s, n_ok, route_w, ROUTED, dt)
+        if COMBINE:
+            _combine_tile(y_row, out_ptr + tok.to(tl.int64) * so_t + n, n_ok, tick_ptr + tok * tl.num_programs(1)
+                          + pid_n, scaling, sy_s, TOP_K)
     else:
         rows = tl.num_programs(0)
         part = part_ptr + a.to(tl.int64) * H + n
         tl.store(part + pid_k.to(tl.int64) * rows * H, acc, mask=n_ok)
         if _arrive_last(cnt_ptr + a * tl.num_programs(1) + pid_n, SPLIT_K):
-            _weighted_store(_sum_splits(part, rows * H, n_ok, SPLIT_K), out, n_ok, route_w_ptr + a, ROUTED, dt)
+            _weighted_store(_sum_splits(part, rows * H, n_ok, SPLIT_K), y_row + slot * sy_s, n_ok, route_w, ROUTED,
+                            dt)
+            if COMBINE:
+                _combine_tile(y_row, out_ptr + tok.to(tl.int64) * so_t + n, n_ok, tick_ptr + tok *
+                              tl.num_programs(1) + pid_n, scaling, sy_s, TOP_K)
 
 
 @triton.jit
-def _weighted_store(acc, out_ptrs, n_ok, route_w_ptr, ROUTED: tl.constexpr, dt: tl.constexpr):
+def _weighted_store(acc, out_ptrs, n_ok, route_w, ROUTED: tl.constexpr, dt: tl.constexpr):
     """The expert's output rounded to the activation dtype (as the reference rounds it), times the routing weight."""
     y = cast(acc, dt).to(tl.float32)
     if ROUTED:
-        y = y * tl.load(route_w_ptr)
+        y = y * route_w
     tl.store(out_ptrs, cast(y, dt), mask=n_ok)
 
 
-def launch(x, act, act_s, y, ids, route_w, routed13, routed2, shared13, shared2, h, i, i_s, top_k, alpha, limit,
-           cfg: dict) -> None:
-    """The four GEMV launches of one MoE call (``moe.run_moe`` allocates the buffers and combines)."""
-    t = x.shape[0]
+@triton.jit
+def _combine_tile(y_row, out_ptrs, n_ok, tick_ptr, scaling, sy_s, TOP_K: tl.constexpr):
+    """After this program stored its slot of a token's N tile: in the last of the token's top_k + 1 programs of
+    the tile to arrive, ``out = scaling * (routed slots summed in fp32, slot 0 first) + shared slot``, rounded once:
+    ``moe._combine``'s arithmetic on the same values, so the result is bit-identical to the separate launch. The
+    ticket is ``_arrive_last``'s (barrier, acq_rel atomic at GPU scope), the slots are read past L1 (``.cg``: other
+    programs wrote them), and the counter goes back to 0 for the next launch (``_batch.ticket_counters``)."""
+    if _arrive_last(tick_ptr, TOP_K + 1):
+        tl.debug_barrier()
+        acc = tl.zeros(n_ok.shape, dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y_row + k * sy_s, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        shared = tl.load(y_row + TOP_K * sy_s, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptrs, cast(acc * scaling + shared, out_ptrs.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(tick_ptr, 0, sem="relaxed", scope="gpu")
+
+
+def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, alpha, limit, scaling, cfg: dict,
+           fallback: bool = False) -> torch.Tensor | None:
+    """The GEMV launches of one MoE call: gate-up and down, each as one launch over the assignments and the shared
+    expert's tokens (``SHARED_GRID`` 1, where the shared expert has the routed experts' I and row strides) or as a
+    routed and a shared launch. Returns the expert outputs ``y [T, top_k + 1, H]`` for ``moe._combine``, or None
+    where ``COMBINE`` 1 wrote ``out`` from the down launch. ``fallback`` (the launcher's own default, inside a
+    model step): weights TMA cannot read run the same tiles without TMA instead of raising."""
+    t, h = x.shape
+    n = t * top_k
+    i, i_s = routed13.w.shape[1] // 2, shared13.w.shape[1] // 2
     bn, bk, split = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128), int(cfg.get("SPLIT_K", 1))
+    split_down = int(cfg.get("SPLIT_K_DOWN", split))
     prefetch = int(cfg.get("PREFETCH", 0))
-    if split < 1 or prefetch not in (0, 1, 2):
-        raise ValueError(f"moe: SPLIT_K must be >= 1 and PREFETCH 0, 1 or 2, got {split} and {prefetch}")
+    if min(split, split_down) < 1 or prefetch not in (0, 1, 2):
+        raise ValueError(f"moe: SPLIT_K / SPLIT_K_DOWN must be >= 1 and PREFETCH 0, 1 or 2, got {split} / "
+                         f"{split_down} and {prefetch}")
+    try:
+        tma = tma_kw(cfg, "moe", [routed13, routed2, shared13, shared2])
+    except ValueError:
+        if not fallback:
+            raise
+        tma = {}
     launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
-                     **pipeline_kw(cfg, "moe"))
-    gate_up = ((routed13, t * top_k, act, i, True), (shared13, t, act_s, i_s, False))
-    down = ((routed2, t * top_k, act, i, True), (shared2, t, act_s, i_s, False))
-    # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each of the four launches.
-    tiles = [rows * triton.cdiv(width, bn) for _, rows, _, width, _ in gate_up] + [rows * triton.cdiv(h, bn)
-                                                                                 for _, rows, _, _, _ in down]
-    part = cnt = act  # never read when split == 1
-    if split > 1:
-        part = torch.empty(split * t * (top_k + 1) * max(2 * max(i, i_s), h), dtype=torch.float32, device=x.device)
-        cnt = torch.zeros(sum(tiles), dtype=torch.int32, device=x.device)
-    offsets = [sum(tiles[:j]) for j in range(4)]
-    for j, (w, rows, out, width, routed) in enumerate(gate_up):
+                     **pipeline_kw(cfg, "moe"), **tma)
+    same_layout = all(r.w.stride()[1:] == s.w.stride()[1:] and r.s.stride()[1:] == s.s.stride()[1:]
+                      for r, s in ((routed13, shared13), (routed2, shared2)))
+    dev, dt = x.device, x.dtype
+    if cfg.get("SHARED_GRID") and i == i_s and same_layout:
+        act = torch.empty((n + t, i), dtype=dt, device=dev)
+        # (weights, shared weights, grid rows, activations, I, ROUTED, SHARED)
+        gate_up = [(routed13, shared13, n + t, act, i, True, True)]
+        down = [(routed2, shared2, n + t, act, i, True, True)]
+    else:
+        act, act_s = torch.empty((n, i), dtype=dt, device=dev), torch.empty((t, i_s), dtype=dt, device=dev)
+        gate_up = [(routed13, routed13, n, act, i, True, False), (shared13, shared13, t, act_s, i_s, False, True)]
+        down = [(routed2, routed2, n, act, i, True, False), (shared2, shared2, t, act_s, i_s, False, True)]
+    y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
+    # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each launch.
+    tiles = [g[2] * triton.cdiv(g[4], bn) for g in gate_up] + [d[2] * triton.cdiv(h, bn) for d in down]
+    part = cnt = act  # never read without split-K
+    if max(split, split_down) > 1:
+        part = torch.empty(max(split, split_down) * (n + t) * max(2 * max(i, i_s), h), dtype=torch.float32,
+                           device=dev)
+        cnt = torch.zeros(sum(tiles), dtype=torch.int32, device=dev)
+    offsets = [sum(tiles[:j]) for j in range(len(tiles))]
+    combine = bool(cfg.get("COMBINE"))
+    tickets = ticket_counters(dev, t * triton.cdiv(h, bn)) if combine else cnt
+    for j, (w, sh, rows, a, width, routed, shared) in enumerate(gate_up):
         _gate_up_gemv[(rows, triton.cdiv(width, bn), split)](
-            x, w.w, w.s, out, ids, part, cnt[offsets[j]:] if split > 1 else cnt, x.stride(0), *w.strides(),
-            out.stride(0), alpha, limit,
-            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, PREFETCH=prefetch,
-            **launch_kw,
+            x, w.w, w.s, sh.w, sh.s, a, ids, part, cnt[offsets[j]:] if split > 1 else cnt, n, x.stride(0),
+            *w.strides(), a.stride(0), alpha, limit,
+            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+            PREFETCH=prefetch, SHARED=shared, **launch_kw,
         )
-    for j, (w, rows, a, width, routed) in enumerate(down, start=2):
-        _down_gemv[(rows, triton.cdiv(h, bn), split)](
-            a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split > 1 else cnt, a.stride(0), *w.strides(),
-            y.stride(0), y.stride(1),
-            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, PREFETCH=prefetch,
-            **launch_kw,
+    for j, (w, sh, rows, a, width, routed, shared) in enumerate(down, start=len(gate_up)):
+        _down_gemv[(rows, triton.cdiv(h, bn), split_down)](
+            a, w.w, w.s, sh.w, sh.s, y, ids, route_w, part, cnt[offsets[j]:] if split_down > 1 else cnt, out,
+            tickets, n, float(scaling), a.stride(0), *w.strides(), y.stride(0), y.stride(1), out.stride(0),
+            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_down,
+            PREFETCH=prefetch, SHARED=shared, COMBINE=combine, **launch_kw,
         )
+    return None if combine else y
