@@ -111,10 +111,12 @@ VARIANTS = {
 @triton.jit
 def _index_scan(
     q_ptr, k_ptr, ks_ptr, bt_ptr, pos_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr, out_ptr,
-    cnt_ptr, sel_ptr, num_seqs, num_rows, sq_t, sq_h, sk_p, sk_r, sks_p, sks_r, sbt_b, so_t, so_h, ssel_t, ssel_h,
+    num_seqs, sq_t, sq_h, sk_p, sk_r, sks_p, sks_r, sbt_b, so_t, so_h,
     FP8: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr = False,
+    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    # the TMA loads and the fold (defaults: neither, so callers of the gather scan pass none of these)
+    num_rows=0, cnt_ptr=None, sel_ptr=None, ssel_t=0, ssel_h=0, TMA: tl.constexpr = False,
     STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB: tl.constexpr = 1, NB_PAD: tl.constexpr = 2,
     TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 2, LOCAL: tl.constexpr = 0, INIT: tl.constexpr = 0,
     METHOD: tl.constexpr = "bitonic",
@@ -217,28 +219,24 @@ def _index_scan(
             visible = (cb[None, :] <= fown[:, None]) & (cb[None, :] < NB) & fok[:, None]
             v = tl.load(out_ptr + ftok[:, None].to(tl.int64) * so_t + fhead[:, None] * so_h + cb[None, :],
                         mask=visible, other=float("-inf"), cache_modifier=".cg")  # from L2: other SMs wrote them
-            ids = _select_blocks(v, visible, fown, FROWS, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
-            i = tl.arange(0, TOPK_PAD)
-            tl.store(sel_ptr + ftok[:, None].to(tl.int64) * ssel_t + fhead[:, None] * ssel_h + i[None, :], ids,
-                     mask=fok[:, None] & (i[None, :] < TOPK))
+            _select_blocks(v, visible, fown, sel_ptr + ftok.to(tl.int64) * ssel_t + fhead * ssel_h, fok, FROWS,
+                           NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
 
 
 @triton.jit
-def _select_blocks(v, visible, own, R: tl.constexpr, NB_PAD: tl.constexpr, TOPK: tl.constexpr,
+def _select_blocks(v, visible, own, out_row, row_ok, R: tl.constexpr, NB_PAD: tl.constexpr, TOPK: tl.constexpr,
                    TOPK_PAD: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr):
-    """Block maxima v [R, NB_PAD] (-inf where not ``visible``), each row's own block ``own`` [R] -> the ids of
-    its top-k [R, TOPK_PAD] (columns past TOPK unused): forced blocks (local / init) as +inf, then "largest value,
-    lowest id among equals"; -inf -> -1."""
+    """Block maxima v [R, NB_PAD] (-inf where not ``visible``), each row's own block ``own`` [R] -> the ids of its
+    top-k stored at ``out_row`` [R] + 0..TOPK-1 (rows where ``row_ok``): forced blocks (local / init) as +inf, then
+    "largest value, lowest id among equals"; -inf -> -1. ("rounds" never uses TOPK_PAD.)"""
     c = tl.arange(0, NB_PAD)
     forced = visible & ((c[None, :] > own[:, None] - LOCAL) | (c[None, :] < INIT))
     v = tl.where(forced, float("inf"), v)
-    i = tl.arange(0, TOPK_PAD)
     if METHOD == "rounds":
-        out = tl.full((R, TOPK_PAD), -1, tl.int32)
         for r in tl.static_range(TOPK):
             top = tl.max(v, axis=1)
             pick = tl.min(tl.where(v == top[:, None], c[None, :], NB_PAD), axis=1)
-            out = tl.where(i[None, :] == r, tl.where(top == float("-inf"), -1, pick)[:, None], out)
+            tl.store(out_row + r, tl.where(top == float("-inf"), -1, pick), mask=row_ok)
             v = tl.where(c[None, :] == pick[:, None], float("-inf"), v)
     else:  # "bitonic": one key per block, (order-preserving score bits) << 32 | (NB_PAD - 1 - id), top-k of keys
         bits = v.to(tl.int32, bitcast=True)
@@ -248,8 +246,9 @@ def _select_blocks(v, visible, own, R: tl.constexpr, NB_PAD: tl.constexpr, TOPK:
         top = tl.topk(key, TOPK_PAD)  # descending, along the blocks
         pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
         NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
-        out = tl.where((top >> 32) == NEG_INF, -1, pick)
-    return out
+        i = tl.arange(0, TOPK_PAD)
+        tl.store(out_row[:, None] + i[None, :], tl.where((top >> 32) == NEG_INF, -1, pick),
+                 mask=row_ok[:, None] & (i[None, :] < TOPK))
 
 
 @triton.jit
@@ -264,9 +263,8 @@ def _block_topk(
     c = tl.arange(0, NB_PAD)
     visible = (c[None, :] <= own[:, None]) & (c[None, :] < NB)
     v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c[None, :], mask=visible, other=float("-inf"))
-    ids = _select_blocks(v, visible, own, 1, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
-    i = tl.arange(0, TOPK_PAD)
-    tl.store(out_ptr + t.to(tl.int64) * so_t + h * so_h + i[None, :], ids, mask=i[None, :] < TOPK)
+    base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
+    _select_blocks(v, visible, own, base, own >= 0, 1, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
 
 
 def forward(
@@ -415,12 +413,13 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     if tma and not interpreted(index_q):
         ensure_descriptor_allocator()
     _index_scan[(slots, splits)](
-        q, kc, ks, bt, pos, qsl, seq, start, end, scores, counters, sel, b, kc.shape[0] * page,
+        q, kc, ks, bt, pos, qsl, seq, start, end, scores, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), bt.stride(0),
-        scores.stride(0), scores.stride(1), sel.stride(0), sel.stride(1), FP8=index_k_scale is not None,
+        scores.stride(0), scores.stride(1), FP8=index_k_scale is not None,
         H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
         ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits,
-        PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), TMA=tma, STAGES=cfg["num_stages"],
+        PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_rows=kc.shape[0] * page,
+        cnt_ptr=counters, sel_ptr=sel, ssel_t=sel.stride(0), ssel_h=sel.stride(1), TMA=tma, STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fold_args,
     )
     return scores, (sel if fold is not None else None)
