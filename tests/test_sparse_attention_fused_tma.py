@@ -22,14 +22,20 @@ from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
 from m3export.plugins.kernels import _batch, _splitk  # noqa: E402
 from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
 
-# (context lengths, new tokens): decode with one-token sequences; decode between sequences without new tokens (the
-# counted sequence search must skip them as the binary search does); prefill mixing decode-like, one-token and
-# page-crossing sequences whose odd tile tails leave tiles partly empty.
-BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]),
-           "decode-empty-seqs": ([12, 40, 30, 5, 17], [0, 1, 0, 1, 0]),
-           "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3])}
+# (context lengths, new tokens, index block): decode with one-token sequences; decode between sequences without new
+# tokens (the counted sequence search must skip them as the binary search does); prefill mixing decode-like,
+# one-token and page-crossing sequences whose odd tile tails leave tiles partly empty. Blocks of 32 (two key tiles
+# each) put the last position at every place in its block: after one whole tile and a partial one (60), at a tile's
+# end (48, 64), inside the first tile (40), so the TMA walks' whole-tile count and partial tile are both exercised.
+BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
+           "decode-empty-seqs": ([12, 40, 30, 5, 17], [0, 1, 0, 1, 0], 16),
+           "decode-blocks-of-32": ([64, 48, 40, 60, 1], [1, 1, 1, 1, 1], 32),
+           "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3], 16),
+           "prefill-blocks-of-32": ([64, 48, 60, 7], [5, 16, 9, 7], 32)}
 LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
-         "prefill": ["flat_fused", "union_fused", "union_tma", "union_tma_fused", "halves_tma"]}
+         "decode-blocks-of-32": ["flat_tma_fused"],
+         "prefill": ["union_fused", "union_tma", "union_tma_fused", "halves_tma"],
+         "prefill-blocks-of-32": ["union_tma_fused", "halves_tma"]}
 
 
 @pytest.fixture(autouse=True)
@@ -57,9 +63,9 @@ def launches(monkeypatch):
 def _case(batch: str, page: int, dtype=torch.bfloat16, fp8: bool = False):
     """q, k, v (and FP8 scales), args, the indexer's selection (forced local and init blocks) with -1 entries,
     repeats and ids past the token's own block mixed in, and the reference output."""
-    ctx, new = BATCHES[batch]
+    ctx, new, bs = BATCHES[batch]
     paged = Paged(ctx, new, page, seed=page + len(batch))
-    t, hq, hkv, d, bs = paged.tokens, 32, 2, 32, 16  # 16 query heads per KV head, as M3
+    t, hq, hkv, d = paged.tokens, 32, 2, 32  # 16 query heads per KV head, as M3
     q = paged.randn(t, hq, d, dtype=dtype)
     scales = ()
     if fp8:
@@ -86,15 +92,17 @@ def _counters_zero() -> bool:
     return all(int(b.abs().sum()) == 0 for held in _splitk.Tickets._buffers.values() for b in held)
 
 
-@pytest.mark.parametrize("page", [16, 32])
-@pytest.mark.parametrize("batch, loop", [(b, lp) for b, lps in LOOPS.items() for lp in lps])
+@pytest.mark.parametrize("batch, loop, page", [(b, lp, 16) for b, lps in LOOPS.items() for lp in lps]
+                         + [("decode", "flat_tma_fused", 32), ("prefill", "union_tma_fused", 32)])
 def test_fused_and_tma_loops_match_reference(batch, loop, page, launches):
-    mode = "prefill" if batch == "prefill" else "decode"
+    mode = batch.split("-")[0]
     paged, qkv, scales, sel, bs, scale, ref = _case(batch, page)
     got = _run(paged, qkv, scales, sel, bs, scale, mode, loop)
     _assert_attention_close(got, ref, qkv[2])
     (kw,) = launches
-    assert kw["TMA"] == ("tma" in loop) and kw["FUSED"] == ("fused" in loop)
+    assert bool(kw["TMA"]) == ("tma" in loop) and kw["FUSED"] == ("fused" in loop)
+    if "tma" in loop:  # whole tiles by bulk copies where the walk allows it (module docstring), else V rows zeroed
+        assert kw["TMA"] == (1 if loop.startswith("halves") else 2)
     assert kw["SPLITS"] > 1, "the case must split its selections for the merge to be exercised"
     if "fused" in loop:
         assert _counters_zero()
@@ -108,7 +116,7 @@ def test_fused_and_tma_loops_match_reference(batch, loop, page, launches):
 def test_tma_reads_fp8_pools_as_the_fp8_reference(batch, loop, launches):
     """E4M3 pools with per-row scales through bulk copies; fp32 queries (the bound of tests/test_kernels_attention's
     fp32 cases: the E4M3 values and scales are exact in fp32)."""
-    mode = "prefill" if batch == "prefill" else "decode"
+    mode = batch.split("-")[0]
     paged, qkv, scales, sel, bs, scale, ref = _case(batch, 16, dtype=torch.float32, fp8=True)
     got = _run(paged, qkv, scales, sel, bs, scale, mode, loop)
     from m3export.ops.kv_fp8 import dequantize_rows
@@ -122,7 +130,7 @@ def test_tma_falls_back_where_a_key_tile_crosses_pages(launches):
     paged, qkv, scales, sel, bs, scale, ref = _case("decode", 8)
     got = _run(paged, qkv, scales, sel, bs, scale, "decode", "flat_tma_fused")
     _assert_attention_close(got, ref, qkv[2])
-    assert launches[0]["TMA"] is False and launches[0]["FUSED"] is True
+    assert launches[0]["TMA"] == 0 and launches[0]["FUSED"] is True
 
 
 @pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),

@@ -25,6 +25,18 @@ work over the op's is (union / top-k): on selections like a real prompt's (``ben
 reading K and V per 8 tokens. Every form computes the same allowed set; only the summation order of the online
 softmax differs (the blocks' order). In prefill, where a key tile lies inside one page (it divides the page and the
 block), its page id is one scalar load instead of one per key.
+
+Two modifiers of a loop form (``loop_form``). "_fused": the split-K merge in the same launch
+(``_splitk.finish_rows_fused``): every split stores its partial and takes a ticket on a per-(tile, KV head) counter;
+the last one merges, in split order, and resets the counter (``Tickets``: persistent, zeroed once, so CUDA graphs
+replay it); one-token programs then also find their sequence by one vector load (``_sequence_by_count``) instead of
+a chain of dependent loads. "_tma": K / V tiles as bulk tensor copies through descriptors made on the device. A bulk
+copy cannot be masked, so the one-token "flat" walk and the "union" walk then visit whole key tiles only: the
+token's usable blocks (first occurrences, -1 and later blocks dropped, in registers) or the tile's union, with the
+block holding the last position last, every key tile up to that position (all keys in the sequence, so nothing is
+zeroed), then the one partial tile, if any, by masked pointer loads. The other walks zero V's rows outside the
+sequence instead (``_load_kv``). TMA needs key tiles inside one page and a row-major pool (``tma_usable``); where
+it does not hold, the same walk runs with pointer loads.
 """
 
 from __future__ import annotations
@@ -145,7 +157,9 @@ VARIANTS = {
         "flat_fused-n64-w4-s2-waves4-max8": _decode("flat_fused", 64, 4, 2, 4, 8),
         "flat_fused-n64-w4-s3-waves4-max8": _decode("flat_fused", 64, 4, 3, 4, 8),
         # K / V through TMA ("_tma": a bulk tensor copy per key tile, _load_kv) over the selection compacted to its
-        # usable blocks (no masked visit: a bulk copy cannot be masked), merge fused.
+        # usable blocks, whole tiles only, the partial one by pointers (module docstring), merge fused. sm_90
+        # compile: n64 s3 167 registers / 39 KB -> 3 programs per SM; n128 s3 224 / 74 KB -> 2 (the pointer loads'
+        # 121 / 168: the bulk copies save no registers here, so this measures their issue cost and depth alone).
         "flat_tma_fused-n64-w4-s3-waves3-max8": _decode("flat_tma_fused", 64, 4, 3, 3, 8),
         "flat_tma_fused-n128-w4-s3-waves2": _decode("flat_tma_fused", 128, 4, 3, 2),
         "flat_tma-n64-w4-s3-waves3-max8": _decode("flat_tma", 64, 4, 3, 3, 8),
@@ -297,16 +311,17 @@ def _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K: tl.con
 @triton.jit
 def _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, D: tl.constexpr,
              DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-             TILE_IN_PAGE: tl.constexpr, TMA: tl.constexpr = False):
+             TILE_IN_PAGE: tl.constexpr, TMA: tl.constexpr = 0):
     """Key tile ``sub`` of block ``c``: (key positions j, which exist and are visible to the tile, page id and row
     of each key, K [BLOCK_N, D], V [BLOCK_N, DV]); nothing is read unless ``use``. ``TILE_IN_PAGE``: the tile
     lies inside one page (BLOCK_N divides both the page and the block), so its page id is one scalar load and
-    its rows are consecutive, instead of a page id per key. ``TMA`` (the tile inside one page): ``k_ptr`` / ``v_ptr``
-    are tensor descriptors over the pools viewed [pages * page, Hkv * D], and the tile is one bulk copy of the box
-    [BLOCK_N, D] at (page * PAGE + first row, g * D). A bulk copy cannot be masked: a tile that is not ``use``d
-    reads page 0's rows (the callers visit usable blocks only, so this is at most the tail of the last block), and
-    V's rows outside ``kmask`` are zeroed, since a pool row past a sequence's end may hold anything, NaN included
-    (a masked score gives P = 0, and 0 * NaN in P V is NaN); K's are harmless (their scores are masked)."""
+    its rows are consecutive, instead of a page id per key. ``TMA`` 1 or 2 (the tile inside one page): ``k_ptr`` /
+    ``v_ptr`` are tensor descriptors over the pools viewed [pages * page, Hkv * D], and the tile is one bulk copy of
+    the box [BLOCK_N, D] at (page * PAGE + first row, g * D). A bulk copy cannot be masked: a tile that is not
+    ``use``d reads page 0's rows, and a pool row past a sequence's end may hold anything, NaN included (a masked
+    score gives P = 0, but 0 * NaN in P V is NaN; K's rows are harmless, their scores are masked). So with 1 V's
+    rows outside ``kmask`` are zeroed (which costs the sm_90 build V in registers: 168 registers instead of 128 for
+    64-key decode tiles); 2 is for callers that only ask for tiles whose every key is in the sequence."""
     j = c * BS + sub * BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = use & (j < c * BS + BS) & (j <= last)
     if TMA:
@@ -315,7 +330,8 @@ def _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h
         row0 = page * PAGE + j0 % PAGE
         k = k_ptr.load([row0, g * D])
         v = v_ptr.load([row0, g * DV])
-        v = tl.where(kmask[:, None], v, tl.zeros_like(v))
+        if TMA == 1:  # not known to be whole: rows past the sequence zeroed
+            v = tl.where(kmask[:, None], v, tl.zeros_like(v))
         page = page.to(tl.int64)
         row = j0 % PAGE + tl.arange(0, BLOCK_N)
     else:
@@ -380,7 +396,7 @@ def _sparse_paged_attention(
     BS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, LOOP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr = False,  # these last, with defaults: the TensorRT wrappers pass the others by position
-    TMA: tl.constexpr = False, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
+    TMA: tl.constexpr = 0, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -469,22 +485,61 @@ def _sparse_paged_attention(
                         q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
                         sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
                         BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
+        elif TMA == 2:  # bulk copies of whole key tiles only (see the module docstring); the tail by pointers
+            if LOOP == "union":  # the tile's distinct usable blocks, ascending: the last one is the only one that
+                # can reach past the tile's last position
+                n_vis = tl.load(cnt_ptr + tile * hkv + g)
+                uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+                c_last = tl.load(uni_base + tl.maximum(n_vis - 1, 0))
+                has_own = (n_vis > 0) & (c_last == last // BS)
+                n_other = n_vis - has_own.to(tl.int32)
+            else:  # one token: its usable first occurrences, the token's own block (if chosen) last
+                sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
+                repeat = tl.max(((kk[None, :] < kk[:, None]) & (sel_one[None, :] == sel_one[:, None])).to(tl.int32),
+                                axis=1)
+                first_use = (sel_one >= 0) & (sel_one * BS <= last) & (repeat == 0)
+                other = first_use & (sel_one != last // BS)
+                rank = tl.cumsum(other.to(tl.int32), axis=0) - 1
+                n_other = tl.sum(other.to(tl.int32), axis=0)
+                has_own = tl.sum((first_use & (sel_one == last // BS)).to(tl.int32), axis=0) > 0
+            own = last // BS
+            own_keys = last + 1 - own * BS  # keys of the own block up to the last position (1..BS)
+            n_full = n_other * SUB + tl.where(has_own, own_keys // BLOCK_N, 0)  # whole key tiles, in walk order
+            t_lo = split * PER * SUB
+            t_hi = t_lo + PER * SUB
+            for it in range(t_lo, tl.minimum(t_hi, n_full)):
+                visit = it // SUB
+                sub = it % SUB
+                if LOOP == "union":
+                    c = tl.load(uni_base + visit)
+                    if TOKENS == 1:
+                        wants = row_ok
+                    else:
+                        wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+                else:
+                    c = tl.where(visit < n_other, tl.sum(tl.where(other & (rank == visit), sel_one, 0), axis=0), own)
+                    wants = row_ok
+                m_i, l_i, acc = _attend_block(
+                    q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, True, wants, pos, last, d, dv, g, sk_p, sk_r,
+                    sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
+                    BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, 2)
+            if has_own & (own_keys % BLOCK_N != 0) & (t_lo <= n_full) & (n_full < t_hi):  # the partial tile
+                if TOKENS == 1:
+                    wants = row_ok
+                else:
+                    wants = tl.max((sel_rows == own).to(tl.int32), axis=1) > 0
+                m_i, l_i, acc = _attend_block(
+                    q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, own, own_keys // BLOCK_N, True, wants, pos, last, d, dv,
+                    g, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D,
+                    DV, PAGE, BS, BLOCK_N, True, PREC, INTERPRETED, 0)
         else:
             if TOKENS == 1:
                 sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
-                if TMA:  # the usable first occurrences, in selection order: every visit reads a block it uses
-                    repeat = tl.max(((kk[None, :] < kk[:, None]) & (sel_one[None, :] == sel_one[:, None])).to(tl.int32),
-                                    axis=1)
-                    first_use = (sel_one >= 0) & (sel_one * BS <= last) & (repeat == 0)
-                    rank = tl.cumsum(first_use.to(tl.int32), axis=0) - 1
             if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
                 n_vis = tl.load(cnt_ptr + tile * hkv + g)
                 uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
             else:
                 n_vis = (end - start) * K
-                if TOKENS == 1:
-                    if TMA:
-                        n_vis = tl.sum(first_use.to(tl.int32), axis=0)
             v_lo = split * PER
             v_hi = tl.minimum(v_lo + PER, n_vis)
             for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
@@ -500,14 +555,10 @@ def _sparse_paged_attention(
                 else:
                     if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
                         # loop counter and this visit's addresses, and repeats are a 1-D test
+                        c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
+                        seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
                         wants = row_ok
-                        if TMA:  # visit = rank among the usable first occurrences
-                            c = tl.sum(tl.where(first_use & (rank == visit), sel_one, 0), axis=0)
-                            use = visit < n_vis
-                        else:
-                            c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
-                            seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
-                            use = (c >= 0) & (c * BS <= last) & (seen == 0)
+                        use = (c >= 0) & (c * BS <= last) & (seen == 0)
                     else:
                         c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
                 # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
@@ -623,7 +674,7 @@ def forward(
         K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
         PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
         TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
-        TMA=tma, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
+        TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
