@@ -127,6 +127,15 @@ DECODE_ROUND5 = {
                                        SHARED_GRID=1, COMBINE=1, TMA=1),
     "gemv_bn8_pipe4_sg_comb_sdown2": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4,
                                           SHARED_GRID=1, COMBINE=1, SPLIT_K_DOWN=2),
+    # Programmatic dependent launches (moe_gemv PDL): the gate-up launch lets the down launch start once its last
+    # programs run, so down programs fill the SM slots of the gate-up's last wave (1: they wait there; 2: they first
+    # ask L2 for their weight rows) and neither launch waits for a launch gap.
+    "gemv_bn4_pipe4_sg_comb_pdl": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                       SHARED_GRID=1, COMBINE=1, PDL=1),
+    "gemv_bn4_pipe4_sg_comb_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                        SHARED_GRID=1, COMBINE=1, PDL=2),
+    "gemv_bn4_pipe4_sg_comb_tma_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                            SHARED_GRID=1, COMBINE=1, TMA=1, PDL=2),
 }
 # The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
 LINEAR_ROUND5 = {

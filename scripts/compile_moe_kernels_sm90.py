@@ -170,7 +170,7 @@ def variants(quick: bool):
         shared, tma, comb = int(bool(c.get("SHARED_GRID"))), int(bool(c.get("TMA"))), int(bool(c.get("COMBINE")))
         tag = (f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
                f"{' sdown%d' % split_down if split_down != split else ''}{' sg' if shared else ''}"
-               f"{' tma' if tma else ''}{' comb' if comb else ''}")
+               f"{' tma' if tma else ''}{' comb' if comb else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}")
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w, "sh_w_ptr": w, "sh_s_ptr": "*u8" if mx else w}
@@ -191,13 +191,13 @@ def variants(quick: bool):
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk,
                               SPLIT_K=split_down if kind == "down" else split, PREFETCH=prefetch,
                               PIPELINE=pipe.get("PIPELINE"), SHARED=shared, TMA=tma,
-                              **({"COMBINE": comb} if kind == "down" else {}))
+                              **({"COMBINE": comb} if kind == "down" else {}), PDL=c.get("PDL", 0))
                 out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} {tag}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
-        if shared or comb or split_down != split:  # MoE-only keys: the linear's tile is listed without them
+        if shared or comb or split_down != split or c.get("PDL"):  # MoE-only keys: the linear is listed without
             continue
         out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
                     sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,

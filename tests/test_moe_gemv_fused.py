@@ -2,8 +2,8 @@
 
 ``SHARED_GRID`` puts the shared expert's tokens into the routed launches' grid (two GEMV launches instead of four),
 ``COMBINE`` lets the down launch's last program per (token, N tile) write the output (no combine launch), ``TMA``
-copies the weight tiles by TMA, ``SPLIT_K_DOWN`` splits the down launch alone. None of them changes a product, a
-sum's order or a rounding point, so each must give exactly the output of the same tile without it (``torch.equal``,
+copies the weight tiles by TMA, ``SPLIT_K_DOWN`` splits the down launch alone, ``PDL`` makes the two launches
+programmatic dependents (Hopper). None of them changes a product, a sum's order or a rounding point, so each must give exactly the output of the same tile without it (``torch.equal``,
 not a tolerance), and that output must be as close to the float64 reference as the bf16 reference is
 (``test_kernels_moe._close``, whose docstring derives the bound). CPU tests run under the Triton interpreter at
 tiny, odd sizes (H 96 is not a multiple of the 64-wide K tile, I 96 not of a 64-wide N tile: the last K step and
@@ -30,7 +30,10 @@ BASE = dict(GEMV=1, BLOCK_N=16, BLOCK_K=64, num_warps=2, num_stages=4, PIPELINE=
 ROUND5 = {"sg": dict(SHARED_GRID=1), "comb": dict(COMBINE=1), "sg_comb": dict(SHARED_GRID=1, COMBINE=1),
           "tma": dict(TMA=1), "sg_comb_tma": dict(SHARED_GRID=1, COMBINE=1, TMA=1),
           "sg_comb_sdown2": dict(SHARED_GRID=1, COMBINE=1, SPLIT_K_DOWN=2),
-          "sg_split2_sdown3_tma": dict(SHARED_GRID=1, SPLIT_K=2, SPLIT_K_DOWN=3, TMA=1, COMBINE=1)}
+          "sg_split2_sdown3_tma": dict(SHARED_GRID=1, SPLIT_K=2, SPLIT_K_DOWN=3, TMA=1, COMBINE=1),
+          # PDL's waits, trigger and L2 prefetches exist on the GPU only (the interpreter runs launches in order):
+          # here the keys' plumbing; the GPU tests below run them, eagerly and replayed from a CUDA graph.
+          "sg_comb_pdl2": dict(SHARED_GRID=1, COMBINE=1, PDL=2)}
 
 
 def _run(case: MoECase, fmt: str, config: dict, dt=torch.bfloat16, device="cpu"):
@@ -157,14 +160,15 @@ def _bench_round5():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 @pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb", "gemv_bn4_pipe4_sg_comb_tma", "gemv_bn4_pipe6_sg_comb_tma",
-                                  "gemv_bn8_pipe4_sg_comb_tma", "gemv_bn8_pipe4_sg_comb_sdown2"])
+                                  "gemv_bn8_pipe4_sg_comb_tma", "gemv_bn8_pipe4_sg_comb_sdown2",
+                                  "gemv_bn4_pipe4_sg_comb_pdl", "gemv_bn4_pipe4_sg_comb_tma_pdl2"])
 def test_gpu_round5_mini_dims(name):
     # bench/moe.py's round-5 decode variants compiled (TMA, the cross-program tickets and split partials race only on
     # a device): mini dims, 16 experts, one token and four, MXFP8 weights, bf16 activations, against the fp32
     # oracle's bound; called twice (the tickets reset themselves) and equal across calls. Without TMA the output
     # must equal the same tile's without the round-5 keys bit for bit.
     cfg = _bench_round5().DECODE_ROUND5[name]
-    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN")}
+    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL")}
     for t in (1, 4):
         case = MoECase(t, 6144, 3072, 3072, 16, 4, gain=0.02, seed=60 + t)
         got, args = _run(case, "mxfp8", cfg, device="cuda")
@@ -173,6 +177,39 @@ def test_gpu_round5_mini_dims(name):
         assert torch.equal(got, again)
         if not cfg.get("TMA"):
             assert torch.equal(got, _run(case, "mxfp8", base, device="cuda")[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb_pdl2", "gemv_bn4_pipe4_sg_comb_tma_pdl2"])
+def test_gpu_round5_graph_replay_equals_eager(name):
+    # How the model runs them: captured in a CUDA graph (programmatic dependent launches become graph edges, the
+    # COMBINE tickets must be back at 0 before each replay), replayed three times with new inputs copied into the
+    # captured ones; each replay must equal the eager call on the same inputs bit for bit.
+    cfg = _bench_round5().DECODE_ROUND5[name]
+    case = MoECase(1, 6144, 3072, 3072, 16, 4, gain=0.02, seed=70)
+    args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+    static_x = args[0].clone()
+
+    def call():
+        return moe_kernel.run_moe(static_x, *args[1:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]),
+                                  config=cfg)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    g = torch.Generator(device="cuda").manual_seed(71)
+    for _ in range(3):
+        static_x.copy_(torch.randn(static_x.shape, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call())
 
 
 @pytest.mark.gpu

@@ -34,11 +34,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._batch import ticket_counters
 from .gemv import (pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, tma_kw,
                    tma_row_dot as _tma_dot, x_tile as _x3)
-from .mxfp8_linear import cast
+from .mxfp8_linear import _INTERPRETED, cast
 
 
 @triton.jit
@@ -74,20 +75,47 @@ def _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss
 
 
 @triton.jit
+def _wait_for_previous_launch(PDL: tl.constexpr):
+    """PDL >= 1 (the launch made with ``launch_pdl``): wait until the previous launch has finished and its writes
+    are visible (``griddepcontrol.wait``); a no-op otherwise (and under the interpreter, which runs launches in
+    order)."""
+    if PDL and not _INTERPRETED:
+        gdc_wait()
+
+
+@triton.jit
+def _prefetch_l2(w_rows, k_lo, KS: tl.constexpr, K: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    """Ask L2 for the 128-byte lines of the tile rows' columns k_lo .. k_lo + KS (``prefetch.global.L2``: no
+    registers, no wait). A down program launched during the gate-up launch's last wave (PDL) issues these before it
+    waits for the gate-up to finish, so its first weight tiles are in L2, not HBM, when it may start."""
+    LINES: tl.constexpr = triton.next_power_of_2((KS * ELEM_BYTES + 127) // 128)
+    j = tl.minimum(tl.arange(0, LINES), (KS * ELEM_BYTES + 127) // 128 - 1)
+    col = tl.minimum(k_lo + j * (128 // ELEM_BYTES), K - 1)
+    addr = (w_rows[:, None] + col[None, :]).to(tl.int64)
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [addr],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gate_up_gemv(
     x_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, act_ptr, ids_ptr, part_ptr, cnt_ptr, n_routed,
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0,
+    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """Program (a, n-tile, split): row ``a`` of the grid is an assignment or a token of the shared expert
     (``_row_source``). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's columns. With SPLIT_K > 1,
     ``part_ptr`` is fp32 [SPLIT_K, rows, 2, I] and ``cnt_ptr`` int32 [rows, n-tiles]. TMA 1: the gate and up
-    tiles by TMA (``gemv.tma_row_dot``) from a descriptor over the row's [2I, H] matrix."""
+    tiles by TMA (``gemv.tma_row_dot``) from a descriptor over the row's [2I, H] matrix. PDL >= 1: launched as a
+    programmatic dependent of the routing; waits for it, then lets the down launch start (its programs take the
+    SM slots this launch's last wave leaves free, and wait there for this launch to finish)."""
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    _wait_for_previous_launch(PDL)
+    if PDL and not _INTERPRETED:
+        gdc_launch_dependents()
     w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e,
                                             TOP_K, ROUTED, SHARED)
     dt = x_ptr.dtype.element_ty
@@ -171,12 +199,17 @@ def _down_gemv(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, COMBINE: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (an assignment row), y[token, top_k] = act[a] @ w2^T
     (a shared row; ``_row_source``). With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr``
     int32 [rows, n-tiles]. COMBINE 1 (every routed and shared row in this one launch): the program that stores the
     last of a token's top_k + 1 slots of this N tile (a ticket per (token, N tile) in ``tick_ptr``, put back to 0
-    after) writes ``out`` as ``moe._combine`` does, from the same bf16 slots in the same order."""
+    after) writes ``out`` as ``moe._combine`` does, from the same bf16 slots in the same order. PDL >= 1 (launched
+    as a programmatic dependent of the gate-up launch): waits for it before reading the activations; PDL 2 first
+    asks L2 for the program's weight rows (``_prefetch_l2``), so the programs that start during the gate-up's last
+    wave fetch weights instead of idling. The expert ids it reads before waiting come from the routing, which the
+    gate-up launch waited for before it let this one start."""
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -188,6 +221,10 @@ def _down_gemv(
     w_rows = w_base + n.to(tl.int64) * sw_n
     s_rows = s_base + n.to(tl.int64) * ss_n
     KS: tl.constexpr = ((I + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    if PDL == 2 and not _INTERPRETED:
+        _prefetch_l2(tl.where(n_ok, w_rows, w_base), pid_k * KS, KS, I, w_ptr.dtype.element_ty.primitive_bitwidth
+                     // 8)
+    _wait_for_previous_launch(PDL)
     if TMA:
         desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[sw_n, 1], block_shape=[BLOCK_N, BLOCK_K])
         acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
@@ -278,8 +315,13 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
         if not fallback:
             raise
         tma = {}
+    pdl = int(cfg.get("PDL", 0))
+    if pdl not in (0, 1, 2):
+        raise ValueError(f"moe: PDL must be 0, 1 or 2, got {pdl}")
     launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
                      **pipeline_kw(cfg, "moe"), **tma)
+    if pdl:  # programmatic dependent launches (Hopper); the interpreter runs launches in order without them
+        launch_kw.update(PDL=pdl, **({} if triton.knobs.runtime.interpret else {"launch_pdl": True}))
     same_layout = all(r.w.stride()[1:] == s.w.stride()[1:] and r.s.stride()[1:] == s.s.stride()[1:]
                       for r, s in ((routed13, shared13), (routed2, shared2)))
     dev, dt = x.device, x.dtype
