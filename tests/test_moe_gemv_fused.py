@@ -23,7 +23,8 @@ from m3export.ops import mxfp8  # noqa: E402
 from m3export.plugins.kernels import _batch, gemv  # noqa: E402
 from m3export.plugins.kernels import moe as moe_kernel  # noqa: E402
 from m3export.plugins.kernels import mxfp8_linear as linear_kernel  # noqa: E402
-from tests.test_kernels_moe import INTERPRETED, MoECase, _as64, _close, _off_alignment, cpu_only  # noqa: E402
+from tests.test_kernels_moe import (ALPHA, INTERPRETED, LIMIT, SCALING, MoECase, _as64, _close,  # noqa: E402
+                                    _off_alignment, cpu_only)
 
 # The base tile of each case: GEMV_DECODE's shape with a 64-wide K tile (so H 96 takes two K steps) and 16 rows.
 BASE = dict(GEMV=1, BLOCK_N=16, BLOCK_K=64, num_warps=2, num_stages=4, PIPELINE=4)
@@ -157,63 +158,82 @@ def _bench_round5():
     return bench_moe
 
 
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+TOP_K = 4
+
+
+@pytest.fixture(scope="module")
+def mini():
+    """One MoE layer at the mini preset's dims with 16 experts, MXFP8 weights made on the GPU once for the module
+    (quantising 3.6 GB of fp32 weights per test on the host would take most of a GPU call), 4 bf16 token rows;
+    gains keep the SwiGLU inputs O(1). The op's arguments in ``moe_mxfp8``'s order."""
+    g = torch.Generator(device="cuda").manual_seed(60)
+    e, h, i = 16, 6144, 3072
+
+    def rand(*shape, gain):
+        return torch.randn(*shape, device="cuda", generator=g) * gain
+
+    x = rand(4, h, gain=1.0).bfloat16()
+    weights = [a for w in (rand(e, 2 * i, h, gain=0.02), rand(e, h, i, gain=0.02), rand(2 * i, h, gain=0.02),
+                           rand(h, i, gain=0.02)) for a in mxfp8.quantize(w)]
+    return [x, rand(e, h, gain=0.3), rand(e, gain=0.05), *weights]
+
+
+def _mini_run(args, cfg, t):
+    x = args[0][:t]
+    return moe_kernel.run_moe(x, *args[1:3], *args[3::2], TOP_K, SCALING, ALPHA, LIMIT, scales=tuple(args[4::2]),
+                              config=cfg)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@needs_gpu
 @pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb", "gemv_bn4_pipe4_sg_comb_tma", "gemv_bn4_pipe6_sg_comb_tma",
                                   "gemv_bn8_pipe4_sg_comb_tma", "gemv_bn8_pipe4_sg_comb_sdown2",
                                   "gemv_bn4_pipe4_sg_comb_pdl", "gemv_bn4_pipe4_sg_comb_tma_pdl2"])
-def test_gpu_round5_mini_dims(name):
-    # bench/moe.py's round-5 decode variants compiled (TMA, the cross-program tickets and split partials race only on
-    # a device): mini dims, 16 experts, one token and four, MXFP8 weights, bf16 activations, against the fp32
-    # oracle's bound; called twice (the tickets reset themselves) and equal across calls. Without TMA the output
-    # must equal the same tile's without the round-5 keys bit for bit.
+def test_gpu_round5_mini_dims(mini, name):
+    # bench/moe.py's round-5 decode variants compiled (TMA, the cross-program tickets and split partials, PDL race
+    # only on a device): one token and four, against the float64 reference's bound; called twice (the tickets reset
+    # themselves) and equal across calls. Without TMA the output must equal the same tile's without the round-5
+    # keys bit for bit (TMA changes nothing either, but its compiled arithmetic may fuse differently).
     cfg = _bench_round5().DECODE_ROUND5[name]
     base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL")}
     for t in (1, 4):
-        case = MoECase(t, 6144, 3072, 3072, 16, 4, gain=0.02, seed=60 + t)
-        got, args = _run(case, "mxfp8", cfg, device="cuda")
-        _close(got, *_reference(case, "mxfp8", args))
-        again, _ = _run(case, "mxfp8", cfg, device="cuda")
-        assert torch.equal(got, again)
+        got = _mini_run(mini, cfg, t)
+        args = [mini[0][:t], *mini[1:]]
+        want = ref.moe_mxfp8_reference(*args, TOP_K, SCALING, ALPHA, LIMIT)
+        _close(got, want, ref.moe_mxfp8_reference(*_as64(args), TOP_K, SCALING, ALPHA, LIMIT))
+        assert torch.equal(got, _mini_run(mini, cfg, t))
         if not cfg.get("TMA"):
-            assert torch.equal(got, _run(case, "mxfp8", base, device="cuda")[0])
+            assert torch.equal(got, _mini_run(mini, base, t))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@needs_gpu
 @pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb_pdl2", "gemv_bn4_pipe4_sg_comb_tma_pdl2"])
-def test_gpu_round5_graph_replay_equals_eager(name):
+def test_gpu_round5_graph_replay_equals_eager(mini, name):
     # How the model runs them: captured in a CUDA graph (programmatic dependent launches become graph edges, the
     # COMBINE tickets must be back at 0 before each replay), replayed three times with new inputs copied into the
-    # captured ones; each replay must equal the eager call on the same inputs bit for bit.
+    # captured one; each replay must equal the eager call on the same inputs bit for bit.
     cfg = _bench_round5().DECODE_ROUND5[name]
-    case = MoECase(1, 6144, 3072, 3072, 16, 4, gain=0.02, seed=70)
-    args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
-    static_x = args[0].clone()
-
-    def call():
-        return moe_kernel.run_moe(static_x, *args[1:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]),
-                                  config=cfg)
-
+    args = [mini[0][:1].clone(), *mini[1:]]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            call()
+            _mini_run(args, cfg, 1)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = call()
-    g = torch.Generator(device="cuda").manual_seed(71)
-    for _ in range(3):
-        static_x.copy_(torch.randn(static_x.shape, device="cuda", generator=g).bfloat16())
+        out = _mini_run(args, cfg, 1)
+    for r in range(3):
+        args[0].copy_(mini[0][r + 1:r + 2])
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, call())
+        assert torch.equal(out, _mini_run(args, cfg, 1))
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@needs_gpu
 @pytest.mark.parametrize("name", ["gemv_pipe4_tma", "gemv_bn4_pipe4_tma", "gemv_pipe6_tma"])
 def test_gpu_linear_tma_mini_dims(name):
     # The one-row linear's TMA tiles at the fused q/k/v/index projection's shape (9856 x 6144) and o (6144 x 8192).
