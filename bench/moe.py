@@ -229,6 +229,16 @@ PREFILL_ROUND6 = {
     "prefill_bm128_gu_w8_group8_tma_smem_ahead_down128_acttma": dict(
         BLOCK_M=128, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, MX_MODE=4, SCALES_AHEAD=1,
         BLOCK_N_DOWN=128, ACT_TMA=1),
+    # X_TMA 1: gate-up's activation tile by TMA as well, from a copy of the routed rows gathered into block order
+    # (moe._launch_gate_up; ~0.3 ms and 0.8 GB at 16k): the 256-row integer and shared-memory tiles above (gate-up
+    # 192 / 230 registers; its K step 349 -> 299 and 326 -> 269 instructions per thread), the 64-row
+    # shared-memory tile (129).
+    "prefill_bm256_int_ahead_down128_acttma_xtma": {**_L256, "MX_MODE": 3, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
+                                                    "ACT_TMA": 1, "X_TMA": 1},
+    "prefill_bm256_smem_ahead_down128_acttma_xtma": {**_L256, "MX_MODE": 4, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
+                                                     "ACT_TMA": 1, "X_TMA": 1},
+    "prefill_bm64_gu_group8_tma_smem_ahead_acttma_xtma": {**_S64, "MX_MODE": 4, "SCALES_AHEAD": 1, "ACT_TMA": 1,
+                                                          "X_TMA": 1},
 }
 NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **PREFILL_ROUND4,
          **PREFILL_ROUND5, **PREFILL_ROUND6}

@@ -153,13 +153,14 @@ def variants(quick: bool):
                     if kind == "gate_up":
                         consts["GU_FUSED"] = 1
                 # trailing constexprs: ASTSource takes no defaults
-                for key in ("GROUP_M", "TMA", "SCALES_AHEAD") + (("ACT_TMA",) if kind == "down" else ()):
+                for key in ("GROUP_M", "TMA", "SCALES_AHEAD") + (("ACT_TMA",) if kind == "down" else ("X_TMA",)):
                     consts[key] = cfg.get(key, 0) if mx or key != "SCALES_AHEAD" else 0  # as moe._check_tma
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{bn:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
                          f"{' gu' if consts.get('GU_FUSED') else ''}"
                          f"{' g%d' % cfg['GROUP_M'] if cfg.get('GROUP_M') else ''}{' tma' if cfg.get('TMA') else ''}"
-                         f"{' ahead' if consts['SCALES_AHEAD'] else ''}{' acttma' if consts.get('ACT_TMA') else ''}")
+                         f"{' ahead' if consts['SCALES_AHEAD'] else ''}{' acttma' if consts.get('ACT_TMA') else ''}"
+                         f"{' xtma' if consts.get('X_TMA') else ''}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     # The GEMV tiles (_gemv_tiles), each for both weight formats and the linear.
     for c in _gemv_tiles(quick):

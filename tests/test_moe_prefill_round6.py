@@ -2,14 +2,15 @@
 
 The keys they add to the TMA path of ``plugins/kernels/moe.py``: ``SCALES_AHEAD`` (each K step's UE8M0 scales
 loaded one step early and carried over the loop), ``MX_MODE`` 4 (the integer E4M3 conversion into the MMA's
-shared-memory operand, ``moe._scaled_dot``) and ``ACT_TMA`` (the down GEMM's activation tile by TMA, padding rows
-unmasked). On the CPU each variant runs under the Triton interpreter at tiny, odd sizes (H 96 and I 96 are not
-multiples of the 64-wide K tile, so the last K step's scales come from past the row, masked; 40 tokens leave
-padding rows in every expert's last block and a partial shared-expert block); the interpreter takes MX_MODE 1
-where the GPU takes 2 (``tl.dot_scaled``, no interpreter implementation). The ``gpu`` test runs the compiled tiles
-at the ``mini`` dims. Tolerances are ``tests/test_kernels_moe.py``'s ``_close``: the kernel must be no less
-accurate than the bf16 reference against the float64 evaluation (one bf16 ulp of slack for roundings placed
-differently); fp32 activations 1e-5 of the largest output (summation order only).
+shared-memory operand, ``moe._scaled_dot``), ``ACT_TMA`` (the down GEMM's activation tile by TMA, padding rows
+unmasked) and ``X_TMA`` (gate-up's activation tile by TMA from rows gathered into block order). On the CPU each
+variant runs under the Triton interpreter at tiny, odd sizes (H 96 and I 96 are not multiples of the 64-wide K
+tile, so the last K step's scales come from past the row, masked; 40 tokens leave padding rows in every expert's
+last block and a partial shared-expert block); the interpreter takes MX_MODE 1 where the GPU takes 2
+(``tl.dot_scaled``, no interpreter implementation). The ``gpu`` test runs the compiled tiles at the ``mini`` dims.
+Tolerances are ``tests/test_kernels_moe.py``'s ``_close``: the kernel must be no less accurate than the bf16
+reference against the float64 evaluation (one bf16 ulp of slack for roundings placed differently); fp32
+activations 1e-5 of the largest output (summation order only).
 """
 
 from __future__ import annotations
@@ -44,16 +45,16 @@ def test_round6_tiles_bf16_activations(config):
 
 @cpu_only
 @pytest.mark.parametrize("config", [
-    dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=4),  # plain gate and up tiles, 2-D grid
+    dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=4, ACT_TMA=1, X_TMA=1),  # plain gate and up tiles, 2-D grid
     dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=3, SCALES_AHEAD=1, ACT_TMA=1),  # unfused: gate ahead, up not
     dict(TMA=1, GU_FUSED=1, BLOCK_N=32, BLOCK_K=32, MX_MODE=4, SCALES_AHEAD=1, ACT_TMA=1, GROUP_M=2),
     dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=1, SCALES_AHEAD=1, ACT_TMA=1, BLOCK_N_DOWN=32),
 ], ids=["smem_2d", "int_ahead_unfused", "smem_bk32_group2", "bcast_ahead_down32"])
 def test_round6_keys_fp32_activations(config):
-    # fp32 activations (every product exact, only the summation order differs): the 2-D grid (ACT_TMA's row count
-    # from the grid's first axis), GROUP_M's 1-D grid with a short group, a 32-wide K tile (one scale per step),
-    # the unfused gate-up tile (SCALES_AHEAD for the gate tile, the up tile loading its own) and the clamps active
-    # (gain 2).
+    # fp32 activations (every product exact, only the summation order differs): the 2-D grid (ACT_TMA's and
+    # X_TMA's row counts from the grid's first axis), GROUP_M's 1-D grid with a short group, a 32-wide K tile
+    # (one scale per step), the unfused gate-up tile (SCALES_AHEAD for the gate tile, the up tile loading its
+    # own) and the clamps active (gain 2).
     _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=62), torch.float32, "mxfp8", config=config)
 
 
@@ -68,8 +69,8 @@ def test_round6_keys_need_tma():
     case = MoECase(4, 64, 32, 32, 4, 2)
     with pytest.raises(ValueError, match="MX_MODE 4 .* needs TMA 1"):
         _check_moe(case, torch.float32, "mxfp8", config={"MX_MODE": 4})
-    for key in ("SCALES_AHEAD", "ACT_TMA"):
-        with pytest.raises(ValueError, match="SCALES_AHEAD and ACT_TMA need TMA 1"):
+    for key in ("SCALES_AHEAD", "ACT_TMA", "X_TMA"):
+        with pytest.raises(ValueError, match="SCALES_AHEAD, ACT_TMA and X_TMA need TMA 1"):
             _check_moe(case, torch.float32, "mxfp8", config={key: 1, "MX_MODE": 1})
     with pytest.raises(ValueError, match="SCALES_AHEAD takes MX_MODE 1-4"):
         _check_moe(case, torch.float32, "mxfp8", config={"TMA": 1, "SCALES_AHEAD": 1, "MX_MODE": 0})
@@ -80,7 +81,7 @@ def test_round6_keys_fall_back_without_tma():
     # MX_MODE 1 for the integer conversions; a config the caller chose is refused.
     rows = torch.zeros(4, 64, 33, dtype=torch.float8_e4m3fn)[:, :, 1:]  # rows of 33 bytes, one byte in
     weights = [moe_kernel._Weights(rows, torch.zeros(4, 64, 1, dtype=torch.uint8))]
-    cfg = dict(TMA=1, MX_MODE=4, SCALES_AHEAD=1, ACT_TMA=1, BLOCK_N=64)
+    cfg = dict(TMA=1, MX_MODE=4, SCALES_AHEAD=1, ACT_TMA=1, X_TMA=1, BLOCK_N=64)
     assert moe_kernel._check_tma(cfg, weights, fallback=True) == dict(TMA=0, MX_MODE=1, BLOCK_N=64)
     with pytest.raises(ValueError, match="TMA needs contiguous weight rows"):
         moe_kernel._check_tma(cfg, weights, fallback=False)

@@ -161,7 +161,7 @@ def _gate_up(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     MX_MODE: tl.constexpr, GU_FUSED: tl.constexpr = 0, GROUP_M: tl.constexpr = 0, TMA: tl.constexpr = 0,
-    SCALES_AHEAD: tl.constexpr = 0,
+    SCALES_AHEAD: tl.constexpr = 0, X_TMA: tl.constexpr = 0,
 ):
     """GU_FUSED 1: the gate and up tiles as one [2 x BLOCK_N, BLOCK_K] weight tile, rows interleaved (gate n, up n,
     ...), so each K step is one dot of twice the width instead of two (one wgmma of N = 2 x BLOCK_N, the activation
@@ -172,10 +172,13 @@ def _gate_up(
     [1, 2, BLOCK_N, BLOCK_K] copy, stacked (gate rows, then up rows) instead of interleaved. Scales and the
     gathered activation rows are ordinary loads (a row gather by TMA is a Blackwell feature).
     SCALES_AHEAD 1 (TMA, MX_MODE 1-4; the gate or fused gate-up tile, an unfused up tile loads its own): each K
-    step's scales are loaded one step early and carried over the loop. A scale tile has 2 bytes per weight row at BLOCK_K 64 (4 at 128), below cp.async's 4-byte minimum
-    for the pipeliner, so without this the K step waits on a global load of its own scales (the sm_90 SASS of the
-    round-4 tiles: one LDG.U8 / LDG.U16 per step, consumed a few instructions later through a shared-memory layout
-    change and two barriers)."""
+    step's scales are loaded one step early and carried over the loop. A scale tile has 2 bytes per weight row at
+    BLOCK_K 64 (4 at 128), below cp.async's 4-byte minimum for the pipeliner, so without this the K step waits on
+    a global load of its own scales (the sm_90 SASS of the round-4 tiles: one LDG.U8 / LDG.U16 per step, consumed
+    a few instructions later through a shared-memory layout change and two barriers).
+    X_TMA 1 (with TMA): the activation tile by TMA too, from rows in block order: for the routed experts ``x_ptr``
+    is then a gathered copy (``_launch_gate_up``: row p holds the token of assignment p, padding rows a copy of a
+    real one, not stored), for the shared expert x itself (rows past the tokens read as zeros)."""
     pid_m, pid_n = _tile_ids(GROUP_M, tl.cdiv(I, BLOCK_N))
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTED:
@@ -205,10 +208,17 @@ def _gate_up(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SCALES_AHEAD:
             s_next = tile_scales(s_r, 0, ss_k, r_ok, H, BLOCK_K)
+        if X_TMA:  # x's rows: every row block's (routed: the grid's row blocks) or the tokens (shared)
+            grid_m = tl.num_programs(0) // tl.cdiv(I, BLOCK_N) if GROUP_M else tl.num_programs(0)
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[grid_m * BLOCK_M if ROUTED else num_rows, H],
+                                               strides=[sx_t, 1], block_shape=[BLOCK_M, BLOCK_K])
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :], mask=ok[:, None] & (k[None, :] < H),
-                        other=0.0)
+            if X_TMA:
+                x = x_desc.load([pid_m * BLOCK_M, k0])
+            else:
+                x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :],
+                            mask=ok[:, None] & (k[None, :] < H), other=0.0)
             w = tl.reshape(desc.load([e, 0, pid_n * BLOCK_N, k0]), (G * BLOCK_N, BLOCK_K))
             if SCALES_AHEAD:
                 s_now = s_next
@@ -459,8 +469,8 @@ def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
     MX_MODE 1 / 2 / 3 scale paths (``_tile_dot``), weights ``tma_unusable`` accepts, and on the GPU a global-memory
     allocator for the descriptors. Weights TMA cannot read: with ``fallback`` (the launcher's own default, inside
     a model step) the same tile without TMA; without it (a config the caller chose) a ValueError. MX_MODE 3 and 4
-    (the integer E4M3 conversion), ``SCALES_AHEAD`` and ``ACT_TMA`` exist on the TMA path only; ``SCALES_AHEAD``
-    takes the tile-scale modes 1-4 (with bf16 weights there are no scales: it is dropped)."""
+    (the integer E4M3 conversion), ``SCALES_AHEAD``, ``ACT_TMA`` and ``X_TMA`` exist on the TMA path only;
+    ``SCALES_AHEAD`` takes the tile-scale modes 1-4 (with bf16 weights there are no scales: it is dropped)."""
     mx = weights[0].mxfp8
     if not mx:
         cfg = {k: v for k, v in cfg.items() if k != "SCALES_AHEAD"}
@@ -469,8 +479,8 @@ def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
     if not cfg.get("TMA"):
         if mx and cfg["MX_MODE"] >= 3:
             raise ValueError(f"moe: MX_MODE {cfg['MX_MODE']} (integer E4M3 conversion) needs TMA 1")
-        if cfg.get("SCALES_AHEAD") or cfg.get("ACT_TMA"):
-            raise ValueError("moe: SCALES_AHEAD and ACT_TMA need TMA 1")
+        if cfg.get("SCALES_AHEAD") or cfg.get("ACT_TMA") or cfg.get("X_TMA"):
+            raise ValueError("moe: SCALES_AHEAD, ACT_TMA and X_TMA need TMA 1")
         return cfg
     if mx and cfg["MX_MODE"] not in (1, 2, 3, 4):
         raise ValueError(f"moe: TMA takes MX_MODE 1, 2 or 3 (or 4) with MXFP8 weights, got {cfg['MX_MODE']}")
@@ -478,7 +488,7 @@ def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
     if why is not None:
         if not fallback:
             raise ValueError(f"moe: {why}")
-        return {**{k: v for k, v in cfg.items() if k not in ("SCALES_AHEAD", "ACT_TMA")}, "TMA": 0,
+        return {**{k: v for k, v in cfg.items() if k not in ("SCALES_AHEAD", "ACT_TMA", "X_TMA")}, "TMA": 0,
                 "MX_MODE": 1 if cfg["MX_MODE"] >= 3 else cfg["MX_MODE"]}
     if not triton.knobs.runtime.interpret:
         _ensure_descriptor_allocator()
@@ -487,10 +497,18 @@ def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
 
 def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows, alpha, limit, h, i, top_k, bm,
                     cfg, f32, prec):
-    """Routed experts (``blocks`` given) or the shared expert (identity rows, expert 0 of a stack of one)."""
+    """Routed experts (``blocks`` given) or the shared expert (identity rows, expert 0 of a stack of one).
+    ``X_TMA``: the routed rows are gathered into block order first (one copy of [blocks' rows, H]: 0.8 GB and
+    ~0.3 ms at 16k tokens x top-4, what the TMA tile must repay), the shared expert reads x itself (a copy only
+    where x's rows are not 16-byte aligned, which TMA needs)."""
     routed = blocks is not None
     grid_m = blocks.num_blocks if routed else cdiv(num_rows, bm)
     rows, block_expert = (blocks.rows, blocks.block_expert) if routed else (act, act)  # unused when not routed
+    if cfg.get("X_TMA"):
+        if routed:  # padding rows (index num_rows) copy the last assignment's token: computed, never stored
+            x = x.index_select(0, blocks.rows.clamp(max=num_rows - 1) // top_k)
+        elif x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
+            x = x.clone(memory_format=torch.contiguous_format)
     _gate_up[_grid(grid_m, cdiv(i, cfg["BLOCK_N"]), cfg)](
         x, w.w, w.s, act, rows, block_expert, num_rows, x.stride(0), *w.strides(), act.stride(0), alpha, limit,
         H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32, PREC=prec,
@@ -511,7 +529,7 @@ def _launch_down(act, w: "_Weights", y, blocks: ExpertBlocks | None, route_w, nu
         act, w.w, w.s, y, rows, block_expert, route_w if routed else act, num_rows, act.stride(0), *w.strides(),
         y.stride(0), y.stride(1), H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32,
         PREC=prec, BLOCK_N=bn,
-        **{k: v for k, v in cfg.items() if k not in ("GU_FUSED", "BLOCK_N", "BLOCK_N_DOWN")},  # gate-up keys
+        **{k: v for k, v in cfg.items() if k not in ("GU_FUSED", "BLOCK_N", "BLOCK_N_DOWN", "X_TMA")},  # gate-up keys
     )
 
 
