@@ -23,6 +23,7 @@ from m3export.plugins.kernels import lightning_indexer as LI  # noqa: E402
 
 TMA = {"scan": dict(loads="tma", block_n=16, num_stages=3)}
 FOLD = {"scan": dict(loads="tma", block_n=16, fold_topk=1)}
+HOST = {"scan": dict(loads="tma-host", block_n=16, num_stages=4)}  # the descriptor made at launch
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +55,7 @@ def _run(paged, attrs, config, dtype=torch.float32, d=32, scale=False):
 # descriptor tile can follow (gathered); "mixed-with-empty-seq" pages of 5 likewise.
 @pytest.mark.parametrize("name", ["decode-one-token-seqs", "verify-multi-token", "wide-blocks",
                                   "page-larger-than-block", "page-smaller-than-block", "mixed-with-empty-seq"])
-@pytest.mark.parametrize("config", [TMA, FOLD], ids=["tma", "tma-fold"])
+@pytest.mark.parametrize("config", [TMA, FOLD, HOST], ids=["tma", "tma-fold", "tma-host"])
 def test_tma_and_fold_select_exactly_as_reference(name, config):
     paged, attrs = _case(name)
     got, ref = _run(paged, attrs, config, dtype=torch.bfloat16)
@@ -68,7 +69,7 @@ def test_tma_tile_smaller_than_page_and_block():
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("config", [TMA, FOLD], ids=["tma", "tma-fold"])
+@pytest.mark.parametrize("config", [TMA, FOLD, HOST], ids=["tma", "tma-fold", "tma-host"])
 def test_fp8_pool_through_tma(config):
     paged, attrs = _case("many-blocks-top16")
     got, ref = _run(paged, attrs, config, scale=True)
@@ -151,6 +152,7 @@ def test_unknown_loads_are_refused():
     paged, attrs = _case("decode-one-token-seqs")
     with pytest.raises(ValueError, match="scan loads 'bulk'"):
         _run(paged, attrs, {"scan": dict(loads="bulk")})
+    assert LI.LOADS == ("gather", "tma", "tma-host")
 
 
 def test_ticket_counters_grow_but_never_inside_a_capture(monkeypatch):

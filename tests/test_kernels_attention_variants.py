@@ -59,7 +59,7 @@ def describe(kernel: str, part: str, s: dict) -> str:
     if kernel == "lightning_indexer" and part == "topk":
         return f"{s['method']}-w{s['num_warps']}"
     if kernel == "lightning_indexer":
-        words = (["tma"] if s["loads"] == "tma" else []) + [f"n{s['block_n']}"]
+        words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
             ["fold"] if s["fold_topk"] else [])
     else:

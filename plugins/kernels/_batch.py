@@ -65,7 +65,6 @@ def splits_for(device: torch.device, programs: int, most: int, waves: int = _WAV
     return max(1, min(most, cdiv(waves * num_sms(device), max(1, programs))))
 
 
-
 # Ticket counters of "the last program to finish does the rest" launches (``ticket_counters``), per device; every
 # buffer ever handed out stays referenced (a CUDA graph captured with a smaller one keeps its address).
 _TICKETS: dict = {}

@@ -27,23 +27,27 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, query_tiles,
-                     sequence_of, splits_for, ticket_counters, tokens_per_tile)
+from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, num_sms,
+                     query_tiles, sequence_of, splits_for, ticket_counters, tokens_per_tile)
 from ._fp8 import widen
 from ._tma import ensure_descriptor_allocator
 
 OP = "m3::lightning_indexer"
+LOADS = ("gather", "tma", "tma-host")  # the scan's key loads (DEFAULTS["scan"]["loads"])
 
 DEFAULTS = {
     # block_n: key tile (gather: raised to block_size when blocks are longer, a tile never splits a block; tma:
     # lowered to the page, a tile never crosses a page, and a longer block keeps its max across its tiles);
-    # loads: "gather" (each key row's address from its page id, cp.async) or "tma" (one bulk tensor copy per
-    # page-sized tile; pools a descriptor cannot address, ``tma_usable``, are gathered); fold_topk: 1 runs the
-    # block top-k in the scan launch (``forward`` only, decode-like batches up to ``FOLD_MOST_KEYS``); waves: programs per multiprocessor the context splits aim for; max_splits: most splits of one tile's
-    # context (the launch has slots x splits programs); min_split_tiles: when > 0, no more splits than
-    # ceil(key tiles of the widest block table / min_split_tiles) (a shape, so still one launch per batch
-    # shape), so short contexts do not launch programs that find no key.
+    # loads: "gather" (each key row's address from its page id, cp.async), "tma" (one bulk tensor copy per
+    # page-sized tile, descriptor made in the kernel) or "tma-host" (the same, descriptor made at launch; pools a
+    # descriptor cannot address, ``tma_usable``, are gathered); fold_topk: 1 runs the block top-k in the scan
+    # launch (``forward`` only, decode-like batches up to ``FOLD_MOST_KEYS``); waves: programs per multiprocessor
+    # the context splits aim for (tma: at most); max_splits: most splits of one tile's context (the launch has
+    # slots x splits programs); min_split_tiles: when > 0, no more splits than ceil(key tiles of the widest block
+    # table / min_split_tiles) (a shape, so still one launch per batch shape), so short contexts do not launch
+    # programs that find no key.
     # H200 sweep 2026-11-30 22:12 UTC: "n64-w4-s3-waves4-max1024" 0.94x the earlier defaults' time; top-k
     # "bitonic-w4" 0.61x.
     "scan": dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0, loads="gather",
@@ -59,11 +63,11 @@ def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, 
 
 
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
-# tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (tma: key tiles by
-# tensor descriptor; n: key tile, w: warps, s: stages, waves, max: most splits, min: min_split_tiles, fold: the
-# top-k inside the scan launch; topk: method, w: warps; the test derives every name from its settings), so a
-# change of DEFAULTS renames nothing; a part's winner is copied into DEFAULTS by hand (the sweep skips a variant
-# equal to the defaults).
+# tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (tma / tma-host: key
+# tiles by a tensor descriptor made in the kernel / at launch; n: key tile, w: warps, s: stages, waves, max: most
+# splits, min: min_split_tiles, fold: the top-k inside the scan launch; topk: method, w: warps; the test derives
+# every name from its settings), so a change of DEFAULTS renames nothing; a part's winner is copied into DEFAULTS
+# by hand (the sweep skips a variant equal to the defaults).
 #
 # Scan at batch 1 / 128k on the H200 (59 % of copy bandwidth; 71 % at batch 8 / 32k): blocks of 128 keys raise every
 # key tile to 128 (n64 runs as n128 there), so the launch reads 1024 tiles of 32 KB (33.5 MB) from one query tile. The
@@ -75,7 +79,9 @@ def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, 
 # current tile is read. The "tma" loads keep that chain (a page id, then one bulk copy of the page's tile), so
 # their buffers are num_stages 6 / 8 / 10 -> 2 / 3 / 4 tiles (70 / 103 / 135 KB with 128-key tiles, 89-94
 # registers), i.e. 3 / 2 / 1 programs per SM; "tma" splits cut the context into runs of whole tiles that differ by
-# at most one tile (132 programs of 7-8 tiles at waves 1), so each SM ramps up once and streams 3-4 tiles deep.
+# at most one tile, never more programs than waves x SMs (132 programs of 7-8 tiles at waves 1, 128 of 16 at batch
+# 8 / 32k), so each SM ramps up once and streams 3-4 tiles deep. "tma-host" passes a descriptor made at launch
+# (no descriptor write and tensormap fence at each program's start: 0 tensormap instructions against 16).
 # The gather loop at s8 gets 3 buffers the same way. "fold": the last program of a query tile runs the block
 # top-k over the tile's block maxima (an atomic ticket per query tile; ``_batch.ticket_counters``): one launch
 # instead of two per layer; its sweep row times scan + top-k (``bench/attention_sweep.py``), to be read against
@@ -84,18 +90,17 @@ VARIANTS = {
     "scan": {
         "n64-w4-s3-waves2-max256": _scan(64, 4, 3, 2, 256),  # the defaults before 2026-11-30 22:12
         "n64-w4-s3-waves4-max1024": _scan(64, 4, 3, 4, 1024),
-        "n64-w4-s3-waves8-max1024-min2": _scan(64, 4, 3, 8, 1024, 2),
-        "n256-w4-s3-waves4-max1024": _scan(256, 4, 3, 4, 1024),
-        "n64-w4-s4-waves4-max1024-min2": _scan(64, 4, 4, 4, 1024, 2),
-        "n128-w4-s2-waves3-max1024": _scan(128, 4, 2, 3, 1024),
         "n128-w4-s2-waves8-max1024": _scan(128, 4, 2, 8, 1024),
-        # 2026-12-01: a deeper gather pipeline, TMA key tiles in runs of one or two programs per SM, the fold
+        # 2026-12-01: a deeper gather pipeline, TMA key tiles in runs of one to three programs per SM, the fold
         "n128-w4-s8-waves2-max1024": _scan(128, 4, 8, 2, 1024),
         "tma-n128-w4-s10-waves1-max1024": _scan(128, 4, 10, 1, 1024, loads="tma"),
         "tma-n128-w4-s8-waves2-max1024": _scan(128, 4, 8, 2, 1024, loads="tma"),
         "tma-n128-w4-s6-waves3-max1024": _scan(128, 4, 6, 3, 1024, loads="tma"),
         "tma-n64-w4-s10-waves2-max1024": _scan(64, 4, 10, 2, 1024, loads="tma"),
+        "tma-host-n128-w4-s10-waves1-max1024": _scan(128, 4, 10, 1, 1024, loads="tma-host"),
+        "tma-host-n128-w4-s8-waves2-max1024": _scan(128, 4, 8, 2, 1024, loads="tma-host"),
         "tma-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma", fold_topk=1),
+        "tma-host-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma-host", fold_topk=1),
         "n64-w4-s3-waves4-max1024-fold": _scan(64, 4, 3, 4, 1024, fold_topk=1),
     },
     "topk": {
@@ -116,17 +121,19 @@ def _index_scan(
     BS: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
     # the TMA loads and the fold (defaults: neither, so callers of the gather scan pass none of these)
-    num_rows=0, cnt_ptr=None, sel_ptr=None, ssel_t=0, ssel_h=0, TMA: tl.constexpr = False,
+    num_rows=0, cnt_ptr=None, sel_ptr=None, ssel_t=0, ssel_h=0, k_desc=None, TMA: tl.constexpr = False,
+    HOST_DESC: tl.constexpr = False,
     STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB: tl.constexpr = 1, NB_PAD: tl.constexpr = 2,
     TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 2, LOCAL: tl.constexpr = 0, INIT: tl.constexpr = 0,
     METHOD: tl.constexpr = "bitonic",
 ):
-    """TMA: key tiles of BLOCK_N keys (<= PAGE, so one page each) copied by a device-made tensor descriptor over the
-    pool viewed [pages * PAGE, D], in a loop pipelined STAGES deep; the context is cut into SPLITS runs of whole
-    groups (max(BLOCK_N, BS) keys) of sizes differing by at most one, and a block longer than the tile keeps its
-    running max across its tiles. FOLD: after its stores every program takes a ticket on its query tile's
-    counter; the last of the tile's SPLITS programs puts the counter back to 0 and runs the block top-k of the
-    tile's rows on the block maxima (as ``_block_topk``)."""
+    """TMA: key tiles of BLOCK_N keys (<= PAGE, so one page each) copied by a tensor descriptor over the pool
+    viewed [pages * PAGE, D] (made in the kernel, or with HOST_DESC the host-made ``k_desc``: no descriptor write
+    and proxy fence at each program's start), in a loop pipelined STAGES deep; the context is cut into SPLITS runs
+    of whole groups (max(BLOCK_N, BS) keys) of sizes differing by at most one, and a block longer than the tile
+    keeps its running max across its tiles. FOLD: after its stores every program takes a ticket on its query
+    tile's counter; the last of the tile's SPLITS programs puts the counter back to 0 and runs the block top-k of
+    the tile's rows on the block maxima (as ``_block_topk``)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     if TOKENS == 1:  # one program per token (decode-like batches): its sequence by binary search
@@ -157,7 +164,11 @@ def _index_scan(
         units = (last + GROUP) // GROUP
         lo = (split * units) // SPLITS * SUBS
         hi = ((split + 1) * units) // SPLITS * SUBS
-        desc = tl.make_tensor_descriptor(k_ptr, shape=[num_rows, D], strides=[sk_r, 1], block_shape=[BLOCK_N, BLOCK_D])
+        if HOST_DESC:  # made on the host, passed by value with the launch
+            desc = k_desc
+        else:
+            desc = tl.make_tensor_descriptor(k_ptr, shape=[num_rows, D], strides=[sk_r, 1],
+                                             block_shape=[BLOCK_N, BLOCK_D])
         run = tl.full((ROWS,), float("-inf"), tl.float32)  # a block longer than the tile: its max so far
         for it in tl.range(lo, hi, num_stages=STAGES):
             j0 = it * BLOCK_N
@@ -361,8 +372,8 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     local_blocks, init_blocks) and the batch is one the fold serves (``FOLD_MOST_KEYS``; otherwise ids is None)."""
     _check(index_q, index_k_cache, block_size, index_k_scale)
     cfg = launch_settings("lightning_indexer", DEFAULTS, config, "scan")
-    if cfg["loads"] not in ("gather", "tma"):
-        raise ValueError(f"lightning_indexer: scan loads {cfg['loads']!r} is not 'gather' or 'tma'")
+    if cfg["loads"] not in LOADS:
+        raise ValueError(f"lightning_indexer: scan loads {cfg['loads']!r} is not one of {LOADS}")
     t, h, d = index_q.shape
     b = seq_lens.shape[0]
     page = index_k_cache.shape[1]
@@ -381,7 +392,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         slots = t
     else:
         seq, start, end, slots = query_tiles(qsl, t, tokens)
-    tma = cfg["loads"] == "tma" and tma_usable(kc) is None  # any other pool: the same launch by gathering
+    tma = cfg["loads"] != "gather" and tma_usable(kc) is None  # any other pool: the same launch by gathering
     if tma:
         block_n = min(cfg["block_n"], page)  # one page per key tile
         group = max(block_n, block_size)  # splits cut whole groups (tiles and blocks)
@@ -391,9 +402,11 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     most = cfg["max_splits"]
     if cfg["min_split_tiles"] > 0:
         most = min(most, cdiv(widest, cfg["min_split_tiles"]))
-    splits = splits_for(index_q.device, slots, most, cfg["waves"])
-    # none left without a group there (528 of 1024 -> 512 of 2 each; the TMA split sizes differ by at most one)
-    splits = min(splits, widest) if tma else cdiv(widest, cdiv(widest, splits))
+    if tma:  # resident at once: never more programs than waves x multiprocessors (batch 8 at waves 1: 8 x 16)
+        splits = max(1, min(most, widest, cfg["waves"] * num_sms(index_q.device) // slots))
+    else:  # none left without a group there (528 of 1024 -> 512 of 2 each)
+        splits = splits_for(index_q.device, slots, most, cfg["waves"])
+        splits = cdiv(widest, cdiv(widest, splits))
     ks = index_k_scale.contiguous() if index_k_scale is not None else kc  # kc: never read (FP8 off)
     fold_args = {}
     counters = sel = scores  # never touched without the fold
@@ -410,7 +423,12 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         counters = ticket_counters(index_q.device, slots)
         fold_args = dict(FOLD=True, NB=nb, NB_PAD=nb_pad, TOPK=topk_blocks, TOPK_PAD=topk_pad, LOCAL=local_blocks,
                          INIT=init_blocks, METHOD=method)
-    if tma and not interpreted(index_q):
+    host_desc = tma and cfg["loads"] == "tma-host"
+    k_desc = None
+    if host_desc:
+        k_desc = TensorDescriptor(kc, shape=[kc.shape[0] * page, d], strides=[kc.stride(1), 1],
+                                  block_shape=[block_n, next_pow2(max(d, 16))])
+    elif tma and not interpreted(index_q):
         ensure_descriptor_allocator()
     _index_scan[(slots, splits)](
         q, kc, ks, bt, pos, qsl, seq, start, end, scores, b,
@@ -419,7 +437,8 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         H=h, H_PAD=h_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), PAGE=page, BS=block_size, TOKENS=tokens,
         ROWS=max(16, tokens * h_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits,
         PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_rows=kc.shape[0] * page,
-        cnt_ptr=counters, sel_ptr=sel, ssel_t=sel.stride(0), ssel_h=sel.stride(1), TMA=tma, STAGES=cfg["num_stages"],
+        cnt_ptr=counters, sel_ptr=sel, ssel_t=sel.stride(0), ssel_h=sel.stride(1), k_desc=k_desc, TMA=tma,
+        HOST_DESC=host_desc, STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fold_args,
     )
     return scores, (sel if fold is not None else None)
