@@ -332,27 +332,33 @@ def main() -> int:
                 be.close()
 
 
-VARIANTS = ("plain", "lowered", "decode", "decode-graph")
+VARIANTS = ("plain", "lowered", "decode", "decode-graph", "lowered-decode", "lowered-decode-graph")
+DECODE_VARIANTS = VARIANTS[2:]
 
 
 def decode_backends(art, provider, wanted: set[str]) -> tuple[dict, dict]:
     """The decode-graph variants asked for: ``decode`` (eager) and ``decode-graph`` (replayed as ORT CUDA graphs;
-    on the CPU EP, ``--smoke``, the same padded inputs run without capture). -> (name -> backend, name -> why
-    not): a backend ORT refuses is a result to report."""
+    on the CPU EP, ``--smoke``, the same padded inputs run without capture); ``lowered-...``: the same with the
+    decode graph of the ``ort-contrib`` flavour (its MoE on ``com.microsoft.MoE``) and that flavour's general
+    graph for other steps. -> (name -> backend, name -> why not): a backend ORT refuses is a result to report."""
     from m3export.plugins.onnxruntime.providers import Provider
     from m3export.runtime.backends.onnxruntime_backend import CUDA_GRAPH, OnnxRuntimeBackend
 
     made, errors = {}, {}
-    for name in ("decode", "decode-graph"):
+    for name in DECODE_VARIANTS:
         if name not in wanted:
             continue
+        kw = {"flavour": "ort-contrib"} if name.startswith("lowered-") else {}
+        if kw and "ort-contrib" not in art.manifest.flavours:
+            continue  # not in this artifact (as the lowered variant: export it with --flavour ort-contrib)
         try:
-            if name == "decode":
-                made[name] = OnnxRuntimeBackend(art, provider, decode_graph=True)
+            if not name.endswith("-graph"):
+                made[name] = OnnxRuntimeBackend(art, provider, decode_graph=True, **kw)
             elif provider.name == "CUDAExecutionProvider":
-                made[name] = OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"}))
+                made[name] = OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"}),
+                                                **kw)
             else:
-                made[name] = OnnxRuntimeBackend(art, provider, pad_decode=True)
+                made[name] = OnnxRuntimeBackend(art, provider, pad_decode=True, **kw)
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             errors[name] = f"{type(e).__name__}: {e}"[:2000]
     return made, errors

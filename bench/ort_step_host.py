@@ -265,11 +265,16 @@ def measure(args, art, provider, backend) -> int:
                                             lambda be: be.forward(ids, b, rows), args.profile_steps)}
     if "nodes" in res:
         print_nodes(res["nodes"])
-    if args.cuda_placement:
-        res["cuda_placement"] = p = cuda_placement(art.path("model"))
-        print(f"\nCUDA EP placement (predicted): {p['nodes']} nodes, {p['cpu_ep_nodes']} on the CPU EP, "
-              f"{p['memcpy_to_host']} MemcpyToHost {p['memcpy_to_host_by_origin']}, "
-              f"{p['memcpy_from_host']} MemcpyFromHost")
+    if args.cuda_placement:  # model.onnx, and its decode-only form (export/decode_graph.py) where the artifact has it
+        decode = art.manifest.flavours.get("decode", {}).get("model")
+        for key, path in (("cuda_placement", art.path("model")),
+                          ("cuda_placement_decode", decode and art.root / decode["file"])):
+            if path is None:
+                continue
+            res[key] = p = cuda_placement(path)
+            print(f"\nCUDA EP placement of {path.name} (predicted): {p['nodes']} nodes, {p['cpu_ep_nodes']} on the "
+                  f"CPU EP, {p['memcpy_to_host']} MemcpyToHost {p['memcpy_to_host_by_origin']}, "
+                  f"{p['memcpy_from_host']} MemcpyFromHost")
     name = "h200" if "H200" in res["device"] else device.type
     write_results(res, args.json or RESULTS / f"ort_step_host_{name}.json")
     return 0

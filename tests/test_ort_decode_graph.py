@@ -20,7 +20,7 @@ import torch
 
 from m3export.errors import ArtifactError
 from m3export.export.artifact import load_artifact
-from m3export.export.decode_graph import FLAVOUR, decode_model, problems
+from m3export.export.decode_graph import FLAVOUR, decode_model, flavour_name, problems
 from m3export.export.exporter import export_artifact
 from m3export.model.batch import Segment, build_batch
 from m3export.plugins.onnxruntime.session import PagedSession
@@ -28,6 +28,7 @@ from m3export.plugins.onnxruntime.session import PagedSession
 pytest.importorskip("onnxruntime")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+ALL_EXPERTS = flavour_name(moe="all-experts")  # the decode graphs whose MoE runs every expert
 PAGES = 40
 LENGTHS = (37, 9, 58)  # contexts past several indexer blocks (tiny: 4 keys a block, top 3 of them, 1 local)
 
@@ -39,10 +40,10 @@ def fp16_artifact(tmp_path_factory):
                            progress=False)
 
 
-def _sessions(path):
+def _sessions(path, flavour: str = FLAVOUR):
     art = load_artifact(path)
     general = PagedSession.from_artifact(art, threads=1)
-    decode = PagedSession.from_artifact(art, flavour=FLAVOUR, threads=1)
+    decode = PagedSession.from_artifact(art, flavour=flavour, threads=1)
     general.allocate(PAGES)
     decode.allocate(PAGES, pools_of=general)
     return art, general, decode
@@ -92,21 +93,23 @@ def _compare(art, general, decode, steps: int, extra_width: int = 0):
     return worst
 
 
-@pytest.mark.parametrize("extra_width", [0, 3])
-def test_decode_graph_equals_general_graph_fp32(tiny_artifact, extra_width):
-    art, general, decode = _sessions(tiny_artifact)
+@pytest.mark.parametrize("flavour,extra_width", [(FLAVOUR, 0), (FLAVOUR, 3), (ALL_EXPERTS, 3)])
+def test_decode_graph_equals_general_graph_fp32(tiny_artifact, flavour, extra_width):
+    art, general, decode = _sessions(tiny_artifact, flavour)
     with general, decode:
         worst = _compare(art, general, decode, steps=4, extra_width=extra_width)
     # fp32: the same products over the same keys in the same order (the sparse body lays a lone token's blocks
-    # out as the general body lays out its union); what may differ is the summation grouping of a longer masked
-    # row (softmax / MatMul over L = the table's width instead of max(position) + 1), a few fp32 ulps, amplified
-    # by the 4 layers: 1e-5 relative is 100x that and 100x below the smallest real difference (a wrong key set,
-    # a wrong mask) any of these tests' mutations gave
+    # out as the general body lays out its union; bit-equal on this machine); what may differ is the summation
+    # grouping of a longer masked row (softmax / MatMul over L = the table's width instead of max(position) + 1)
+    # and the all-experts MoE's fp32 sum over experts in id order (the general graph's in top-k order): a few fp32
+    # ulps, amplified by the 4 layers; 1e-5 relative is 100x that and far below a real difference (excluding the
+    # token's own key, a mutation of the mask, fails the selections outright)
     assert worst["out"] <= 1e-5 and worst["pools"] <= 1e-5, worst
 
 
-def test_decode_graph_equals_general_graph_fp16(fp16_artifact):
-    art, general, decode = _sessions(fp16_artifact)
+@pytest.mark.parametrize("flavour", [FLAVOUR, ALL_EXPERTS])
+def test_decode_graph_equals_general_graph_fp16(fp16_artifact, flavour):
+    art, general, decode = _sessions(fp16_artifact, flavour)
     with general, decode:
         worst = _compare(art, general, decode, steps=3, extra_width=2)
     # fp16 activations: each fp32 difference above can move a rounding to fp16 (2^-11 = 4.9e-4 relative) in a
@@ -119,12 +122,14 @@ def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
     (the general graph has the MoE's If and Scan); the same nodes, inputs and outputs as the general graph."""
     art = load_artifact(tiny_artifact)
     general = onnx.load(str(art.path("model")), load_external_data=False)
-    decoded = onnx.load(str(art.root / art.manifest.flavours[FLAVOUR]["model"]["file"]), load_external_data=False)
     assert any("If" in p or "Scan" in p for p in problems(general))  # the inspection sees what it looks for
-    assert problems(decoded) == []
-    assert [n.op_type for n in decoded.graph.node] == [n.op_type for n in general.graph.node]  # the same nodes
-    assert [i.name for i in decoded.graph.input] == [i.name for i in general.graph.input]
-    assert [o.name for o in decoded.graph.output] == [o.name for o in general.graph.output]
+    for flavour in (FLAVOUR, ALL_EXPERTS):
+        record = art.manifest.flavours[flavour]["model"]
+        decoded = onnx.load(str(art.root / record["file"]), load_external_data=False)
+        assert problems(decoded) == [] and record["source"] == "model.onnx"
+        assert [n.op_type for n in decoded.graph.node] == [n.op_type for n in general.graph.node]  # the same nodes
+        assert [i.name for i in decoded.graph.input] == [i.name for i in general.graph.input]
+        assert [o.name for o in decoded.graph.output] == [o.name for o in general.graph.output]
 
 
 def test_decode_graph_places_every_node_on_the_cuda_ep(fp16_artifact):
@@ -134,15 +139,16 @@ def test_decode_graph_places_every_node_on_the_cuda_ep(fp16_artifact):
     from ort_step_host import cuda_placement
 
     art = load_artifact(fp16_artifact)
-    for graph, record in art.manifest.flavours[FLAVOUR].items():
-        p = cuda_placement(art.root / record["file"])
-        assert p["memcpy_to_host"] == 0 and p["memcpy_from_host"] == 0, (graph, p)
+    for flavour in (FLAVOUR, ALL_EXPERTS):
+        for graph, record in art.manifest.flavours[flavour].items():
+            p = cuda_placement(art.root / record["file"])
+            assert p["memcpy_to_host"] == 0 and p["memcpy_from_host"] == 0, (flavour, graph, p)
     assert cuda_placement(art.path("model"))["memcpy_to_host"] > 0  # the general graph's data-dependent sizes
 
 
 def test_mxfp8_artifact_has_no_decode_graph(mxfp8_artifact):
     art = load_artifact(mxfp8_artifact)
-    assert FLAVOUR not in art.manifest.flavours
+    assert FLAVOUR not in art.manifest.flavours and ALL_EXPERTS not in art.manifest.flavours
     model = onnx.load(str(art.path("model")), load_external_data=False)
     with pytest.raises(ArtifactError, match="MXFP8 experts.*float8 Gather"):
         decode_model(model)

@@ -1,5 +1,6 @@
 """The onnxruntime backend's choice of graph (CPU EP): decode steps go through the decode-only graph
-(``model.decode.onnx``), every other step through the general graph, on one set of pools; generation is token for
+(``model.decode.onnx``, or ``model.decode-all-experts.onnx`` once a step's expert assignments outnumber the
+experts: ``decode_graph.moe_form``), every other step through the general graph, on one set of pools; generation is token for
 token the general graph's alone, with the decode batch as is and padded to a bucket (``pad_decode``: the inputs a
 captured ORT CUDA graph replays, here run without capture); wrong requests are one clear error. The captured
 replay itself is the GPU test ``test_ort_cuda_graph_replay_equals_eager_decode``."""
@@ -43,6 +44,8 @@ def test_decode_steps_take_the_decode_graph(tiny_artifact, mode):
     assert _generate(backend, prompts) == want
     assert backend.decode_steps + backend.padded_decode_steps >= 11  # 12 tokens: the first comes from a prefill
     assert backend.general_steps >= 1  # the prefills
+    # tiny: 8 experts, top 2: a lone sequence's step gathers its experts, batches of 2+ run every expert
+    assert set(backend._decodes) == {"per-assignment", "all-experts"}
     if mode == "pad_decode":
         assert backend.padded_decode_steps >= 11 and backend.decode_steps == 0 and backend.replays == 0
         assert {b for b, _ in backend._inputs} <= set(backend.buckets)  # batches of 1..5 padded to 1, 2, 4, 8
@@ -75,5 +78,5 @@ def test_requests_the_backend_cannot_serve_are_clear_errors(tiny_artifact, mxfp8
     backend = OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=True)
     backend.allocate(8, art.page_size)
     with pytest.raises(RuntimeError, match="run_replayed needs a session opened with enable_cuda_graph=1"):
-        backend._decode.run_replayed({}, 0)
+        backend._decode.run_replayed({}, 1)
     backend.close()

@@ -35,17 +35,36 @@ STATUS = ("decode steps only (every sequence one new token); no control flow, no
           "replayable as an ONNX Runtime CUDA graph")
 
 
-def flavour_file(graph: str) -> str:
-    return f"{graph}.decode.onnx"
+# The decode MoE's two forms (``functions.DecodeSizes.moe``), one decode graph each: ``per-assignment`` gathers each
+# token's top_k expert weights (a copy read three times: gathered, written, multiplied), ``all-experts`` runs every
+# expert on every token from the weights where they lie (one pass over all of them, E / (T * top_k) times the
+# arithmetic): the first for the smallest batches, the second once 3 T top_k passes outweigh E (``moe_form``).
+MOE_FORMS = ("per-assignment", "all-experts")
 
 
-def decode_model(model: onnx.ModelProto, kv_fp8: bool = False) -> onnx.ModelProto:
+def moe_form(tokens: int, top_k: int, experts: int) -> str:
+    """The decode MoE form for a step of ``tokens`` tokens: per-assignment while 3 * tokens * top_k expert weights
+    (its gathered copy, written and read twice) cost no more than one pass over all ``experts``."""
+    return MOE_FORMS[0] if 3 * tokens * top_k <= experts else MOE_FORMS[1]
+
+
+def flavour_name(of: str | None = None, moe: str = MOE_FORMS[0]) -> str:
+    """The manifest flavour of the decode graphs made from the plain graphs (``decode``; ``decode-all-experts``
+    with the all-experts MoE) or from flavour ``of``'s graphs (``ort-contrib-decode``: the lowered graphs,
+    ``com.microsoft`` nodes kept, the ``m3`` bodies specialised)."""
+    name = FLAVOUR if of is None else f"{of}-{FLAVOUR}"
+    return name if moe == MOE_FORMS[0] else f"{name}-{moe}"
+
+
+def decode_model(model: onnx.ModelProto, kv_fp8: bool = False, moe: str = MOE_FORMS[0]) -> onnx.ModelProto:
     """``model`` (a step graph, loaded with or without its weights) with every ``m3`` function body replaced by its
     decode-only form; nodes, inputs, outputs and initializers unchanged. ``kv_fp8``: the graph's pools are FP8
-    (uint8 codes with scale pools)."""
+    (uint8 codes with scale pools); ``moe``: the MoE's form (``MOE_FORMS``)."""
     used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     try:
-        bodies = {f.name: f for f in functions_for(used, kv_fp8, decode=sizes_of(model))}
+        sizes = sizes_of(model)
+        bodies = {f.name: f for f in functions_for(used, kv_fp8, decode=DecodeSizes(sizes.page_size, sizes.kv_heads,
+                                                                                    moe))}
     except ValueError as e:
         raise ArtifactError(f"no decode-only graph for this artifact: {e}") from None
     out = onnx.ModelProto()
@@ -96,17 +115,28 @@ def graphs_with_decode_form(graphs: dict) -> list[str]:
     return [g for g in graphs if g == "model" or (g.startswith("mtp") and g[3:].isdigit())]
 
 
-def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False) -> dict:
+def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of: dict | None = None,
+                        moe: str = MOE_FORMS[0]) -> dict:
     """Write ``<graph>.decode.onnx`` beside ``model.onnx`` and each ``mtp{k}.onnx`` in ``directory`` through the
-    flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file). Returns the
-    manifest's ``flavours["decode"]`` record (per graph: file, source, external data, ``status``)."""
+    flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file); ``of``: a
+    flavour's record (e.g. ``ort-contrib``'s), whose graphs ``<graph>.ort.onnx`` get ``<graph>.ort.decode.onnx``;
+    ``moe`` all-experts: ``<graph>.decode-all-experts.onnx``. Returns the manifest's record of the flavour
+    ``flavour_name`` (per graph: file, source, external data, ``status``, ``moe``)."""
+    from types import SimpleNamespace
+
+    sources = graphs if of is None else {g: SimpleNamespace(file=r["file"]) for g, r in of.items() if g in graphs}
 
     def rewrite(name: str, model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
-        decoded = decode_model(model, kv_fp8)
+        decoded = decode_model(model, kv_fp8, moe)
         left = problems(decoded)
         if left:
             raise ArtifactError(f"{name}: the decode graph still holds {left[:3]}")
-        return decoded, {"status": STATUS}
+        return decoded, {"status": STATUS, "moe": moe}
 
-    return write_flavour_graphs(Path(directory), graphs, graphs_with_decode_form(graphs), FLAVOUR, flavour_file,
-                                rewrite, protected={g.file for g in graphs.values()})
+    def file_of(name: str) -> str:
+        return sources[name].file.removesuffix(".onnx") + (".decode.onnx" if moe == MOE_FORMS[0] else
+                                                           f".decode-{moe}.onnx")
+
+    protected = {g.file for g in graphs.values()} | {g.file for g in sources.values()}
+    return write_flavour_graphs(Path(directory), sources, graphs_with_decode_form(sources), FLAVOUR, file_of,
+                                rewrite, protected=protected)

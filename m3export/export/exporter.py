@@ -371,9 +371,13 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
 
             flavours[FLAVOUR] = write_lowered(tmp, graphs, tuple(lower or DEFAULT), cfg)
         if not mxfp8:  # the decode-only step graphs (``decode_graph.py``; MXFP8 experts have no such form)
-            from .decode_graph import FLAVOUR as DECODE, write_decode_graphs
+            from .decode_graph import MOE_FORMS, flavour_name, write_decode_graphs
 
-            flavours[DECODE] = write_decode_graphs(tmp, graphs, kv_fp8)
+            for form in MOE_FORMS:
+                flavours[flavour_name(moe=form)] = write_decode_graphs(tmp, graphs, kv_fp8, moe=form)
+            if flavour == "ort-contrib":  # and of the lowered graphs (com.microsoft nodes kept)
+                lowered = flavours["ort-contrib"]
+                flavours[flavour_name(flavour)] = write_decode_graphs(tmp, graphs, kv_fp8, of=lowered)
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)

@@ -166,17 +166,10 @@ class SequenceLayout(TokenGroups):
     def __init__(self, b: Builder, block_tables: str, query_start_loc: str, seq_lens: str, positions: str,
                  pool: str):
         super().__init__(b, query_start_loc, positions, seq_lens)
-        # Keys 0 .. L-1 of every sequence, L = max(positions) + 1; slots past a sequence's length point at slot 0
-        # (their pages may hold anything, even ids outside the pool) and are masked per token later.
+        # Keys 0 .. L-1 of every sequence, L = max(positions) + 1
         self.length = b.Add(b.ReduceMax(positions, keepdims=0), b.const(1))
-        self.key_pos = b.Range(b.const(0), self.length, b.const(1))  # [L]
-        page = _dim(b, pool, 1)
-        pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(self.key_pos, page), axis=1)  # [B, L]
-        inside = b.Less(b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
-        self.slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(self.key_pos, page)), b.const(0))  # [B, L]
-        self.visible = b.LessOrEqual(
-            b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
-        )  # [T, L]
+        self.key_pos, self.slots, self.visible = _contexts(b, block_tables, seq_lens, positions, self.length,
+                                                           _dim(b, pool, 1))
 
     def gather(self, pool: str, scale: str | None = None) -> str:
         """pool [pages, page, *rest] -> fp32 [B, L, *rest]: every sequence's context, read once. With ``scale``
@@ -193,10 +186,14 @@ class SequenceLayout(TokenGroups):
 class DecodeSizes:
     """The artifact's static sizes a decode-only body is built with: as constants they cost nothing on any
     provider, where a size read from a pool's ``Shape`` (which ONNX Runtime does not fold: the page count is
-    dynamic) and used as data is a host -> device copy per use and layer on a GPU provider."""
+    dynamic) and used as data is a host -> device copy per use and layer on a GPU provider. ``moe``: the MoE's
+    routed sum, ``per-assignment`` (each token's top_k experts gathered: T * top_k expert weights) or
+    ``all-experts`` (every expert on every token, each weight read once where it lies: for batches whose
+    assignments outnumber the experts, ``decode_graph.MOE_FORMS``)."""
 
     page_size: int
     kv_heads: int
+    moe: str = "per-assignment"
 
 
 class DecodeContext:
@@ -212,17 +209,24 @@ class DecodeContext:
         self.b = b
         page = b.const(sizes.page_size)
         self.length = b.Mul(_dim(b, block_tables, 1), page)  # shape arithmetic, on the host
-        self.key_pos = b.Range(b.const(0), self.length, b.const(1))  # [L]
-        pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(self.key_pos, page), axis=1)  # [B, L]
-        inside = b.Less(b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
-        self.slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(self.key_pos, page)), b.const(0))  # [B, L]
-        self.visible = b.LessOrEqual(
-            b.Unsqueeze(self.key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1]))
-        )  # [T, L]
+        self.key_pos, self.slots, self.visible = _contexts(b, block_tables, seq_lens, positions, self.length, page)
 
     def gather(self, pool: str, scale: str | None = None) -> str:
         """pool [pages, page, *rest] -> fp32 [B, L, *rest] (``SequenceLayout.gather``)."""
         return _gather_slots(self.b, self.slots, pool, scale)
+
+
+def _contexts(b: Builder, block_tables: str, seq_lens: str, positions: str, length: str, page: str
+              ) -> tuple[str, str, str]:
+    """Keys 0 .. ``length``-1 of every sequence (``page``: the page size as a value) -> key positions [L], pool
+    slots [B, L] and which keys each token sees [T, L]. Slots past a sequence's length point at slot 0 (their
+    pages may hold anything, even ids outside the pool) and are masked per token later."""
+    key_pos = b.Range(b.const(0), length, b.const(1))  # [L]
+    pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(key_pos, page), axis=1)  # [B, L]
+    inside = b.Less(b.Unsqueeze(key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
+    slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(key_pos, page)), b.const(0))  # [B, L]
+    visible = b.LessOrEqual(b.Unsqueeze(key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1])))  # [T, L]
+    return key_pos, slots, visible
 
 
 def _gather_slots(b: Builder, slots: str, pool: str, scale: str | None) -> str:
@@ -517,7 +521,7 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
 
 
 # ---------------------------------------------------------------------------------------------- MoE
-def _moe(name: str, mxfp8: bool, decode: bool = False) -> FunctionProto:
+def _moe(name: str, mxfp8: bool, decode: bool = False, all_experts: bool = False) -> FunctionProto:
     """``decode``: the body of the decode-only graphs (``decode_graph.py``), which may hold no control flow: the
     routed sum always per assignment (``_gathered_sum``), never the per-expert ``Scan``; MXFP8 experts have no
     such form (ONNX Runtime's CUDA EP has no float8 ``Gather``)."""
@@ -561,6 +565,8 @@ def _moe(name: str, mxfp8: bool, decode: bool = False) -> FunctionProto:
     scan_in = ["w13", "w13_scale", "w2", "w2_scale"] if mxfp8 else ["w13", "w2"]
     if mxfp8:
         routed = b.Scan(_zeros_like_x(b), experts, *scan_in, num_scan_inputs=1 + len(scan_in), body=body)
+    elif decode and all_experts:
+        routed = _all_experts_sum(b, alpha, limit, idx, w)
     elif decode:  # the If's per-assignment branch, unconditionally (a decode step's T * top_k <= E or not)
         routed = _gathered_sum(b, alpha, limit, idx, w)
     else:
@@ -616,12 +622,30 @@ def _moe_scanned(experts: str, scan_in: list[str], body):
     return g.graph("moe_scanned", [], [routed])
 
 
-def moe(decode: bool = False) -> FunctionProto:
-    return _moe("MoE", mxfp8=False, decode=decode)
+def _all_experts_sum(b: Builder, alpha: str, limit: str, idx: str, w: str) -> str:
+    """The routed sum computing every expert on every token (``[E, T, 2I]`` and ``[E, T, H]`` batched products of
+    ``x`` against each weight where it lies: no per-step copy of a weight), each token keeping its own top_k: an
+    assignment's output is rounded to the activation dtype after its routing weight as in ``_gathered_sum`` (the
+    same values), the others are exact zeros (``Where``: an expert's output on a token it was not chosen for may be
+    inf), and the sum over experts runs in fp32 in ascending expert order, rounded once (``_gathered_sum`` sums in
+    top-k order: the two differ by rounding only)."""
+    act = _swiglu(b, b.MatMul("x", b.Transpose("w13", perm=[0, 2, 1])), alpha, limit)  # [E, T, I]
+    y = b.MatMul(act, b.Transpose("w2", perm=[0, 2, 1]))  # [E, T, H]
+    zeros = b.Expand(b.const(0.0, np.float32), b.Concat(b.Shape("x", end=1), b.Shape("router_weight", end=1), axis=0))
+    gain = b.Transpose(b.ScatterElements(zeros, idx, w, axis=1), perm=[1, 0])  # [E, T]: w where chosen, else 0
+    chosen = b.Transpose(b.Cast(b.ScatterElements(zeros, idx, b.Expand(b.const(1.0, np.float32), b.Shape(idx)),
+                                                  axis=1), to=TensorProto.BOOL), perm=[1, 0])  # [E, T]
+    y = b.CastLike(b.Mul(b.Cast(y, to=F32), b.Unsqueeze(gain, b.const([2]))), "x")
+    y = b.Where(b.Unsqueeze(chosen, b.const([2])), b.Cast(y, to=F32), b.const(0.0, np.float32))
+    return b.CastLike(b.ReduceSum(y, b.const([0]), keepdims=0), "x")
 
 
-def moe_mxfp8(decode: bool = False) -> FunctionProto:
-    return _moe("MoEMXFP8", mxfp8=True, decode=decode)
+def moe(decode: bool = False, all_experts: bool = False) -> FunctionProto:
+    return _moe("MoE", mxfp8=False, decode=decode, all_experts=all_experts)
+
+
+def moe_mxfp8(decode: bool = False, all_experts: bool = False) -> FunctionProto:
+    return _moe("MoEMXFP8", mxfp8=True, decode=decode, all_experts=all_experts)
 
 
 def mxfp8_linear() -> FunctionProto:
@@ -654,7 +678,7 @@ def body(name: str, kv_fp8: bool = False, decode: DecodeSizes | None = None) -> 
     if decode is not None and name in DECODE_READERS:
         return DECODE_READERS[name](decode, kv_fp8=kv_fp8)
     if decode is not None and name in ("MoE", "MoEMXFP8"):
-        return BUILDERS[name](decode=True)
+        return BUILDERS[name](decode=True, all_experts=decode.moe == "all-experts")
     return BUILDERS[name](kv_fp8=True) if kv_fp8 and name in CACHE_READERS else BUILDERS[name]()
 
 

@@ -292,6 +292,9 @@ class PagedSession:
         if not self.captures:
             raise RuntimeError(f"{self.graph.file}: run_replayed needs a session opened with {CUDA_GRAPH}=1 "
                                f"(this one: {self.provider})")
+        if graph_id < 1:
+            raise ValueError(f"{self.graph.file}: CUDA graph id {graph_id}: ids start at 1 (ONNX Runtime reserves 0 "
+                             "for runs that name no graph and -1 for runs without capture)")
         table = self._table
         if table is None:
             raise RuntimeError("call allocate(num_pages) before run_replayed()")

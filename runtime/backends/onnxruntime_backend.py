@@ -41,7 +41,6 @@ from m3export.model.batch import Batch
 from .base import Backend
 from .cuda_graph import DEFAULT_BUCKETS, DecodeInputs, step_shape
 
-DECODE = "decode"  # the artifact's decode-only flavour (m3export/export/decode_graph.py FLAVOUR)
 CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option (plugins/onnxruntime/session.py CUDA_GRAPH)
 
 
@@ -126,7 +125,12 @@ class OnnxRuntimeBackend(Backend):
         self._media_inputs = {"media_rows", "media_embeds"} <= names
         self._vision = None  # vision.onnx's session, opened at the first media item
         self._threads = threads
-        has_decode = "model" in artifact.manifest.flavours.get(DECODE, {})
+        from m3export.export.decode_graph import MOE_FORMS, flavour_name
+
+        # decode graphs of the plain graphs, or of flavour's: per MoE form (``decode_graph.moe_form``)
+        self._decode_flavours = {form: flavour_name(flavour, form) for form in MOE_FORMS
+                                 if "model" in artifact.manifest.flavours.get(flavour_name(flavour, form), {})}
+        has_decode = MOE_FORMS[0] in self._decode_flavours
         self.pad_decode = pad_decode or self.cuda_graphs
         if decode_graph is None:
             decode_graph = has_decode and (self.pad_decode or self.device.type != "cpu")
@@ -134,25 +138,46 @@ class OnnxRuntimeBackend(Backend):
             why = (f"{CUDA_GRAPH}=1 replays it" if self.cuda_graphs else
                    "pad_decode runs it" if pad_decode else "decode_graph=True asks for it")
             raise BackendUnavailable(
-                f"{artifact.root}: no decode-only graph (model.decode.onnx, manifest flavour {DECODE!r}), and {why}: "
+                f"{artifact.root}: no decode-only graph (manifest flavour {flavour_name(flavour)!r}), and {why}: "
                 "export the artifact again with this m3export (MXFP8 artifacts have none: ONNX Runtime's CUDA EP has "
                 "no float8 Gather for their experts)")
         self._decode_provider = provider  # with enable_cuda_graph where asked: the decode session only
-        self._decode = self._open_decode() if decode_graph else None
+        # the decode sessions by MoE form: the per-assignment one at once, the all-experts one at its first step
+        self._decodes = {MOE_FORMS[0]: self._open_decode(MOE_FORMS[0])} if decode_graph else {}
         self.buckets = tuple(sorted(buckets))
         self._inputs: dict[tuple[int, int], DecodeInputs] = {}  # (bucket, table width) -> fixed padded inputs
-        self._graph_ids: dict[tuple[int, int], int] = {}  # (bucket, table width) -> ORT's gpu_graph_id
+        self._graph_ids: dict[tuple, int] = {}  # (MoE form, bucket, table width) -> ORT's gpu_graph_id
         self._media_zeros: dict[str, torch.Tensor] = {}  # fixed empty media inputs of padded decode steps
         # how the steps went (benchmarks, tests): general graph, decode graph as is, decode graph padded / replayed
         self.general_steps = self.decode_steps = self.padded_decode_steps = self.replays = 0
 
-    def _open_decode(self):
-        """The decode graph's session (with ``enable_cuda_graph`` where asked); ORT refusing to capture it is one
-        error naming the cause."""
+    @property
+    def _decode(self):
+        """The per-assignment decode session (None: decode steps take the general graph)."""
+        return self._decodes.get("per-assignment")
+
+    def _decode_session(self, tokens: int):
+        """The decode session for a step of ``tokens`` tokens (its MoE form, ``decode_graph.moe_form``; the
+        per-assignment one where the artifact has no other), opened and given the pools at its first step."""
+        from m3export.export.decode_graph import moe_form
+
+        cfg = self.config
+        form = moe_form(tokens, cfg.num_experts_per_tok, cfg.num_local_experts)
+        if form not in self._decode_flavours:
+            form = "per-assignment"
+        if form not in self._decodes:
+            self._decodes[form] = session = self._open_decode(form)
+            if self._main.pool_tensors:
+                session.allocate(next(iter(self._main.pool_tensors.values())).shape[0], pools_of=self._main)
+        return form, self._decodes[form]
+
+    def _open_decode(self, form: str):
+        """The decode graph's session of MoE form ``form`` (with ``enable_cuda_graph`` where asked); ORT refusing
+        to capture it is one error naming the cause."""
         from m3export.plugins.onnxruntime.session import PagedSession
 
         try:
-            session = PagedSession.from_artifact(self.artifact, "model", flavour=DECODE,
+            session = PagedSession.from_artifact(self.artifact, "model", flavour=self._decode_flavours[form],
                                                  providers=self._decode_provider, threads=self._threads)
         except BackendUnavailable as e:
             if self.cuda_graphs:
@@ -198,7 +223,7 @@ class OnnxRuntimeBackend(Backend):
     def close(self) -> None:
         """Close every ONNX Runtime session this backend opened (``PagedSession.close``; the vision session is
         dropped) while the CUDA runtime is still up; idempotent, called by ``Engine.close``. A later step raises."""
-        for session in (self._main, *self._mtp, *([self._decode] if self._decode is not None else [])):
+        for session in (self._main, *self._mtp, *self._decodes.values()):
             session.close()
         self._vision = None  # its only reference: ORT frees the session here
 
@@ -230,11 +255,11 @@ class OnnxRuntimeBackend(Backend):
         self._main.allocate(num_pages + 1 if self.pad_decode else num_pages)
         for session in self._mtp:
             session.allocate(num_pages)
-        if self._decode is not None:
-            if self._graph_ids:
-                self._decode.close()
-                self._decode = self._open_decode()
-            self._decode.allocate(num_pages + 1 if self.pad_decode else num_pages, pools_of=self._main)
+        for form, session in list(self._decodes.items()):
+            if any(key[0] == form for key in self._graph_ids):
+                session.close()
+                self._decodes[form] = session = self._open_decode(form)
+            session.allocate(num_pages + 1 if self.pad_decode else num_pages, pools_of=self._main)
         self._scratch_page, self._num_pages = num_pages, num_pages
         self._inputs, self._graph_ids, self._media_zeros = {}, {}, {}
 
@@ -260,8 +285,8 @@ class OnnxRuntimeBackend(Backend):
                 if out is not None:
                     return out
             self.decode_steps += 1
-            return self._run(self._decode, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices,
-                             **extra)
+            _, session = self._decode_session(input_ids.shape[0])
+            return self._run(session, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices, **extra)
         self.general_steps += 1
         return self._run(self._main, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices, **extra)
 
@@ -294,12 +319,14 @@ class OnnxRuntimeBackend(Backend):
                                                                  dtype=self.graph_dtype.torch, device=self.device)}
             feeds.update(self._media_zeros)
         self.padded_decode_steps += 1
+        form, session = self._decode_session(shape[0])
         if self.cuda_graphs:
-            graph_id = self._graph_ids.setdefault(shape, len(self._graph_ids))
-            out = self._decode.run_replayed(feeds, graph_id)
+            # ids from 1: ORT reserves 0 (the graph of runs that name none) and -1 (no capture)
+            graph_id = self._graph_ids.setdefault((form, *shape), len(self._graph_ids) + 1)
+            out = session.run_replayed(feeds, graph_id)
             self.replays += 1
         else:
-            out = self._decode.run_torch(feeds)
+            out = session.run_torch(feeds)
         t = input_ids.shape[0]
         logits, hidden = out["logits"][:t], out["hidden"][:t]
         # a replay's outputs are rewritten by the graph's next replay: the caller gets its own copies
