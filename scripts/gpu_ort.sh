@@ -99,15 +99,16 @@ M="python3 -m m3export.cli"
 if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
   # the decode-only graph (issue 16, export/decode_graph.py) alone: its GPU tests (captured ORT CUDA-graph replay
   # equal to the eager decode graph, generation equal to the torch backend), then a `mini` bf16 artifact (with its
-  # ort-contrib flavour, whose decode graph keeps com.microsoft.MoE) and bench/ort_gpu.py's plain / decode /
-  # decode-graph / lowered-decode-graph rows beside the torch backend, then generation through the
+  # ort-contrib flavour, whose decode graph keeps com.microsoft.MoE) and bench/ort_gpu.py's plain /
+  # decode-graph / lowered-decode-graph rows beside the torch backend (DECODE_VARIANTS; each backend holds its own
+  # weights, ~12 GB a session for mini bf16, and a decode variant opens up to three), then generation through the
   # onnxruntime backend on CUDA (the decode graph is its default there now)
   step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
       --durations=3 tests/test_ort_decode_graph_gpu.py
   step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
       --out /tmp/ortgpu-art/big --force
   step bench_decode 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
-      --variants "${DECODE_VARIANTS:-plain,decode,decode-graph,lowered-decode-graph}" \
+      --variants "${DECODE_VARIANTS:-plain,decode-graph,lowered-decode-graph}" \
       ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} \
       --json "$OUT/ort_gpu_decode_h200.json"
   step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
