@@ -2,8 +2,8 @@
 against the reference, under Triton's interpreter at tiny sizes (on a GPU machine the same cases run compiled).
 
 TMA reads one page-sized key tile per bulk copy and cuts the context into runs of whole tiles / blocks, so the
-cases cover a tile holding several blocks, a block spanning several tiles (running max), pages a descriptor cannot
-address (gathered instead), FP8 pools, decode, verify and mixed batches. The fold runs the top-k in the scan's
+cases cover a tile holding several blocks, a block spanning several tiles (running max), tiles of part of a page,
+pages a descriptor cannot address (gathered instead), FP8 pools, decode, verify and mixed batches. The fold runs the top-k in the scan's
 last program per query tile: its ticket counters must be back at 0 after every launch (the next launch, or a
 CUDA graph replay, starts from them), and the selections must be the reference's exactly: ties, forced blocks, -1.
 """
@@ -25,6 +25,15 @@ TMA = {"scan": dict(loads="tma", block_n=16, num_stages=3)}
 FOLD = {"scan": dict(loads="tma", block_n=16, fold_topk=1)}
 HOST = {"scan": dict(loads="tma-host", block_n=16, num_stages=4)}  # the descriptor made at launch
 
+# (context lengths, new tokens, page, block, top-k, local, init), pages of >= 16 keys (``MIN_TMA_TILE``: the
+# dot's smallest N) so that TMA really reads them, with 16-key tiles:
+TMA_CASES = {
+    "decode-blocks-span-tiles": ([70, 45, 1, 33], [1, 1, 1, 1], 16, 32, 3, 1, 0),  # 2 tiles per block: running max
+    "decode-tiles-hold-blocks": ([70, 45, 1, 33], [1, 1, 1, 1], 32, 8, 4, 1, 1),  # 2 blocks per 16-key tile
+    "verify-and-prefill": ([40, 29, 21, 17], [17, 4, 3, 0], 16, 16, 3, 1, 0),  # query tiles of several tokens
+    "many-blocks-top16": CASES["many-blocks-top16"],
+}
+
 
 @pytest.fixture(autouse=True)
 def _sixteen_sms(monkeypatch):
@@ -33,7 +42,7 @@ def _sixteen_sms(monkeypatch):
 
 
 def _case(name):
-    ctx, new, page, *attrs = CASES[name]
+    ctx, new, page, *attrs = TMA_CASES.get(name) or CASES[name]
     return Paged(ctx, new, page, zlib.crc32(name.encode())), tuple(attrs)
 
 
@@ -50,22 +59,20 @@ def _run(paged, attrs, config, dtype=torch.float32, d=32, scale=False):
     return got.cpu(), ref
 
 
-# (case, key tile): "wide-blocks" has blocks of 16 on pages of 4 (four tiles per block: the running max);
-# "page-larger-than-block" tiles of 16 keys hold 4 blocks; "page-smaller-than-block" has pages of 3, which no
-# descriptor tile can follow (gathered); "mixed-with-empty-seq" pages of 5 likewise.
-@pytest.mark.parametrize("name", ["decode-one-token-seqs", "verify-multi-token", "wide-blocks",
-                                  "page-larger-than-block", "page-smaller-than-block", "mixed-with-empty-seq"])
+# TMA_CASES, and two whose pages (5 and 3 keys) no descriptor tile can follow (the same launch, gathered)
+@pytest.mark.parametrize("name", [*TMA_CASES, "mixed-with-empty-seq", "page-smaller-than-block"])
 @pytest.mark.parametrize("config", [TMA, FOLD, HOST], ids=["tma", "tma-fold", "tma-host"])
 def test_tma_and_fold_select_exactly_as_reference(name, config):
     paged, attrs = _case(name)
+    assert (LI.tma_usable(paged.pool(32)) is None) == (name in TMA_CASES)  # TMA where the case says so
     got, ref = _run(paged, attrs, config, dtype=torch.bfloat16)
     assert torch.equal(got, ref)
 
 
-def test_tma_tile_smaller_than_page_and_block():
-    """2-key tiles on pages of 8 with blocks of 4: two tiles per block, four per page."""
-    paged, attrs = _case("decode-one-token-seqs")
-    got, ref = _run(paged, attrs, {"scan": dict(loads="tma", block_n=2, num_stages=2)})
+def test_tma_tiles_of_part_of_a_page():
+    """16-key tiles on pages of 32 with blocks of 32: two tiles per page and per block."""
+    paged = Paged([70, 45, 1, 33], [1, 1, 1, 1], 32, seed=4)
+    got, ref = _run(paged, (32, 2, 1, 0), {"scan": dict(loads="tma", block_n=16, num_stages=2)})
     assert torch.equal(got, ref)
 
 
@@ -99,7 +106,7 @@ def test_fold_puts_every_ticket_counter_back_to_zero():
     """Launches in a row (different batches, so different query tiles and splits) leave the shared counters at 0,
     and each later launch is right: it started from zeros the one before restored."""
     counters = _batch.ticket_counters(torch.device(DEVICE), 1)
-    for name in ("decode-one-token-seqs", "decode-between-empty-seqs", "decode-one-token-seqs"):
+    for name in ("decode-blocks-span-tiles", "decode-between-empty-seqs", "decode-tiles-hold-blocks"):
         paged, attrs = _case(name)
         got, ref = _run(paged, attrs, FOLD)
         assert torch.equal(got, ref)
@@ -112,14 +119,14 @@ def test_fold_serves_decode_batches_and_leaves_prefill_tiles_to_the_topk_launch(
     launches = []
     plain = LI.block_topk
     monkeypatch.setattr(LI, "block_topk", lambda *a, **k: launches.append(1) or plain(*a, **k))
-    paged, attrs = _case("decode-one-token-seqs")
+    paged, attrs = _case("decode-tiles-hold-blocks")
     got, ref = _run(paged, attrs, FOLD)
     assert torch.equal(got, ref) and launches == []
-    paged, attrs = _case("verify-multi-token")
+    paged, attrs = _case("verify-and-prefill")
     got, ref = _run(paged, attrs, FOLD)
     assert torch.equal(got, ref) and launches == [1]
-    monkeypatch.setattr(LI, "FOLD_MOST_KEYS", 8)  # 2 heads x 16 blocks (pages of 8, blocks of 4) is more
-    paged, attrs = _case("decode-one-token-seqs")
+    monkeypatch.setattr(LI, "FOLD_MOST_KEYS", 8)  # 2 heads x 32 blocks (20 blocks of 8 padded) are more
+    paged, attrs = _case("decode-tiles-hold-blocks")
     got, ref = _run(paged, attrs, FOLD)
     assert torch.equal(got, ref) and launches == [1, 1]
 
@@ -141,11 +148,11 @@ def test_fold_of_an_empty_batch_and_scan_alone():
 
 
 def test_tma_usable_names_what_a_descriptor_cannot_read():
-    pool = torch.zeros(6, 8, 32)
-    assert LI.tma_usable(pool) is None
-    assert "power of two" in LI.tma_usable(torch.zeros(6, 3, 32))
-    assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 8, 33))  # rows of 132 bytes
-    assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 8, 32)[:, :4])  # pages not one row run
+    assert LI.tma_usable(torch.zeros(6, 16, 32)) is None
+    assert "power of two >= 16" in LI.tma_usable(torch.zeros(6, 3, 32))
+    assert "power of two >= 16" in LI.tma_usable(torch.zeros(6, 8, 32))
+    assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 16, 33))  # rows of 132 bytes
+    assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 32, 32)[:, :16])  # pages not one run of rows
 
 
 def test_unknown_loads_are_refused():

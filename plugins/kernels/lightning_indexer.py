@@ -350,17 +350,21 @@ def scan(
                         index_k_scale, config, fold=None)[0]
 
 
+MIN_TMA_TILE = 16  # keys: the tensor-core dot's smallest N
+
+
 def tma_usable(index_k_cache: torch.Tensor) -> str | None:
     """Why a tensor descriptor cannot read this key pool in page-sized tiles, or None: the pool viewed
     [pages * page, D] needs unit stride along D, pages of contiguous rows, a 16-byte aligned base and row stride,
-    and a power-of-two page (a key tile never crosses a page). The launcher reads any other pool by gathering."""
+    and a power-of-two page of at least ``MIN_TMA_TILE`` keys (a key tile never crosses a page). The launcher reads
+    any other pool by gathering."""
     kc = index_k_cache
     pages, page, d = kc.shape
     size = kc.element_size()
     if kc.stride(2) != 1 or kc.stride(0) != page * kc.stride(1) or kc.data_ptr() % 16 or (kc.stride(1) * size) % 16:
         return f"index_k_cache {tuple(kc.shape)} strides {kc.stride()} is not rows of 16-byte aligned contiguous keys"
-    if page & (page - 1):
-        return f"page size {page} is not a power of two"
+    if page & (page - 1) or page < MIN_TMA_TILE:
+        return f"page size {page} is not a power of two >= {MIN_TMA_TILE} (a key tile is one page or part of one)"
     if pages * page >= 2**31:
         return f"{pages * page} key rows do not fit a descriptor's 32-bit coordinates"
     return None
@@ -394,7 +398,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         seq, start, end, slots = query_tiles(qsl, t, tokens)
     tma = cfg["loads"] != "gather" and tma_usable(kc) is None  # any other pool: the same launch by gathering
     if tma:
-        block_n = min(cfg["block_n"], page)  # one page per key tile
+        block_n = min(max(cfg["block_n"], MIN_TMA_TILE), page)  # one page per key tile, or part of one
         group = max(block_n, block_size)  # splits cut whole groups (tiles and blocks)
     else:
         block_n = group = max(cfg["block_n"], block_size)
