@@ -31,11 +31,12 @@ BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
            "decode-empty-seqs": ([12, 40, 30, 5, 17], [0, 1, 0, 1, 0], 16),
            "decode-blocks-of-32": ([64, 48, 40, 60, 1], [1, 1, 1, 1, 1], 32),
            "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3], 16),
-           "prefill-blocks-of-32": ([64, 48, 60, 7], [5, 16, 9, 7], 32)}
+           "prefill-blocks-of-32": ([64, 48, 60, 7], [5, 16, 9, 7], 32),
+           "prefill-short": ([40, 20], [9, 4], 32)}
 LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
-         "decode-blocks-of-32": ["flat_tma_fused"],
-         "prefill": ["union_fused", "union_tma", "union_tma_fused", "halves_tma"],
-         "prefill-blocks-of-32": ["union_tma_fused", "halves_tma"]}
+         "decode-blocks-of-32": ["flat_tma_fused", "flat_tma_lean"],
+         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "halves_tma"],
+         "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean"]}
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +101,7 @@ def test_fused_and_tma_loops_match_reference(batch, loop, page, launches):
     got = _run(paged, qkv, scales, sel, bs, scale, mode, loop)
     _assert_attention_close(got, ref, qkv[2])
     (kw,) = launches
-    assert bool(kw["TMA"]) == ("tma" in loop) and kw["FUSED"] == ("fused" in loop)
+    assert bool(kw["TMA"]) == ("tma" in loop) and kw["FUSED"] == ("fused" in loop) and kw["LEAN"] == ("lean" in loop)
     if "tma" in loop:  # whole tiles by bulk copies where the walk allows it (module docstring), else V rows zeroed
         assert kw["TMA"] == (1 if loop.startswith("halves") else 2)
     assert kw["SPLITS"] > 1, "the case must split its selections for the merge to be exercised"
@@ -125,6 +126,19 @@ def test_tma_reads_fp8_pools_as_the_fp8_reference(batch, loop, launches):
     assert launches[0]["TMA"] and launches[0]["SPLITS"] > 1 and _counters_zero()
 
 
+def test_lean_step_on_fp32_pools_and_not_on_fp8(launches):
+    """fp32 pools (the `mini` model tests' dtype) take the lean step and stay within the fp32 bound (only the
+    exponent's FMA rounds differently); FP8 pools keep the plain step (their per-key scales sit in the scores)."""
+    paged, qkv, scales, sel, bs, scale, ref = _case("prefill-short", 16, dtype=torch.float32)
+    _assert_attention_close(_run(paged, qkv, scales, sel, bs, scale, "prefill", "union_tma_lean"), ref, qkv[2])
+    paged, qkv, scales, sel, bs, scale, ref = _case("prefill-short", 16, dtype=torch.float32, fp8=True)
+    from m3export.ops.kv_fp8 import dequantize_rows
+
+    got = _run(paged, qkv, scales, sel, bs, scale, "prefill", "union_tma_lean")
+    _assert_attention_close(got, ref, dequantize_rows(qkv[2], scales[1]))
+    assert [kw["LEAN"] for kw in launches] == [True, False] and all(kw["TMA"] == 2 for kw in launches)
+
+
 def test_tma_falls_back_where_a_key_tile_crosses_pages(launches):
     """Pages of 8 keys under 16-key tiles: no tile is one box, so the same walk runs with pointer loads."""
     paged, qkv, scales, sel, bs, scale, ref = _case("decode", 8)
@@ -134,7 +148,9 @@ def test_tma_falls_back_where_a_key_tile_crosses_pages(launches):
 
 
 @pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),
-                                           ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused")])
+                                           ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused"),
+                                           ("union_lean", "whole-tile TMA walks"),
+                                           ("nested_tma_lean", "whole-tile TMA walks")])
 def test_loop_forms_refuse_what_the_kernel_has_not(loop, message):
     with pytest.raises(ValueError, match=message):
         SPA.settings({"decode": {"loop": loop}}, "decode")

@@ -75,6 +75,29 @@ def attend_tile(q, k, v, ks_ptrs, vs_ptrs, kmask, allowed, qk_scale, m_i, l_i, a
 
 
 @triton.jit
+def attend_tile_lean(q, k, v, need_mask, allowed, qk_scale, m_i, l_i, acc, PREC: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """``attend_tile`` (16-bit or fp32 pools, not FP8) with less vector work per score, the same semantics: the
+    mask applied only when ``need_mask`` (the caller knows when every row may see every key of the tile), the
+    scale folded into the exponent's FMA (the running max is kept scaled, as the partials and the merge expect:
+    max(s) * c is the max of s * c exactly, c > 0), and the accumulator rescaled only when some row's max grew (else
+    every alpha is exp2(0) = 1 exactly, so skipping it changes no bit). Only fp32 rounding of the exponent's argument
+    differs from ``attend_tile`` (one FMA instead of a product and a difference)."""
+    s = mma(q, tl.trans(k), PREC, INTERPRETED)
+    if need_mask:
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(tl.fma(s, qk_scale, -ref[:, None]))
+    alpha = tl.exp2(m_i - ref)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if tl.max((m_new != m_i).to(tl.int32), axis=0) > 0:
+        acc = acc * alpha[:, None]
+    acc += mma(p.to(v.dtype), v, PREC, INTERPRETED)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv,
                 HQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr):
     """The rows' output (one split), or their partial (m, l, acc) for ``_merge`` (the end of every split-K

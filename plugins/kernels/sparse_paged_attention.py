@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
                      query_tiles, sequence_of, splits_for, tokens_per_tile)
-from ._splitk import LOG2E, Partials, Tickets, attend_tile, finish_rows, finish_rows_fused
+from ._splitk import LOG2E, Partials, Tickets, attend_tile, attend_tile_lean, finish_rows, finish_rows_fused
 from .paged_attention import _check, scale_pools
 
 OP = "m3::sparse_paged_attention"
@@ -81,8 +81,9 @@ DEFAULTS = {
 _LOOPS = ("nested", "flat", "union", "halves")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "fused", the split-K merge in the same launch
-# (``_splitk.finish_rows_fused``: the last split of each tile merges; no second launch).
-_MODIFIERS = ("tma", "fused")
+# (``_splitk.finish_rows_fused``: the last split of each tile merges; no second launch); "lean" (after "tma", whole-tile
+# walks, 16-bit / fp32 pools): each key tile's online-softmax step with less vector work (``attend_tile_lean``).
+_MODIFIERS = ("tma", "fused", "lean")
 
 
 # Most sequences whose starts a one-token program loads at once to find its sequence (``_sequence_by_count``; the fused
@@ -90,17 +91,20 @@ _MODIFIERS = ("tma", "fused")
 _COUNTED_SEQS = 1024
 
 
-def loop_form(loop: str) -> tuple[str, bool, bool]:
-    """A ``loop`` setting -> (walk, tma, fused); refused by name unless it is a walk of ``_LOOPS`` followed by
+def loop_form(loop: str) -> tuple[str, bool, bool, bool]:
+    """A ``loop`` setting -> (walk, tma, fused, lean); refused by name unless it is a walk of ``_LOOPS`` followed by
     distinct modifiers of ``_MODIFIERS`` in that order."""
     walk, *mods = loop.split("_")
     if walk not in _LOOPS or mods != [m for m in _MODIFIERS if m in mods]:
         raise ValueError(f"sparse_paged_attention: loop {loop!r} is not one of {_LOOPS}, optionally followed by "
                          f"{' / '.join('_' + m for m in _MODIFIERS)} in that order")
+    if "lean" in mods and ("tma" not in mods or walk not in ("flat", "union")):
+        raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_lean' is a step of the whole-tile TMA walks "
+                         "('flat_tma...' with one token per program, 'union_tma...')")
     if walk == "halves" and "fused" in mods:
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: the 'halves' walk finishes its two row groups "
                          "apart, so its merge cannot be fused")
-    return walk, "tma" in mods, "fused" in mods
+    return walk, "tma" in mods, "fused" in mods, "lean" in mods
 
 
 def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None):
@@ -185,6 +189,11 @@ VARIANTS = {
         "union_tma-t8-n128-w8-s2-waves2": _prefill("union_tma", 8, 128, 8, 2),
         "union_tma-t8-n64-w8-s3-waves2": _prefill("union_tma", 8, 64, 8, 3),
         "halves_tma-t8-n64-w8-s3-waves2": _prefill("halves_tma", 8, 64, 8, 3),
+        # ... and with the lean step (attend_tile_lean: mask only on the tiles that need one, the scale in the
+        # exponent's FMA, the accumulator rescaled only when a row's max grew). sm_90: n128 s2 253 registers, n64 s3
+        # 202, no spill, 160 / 96 KB (the plain union tile n128 s2 spills 8 bytes at 255).
+        "union_tma_lean-t8-n128-w8-s2-waves2": _prefill("union_tma_lean", 8, 128, 8, 2),
+        "union_tma_lean-t8-n64-w8-s3-waves2": _prefill("union_tma_lean", 8, 64, 8, 3),
     },
 }
 
@@ -397,6 +406,7 @@ def _sparse_paged_attention(
     SPLITS: tl.constexpr, LOOP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr = False,  # these last, with defaults: the TensorRT wrappers pass the others by position
     TMA: tl.constexpr = 0, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
+    LEAN: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -503,6 +513,7 @@ def _sparse_paged_attention(
                 n_other = tl.sum(other.to(tl.int32), axis=0)
                 has_own = tl.sum((first_use & (sel_one == last // BS)).to(tl.int32), axis=0) > 0
             own = last // BS
+            pos_min = tl.min(tl.where(row_ok, pos, last), axis=0)  # the earliest position of the tile's rows
             own_keys = last + 1 - own * BS  # keys of the own block up to the last position (1..BS)
             n_full = n_other * SUB + tl.where(has_own, own_keys // BLOCK_N, 0)  # whole key tiles, in walk order
             t_lo = split * PER * SUB
@@ -519,10 +530,19 @@ def _sparse_paged_attention(
                 else:
                     c = tl.where(visit < n_other, tl.sum(tl.where(other & (rank == visit), sel_one, 0), axis=0), own)
                     wants = row_ok
-                m_i, l_i, acc = _attend_block(
-                    q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, True, wants, pos, last, d, dv, g, sk_p, sk_r,
-                    sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
-                    BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, 2)
+                if LEAN:  # the mask only where a row may not see a key of the tile (attend_tile_lean)
+                    j, kmask, page, row, k, v = _load_kv(k_src, v_src, bt_row, c, sub, True, last, d, dv, g, sk_p,
+                                                         sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N,
+                                                         TILE_IN_PAGE, 2)
+                    some_not = tl.min(tl.where(row_ok, wants, True).to(tl.int32), axis=0) == 0
+                    need = some_not | (c * BS + sub * BLOCK_N + BLOCK_N - 1 > pos_min)
+                    m_i, l_i, acc = attend_tile_lean(q, k, v, need, wants[:, None] & (j[None, :] <= pos[:, None]),
+                                                     qk_scale, m_i, l_i, acc, PREC, INTERPRETED)
+                else:
+                    m_i, l_i, acc = _attend_block(
+                        q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, True, wants, pos, last, d, dv, g, sk_p, sk_r,
+                        sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
+                        BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, 2)
             if has_own & (own_keys % BLOCK_N != 0) & (t_lo <= n_full) & (n_full < t_hi):  # the partial tile
                 if TOKENS == 1:
                     wants = row_ok
@@ -626,7 +646,7 @@ def forward(
         slots = t
     else:
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
-    loop, tma, fused = loop_form(cfg["loop"])
+    loop, tma, fused, lean = loop_form(cfg["loop"])
     if loop == "halves" and tokens == 1:
         loop = "union"  # one token has no halves: its own list, the same computation
     if loop == "halves" and tokens % 2:
@@ -676,6 +696,7 @@ def forward(
         TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
         TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
+        LEAN=lean and k_scale is None,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts and not fused else out
