@@ -152,3 +152,26 @@ def test_mxfp8_artifact_has_no_decode_graph(mxfp8_artifact):
     model = onnx.load(str(art.path("model")), load_external_data=False)
     with pytest.raises(ArtifactError, match="MXFP8 experts.*float8 Gather"):
         decode_model(model)
+
+
+@pytest.mark.slow  # a bf16 export of its own (~25 s on the 2-core machine)
+def test_every_bf16_decode_node_has_a_cuda_kernel(tmp_path):
+    """Every node of the bf16 decode graphs (bodies inlined) has a kernel in ORT's CUDA EP for the types it is fed
+    (``tests/test_ort_cuda_kernel_types.py``'s table): no node falls back to the CPU EP, which a captured CUDA
+    graph could not hold."""
+    from tests.test_ort_cuda_kernel_types import CUDA_EP, typed_nodes
+
+    art = load_artifact(export_artifact("tiny", tmp_path / "bf16", dtype="bfloat16", progress=False))
+    for flavour in (FLAVOUR, ALL_EXPERTS):
+        for graph, record in art.manifest.flavours[flavour].items():
+            model = onnx.load(str(art.root / record["file"]), load_external_data=False)
+            missing, checked = [], 0
+            for _, node, types in typed_nodes(model):
+                assert node.op_type in CUDA_EP, f"{flavour}/{graph}: {node.op_type} is not in the table"
+                positions, allowed = CUDA_EP[node.op_type]
+                for i in range(len(types)) if positions is None else positions:
+                    if i < len(types) and node.input[i]:
+                        checked += 1
+                        if types[i] not in allowed:
+                            missing.append(f"{node.op_type} input {i}: {types[i]}")
+            assert checked > 500 and not missing, (flavour, graph, checked, sorted(set(missing)))
