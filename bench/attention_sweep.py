@@ -434,7 +434,8 @@ class Sweep:
                             per_sm_by_shared=233472 // (shared + 1024),
                             per_sm_by_registers=65536 // (regs * 32 * warps) if regs else None,
                             constexprs={n: consts[n] for n in ("TOKENS", "ROWS", "BLOCK_N", "SPLITS", "LOOP", "BS",
-                                                               "TMA", "STAGES", "FOLD") if n in consts}))
+                                                               "TMA", "STAGES", "FOLD", "FUSED", "LEAN")
+                                       if n in consts}))
                     except Exception as e:  # noqa: BLE001  (an attribute this Triton does not have)
                         rows.append(dict(kernel=getattr(k, "name", "?"), error=f"{type(e).__name__}: {e}"[:200]))
         self.res["compiled_kernels"] = rows
