@@ -136,12 +136,29 @@ DECODE_ROUND5 = {
                                         SHARED_GRID=1, COMBINE=1, PDL=2),
     "gemv_bn4_pipe4_sg_comb_tma_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
                                             SHARED_GRID=1, COMBINE=1, TMA=1, PDL=2),
+    # GSUM 1 (gemv._group_dot): each K step's products summed per 32-column group, then scaled once per group: a
+    # quarter fewer instructions per weight byte than the element-wise accumulator (whose K step is 211 SASS
+    # instructions for 32 weights per thread at GEMV_DECODE's tile) and BN x BK / 32 accumulator registers, so
+    # 512-wide K steps fit as many programs per SM as 256-wide ones did.
+    "gemv_bn4_pipe4_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                        SHARED_GRID=1, COMBINE=1, GSUM=1),
+    "gemv_bn4_bk512_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                              PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
+    "gemv_bn8_bk512_w4_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3,
+                                                 PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
+    "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                                   PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1, PDL=2),
 }
 # The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
 LINEAR_ROUND5 = {
     "gemv_pipe4_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4, TMA=1),
     "gemv_bn4_pipe4_tma": DECODE_ROUND5["gemv_bn4_pipe4_tma"],
     "gemv_pipe6_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=6, PIPELINE=6, TMA=1),
+    # ... and with per-group sums (GSUM): the default tile, and 512-wide K steps at BN 8 and BN 4.
+    "gemv_pipe4_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4, GSUM=1),
+    "gemv_bk512_pipe3_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, PIPELINE=3, GSUM=1),
+    "gemv_bn4_bk512_pipe3_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
+                                      GSUM=1),
 }
 # Prefill round 4 (issue 12: 450 TFLOP/s; rounds 2-3: MXFP8 169 / 206, bf16 253 / 313 at 4k / 16k tokens). What the
 # code and round 3 say is lost (docs/performance.md): (1) tile order: the 2-D grid runs row blocks fastest, so the
@@ -276,13 +293,16 @@ def decode_variants(fmt: str, batch: int) -> list:
     the 16-row tensor-core tiles there by 10-20 % in all rounds), the 16-row tensor-core tiles from 8 tokens. bf16
     at 2-8: the register-streamed GEMV tiles, the two PIPELINE winners and GU_FUSED 16-row tiles. The grouped path
     forced at one token in both formats. Round 5 (DECODE_ROUND5: the shared expert in the routed grid, the combine
-    in the down launch, TMA weight tiles) at one token in both formats and at 2-8 tokens with MXFP8."""
+    in the down launch, TMA weight tiles, PDL, per-group sums) at one token in both formats, three of them at 2-8
+    tokens with MXFP8."""
     winners = [PIPELINE_SWEEP["gemv_pipe4"], PIPELINE_SWEEP["gemv_bn4_pipe4"]]
     bigger = list(BYTES_SWEEP.values())
     round5 = list(DECODE_ROUND5.values())
+    round5_few = [DECODE_ROUND5[n] for n in ("gemv_bn4_pipe4_sg_comb", "gemv_bn4_bk512_pipe3_sg_comb_gsum",
+                                             "gemv_bn8_bk512_w4_pipe3_sg_comb_gsum")]
     if fmt == "mxfp8":
         out = ([PREVIOUS_DEFAULTS["gemv_4warps"], *winners, PIPELINE_SWEEP["gemv_split2_pipe4"], *bigger, *round5]
-               if batch == 1 else [*winners, *round5] if batch <= 8 else [])
+               if batch == 1 else [*winners, *round5_few] if batch <= 8 else [])
         if batch >= 8:
             out += TC_DECODE_SWEEP
     else:

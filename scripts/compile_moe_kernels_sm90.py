@@ -171,7 +171,8 @@ def variants(quick: bool):
         shared, tma, comb = int(bool(c.get("SHARED_GRID"))), int(bool(c.get("TMA"))), int(bool(c.get("COMBINE")))
         tag = (f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
                f"{' sdown%d' % split_down if split_down != split else ''}{' sg' if shared else ''}"
-               f"{' tma' if tma else ''}{' comb' if comb else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}")
+               f"{' tma' if tma else ''}{' comb' if comb else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}"
+               f"{' gsum' if c.get('GSUM') else ''}")
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w, "sh_w_ptr": w, "sh_s_ptr": "*u8" if mx else w}
@@ -192,7 +193,8 @@ def variants(quick: bool):
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk,
                               SPLIT_K=split_down if kind == "down" else split, PREFETCH=prefetch,
                               PIPELINE=pipe.get("PIPELINE"), SHARED=shared, TMA=tma,
-                              **({"COMBINE": comb} if kind == "down" else {}), PDL=c.get("PDL", 0))
+                              **({"COMBINE": comb} if kind == "down" else {}), PDL=c.get("PDL", 0),
+                              GSUM=c.get("GSUM", 0))
                 out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} {tag}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
@@ -202,7 +204,7 @@ def variants(quick: bool):
             continue
         out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
                     sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,
-                              PIPELINE=pipe.get("PIPELINE"), TMA=tma), gw, gs))
+                              PIPELINE=pipe.get("PIPELINE"), TMA=tma, GSUM=c.get("GSUM", 0)), gw, gs))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]

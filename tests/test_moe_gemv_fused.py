@@ -3,12 +3,13 @@
 ``SHARED_GRID`` puts the shared expert's tokens into the routed launches' grid (two GEMV launches instead of four),
 ``COMBINE`` lets the down launch's last program per (token, N tile) write the output (no combine launch), ``TMA``
 copies the weight tiles by TMA, ``SPLIT_K_DOWN`` splits the down launch alone, ``PDL`` makes the two launches
-programmatic dependents (Hopper). None of them changes a product, a sum's order or a rounding point, so each must give exactly the output of the same tile without it (``torch.equal``,
-not a tolerance), and that output must be as close to the float64 reference as the bf16 reference is
-(``test_kernels_moe._close``, whose docstring derives the bound). CPU tests run under the Triton interpreter at
-tiny, odd sizes (H 96 is not a multiple of the 64-wide K tile, I 96 not of a 64-wide N tile: the last K step and
-N tile are partly past the edge, where TMA reads zeros or a neighbour's rows); the ``gpu`` tests run the
-compiled kernels at the ``mini`` preset's dims.
+programmatic dependents (Hopper). None of them changes a product, a sum's order or a rounding point, so each must
+give exactly the output of the same tile without it (``torch.equal``, not a tolerance), and that output must be as
+close to the float64 reference as the bf16 reference is (``test_kernels_moe._close``, whose docstring derives the
+bound). ``GSUM`` (per-group sums) changes the order of the fp32 sums only: it is held to that bound alone. CPU
+tests run under the Triton interpreter at tiny, odd sizes (H 96 is not a multiple of the 64-wide K tile, I 96 not
+of a 64-wide N tile: the last K step and N tile are partly past the edge, where TMA reads zeros or a neighbour's
+rows); the ``gpu`` tests run the compiled kernels at the ``mini`` preset's dims.
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ def test_fp32_activations():
 
 
 @cpu_only
+@pytest.mark.parametrize("fmt,dt", [("mxfp8", torch.bfloat16), ("mxfp8", torch.float16), ("mxfp8", torch.float32),
+                                    ("bf16", torch.bfloat16)], ids=["mxfp8-bf16", "mxfp8-fp16", "mxfp8-fp32", "bf16"])
+def test_group_sums_are_as_accurate(fmt, dt):
+    # GSUM reorders the fp32 sums (per 32-column group, scaled once per group with MXFP8 weights, but for fp16
+    # activations): not the base tile's bits, but within the bound every summation order meets (_close: fp32 to
+    # 1e-5 of the output's magnitude; 16-bit activations no less accurate than the 16-bit reference, plus one ulp).
+    # 512-wide K steps over H 608 (the second step mostly past H), clamps active.
+    case = MoECase(2, 608, 64, 64, 5, 2, gain=2.0, seed=58)
+    got, args = _run(case, fmt, {**BASE, "BLOCK_K": 512, "PIPELINE": 3, "GSUM": 1, **ROUND5["sg_comb"]}, dt)
+    want, want64 = _reference(case, fmt, args)
+    _close(got, want, want64 if dt != torch.float32 else None)
+
+
+@cpu_only
 def test_combine_puts_its_ticket_counters_back_to_zero():
     # COMBINE's tickets (_batch.ticket_counters) must read 0 before every launch: the last program of each
     # (token, N tile) resets its counter, so a second call (as a graph replay) gives the same bits.
@@ -143,8 +158,22 @@ def test_linear_tma_is_the_same_gemv(config):
         linear_kernel.run_linear(x, _off_alignment(w), s, config={**config, "TMA": 1})
 
 
+@cpu_only
+def test_linear_group_sums():
+    # The one-row linear with GSUM (alone and with TMA): K 1120 in 512-wide steps, N 40 in 16-row tiles.
+    w, s = mxfp8.quantize(torch.randn(40, 1120))
+    x = torch.randn(1, 1120).bfloat16()
+    for extra in ({}, {"TMA": 1, "BLOCK_K": 256}):
+        cfg = {**dict(GEMV=1, BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3, PIPELINE=3, GSUM=1), **extra}
+        got = linear_kernel.run_linear(x, w, s, config=cfg)
+        _close(got, ref.mxfp8_linear_reference(x, w, s), ref.mxfp8_linear_reference(x.double(), w, s))
+
+
 def test_tma_kw_is_empty_without_tma():
     assert gemv.tma_kw({"GEMV": 1}, "moe", []) == {}
+    assert gemv.gsum_kw({"GEMV": 1}, "moe") == {}
+    with pytest.raises(ValueError, match="GSUM goes with PREFETCH 0"):
+        gemv.gsum_kw({"GEMV": 1, "GSUM": 1, "PREFETCH": 2}, "moe")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -189,27 +218,30 @@ def _mini_run(args, cfg, t):
 @needs_gpu
 @pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb", "gemv_bn4_pipe4_sg_comb_tma", "gemv_bn4_pipe6_sg_comb_tma",
                                   "gemv_bn8_pipe4_sg_comb_tma", "gemv_bn8_pipe4_sg_comb_sdown2",
-                                  "gemv_bn4_pipe4_sg_comb_pdl", "gemv_bn4_pipe4_sg_comb_tma_pdl2"])
+                                  "gemv_bn4_pipe4_sg_comb_pdl", "gemv_bn4_pipe4_sg_comb_tma_pdl2",
+                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum", "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2"])
 def test_gpu_round5_mini_dims(mini, name):
     # bench/moe.py's round-5 decode variants compiled (TMA, the cross-program tickets and split partials, PDL race
     # only on a device): one token and four, against the float64 reference's bound; called twice (the tickets reset
     # themselves) and equal across calls. Without TMA the output must equal the same tile's without the round-5
-    # keys bit for bit (TMA changes nothing either, but its compiled arithmetic may fuse differently).
+    # keys bit for bit (TMA changes nothing either, but its compiled arithmetic may fuse differently; GSUM reorders
+    # the sums).
     cfg = _bench_round5().DECODE_ROUND5[name]
-    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL")}
+    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL", "GSUM")}
     for t in (1, 4):
         got = _mini_run(mini, cfg, t)
         args = [mini[0][:t], *mini[1:]]
         want = ref.moe_mxfp8_reference(*args, TOP_K, SCALING, ALPHA, LIMIT)
         _close(got, want, ref.moe_mxfp8_reference(*_as64(args), TOP_K, SCALING, ALPHA, LIMIT))
         assert torch.equal(got, _mini_run(mini, cfg, t))
-        if not cfg.get("TMA"):
+        if not cfg.get("TMA") and not cfg.get("GSUM"):
             assert torch.equal(got, _mini_run(mini, base, t))
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb_pdl2", "gemv_bn4_pipe4_sg_comb_tma_pdl2"])
+@pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb_pdl2", "gemv_bn4_pipe4_sg_comb_tma_pdl2",
+                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2"])
 def test_gpu_round5_graph_replay_equals_eager(mini, name):
     # How the model runs them: captured in a CUDA graph (programmatic dependent launches become graph edges, the
     # COMBINE tickets must be back at 0 before each replay), replayed three times with new inputs copied into the
@@ -234,9 +266,10 @@ def test_gpu_round5_graph_replay_equals_eager(mini, name):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("name", ["gemv_pipe4_tma", "gemv_bn4_pipe4_tma", "gemv_pipe6_tma"])
+@pytest.mark.parametrize("name", ["gemv_pipe4_tma", "gemv_bn4_pipe4_tma", "gemv_pipe6_tma", "gemv_bk512_pipe3_gsum"])
 def test_gpu_linear_tma_mini_dims(name):
-    # The one-row linear's TMA tiles at the fused q/k/v/index projection's shape (9856 x 6144) and o (6144 x 8192).
+    # The one-row linear's TMA and GSUM tiles at the fused q/k/v/index projection's shape (9856 x 6144) and o
+    # (6144 x 8192).
     cfg = _bench_round5().LINEAR_ROUND5[name]
     g = torch.Generator(device="cuda").manual_seed(7)
     for n, k in ((9856, 6144), (6144, 8192)):

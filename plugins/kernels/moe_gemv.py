@@ -24,6 +24,14 @@ shared memory with cp.async while this step is summed, so the bytes in flight no
 compile at mini dims, gate-up BN 8 / BK 256 / 4 warps: 72 registers either way, 13.8 KB of shared memory at S 4,
 about 3x the bytes in flight per SM). The same loads and sums in the same order: results are bit-identical.
 
+Round 5 (config keys, all 0 in the defaults until the H200 measures them; ``bench/moe.py``'s DECODE_ROUND5):
+``SHARED_GRID`` 1 runs the shared expert's tokens as more rows of the routed launches' grid (``_row_source``), so
+gate-up and down are one launch each; ``COMBINE`` 1 lets the down launch's last program per (token, N tile) write
+the output (``_combine_tile``, bit-identical to ``moe._combine``); ``TMA`` 1 copies the weight tiles by TMA
+(``gemv.tma_row_dot``); ``SPLIT_K_DOWN`` splits the down launch alone; ``PDL`` 1 / 2 makes gate-up and down
+programmatic dependent launches (``_down_gemv``'s docstring); ``GSUM`` 1 sums each K step per 32-column group
+(``gemv._group_dot``: fewer instructions and registers, another fp32 summation order).
+
 Semantics are ``moe.py``'s: weights (E4M3 x UE8M0 scale, exactly, per element) are rounded to the activation
 dtype as the reference casts them, products and sums are fp32, the gate-up output is rounded to the activation
 dtype before SwiGLU-OAI, each expert's output before the routing weight.
@@ -37,8 +45,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._batch import ticket_counters
-from .gemv import (pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot, stream_dot as _stream, tma_kw,
-                   tma_row_dot as _tma_dot, x_tile as _x3)
+from .gemv import (acc_zeros as _acc_zeros, gsum_kw, pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot,
+                   stream_dot as _stream, tma_kw, tma_row_dot as _tma_dot, x_tile as _x3)
 from .mxfp8_linear import _INTERPRETED, cast
 
 
@@ -103,6 +111,7 @@ def _gate_up_gemv(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    GSUM: tl.constexpr = 0,
 ):
     """Program (a, n-tile, split): row ``a`` of the grid is an assignment or a token of the shared expert
     (``_row_source``). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's columns. With SPLIT_K > 1,
@@ -128,8 +137,8 @@ def _gate_up_gemv(
     if TMA:  # one descriptor per program over its expert's [2I, H] (gate rows, then up rows)
         desc = tl.make_tensor_descriptor(w_base, shape=[2 * I, H], strides=[sw_n, 1],
                                          block_shape=[BLOCK_N, BLOCK_K])
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        acc_g = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
+        acc_u = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk
             x = _x3(x_row, k0, H, BLOCK_K)
@@ -139,8 +148,8 @@ def _gate_up_gemv(
         acc_g = _reduce(acc_g)
         acc_u = _reduce(acc_u)
     elif PREFETCH == 0:  # gate and up in one loop, one K step in flight
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        acc_g = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
+        acc_u = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk  # past H in the last split: masked loads, zeros added
             x = _x3(x_row, k0, H, BLOCK_K)
@@ -199,7 +208,7 @@ def _down_gemv(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, COMBINE: tl.constexpr = 0,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (an assignment row), y[token, top_k] = act[a] @ w2^T
     (a shared row; ``_row_source``). With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr``
@@ -227,14 +236,14 @@ def _down_gemv(
     _wait_for_previous_launch(PDL)
     if TMA:
         desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[sw_n, 1], block_shape=[BLOCK_N, BLOCK_K])
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        acc = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk
             x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
             acc = _tma_dot(x, acc, desc, pid_n * BLOCK_N, s_rows, k0, ss_k, n_ok, I, BLOCK_N, BLOCK_K, MXFP8, dt)
         acc = _reduce(acc)
     elif PREFETCH == 0:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        acc = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk
             x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
@@ -319,7 +328,7 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     if pdl not in (0, 1, 2):
         raise ValueError(f"moe: PDL must be 0, 1 or 2, got {pdl}")
     launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
-                     **pipeline_kw(cfg, "moe"), **tma)
+                     **pipeline_kw(cfg, "moe"), **tma, **gsum_kw(cfg, "moe"))
     if pdl:  # programmatic dependent launches (Hopper); the interpreter runs launches in order without them
         launch_kw.update(PDL=pdl, **({} if triton.knobs.runtime.interpret else {"launch_pdl": True}))
     same_layout = all(r.w.stride()[1:] == s.w.stride()[1:] and r.s.stride()[1:] == s.s.stride()[1:]
