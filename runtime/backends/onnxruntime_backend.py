@@ -264,8 +264,11 @@ class OnnxRuntimeBackend(Backend):
         self._inputs, self._graph_ids, self._media_zeros = {}, {}, {}
 
     def _run(self, session, batch: Batch, hidden_name: str, **extra: torch.Tensor):
-        feeds = {name: t.to(self.device) for name, t in zip(batch.input_names(), batch.inputs())}
-        feeds.update({name: t.to(self.device) for name, t in extra.items()})
+        """One step of ``session``. Host tensors are fed as they are (``run_torch`` copies them into its device
+        buffers through pinned memory, without a host wait: a host batch, as the engine builds it for padded decode
+        steps, ``batch_device``); tensors on another device are moved first."""
+        feeds = {name: t if t.device.type == "cpu" else t.to(self.device)
+                 for name, t in (*zip(batch.input_names(), batch.inputs()), *extra.items())}
         out = session.run_torch(feeds)
         return out["logits"].float(), out[hidden_name]
 
