@@ -133,6 +133,21 @@ def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.cons
 
 
 @triton.jit
+def _step_dot(x, acc, w, s_next, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.constexpr,
+              MX_MODE: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, SCALES_AHEAD: tl.constexpr):
+    """One K step of the TMA path on a loaded weight tile w [BN, BK] at column k0: ``_tile_dot``, or with
+    ``SCALES_AHEAD`` the dot with the scales the previous step loaded (``s_next``) while this step loads the next
+    step's (masked past K). Returns (acc, the scales for the next step)."""
+    if SCALES_AHEAD:
+        s_now = s_next
+        s_next = tile_scales(s_rows, k0 + w.shape[1], ss_k, r_ok, K, w.shape[1])
+        acc = _scaled_dot(x, acc, w, s_now, MX_MODE, F32, PREC)
+    else:
+        acc = _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K, MXFP8, MX_MODE, F32, PREC)
+    return acc, s_next
+
+
+@triton.jit
 def _scaled_dot(x, acc, w, s, MX_MODE: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr):
     """acc += x [BM, BK] @ (w * scales)^T for an E4M3 tile w [BN, BK] whose UE8M0 scales s [BN, BK / 32] are
     already loaded (``SCALES_AHEAD`` loads them a K step early). MX_MODE 1: the per-32 broadcast of
@@ -206,8 +221,7 @@ def _gate_up(
         s_r = s_ptr + e.to(tl.int64) * ss_e + (r + (j // BLOCK_N) * I).to(tl.int64) * ss_n
         acc = tl.zeros((BLOCK_M, G * BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SCALES_AHEAD:
-            s_next = tile_scales(s_r, 0, ss_k, r_ok, H, BLOCK_K)
+        s_next = tile_scales(s_r, 0, ss_k, r_ok, H, BLOCK_K) if SCALES_AHEAD else 0
         if X_TMA:  # x's rows: every row block's (routed: the grid's row blocks) or the tokens (shared)
             grid_m = tl.num_programs(0) // tl.cdiv(I, BLOCK_N) if GROUP_M else tl.num_programs(0)
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[grid_m * BLOCK_M if ROUTED else num_rows, H],
@@ -220,12 +234,8 @@ def _gate_up(
                 x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :],
                             mask=ok[:, None] & (k[None, :] < H), other=0.0)
             w = tl.reshape(desc.load([e, 0, pid_n * BLOCK_N, k0]), (G * BLOCK_N, BLOCK_K))
-            if SCALES_AHEAD:
-                s_now = s_next
-                s_next = tile_scales(s_r, k0 + BLOCK_K, ss_k, r_ok, H, BLOCK_K)  # masked past H
-                acc = _scaled_dot(x, acc, w, s_now, MX_MODE, F32, PREC)
-            else:
-                acc = _tile_dot(x, acc, w, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
+            acc, s_next = _step_dot(x, acc, w, s_next, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC,
+                                    SCALES_AHEAD)
             if not GU_FUSED:  # the up tile: a second copy and dot
                 wu = tl.reshape(desc.load([e, 1, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
                 acc_u = _tile_dot(x, acc_u, wu, s_r + I * ss_n, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
@@ -309,8 +319,7 @@ def _down(
             grid_m = tl.num_programs(0) // tl.cdiv(H, BLOCK_N) if GROUP_M else tl.num_programs(0)
             act_desc = tl.make_tensor_descriptor(act_ptr, shape=[grid_m * BLOCK_M if ROUTED else num_rows, I],
                                                  strides=[sa_p, 1], block_shape=[BLOCK_M, BLOCK_K])
-        if SCALES_AHEAD:
-            s_next = tile_scales(s_rows, 0, ss_k, n_ok, I, BLOCK_K)
+        s_next = tile_scales(s_rows, 0, ss_k, n_ok, I, BLOCK_K) if SCALES_AHEAD else 0
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if ACT_TMA:
@@ -320,12 +329,8 @@ def _down(
                         other=0.0)
         if TMA:
             w = tl.reshape(desc.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
-            if SCALES_AHEAD:
-                s_now = s_next
-                s_next = tile_scales(s_rows, k0 + BLOCK_K, ss_k, n_ok, I, BLOCK_K)  # masked past I
-                acc = _scaled_dot(x, acc, w, s_now, MX_MODE, F32, PREC)
-            else:
-                acc = _tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC)
+            acc, s_next = _step_dot(x, acc, w, s_next, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC,
+                                    SCALES_AHEAD)
         else:
             acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
     y = cast(acc, dt).to(tl.float32)
