@@ -84,20 +84,21 @@ def test_fp8_pool_through_tma(config):
 
 
 @pytest.mark.parametrize("method", ["rounds", "bitonic"])
-@pytest.mark.parametrize("values", ["zeros", "ints"])
-def test_fold_ties_go_to_forced_then_lower_id(method, values):
-    """Exact ties (every block scores 0, or integer scores with many equal maxima), forced local / init blocks and
-    -1 padding (a one-block sequence), with the gather loads and either top-k method folded into the scan."""
-    paged = Paged([23, 6, 40], [23, 6, 2], 4, seed=1)
+@pytest.mark.parametrize("loads", ["gather", "tma"])
+def test_fold_ties_go_to_forced_then_lower_id(loads, method, monkeypatch):
+    """A decode batch (so the top-k is folded) full of exact ties: keys and queries in {-1, 0, 1} (integer scores,
+    many equal block maxima), a sequence of all-zero keys (every block ties), forced local / init blocks, and -1
+    padding (sequences of one and of two blocks); pages of 16, blocks of 4 (four blocks per TMA tile)."""
+    paged = Paged([47, 6, 40, 1, 30], [1, 1, 1, 1, 1], 16, seed=1)
     attrs = (4, 4, 2, 1)
-    if values == "zeros":
-        q, pool = paged.randn(paged.tokens, 2, 16), paged.pool(16, values=lambda *s: torch.zeros(*s))
-    else:
-        ints = lambda *s: torch.randint(-1, 2, s, generator=paged.gen).float()  # noqa: E731
-        q, pool = ints(paged.tokens, 2, 16), paged.pool(16, values=ints)
+    q = torch.randint(-1, 2, (paged.tokens, 2, 16), generator=paged.gen).float()
+    keys = torch.randint(-1, 2, (paged.num_pages * 16, 16), generator=paged.gen).float()
+    keys[paged.block_tables[2, :3].long().repeat_interleave(16) * 16 + torch.arange(16).repeat(3)] = 0.0
+    pool = paged.pool(16, values=lambda *shape: keys)
     ref = lightning_indexer_reference(q, pool, *paged.args("cpu"), *attrs)
-    assert (ref == -1).any()
-    config = {"scan": dict(fold_topk=1), "topk": dict(method=method)}
+    assert (ref == -1).any() and (ref[2] >= 0).all()
+    monkeypatch.setattr(LI, "block_topk", None)  # folded: the top-k launch is never called
+    config = {"scan": dict(fold_topk=1, loads=loads, block_n=16), "topk": dict(method=method)}
     got = LI.forward(q.to(DEVICE), pool.to(DEVICE), *paged.args(), *attrs, config=config)
     assert torch.equal(got.cpu(), ref)
 
