@@ -8,6 +8,11 @@ in every slot no sequence owns (``Paged``): a bulk copy cannot be masked, so a k
 P V would fail here. Every launch is checked to have run the path named (TMA on, splits > 1). The fused merge's
 counters must be back at 0 after every launch (the next launch, or a CUDA-graph replay, starts from them) and a
 repeated call must give the same bits (the merge sums splits in split order, not in arrival order).
+
+The interpreter runs a launch's programs one after another and its ``tl.atomic_add`` returns the old value (the
+``sem`` / ``scope`` arguments are accepted and have nothing to order there), so on CPU the ticket logic (the last of
+SPLITS tickets merges and resets) is what these cases check; the memory ordering between concurrent programs is
+checked by the GPU test at the end (graph replays, M3 dims).
 """
 
 from __future__ import annotations
