@@ -59,9 +59,10 @@ def test_round6_keys_fp32_activations(config):
 
 
 @cpu_only
-def test_round6_act_tma_with_bf16_weights():
-    # ACT_TMA is not MXFP8's: bf16 weights take it as well (SCALES_AHEAD has no scales to load there: dropped).
-    config = dict(TMA=1, BLOCK_N=64, BLOCK_K=64, SCALES_AHEAD=1, ACT_TMA=1, GROUP_M=2)
+def test_round6_activation_tma_with_bf16_weights():
+    # ACT_TMA and X_TMA are not MXFP8's: bf16 weights take them as well (SCALES_AHEAD has no scales to load there:
+    # dropped).
+    config = dict(TMA=1, BLOCK_N=64, BLOCK_K=64, SCALES_AHEAD=1, ACT_TMA=1, X_TMA=1, GROUP_M=2)
     _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=63), torch.bfloat16, "bf16", config=config)
 
 
