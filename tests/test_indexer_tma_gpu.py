@@ -3,9 +3,9 @@ of 128, blocks of 128, top-16, one local block), against the reference. Skipped 
 ``python3 -m pytest -q -m gpu tests/test_indexer_tma_gpu.py`` in a process of its own (the CPU test files switch
 Triton to its interpreter).
 
-Every scan variant that loads by TMA or folds the top-k runs on a mixed batch (prefill chunk, decodes, a verify, a
-sequence without new tokens) on pages of 128 and 64 (a block then spans two key tiles), bf16 and FP8 pools, and at
-batch 1 / 128k; selections equal the reference's up to fp32 near-ties (the conformance suite's rule). The fold is
+One scan variant per TMA load form and key tile runs on a mixed batch (prefill chunk, decodes, a verify, a sequence
+without new tokens) on pages of 128 and 64 (a block then spans two key tiles), bf16 and FP8 pools; every variant
+that loads by TMA or folds the top-k runs at batch 1 / 128k; selections equal the reference's up to fp32 near-ties (the conformance suite's rule). The fold is
 also captured in a CUDA graph: replays give the eager launch's bits, the ticket counters are back at 0 after
 each, and no launcher syncs the host.
 """
@@ -25,7 +25,17 @@ ATTRS = (BS, TOPK, LOCAL, INIT)
 def _new_variants():
     from m3export.plugins.kernels import lightning_indexer as LI
 
-    return {n: s for n, s in LI.VARIANTS["scan"].items() if s["loads"] == "tma" or s["fold_topk"]}
+    return {n: s for n, s in LI.VARIANTS["scan"].items() if s["loads"] != "gather" or s["fold_topk"]}
+
+
+def _one_per_load_form():
+    """A variant per (loads, key tile) among the TMA ones: the mixed batch's query tiles never fold, and stages /
+    waves change no result, so these cover what the mixed batch can tell apart (compiles cost seconds each)."""
+    seen = {}
+    for name, s in _new_variants().items():
+        if s["loads"] != "gather":
+            seen.setdefault((s["loads"], s["block_n"]), (name, s))
+    return dict(seen.values())
 
 
 def _check(sel, iq, ikc, args, iks=None):
@@ -60,7 +70,7 @@ def test_variants_on_a_mixed_batch_without_host_sync(page, fp8):
         from m3export.ops.kv_fp8 import quantize_rows
 
         ikc, iks = quantize_rows(ikc)
-    for name, settings in _new_variants().items():
+    for name, settings in _one_per_load_form().items():
         LI.forward(iq, ikc, *args, *ATTRS, iks, config={"scan": settings})  # compile, counters allocated
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any device-to-host sync inside the launcher raises
