@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from m3export.dtypes import BY_NAME
 from m3export.errors import BackendUnavailable
 from m3export.export.artifact import load_artifact
 from m3export.runtime import Engine, SamplingParams
@@ -24,9 +25,14 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
+def _params(n: int) -> list[SamplingParams]:
+    """Greedy for all but the last request, which samples (seeded)."""
+    return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * (n - 1) + \
+           [SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True)]
+
+
 def _generate(backend, prompts, k: int = 0) -> list[list[int]]:
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * (len(prompts) - 1) + \
-             [SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True)]
+    params = _params(len(prompts))
     eng = Engine(backend, num_pages=48, num_speculative_tokens=k, max_num_batched_tokens=32)
     try:
         return [o.token_ids for o in eng.generate(prompts, params)]
@@ -80,3 +86,34 @@ def test_requests_the_backend_cannot_serve_are_clear_errors(tiny_artifact, mxfp8
     with pytest.raises(RuntimeError, match="run_replayed needs a session opened with enable_cuda_graph=1"):
         backend._decode.run_replayed({}, 1)
     backend.close()
+
+
+def test_replay_path_binds_fixed_buffers_per_graph(tiny_artifact, monkeypatch):
+    """The replay path's bookkeeping on the CPU EP, which runs a ``gpu_graph_id`` run as an ordinary run: the
+    backend's CUDA-graph path (``PagedSession.run_replayed``, one graph id per (MoE form, bucket, width), ids from
+    1) generates the general graph's tokens, each id's inputs stay at the addresses it was first run with, and a
+    moved input is refused. What only a GPU shows (the capture itself) is ``tests/test_ort_decode_graph_gpu.py``."""
+    from m3export.plugins.onnxruntime.session import PagedSession
+
+    monkeypatch.setattr(PagedSession, "captures", property(lambda self: True))
+    art = load_artifact(tiny_artifact)
+    prompts = _prompts(4, seed=5)
+    want = _generate(OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=False), prompts)
+    backend = OnnxRuntimeBackend(art, "cpu", threads=1, pad_decode=True)
+    backend.cuda_graphs = True
+    eng = Engine(backend, num_pages=48, max_num_batched_tokens=32)
+    try:
+        assert [o.token_ids for o in eng.generate(prompts, _params(len(prompts)))] == want
+        ids = sorted(backend._graph_ids.values())
+        assert backend.replays >= 11 and ids == list(range(1, len(ids) + 1))
+        assert {form for form, _, _ in backend._graph_ids} == {"per-assignment", "all-experts"}
+        session = backend._decodes["all-experts"]
+        graph_id, replay = next(iter(session._replays.items()))
+        moved = {name: torch.zeros(shape, dtype=BY_NAME[session._inputs[name].dtype].torch)
+                 for name, (_, shape) in replay.inputs.items()}
+        with pytest.raises(ValueError, match=f"CUDA graph {graph_id} was captured with other addresses"):
+            session.run_replayed(moved, graph_id)
+        with pytest.raises(ValueError, match="ids start at 1"):
+            session.run_replayed(moved, 0)
+    finally:
+        eng.close()
