@@ -216,7 +216,10 @@ def _index_scan(
             c = it * NB_TILE + tl.arange(0, NB_TILE)
             tl.store(out_row[:, None] + c[None, :], bmax, mask=row_ok[:, None] & (c[None, :] <= own[:, None]))
     if FOLD:
-        tl.debug_barrier()  # every thread's block maxima stored before the ticket (its release covers them)
+        if not INTERPRETED:  # each thread's block-maximum stores ordered before the ticket at GPU scope
+            tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [rows], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        tl.debug_barrier()  # then the whole program's, before the one thread that takes the ticket
         ticket = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLITS - 1:  # the tile's last program: all its block maxima are written
             tl.atomic_xchg(cnt_ptr + tile, 0)  # zero again for the next launch (or graph replay)
