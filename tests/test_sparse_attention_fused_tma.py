@@ -24,7 +24,7 @@ from tests.test_kernels_attention import DEVICE, Paged, _assert_attention_close 
 
 from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E402
 from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
-from m3export.plugins.kernels import _batch, _splitk  # noqa: E402
+from m3export.plugins.kernels import _batch  # noqa: E402
 from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
 
 # (context lengths, new tokens, index block): decode with one-token sequences; decode between sequences without new
@@ -95,7 +95,7 @@ def _run(paged, qkv, scales, sel, bs, scale, mode, loop):
 
 
 def _counters_zero() -> bool:
-    return all(int(b.abs().sum()) == 0 for held in _splitk.Tickets._buffers.values() for b in held)
+    return all(int(b.abs().sum()) == 0 for b in [*_batch._TICKETS.values(), *_batch._OUTGROWN])
 
 
 @pytest.mark.parametrize("batch, loop, page", [(b, lp, 16) for b, lps in LOOPS.items() for lp in lps]

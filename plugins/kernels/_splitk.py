@@ -117,7 +117,7 @@ def finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, 
 def finish_rows_fused(out_ptr, acc_ptr, m_ptr, l_ptr, tick_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h,
                       dv, HQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr):
     """``finish_rows`` with the merge in the same launch: every split stores its partial, then takes a ticket on its
-    rows' counter (``tick_ptr``: one int32 per (query tile, KV head), from ``Tickets``); the split that draws the
+    rows' counter (``tick_ptr``: one int32 per (query tile, KV head), from ``_batch.ticket_counters``); the split that draws the
     last ticket merges all ``SPLITS`` partials of the rows, in split order (so the bits do not depend on which split
     came last), writes the output and puts the counter back to 0 for the next launch.
 
@@ -173,26 +173,6 @@ def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_D
                   mask=(s[:, None] < SPLITS) & (d[None, :] < DV), other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
     tl.store(out_ptr + row.to(tl.int64) * so_t + hd * so_h + d, o.to(out_ptr.dtype.element_ty), mask=d < DV)
-
-
-class Tickets:
-    """The split counters of ``finish_rows_fused``: one persistent, zeroed int32 buffer per device, owned here.
-    Each launch leaves every counter it used back at 0 (the last split resets it), so the buffer is zeroed once,
-    when it is made, never by a host op per call: CUDA-graph replays and eager calls see 0 at launch. Launches that
-    use it must be ordered (one stream, as a model step's layers are): two launches running at once on one device
-    would share counters. A larger request makes a larger buffer and keeps the old ones alive (a captured graph may
-    still point at them)."""
-
-    _buffers: dict = {}
-
-    @classmethod
-    def get(cls, device: torch.device, n: int) -> torch.Tensor:
-        key = (device.type, device.index if device.index is not None else
-               (torch.cuda.current_device() if device.type == "cuda" else 0))
-        held = cls._buffers.setdefault(key, [])
-        if not held or held[-1].numel() < n:
-            held.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
-        return held[-1]
 
 
 class Partials:

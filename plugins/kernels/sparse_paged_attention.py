@@ -28,8 +28,8 @@ block), its page id is one scalar load instead of one per key.
 
 Two modifiers of a loop form (``loop_form``). "_fused": the split-K merge in the same launch
 (``_splitk.finish_rows_fused``): every split stores its partial and takes a ticket on a per-(tile, KV head) counter;
-the last one merges, in split order, and resets the counter (``Tickets``: persistent, zeroed once, so CUDA graphs
-replay it); one-token programs then also find their sequence by one vector load (``_sequence_by_count``) instead of
+the last one merges, in split order, and resets the counter (``_batch.ticket_counters``: persistent, zeroed once, so
+CUDA graphs replay it); one-token programs then also find their sequence by one vector load (``_sequence_by_count``) instead of
 a chain of dependent loads. "_tma": K / V tiles as bulk tensor copies through descriptors made on the device. A bulk
 copy cannot be masked, so the one-token "flat" walk and the "union" walk then visit whole key tiles only: the
 token's usable blocks (first occurrences, -1 and later blocks dropped, in registers) or the tile's union, with the
@@ -47,8 +47,9 @@ import triton
 import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
-                     query_tiles, sequence_of, splits_for, tokens_per_tile)
-from ._splitk import LOG2E, Partials, Tickets, attend_tile, attend_tile_lean, finish_rows, finish_rows_fused
+                     query_tiles, sequence_of, splits_for, ticket_counters, tokens_per_tile)
+from ._splitk import LOG2E, Partials, attend_tile, attend_tile_lean, finish_rows, finish_rows_fused
+from ._tma import ensure_descriptor_allocator
 from .paged_attention import _check, scale_pools
 
 OP = "m3::sparse_paged_attention"
@@ -663,7 +664,7 @@ def forward(
     splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
-    ticks = Tickets.get(q.device, slots * hkv) if fused else None
+    ticks = ticket_counters(q.device, slots * hkv) if fused else None
     ks, vs = scale_pools(k_scale, v_scale, kc)
     # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs ("halves":
     # each group of tokens / 2 at least 16). TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for
@@ -681,9 +682,7 @@ def forward(
                                             kc.element_size(), k_scale is not None, max_shared_memory(q.device))
     tma = tma and tma_usable(kc, block_n, block_size, block_d) and tma_usable(vc, block_n, block_size, block_dv)
     if tma and not interpreted(q):
-        from .moe import _ensure_descriptor_allocator  # the one allocator of device-made descriptors
-
-        _ensure_descriptor_allocator()
+        ensure_descriptor_allocator()
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
