@@ -81,7 +81,8 @@ def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, 
 # registers), i.e. 3 / 2 / 1 programs per SM; "tma" splits cut the context into runs of whole tiles that differ by
 # at most one tile, never more programs than waves x SMs (132 programs of 7-8 tiles at waves 1, 128 of 16 at batch
 # 8 / 32k), so each SM ramps up once and streams 3-4 tiles deep. "tma-host" passes a descriptor made at launch
-# (no descriptor write and tensormap fence at each program's start: 0 tensormap instructions against 16).
+# (no descriptor write and tensormap fence at each program's start: 0 tensormap instructions against 16). FP8 keys
+# by TMA at s10: 72 KB (16 KB tiles), 128 registers; the fold adds ~15 registers (109 at tma s10); none spills.
 # The gather loop at s8 gets 3 buffers the same way. "fold": the last program of a query tile runs the block
 # top-k over the tile's block maxima (an atomic ticket per query tile; ``_batch.ticket_counters``): one launch
 # instead of two per layer; its sweep row times scan + top-k (``bench/attention_sweep.py``), to be read against
