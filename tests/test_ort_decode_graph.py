@@ -107,6 +107,17 @@ def test_decode_graph_equals_general_graph_fp32(tiny_artifact, flavour, extra_wi
     assert worst["out"] <= 1e-5 and worst["pools"] <= 1e-5, worst
 
 
+def test_decode_graph_equals_general_graph_fp8_cache(fp8_artifact):
+    """An FP8 (E4M3) cache: the decode bodies read uint8 codes and decode them with their scale pools, as the
+    general bodies do; the codes and scales written are the general graph's (the same fp32 K / V rows)."""
+    art, general, decode = _sessions(fp8_artifact)
+    with general, decode:
+        worst = _compare(art, general, decode, steps=3, extra_width=2)
+    # the fp32 bound of the fp32 test: the same arithmetic after the (exact) decode of the codes; a code that
+    # flips between two E4M3 neighbours would be 2^-3 relative, far outside it
+    assert worst["out"] <= 1e-5 and worst["pools"] <= 1e-5, worst
+
+
 @pytest.mark.parametrize("flavour", [FLAVOUR, ALL_EXPERTS])
 def test_decode_graph_equals_general_graph_fp16(fp16_artifact, flavour):
     art, general, decode = _sessions(fp16_artifact, flavour)
