@@ -154,6 +154,7 @@ def test_tma_usable_names_what_a_descriptor_cannot_read():
     assert "power of two >= 16" in LI.tma_usable(torch.zeros(6, 8, 32))
     assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 16, 33))  # rows of 132 bytes
     assert "16-byte aligned" in LI.tma_usable(torch.zeros(6, 32, 32)[:, :16])  # pages not one run of rows
+    assert "wider than a bulk copy's box" in LI.tma_usable(torch.zeros(1, 16, 264))
 
 
 def test_unknown_loads_are_refused():

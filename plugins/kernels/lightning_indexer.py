@@ -355,6 +355,7 @@ def scan(
 
 
 MIN_TMA_TILE = 16  # keys: the tensor-core dot's smallest N
+MAX_TMA_BOX = 256  # a bulk tensor copy's box has at most 256 entries along each dimension
 
 
 def tma_usable(index_k_cache: torch.Tensor) -> str | None:
@@ -369,6 +370,8 @@ def tma_usable(index_k_cache: torch.Tensor) -> str | None:
         return f"index_k_cache {tuple(kc.shape)} strides {kc.stride()} is not rows of 16-byte aligned contiguous keys"
     if page & (page - 1) or page < MIN_TMA_TILE:
         return f"page size {page} is not a power of two >= {MIN_TMA_TILE} (a key tile is one page or part of one)"
+    if next_pow2(max(d, 16)) > MAX_TMA_BOX:
+        return f"index head dim {d} is wider than a bulk copy's box ({MAX_TMA_BOX})"
     if pages * page >= 2**31:
         return f"{pages * page} key rows do not fit a descriptor's 32-bit coordinates"
     return None
@@ -402,7 +405,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         seq, start, end, slots = query_tiles(qsl, t, tokens)
     tma = cfg["loads"] != "gather" and tma_usable(kc) is None  # any other pool: the same launch by gathering
     if tma:
-        block_n = min(max(cfg["block_n"], MIN_TMA_TILE), page)  # one page per key tile, or part of one
+        block_n = min(max(cfg["block_n"], MIN_TMA_TILE), page, MAX_TMA_BOX)  # one page per key tile, or part of one
         group = max(block_n, block_size)  # splits cut whole groups (tiles and blocks)
     else:
         block_n = group = max(cfg["block_n"], block_size)
