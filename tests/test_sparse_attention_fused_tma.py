@@ -38,9 +38,9 @@ BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
            "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3], 16),
            "prefill-blocks-of-32": ([64, 48, 60, 7], [5, 16, 9, 7], 32),
            "prefill-short": ([40, 20], [9, 4], 32)}
-LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
+LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused", "flat_tma_host_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
          "decode-blocks-of-32": ["flat_tma_fused", "flat_tma_lean"],
-         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "halves_tma"],
+         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "halves_tma"],
          "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean"]}
 
 
@@ -109,6 +109,7 @@ def test_fused_and_tma_loops_match_reference(batch, loop, page, launches):
     assert bool(kw["TMA"]) == ("tma" in loop) and kw["FUSED"] == ("fused" in loop) and kw["LEAN"] == ("lean" in loop)
     if "tma" in loop:  # whole tiles by bulk copies where the walk allows it (module docstring), else V rows zeroed
         assert kw["TMA"] == (1 if loop.startswith("halves") else 2)
+    assert kw.get("HOST_DESC", False) == ("host" in loop)  # descriptors made at launch
     assert kw["SPLITS"] > 1, "the case must split its selections for the merge to be exercised"
     if "fused" in loop:
         assert _counters_zero()
@@ -154,7 +155,7 @@ def test_tma_falls_back_where_a_key_tile_crosses_pages(launches):
 
 @pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),
                                            ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused"),
-                                           ("union_lean", "whole-tile TMA walks"),
+                                           ("union_lean", "whole-tile TMA walks"), ("flat_host", "follows '_tma'"),
                                            ("nested_tma_lean", "whole-tile TMA walks")])
 def test_loop_forms_refuse_what_the_kernel_has_not(loop, message):
     with pytest.raises(ValueError, match=message):
@@ -163,7 +164,7 @@ def test_loop_forms_refuse_what_the_kernel_has_not(loop, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("loop", ["flat_fused", "flat_tma_fused"])
+@pytest.mark.parametrize("loop", ["flat_fused", "flat_tma_fused", "flat_tma_host_fused"])
 def test_fused_merge_replays_from_a_cuda_graph_with_the_same_bits(loop):
     """M3's dims (64 / 4 heads of 128, blocks and pages of 128, top-16), batch 16 at 4k, bf16: eager calls and
     CUDA-graph replays of the one-launch kernel give the same bits, the counters are 0 after each, and the output is

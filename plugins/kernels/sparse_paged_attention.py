@@ -45,6 +45,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
                      query_tiles, sequence_of, splits_for, ticket_counters, tokens_per_tile)
@@ -81,10 +82,11 @@ DEFAULTS = {
 }
 _LOOPS = ("nested", "flat", "union", "halves")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
-# pools allow it (``tma_usable``; else the same walk with pointer loads); "fused", the split-K merge in the same launch
+# pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
+# at launch and passed by value instead of written by every program at its start (then fenced); "fused", the split-K merge in the same launch
 # (``_splitk.finish_rows_fused``: the last split of each tile merges; no second launch); "lean" (after "tma", whole-tile
 # walks, 16-bit / fp32 pools): each key tile's online-softmax step with less vector work (``attend_tile_lean``).
-_MODIFIERS = ("tma", "fused", "lean")
+_MODIFIERS = ("tma", "host", "fused", "lean")
 
 
 # Most sequences whose starts a one-token program loads at once to find its sequence (``_sequence_by_count``; the fused
@@ -92,20 +94,23 @@ _MODIFIERS = ("tma", "fused", "lean")
 _COUNTED_SEQS = 1024
 
 
-def loop_form(loop: str) -> tuple[str, bool, bool, bool]:
-    """A ``loop`` setting -> (walk, tma, fused, lean); refused by name unless it is a walk of ``_LOOPS`` followed by
+def loop_form(loop: str) -> tuple[str, bool, bool, bool, bool]:
+    """A ``loop`` setting -> (walk, tma, host, fused, lean); refused by name unless it is a walk of ``_LOOPS`` followed by
     distinct modifiers of ``_MODIFIERS`` in that order."""
     walk, *mods = loop.split("_")
     if walk not in _LOOPS or mods != [m for m in _MODIFIERS if m in mods]:
         raise ValueError(f"sparse_paged_attention: loop {loop!r} is not one of {_LOOPS}, optionally followed by "
                          f"{' / '.join('_' + m for m in _MODIFIERS)} in that order")
+    if "host" in mods and "tma" not in mods:
+        raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_host' names where TMA descriptors are made, so it "
+                         "follows '_tma'")
     if "lean" in mods and ("tma" not in mods or walk not in ("flat", "union")):
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_lean' is a step of the whole-tile TMA walks "
                          "('flat_tma...' with one token per program, 'union_tma...')")
     if walk == "halves" and "fused" in mods:
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: the 'halves' walk finishes its two row groups "
                          "apart, so its merge cannot be fused")
-    return walk, "tma" in mods, "fused" in mods, "lean" in mods
+    return walk, "tma" in mods, "host" in mods, "fused" in mods, "lean" in mods
 
 
 def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None):
@@ -168,6 +173,9 @@ VARIANTS = {
         "flat_tma_fused-n64-w4-s3-waves3-max8": _decode("flat_tma_fused", 64, 4, 3, 3, 8),
         "flat_tma_fused-n128-w4-s3-waves2": _decode("flat_tma_fused", 128, 4, 3, 2),
         "flat_tma-n64-w4-s3-waves3-max8": _decode("flat_tma", 64, 4, 3, 3, 8),
+        # the same with the descriptors made at launch ("_host"): no descriptor write + fence at each program's start
+        "flat_tma_host_fused-n64-w4-s3-waves3-max8": _decode("flat_tma_host_fused", 64, 4, 3, 3, 8),
+        "flat_tma_host_fused-n128-w4-s3-waves2": _decode("flat_tma_host_fused", 128, 4, 3, 2),
     },
     "prefill": {
         "nested-tauto-n64-w4-s2-waves2": _prefill("nested", None, 64, 4, 2),  # the defaults before 22:12
@@ -195,6 +203,7 @@ VARIANTS = {
         # 202, no spill, 160 / 96 KB (the plain union tile n128 s2 spills 8 bytes at 255).
         "union_tma_lean-t8-n128-w8-s2-waves2": _prefill("union_tma_lean", 8, 128, 8, 2),
         "union_tma_lean-t8-n64-w8-s3-waves2": _prefill("union_tma_lean", 8, 64, 8, 3),
+        "union_tma_host_lean-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean", 8, 128, 8, 2),
     },
 }
 
@@ -407,7 +416,7 @@ def _sparse_paged_attention(
     SPLITS: tl.constexpr, LOOP: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr = False,  # these last, with defaults: the TensorRT wrappers pass the others by position
     TMA: tl.constexpr = 0, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
-    LEAN: tl.constexpr = False,
+    LEAN: tl.constexpr = False, k_desc=None, v_desc=None, HOST_DESC: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -433,7 +442,10 @@ def _sparse_paged_attention(
     PER: tl.constexpr = (VISITS + SPLITS - 1) // SPLITS
     SUB: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N
     bt_row = bt_ptr + seq.to(tl.int64) * sbt_b
-    if TMA:  # K / V tiles as bulk tensor copies (_load_kv) through descriptors over the pools as [pages * page, Hkv * D]
+    if HOST_DESC:  # the descriptors made at launch, passed by value (no descriptor write and fence per program)
+        k_src = k_desc
+        v_src = v_desc
+    elif TMA:  # K / V tiles as bulk tensor copies (_load_kv) through descriptors over the pools as [pages * page, Hkv * D]
         k_src = tl.make_tensor_descriptor(k_ptr, shape=[kv_rows, hkv * D], strides=[sk_r, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
         v_src = tl.make_tensor_descriptor(v_ptr, shape=[kv_rows, hkv * DV], strides=[sv_r, 1],
@@ -647,7 +659,7 @@ def forward(
         slots = t
     else:
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
-    loop, tma, fused, lean = loop_form(cfg["loop"])
+    loop, tma, host, fused, lean = loop_form(cfg["loop"])
     if loop == "halves" and tokens == 1:
         loop = "union"  # one token has no halves: its own list, the same computation
     if loop == "halves" and tokens % 2:
@@ -681,7 +693,13 @@ def forward(
         block_n, stages = fit_shared_memory(rows, block_n, block_d, block_dv, stages, q.element_size(),
                                             kc.element_size(), k_scale is not None, max_shared_memory(q.device))
     tma = tma and tma_usable(kc, block_n, block_size, block_d) and tma_usable(vc, block_n, block_size, block_dv)
-    if tma and not interpreted(q):
+    descs = {}
+    if tma and host:
+        descs = dict(k_desc=TensorDescriptor(kc, shape=[kc.shape[0] * page, hkv * d], strides=[kc.stride(1), 1],
+                                             block_shape=[block_n, block_d]),
+                     v_desc=TensorDescriptor(vc, shape=[vc.shape[0] * page, hkv * dv], strides=[vc.stride(1), 1],
+                                             block_shape=[block_n, block_dv]), HOST_DESC=True)
+    elif tma and not interpreted(q):
         ensure_descriptor_allocator()
     _sparse_paged_attention[(slots, hkv, splits)](
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
@@ -695,7 +713,7 @@ def forward(
         TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
         TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
-        LEAN=lean and k_scale is None,
+        LEAN=lean and k_scale is None, **descs,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts and not fused else out
