@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +44,34 @@ def _fill(ckpt_dir, names):
             f.write(data)
 
 
+def _sparse_copy(src, dst) -> None:
+    """``shutil.copy2`` that keeps a sparse file's holes (``SEEK_DATA`` / ``SEEK_HOLE``): the shards here are ~8 GB
+    of holes and a few MB of data, and a plain copy writes every byte (two such copies were ~2 minutes of CI)."""
+    size = os.path.getsize(src)
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        fd, offset = fi.fileno(), 0
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError:  # no data past offset
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            fi.seek(start)
+            fo.seek(start)
+            while start < end:
+                chunk = fi.read(min(end - start, 1 << 24))
+                fo.write(chunk)
+                start += len(chunk)
+            offset = end
+        fo.truncate(size)
+    shutil.copystat(src, dst)
+
+
+def _copy(artifact: Path, to: Path) -> Path:
+    shutil.copytree(artifact, to, copy_function=_sparse_copy)
+    return to
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("zc") / "ckpt"
@@ -64,7 +93,7 @@ def test_nothing_copied(exported):
 
 
 def test_references_point_at_exactly_their_tensor(exported):
-    art = load_artifact(exported)
+    art = load_artifact(exported, verify_checksums=False)  # hashing the shards is test_verify_hashes_...'s part
     ck = Checkpoint(exported)
     by_range = {(Path(i.file).name, i.offset): (name, i) for name, i in ck.tensors.items()}
     layout = Layout("original", art.config)
@@ -100,10 +129,10 @@ def test_checker_passes_without_loading_external_data(exported):
 
 
 def test_replaced_shard_is_detected(exported, tmp_path):
-    copy = tmp_path / "c"
-    shutil.copytree(exported, copy)
+    copy = _copy(exported, tmp_path / "c")
     shard = sorted(copy.glob("model-*.safetensors"))[0]
-    data = bytearray(shard.read_bytes()[:4096])
+    with open(shard, "rb") as f:
+        data = bytearray(f.read(4096))
     data[12] ^= 1
     with open(shard, "r+b") as f:
         f.write(bytes(data))
@@ -132,13 +161,33 @@ def test_truncated_or_inconsistent_shard_gives_clear_error(tmp_path):
     assert not list(root2.glob("*.onnx"))
 
 
-def test_in_place_export_again_needs_force_and_keeps_the_checkpoint_loadable(tmp_path):
-    import m3export
+@pytest.fixture(scope="module")
+def in_place_tiny(tmp_path_factory):
+    """A tiny MXFP8 checkpoint (one shard) exported in place once, for the two tests below (an export is most of
+    their time): (root, the checkpoint's files' bytes before, the names moved into root during the export, in
+    order)."""
     from m3export.checkpoint.writer import write_checkpoint
 
-    root = write_checkpoint(tmp_path / "c", preset("tiny"), "original", "mxfp8", progress=False)  # one shard
+    root = write_checkpoint(tmp_path_factory.mktemp("inplace") / "c", preset("tiny"), "original", "mxfp8",
+                            progress=False)
     before = {p.name: p.read_bytes() for p in root.iterdir()}
-    export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)  # norms etc. converted
+    moved, replace = [], Path.replace
+
+    def recording(self, target):
+        if Path(target).parent == root:
+            moved.append(Path(target).name)
+        return replace(self, target)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "replace", recording)
+        export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)  # norms etc. converted
+    return root, before, moved
+
+
+def test_in_place_export_again_needs_force_and_keeps_the_checkpoint_loadable(in_place_tiny):
+    import m3export
+
+    root, before, _ = in_place_tiny
     assert (root / "weights.safetensors").exists()
     with pytest.raises(ArtifactError, match="already holds .* pass --force"):
         export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)
@@ -154,10 +203,11 @@ def test_verify_hashes_linked_shards_start_up_does_not(exported, tmp_path):
     files = json.loads((exported / "manifest.json").read_text())["files"]
     linked = sorted(n for n, meta in files.items() if "header_sha256" in meta)
     assert linked and all(len(files[n]["sha256"]) == 64 for n in linked)
-    copy = tmp_path / "c"
-    shutil.copytree(exported, copy)
+    copy = _copy(exported, tmp_path / "c")
     ck = Checkpoint(copy)
     info = ck.tensors[SAMPLES[-1]]  # language_model.model.norm.weight: real (non-hole) bytes
+    with open(info.file, "rb") as f:  # the copy is whole (a lost extent would fail the check below for nothing)
+        assert hashlib.file_digest(f, "sha256").hexdigest() == files[Path(info.file).name]["sha256"]
     with open(info.file, "r+b") as f:
         f.seek(info.offset)
         first = f.read(2)
@@ -168,18 +218,8 @@ def test_verify_hashes_linked_shards_start_up_does_not(exported, tmp_path):
         load_artifact(copy)
 
 
-def test_in_place_export_moves_the_manifest_last(tmp_path, monkeypatch):
+def test_in_place_export_moves_the_manifest_last(in_place_tiny):
     """The manifest is the commit point of an in-place export: moved after every graph and weight file, so a kill
     mid-move never leaves a manifest beside graphs it does not describe."""
-    from m3export.checkpoint.writer import write_checkpoint
-
-    root = write_checkpoint(tmp_path / "c", preset("tiny"), "original", "mxfp8", progress=False)
-    moved, replace = [], Path.replace
-
-    def recording(self, target):
-        if Path(target).parent == root:
-            moved.append(Path(target).name)
-        return replace(self, target)
-    monkeypatch.setattr(Path, "replace", recording)
-    export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)
+    _, _, moved = in_place_tiny
     assert "model.onnx" in moved and moved[-1] == "manifest.json"
