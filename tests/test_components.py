@@ -173,6 +173,41 @@ def test_indexer_and_sparse_attention_against_formula(page, local, init):
                 assert rel(out[t, hh], ref) < 1e-5
 
 
+@pytest.mark.parametrize("page", [4, 3])
+def test_paged_attention_against_formula(page):
+    """Dense paged attention on its own float64 formula (not through the sparse op, which shares its code): per
+    token t of sequence b and query head h, softmax over keys j <= position(t) of q.k_j / sqrt(D) against the KV
+    head h // group, gathered through shuffled block tables; unowned pool slots hold NaN and must not matter.
+    fp32 op on float64-exact inputs: 1e-5 relative covers its fp32 dot, softmax and sum (D = 16, <= 37 keys)."""
+    hkv, group, d = 2, 2, 16
+    lens, new = [37, 9, 22], [5, 1, 3]  # a prefill chunk, a decode step, a 3-token verify
+    kk = [rnd(n, hkv, d) for n in lens]
+    vv = [rnd(n, hkv, d) for n in lens]
+    n_pages = sum(-(-n // page) for n in lens) + 3
+    k_pool, tables = _paged(kk, page, n_pages, (hkv, d), torch.Generator().manual_seed(page))
+    v_pool, _ = _paged(vv, page, n_pages, (hkv, d), torch.Generator().manual_seed(page))
+    owned = torch.zeros(n_pages, page, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for j in range(n):
+            owned[tables[b, j // page], j % page] = True
+    k_pool[~owned], v_pool[~owned] = float("nan"), float("nan")
+    qsl = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, new, strict=True)])
+    q = rnd(9, hkv * group, d)
+    out = torch.ops.m3.paged_attention(q.float(), k_pool.float(), v_pool.float(), tables, qsl,
+                                       torch.tensor(lens, dtype=torch.int32), positions, d**-0.5)
+    assert torch.isfinite(out).all()
+    seq_of = [0] * 5 + [1] + [2] * 3
+    for t in range(9):
+        b, p = seq_of[t], int(positions[t])
+        for hh in range(hkv * group):
+            r = hh // group
+            logits = torch.stack([q[t, hh] @ kk[b][j, r] for j in range(p + 1)]) / math.sqrt(d)
+            pr = torch.softmax(logits, 0)
+            ref = sum(pr[j] * vv[b][j, r] for j in range(p + 1))
+            assert rel(out[t, hh], ref) < 1e-5, (t, hh)
+
+
 def test_dense_attention_is_sparse_with_everything_selected():
     g = torch.Generator().manual_seed(3)
     t, hq, hkv, d, page = 6, 4, 2, 8, 4
