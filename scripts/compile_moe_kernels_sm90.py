@@ -54,6 +54,7 @@ def build(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> dic
     spills read far worse than what runs (an earlier version of this script did that)."""
     constexprs = {**{n: 1 for n in UNIT_STRIDES if n in signature}, **constexprs}
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    sig = {n: sig[n] for n in fn.arg_names if n in sig}  # the kernel's order (some take arguments after constexprs)
     names = [n for n in sig]
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n] != "constexpr" and (sig[n].startswith("*") or (n.startswith("s") and sig[n] in ("i32", "i64")))}
@@ -175,19 +176,20 @@ def variants(quick: bool):
                f"{' gsum' if c.get('GSUM') else ''}")
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
-            common = {"w_ptr": w, "s_ptr": "*u8" if mx else w, "sh_w_ptr": w, "sh_s_ptr": "*u8" if mx else w}
+            common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
+            shared_w = {"sh_w_ptr": w, "sh_s_ptr": "*u8" if mx else w}  # after the constexprs (moe_gemv)
             sigs = {
                 "gate_up": (moe_gemv._gate_up_gemv, {
                     "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "part_ptr": "*fp32",
-                    "cnt_ptr": "*i32", "n_routed": "i32", "sx_t": "i32", "sw_e": "i64",
+                    "cnt_ptr": "*i32", "sx_t": "i32", "sw_e": "i64",
                     "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sa_p": "i32",
-                    "alpha": "fp32", "limit": "fp32"}),
+                    "alpha": "fp32", "limit": "fp32", **shared_w, "n_routed": "i32"}),
                 "down": (moe_gemv._down_gemv, {
                     "act_ptr": "*bf16", **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
-                    "part_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16", "tick_ptr": "*i32",
-                    "n_routed": "i32", "scaling": "fp32",
+                    "part_ptr": "*fp32", "cnt_ptr": "*i32",
                     "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32",
-                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32", "so_t": "i32"}),
+                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32", **shared_w, "out_ptr": "*bf16", "tick_ptr": "*i32",
+                    "n_routed": "i32", "scaling": "fp32", "so_t": "i32"}),
             }
             for kind, (fn, sig) in sigs.items():
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk,

@@ -38,17 +38,7 @@ def row_dot(x3, acc3, w_rows, s_rows, k0, sw_k, ss_k, n_ok, K: tl.constexpr, BLO
         s = tl.load(s_rows[:, None] + gg[None, :] * ss_k, mask=n_ok[:, None] & (gg[None, :] < K // 32), other=127)
     else:
         s = g  # not read
-    if len(acc3.shape) == 2:  # group sums (``acc_zeros`` GSUM 1)
-        acc3 = _group_dot(acc3, w, s, x3, MXFP8, DT)
-    else:
-        if MXFP8:
-            w3 = _e4m3_value(w) * _scale_value(s)[:, :, None]
-            if DT != tl.bfloat16:
-                w3 = cast(w3, DT).to(tl.float32)
-        else:
-            w3 = w.to(tl.float32)
-        acc3 = acc3 + w3 * x3
-    return acc3
+    return _dot_tile(acc3, w, s, x3, MXFP8, DT)
 
 
 @triton.jit
@@ -108,7 +98,8 @@ def _load_tile(x_row, w_rows, s_rows, k0, k_end, sw_k, ss_k, n_ok, BLOCK_K: tl.c
 
 @triton.jit
 def _dot_tile(acc3, w, s, x, MXFP8: tl.constexpr, DT: tl.constexpr):
-    """``row_dot``'s arithmetic on a tile loaded by ``_load_tile`` (the same products, in the same order)."""
+    """``row_dot``'s arithmetic on a loaded tile (``_load_tile``, ``tma_row_dot``, ``row_dot`` itself): the
+    element-wise accumulator, or the group sums of ``_group_dot`` (a 2-D accumulator, ``acc_zeros`` GSUM 1)."""
     if len(acc3.shape) == 2:  # group sums (``acc_zeros`` GSUM 1)
         acc3 = _group_dot(acc3, w, s, x.to(tl.float32), MXFP8, DT)
     else:

@@ -51,32 +51,33 @@ from .mxfp8_linear import _INTERPRETED, cast
 
 
 @triton.jit
+def _assignment_row(a, ids_ptr, w_ptr, s_ptr, sw_e, ss_e, TOP_K: tl.constexpr):
+    """(weights, scales, token, slot) of assignment ``a`` = token * top_k + slot, expert ``ids[a]``."""
+    e = tl.load(ids_ptr + a).to(tl.int64)
+    return w_ptr + e * sw_e, s_ptr + e * ss_e, a // TOP_K, a % TOP_K
+
+
+@triton.jit
 def _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e, TOP_K: tl.constexpr,
                 ROUTED: tl.constexpr, SHARED: tl.constexpr):
     """(weights, scales, token, slot) of grid row ``a``: rows below ``n_routed`` are assignments (token * top_k +
     slot, expert ``ids[a]`` of the stack at ``w_ptr``), the rows from ``n_routed`` on are tokens of the shared
-    expert (``sh_w_ptr``, slot top_k). ROUTED / SHARED say which kinds the launch holds (both: ``SHARED_GRID``)."""
+    expert (``sh_w_ptr``, slot top_k): ROUTED and SHARED, the ``SHARED_GRID`` launch. ROUTED alone: every row an
+    assignment; neither: every row a token of the shared expert, whose weights are then at ``w_ptr`` (the launches'
+    positional arguments are those of the kernels before round 5, which the TensorRT plugin wrappers call)."""
     if ROUTED and SHARED:
         if a < n_routed:
-            e = tl.load(ids_ptr + a).to(tl.int64)
-            w_base = w_ptr + e * sw_e
-            s_base = s_ptr + e * ss_e
-            tok = a // TOP_K
-            slot = a % TOP_K
+            w_base, s_base, tok, slot = _assignment_row(a, ids_ptr, w_ptr, s_ptr, sw_e, ss_e, TOP_K)
         else:
             w_base = sh_w_ptr
             s_base = sh_s_ptr
             tok = a - n_routed
             slot = a * 0 + TOP_K
     elif ROUTED:
-        e = tl.load(ids_ptr + a).to(tl.int64)
-        w_base = w_ptr + e * sw_e
-        s_base = s_ptr + e * ss_e
-        tok = a // TOP_K
-        slot = a % TOP_K
-    else:
-        w_base = sh_w_ptr
-        s_base = sh_s_ptr
+        w_base, s_base, tok, slot = _assignment_row(a, ids_ptr, w_ptr, s_ptr, sw_e, ss_e, TOP_K)
+    else:  # a launch of the shared expert alone (its weights at w_ptr)
+        w_base = w_ptr
+        s_base = s_ptr
         tok = a
         slot = a * 0 + TOP_K
     return w_base, s_base, tok, slot
@@ -106,12 +107,12 @@ def _prefetch_l2(w_rows, k_lo, KS: tl.constexpr, K: tl.constexpr, ELEM_BYTES: tl
 
 @triton.jit
 def _gate_up_gemv(
-    x_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, act_ptr, ids_ptr, part_ptr, cnt_ptr, n_routed,
+    x_ptr, w_ptr, s_ptr, act_ptr, ids_ptr, part_ptr, cnt_ptr,
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, PDL: tl.constexpr = 0,
-    GSUM: tl.constexpr = 0,
+    GSUM: tl.constexpr = 0, sh_w_ptr=None, sh_s_ptr=None, n_routed=0,
 ):
     """Program (a, n-tile, split): row ``a`` of the grid is an assignment or a token of the shared expert
     (``_row_source``). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's columns. With SPLIT_K > 1,
@@ -203,12 +204,13 @@ def _sum_splits(part_ptrs, split_stride, n_ok, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def _down_gemv(
-    act_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, y_ptr, ids_ptr, route_w_ptr, part_ptr, cnt_ptr, out_ptr, tick_ptr,
-    n_routed, scaling, sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s, so_t,
+    act_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, route_w_ptr, part_ptr, cnt_ptr,
+    sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, COMBINE: tl.constexpr = 0,
-    PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0, sh_w_ptr=None, sh_s_ptr=None, out_ptr=None, tick_ptr=None,
+    n_routed=0, scaling=1.0, so_t=0,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (an assignment row), y[token, top_k] = act[a] @ w2^T
     (a shared row; ``_row_source``). With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr``
@@ -341,8 +343,8 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
         down = [(routed2, shared2, n + t, act, i, True, True)]
     else:
         act, act_s = torch.empty((n, i), dtype=dt, device=dev), torch.empty((t, i_s), dtype=dt, device=dev)
-        gate_up = [(routed13, routed13, n, act, i, True, False), (shared13, shared13, t, act_s, i_s, False, True)]
-        down = [(routed2, routed2, n, act, i, True, False), (shared2, shared2, t, act_s, i_s, False, True)]
+        gate_up = [(routed13, routed13, n, act, i, True, False), (shared13, shared13, t, act_s, i_s, False, False)]
+        down = [(routed2, routed2, n, act, i, True, False), (shared2, shared2, t, act_s, i_s, False, False)]
     y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
     # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each launch.
     tiles = [g[2] * triton.cdiv(g[4], bn) for g in gate_up] + [d[2] * triton.cdiv(h, bn) for d in down]
@@ -356,16 +358,17 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     tickets = ticket_counters(dev, t * triton.cdiv(h, bn)) if combine else cnt
     for j, (w, sh, rows, a, width, routed, shared) in enumerate(gate_up):
         _gate_up_gemv[(rows, triton.cdiv(width, bn), split)](
-            x, w.w, w.s, sh.w, sh.s, a, ids, part, cnt[offsets[j]:] if split > 1 else cnt, n, x.stride(0),
-            *w.strides(), a.stride(0), alpha, limit,
+            x, w.w, w.s, a, ids, part, cnt[offsets[j]:] if split > 1 else cnt, x.stride(0), *w.strides(),
+            a.stride(0), alpha, limit,
             H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-            PREFETCH=prefetch, SHARED=shared, **launch_kw,
+            PREFETCH=prefetch, SHARED=shared, sh_w_ptr=sh.w, sh_s_ptr=sh.s, n_routed=n, **launch_kw,
         )
     for j, (w, sh, rows, a, width, routed, shared) in enumerate(down, start=len(gate_up)):
         _down_gemv[(rows, triton.cdiv(h, bn), split_down)](
-            a, w.w, w.s, sh.w, sh.s, y, ids, route_w, part, cnt[offsets[j]:] if split_down > 1 else cnt, out,
-            tickets, n, float(scaling), a.stride(0), *w.strides(), y.stride(0), y.stride(1), out.stride(0),
+            a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split_down > 1 else cnt, a.stride(0),
+            *w.strides(), y.stride(0), y.stride(1),
             H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_down,
-            PREFETCH=prefetch, SHARED=shared, COMBINE=combine, **launch_kw,
+            PREFETCH=prefetch, SHARED=shared, COMBINE=combine, sh_w_ptr=sh.w, sh_s_ptr=sh.s, out_ptr=out,
+            tick_ptr=tickets, n_routed=n, scaling=float(scaling), so_t=out.stride(0), **launch_kw,
         )
     return None if combine else y
