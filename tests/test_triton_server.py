@@ -212,7 +212,6 @@ def test_sixteen_concurrent_streams(server, engine):
                                                              "max_tokens": 8 + i})
              for i in range(16)}
     over_http = {rid for i, rid in enumerate(cases) if i % 2}
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(len(over_http)) as pool:
         http = {rid: pool.submit(http_stream, server, *cases[rid]) for rid in over_http}
         got = grpc_stream(server, {rid: inputs(text=p, stream=True, sampling=s)
@@ -221,12 +220,10 @@ def test_sixteen_concurrent_streams(server, engine):
             got[rid] = Collected()
             text, got[rid].ids = future.result()
             got[rid].texts, got[rid].final = [text], True
-    elapsed = time.perf_counter() - t0
     want = engine.generate([p for p, _ in cases.values()], [SamplingParams(**s) for _, s in cases.values()])
     for (rid, _), w in zip(cases.items(), want):
         assert got[rid].final and got[rid].error is None, rid
         assert (got[rid].text, got[rid].ids) == (w.text, w.token_ids), rid
-    print(f"\n16 concurrent streams, {sum(len(w.token_ids) for w in want)} tokens in {elapsed:.2f} s")
 
 
 def test_http_generate_endpoints(server, engine):
