@@ -193,8 +193,10 @@ VARIANTS = {
         # measures whether the skipped work outweighs the lost overlap. 128-key tiles spilled (144-608 bytes).
         "halves-t8-n64-w8-s3-waves2": _prefill("halves", 8, 64, 8, 3),
         # the union tile with K / V through TMA (bulk tensor copies, pipelined by the compiler without cp.async's
-        # per-thread address math), and the halves walk with TMA (whether bulk copies give it the pipelining its
-        # branches cost it; see above)
+        # per-thread address math; sm_90 n64 s3: 96 KB = three K+V buffers in a ring, one barrier wait per tile), and
+        # the halves walk with TMA. Compiled for sm_90, TMA does NOT give halves the pipelining its branches cost it:
+        # 64 KB (no ring), its K and V copies each waited for right after issue (two waits per tile), as the
+        # pointer-load halves issues no cp.async; kept to measure the bulk copies' own issue cost there.
         "union_tma-t8-n128-w8-s2-waves2": _prefill("union_tma", 8, 128, 8, 2),
         "union_tma-t8-n64-w8-s3-waves2": _prefill("union_tma", 8, 64, 8, 3),
         "halves_tma-t8-n64-w8-s3-waves2": _prefill("halves_tma", 8, 64, 8, 3),
