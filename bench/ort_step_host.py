@@ -240,21 +240,27 @@ def measure(args, art, provider, backend) -> int:
            "dtype": art.manifest.dtype, "pools": len(session.pool_inputs), "threads": args.threads, "rows": []}
     print(f"{'batch':>5s} {'context':>7s} {'step ms':>8s} {'enqueue ms':>10s} {'host us':>8s} {'binding calls':>13s}")
     for batch, context in shapes:
-        b, pages = decode_batch(batch, context, art.page_size, device)
+        where = backend.batch_device  # the host for padded / replayed decode steps, as the engine builds them
+        b, pages = decode_batch(batch, context, art.page_size, where)
         backend.allocate(pages, art.page_size)
-        ids = torch.zeros(batch, dtype=torch.int64, device=device)
-        rows = torch.arange(batch, device=device)
+        ids = torch.zeros(batch, dtype=torch.int64, device=where)
+        rows = torch.arange(batch, device=where)
         step = lambda: backend.forward(ids, b, rows)  # noqa: E731 - its outputs dropped, as the engine does
         step_ms = timed_ms(step, args.reps, device, until_done=True)
         enqueue_ms = timed_ms(step, args.reps, device, until_done=False)
         calls = count_binding_calls(step)
-        run = session.session.run_with_iobinding
-        session.session.run_with_iobinding = lambda *a: None  # the session's own work only
+        # the session's own work only: ORT's run of every session a decode step may take (the general graph's, the
+        # decode graphs' of --provider cuda:enable_cuda_graph=1 or a device EP) a no-op
+        sessions = [backend._main, *backend._decodes.values()]
+        runs = [s.session.run_with_iobinding for s in sessions]
+        for s in sessions:
+            s.session.run_with_iobinding = lambda *a: None
         try:
             host_us = timed_ms(step, args.reps, device, until_done=False) * 1e3
         finally:
-            del session.session.run_with_iobinding  # the class's method again
-        assert session.session.run_with_iobinding.__func__ is run.__func__
+            for s in sessions:
+                del s.session.run_with_iobinding  # the class's method again
+        assert all(s.session.run_with_iobinding.__func__ is r.__func__ for s, r in zip(sessions, runs))
         row = {"batch": batch, "context": context, "step_ms": step_ms, "enqueue_ms": enqueue_ms, "host_us": host_us,
                "binding_calls": calls}
         res["rows"].append(row)
