@@ -34,6 +34,14 @@ def _decode_step(art, batch_size: int, context: int):
     return build_batch(segments, page), pages * batch_size
 
 
+def _fill_pools(be, pages: int) -> None:
+    """The first ``pages`` pages of every pool hold the same seeded values in every backend (a padding backend's
+    pools have one scratch page more)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in be._main.pool_tensors.values():
+        t[:pages].copy_(torch.randn(t[:pages].shape, generator=gen, device="cuda").to(t.dtype))
+
+
 def test_ort_cuda_graph_replay_equals_eager_decode(artifact):
     """The same decode steps (batch 3 -> bucket 4, then batch 1) through the decode graph on the same padded
     inputs run eagerly (``pad_decode``) and captured and replayed, on pools holding the same values: logits and
@@ -42,22 +50,40 @@ def test_ort_cuda_graph_replay_equals_eager_decode(artifact):
     replayed = OnnxRuntimeBackend(artifact, "cuda:enable_cuda_graph=1")
     try:
         for batch_size, context in ((3, 21), (1, 9), (3, 21)):
-            (ids, batch), pages = _decode_step(artifact, batch_size, context)
+            (ids, batch), _ = _decode_step(artifact, batch_size, context)
             rows = torch.arange(batch_size)
             results = []
             for be in (eager, replayed):
-                if not be._main.pool_tensors or be._num_pages < pages:
-                    be.allocate(max(pages, 32), artifact.page_size)
-                    gen = torch.Generator(device="cuda").manual_seed(0)
-                    for t in be._main.pool_tensors.values():  # the same cache contents in both
-                        t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype))
-                    assert be.padded_decode_steps == 0
+                if not be._main.pool_tensors:
+                    be.allocate(32, artifact.page_size)
+                    _fill_pools(be, 32)
                 for _ in range(3):  # capture, then replays
                     logits, hidden = be.forward(ids, batch, rows)
                 results.append((logits.clone(), hidden.clone()))
             assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
         assert replayed.replays == 9 and len(replayed._graph_ids) == 2 and replayed.decode_steps == 0
         assert eager.padded_decode_steps == 9 and eager.replays == 0
+    finally:
+        eager.close()
+        replayed.close()
+
+
+def test_steps_past_the_buckets_run_uncaptured(artifact):
+    """A decode step past the largest bucket runs the capturing session's decode graph without capture (run option
+    ``gpu_graph_id`` -1: a run naming no graph would be captured as ORT's graph 0 and that graph replayed for every
+    later such step, whatever its shapes), equal to the eager decode graph's on the same inputs."""
+    eager = OnnxRuntimeBackend(artifact, "cuda", decode_graph=True)
+    replayed = OnnxRuntimeBackend(artifact, "cuda:enable_cuda_graph=1", buckets=(1, 2))
+    try:
+        for be in (eager, replayed):
+            be.allocate(40, artifact.page_size)
+            _fill_pools(be, 40)
+        for batch_size, context in ((3, 21), (4, 13), (3, 30)):
+            (ids, batch), _ = _decode_step(artifact, batch_size, context)
+            rows = torch.arange(batch_size)
+            (la, ha), (lb, hb) = (be.forward(ids, batch, rows) for be in (eager, replayed))
+            assert torch.equal(la, lb) and torch.equal(ha, hb), (batch_size, context)
+        assert replayed.decode_steps == 3 and replayed.replays == 0 and not replayed._graph_ids
     finally:
         eager.close()
         replayed.close()

@@ -98,7 +98,9 @@ class PagedSession:
         self.provider = require(parse_provider(providers))
         self.device = torch.device(self.provider.device)
         self._stream = SharedStream.for_provider(self.provider)  # None: the EP cannot share torch's stream
-        self._run_options = run_options(ort) if self._stream is not None else None
+        # a session opened with enable_cuda_graph captures a run that names no graph as ORT's graph 0 and replays
+        # that one from then on, whatever the shapes: ``run`` / ``run_torch`` steps say -1 (no capture)
+        self._run_options = (run_options(ort, -1 if self.captures else None) if self._stream is not None else None)
         providers = (self._stream.session_providers() if self._stream is not None
                      else self.provider.session_providers())
         if options is None:
