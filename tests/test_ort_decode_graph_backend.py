@@ -60,13 +60,15 @@ def test_decode_steps_take_the_decode_graph(tiny_artifact, mode):
 
 def test_decode_graph_with_mtp_drafts(tiny_artifact):
     """Speculative rounds: verify steps (several tokens per sequence) go through the general graph, the plain
-    decode steps between them through the decode graph; tokens as without the decode graph."""
+    decode steps between them through the decode graph, the MTP module's one-token steps through its decode graph
+    (``mtp0.decode.onnx``) on the module's pools; tokens as without the decode graphs."""
     art = load_artifact(tiny_artifact)
     prompts = _prompts(3, seed=2)
     want = _generate(OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=False), prompts, k=2)
     backend = OnnxRuntimeBackend(art, "cpu", threads=1, pad_decode=True)
     assert _generate(backend, prompts, k=2) == want
     assert backend.general_steps >= 2
+    assert backend._mtp_decodes and all(module == 0 for module, _ in backend._mtp_decodes)
 
 
 def test_the_cpu_ep_defaults_to_the_general_graph(tiny_artifact):

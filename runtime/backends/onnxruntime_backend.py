@@ -20,6 +20,7 @@ input buffers refilled by one copy per step), the block-table width padded to a 
 graph per (bucket, width) through ORT's ``gpu_graph_id`` (``PagedSession.run_replayed``). Only the decode session
 gets the option: ORT refuses it for a graph with control flow, so the general graph (MoE ``If`` / ``Scan``) runs as
 before. ``pad_decode`` runs the same padded inputs through the decode graph without capture (any EP: tests).
+MTP modules' one-token steps (the drafter's chain steps) go through ``mtp{k}.decode.onnx`` eagerly, never captured.
 The decode session holds its own copy of the weights (two ``InferenceSession``s of one model).
 
 Images and video (a vision-language artifact): ``vision.onnx`` encodes each media item once (``encode_media``),
@@ -144,6 +145,7 @@ class OnnxRuntimeBackend(Backend):
         self._decode_provider = provider  # with enable_cuda_graph where asked: the decode session only
         # the decode sessions by MoE form: the per-assignment one at once, the all-experts one at its first step
         self._decodes = {MOE_FORMS[0]: self._open_decode(MOE_FORMS[0])} if decode_graph else {}
+        self._mtp_decodes: dict[tuple[int, str], object] = {}  # (module, MoE form) -> its decode session, eager
         self.buckets = tuple(sorted(buckets))
         self._inputs: dict[tuple[int, int], DecodeInputs] = {}  # (bucket, table width) -> fixed padded inputs
         self._graph_ids: dict[tuple, int] = {}  # (MoE form, bucket, table width) -> ORT's gpu_graph_id
@@ -223,7 +225,7 @@ class OnnxRuntimeBackend(Backend):
     def close(self) -> None:
         """Close every ONNX Runtime session this backend opened (``PagedSession.close``; the vision session is
         dropped) while the CUDA runtime is still up; idempotent, called by ``Engine.close``. A later step raises."""
-        for session in (self._main, *self._mtp, *self._decodes.values()):
+        for session in (self._main, *self._mtp, *self._decodes.values(), *self._mtp_decodes.values()):
             session.close()
         self._vision = None  # its only reference: ORT frees the session here
 
@@ -255,6 +257,8 @@ class OnnxRuntimeBackend(Backend):
         self._main.allocate(num_pages + 1 if self.pad_decode else num_pages)
         for session in self._mtp:
             session.allocate(num_pages)
+        for (module, _), session in self._mtp_decodes.items():
+            session.allocate(num_pages, pools_of=self._mtp[module])
         for form, session in list(self._decodes.items()):
             if any(key[0] == form for key in self._graph_ids):
                 session.close()
@@ -336,5 +340,35 @@ class OnnxRuntimeBackend(Backend):
         return (logits.clone() if logits.dtype == torch.float32 else logits.float()), hidden.clone()
 
     def mtp_forward(self, module, input_ids, hidden, batch: Batch, logits_indices):
-        return self._run(self._mtp[module], batch, "hidden_out", input_ids=input_ids, logits_indices=logits_indices,
+        """MTP module ``module``'s step: a decode-shaped one (one token per sequence: the drafter's chain steps)
+        through the module's decode graph where the backend runs decode graphs (eagerly: no capture), any other
+        through its general graph."""
+        session = self._mtp[module]
+        if self._decodes and input_ids.shape[0] == batch.seq_lens.shape[0]:
+            session = self._mtp_decode_session(module, input_ids.shape[0])
+        return self._run(session, batch, "hidden_out", input_ids=input_ids, logits_indices=logits_indices,
                          hidden=hidden.to(self.graph_dtype.torch))
+
+    def _mtp_decode_session(self, module: int, tokens: int):
+        """MTP module ``module``'s decode graph for a step of ``tokens`` tokens (its MoE form), opened at its first
+        step on the general provider (no ``enable_cuda_graph``: MTP steps run eagerly) and given the module's
+        pools; the module's general session where the artifact has no decode form of it."""
+        from m3export.export.decode_graph import moe_form
+        from m3export.plugins.onnxruntime.session import PagedSession
+
+        form = moe_form(tokens, self.config.num_experts_per_tok, self.config.num_local_experts)
+        graph = f"mtp{module}"
+        if graph not in self.artifact.manifest.flavours.get(self._decode_flavours.get(form, ""), {}):
+            form = "per-assignment"
+            if graph not in self.artifact.manifest.flavours.get(self._decode_flavours[form], {}):
+                return self._mtp[module]
+        key = (module, form)
+        if key not in self._mtp_decodes:
+            session = PagedSession.from_artifact(self.artifact, graph, flavour=self._decode_flavours[form],
+                                                 providers=self.provider, threads=self._threads)
+            _check_signature(session, self.artifact.root)
+            general = self._mtp[module]
+            if general.pool_tensors:
+                session.allocate(next(iter(general.pool_tensors.values())).shape[0], pools_of=general)
+            self._mtp_decodes[key] = session
+        return self._mtp_decodes[key]
