@@ -144,7 +144,12 @@ class OnnxRuntimeBackend(Backend):
                 "no float8 Gather for their experts)")
         self._decode_provider = provider  # with enable_cuda_graph where asked: the decode session only
         # the decode sessions by MoE form: the per-assignment one at once, the all-experts one at its first step
-        self._decodes = {MOE_FORMS[0]: self._open_decode(MOE_FORMS[0])} if decode_graph else {}
+        try:
+            self._decodes = {MOE_FORMS[0]: self._open_decode(MOE_FORMS[0])} if decode_graph else {}
+        except BaseException:  # the sessions opened so far go now, while the CUDA runtime is up (PagedSession.close)
+            for session in (self._main, *self._mtp):
+                session.close()
+            raise
         self._mtp_decodes: dict[tuple[int, str], object] = {}  # (module, MoE form) -> its decode session, eager
         self.buckets = tuple(sorted(buckets))
         self._inputs: dict[tuple[int, int], DecodeInputs] = {}  # (bucket, table width) -> fixed padded inputs
