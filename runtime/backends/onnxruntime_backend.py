@@ -106,6 +106,20 @@ class OnnxRuntimeBackend(Backend):
             raise BackendUnavailable(f"{CUDA_GRAPH} is an option of the CUDA execution provider (ONNX Runtime's CUDA "
                                      f"graphs), not of {provider.name}")
         general = Provider(provider.name, {k: v for k, v in provider.options.items() if k != CUDA_GRAPH})
+        from m3export.export.decode_graph import MOE_FORMS, flavour_name
+
+        # decode graphs of the plain graphs, or of flavour's: per MoE form (``decode_graph.moe_form``)
+        self._decode_flavours = {form: flavour_name(flavour, form) for form in MOE_FORMS
+                                 if "model" in artifact.manifest.flavours.get(flavour_name(flavour, form), {})}
+        has_decode = MOE_FORMS[0] in self._decode_flavours
+        self.pad_decode = pad_decode or self.cuda_graphs
+        if (decode_graph or self.pad_decode) and not has_decode:  # before any session is opened
+            why = (f"{CUDA_GRAPH}=1 replays it" if self.cuda_graphs else
+                   "pad_decode runs it" if pad_decode else "decode_graph=True asks for it")
+            raise BackendUnavailable(
+                f"{artifact.root}: no decode-only graph (manifest flavour {flavour_name(flavour)!r}), and {why}: "
+                "export the artifact again with this m3export (MXFP8 artifacts have none: ONNX Runtime's CUDA EP has "
+                "no float8 Gather for their experts)")
 
         self.artifact = artifact
         self.config = artifact.config
@@ -126,22 +140,8 @@ class OnnxRuntimeBackend(Backend):
         self._media_inputs = {"media_rows", "media_embeds"} <= names
         self._vision = None  # vision.onnx's session, opened at the first media item
         self._threads = threads
-        from m3export.export.decode_graph import MOE_FORMS, flavour_name
-
-        # decode graphs of the plain graphs, or of flavour's: per MoE form (``decode_graph.moe_form``)
-        self._decode_flavours = {form: flavour_name(flavour, form) for form in MOE_FORMS
-                                 if "model" in artifact.manifest.flavours.get(flavour_name(flavour, form), {})}
-        has_decode = MOE_FORMS[0] in self._decode_flavours
-        self.pad_decode = pad_decode or self.cuda_graphs
         if decode_graph is None:
             decode_graph = has_decode and (self.pad_decode or self.device.type != "cpu")
-        if (decode_graph or self.pad_decode) and not has_decode:
-            why = (f"{CUDA_GRAPH}=1 replays it" if self.cuda_graphs else
-                   "pad_decode runs it" if pad_decode else "decode_graph=True asks for it")
-            raise BackendUnavailable(
-                f"{artifact.root}: no decode-only graph (manifest flavour {flavour_name(flavour)!r}), and {why}: "
-                "export the artifact again with this m3export (MXFP8 artifacts have none: ONNX Runtime's CUDA EP has "
-                "no float8 Gather for their experts)")
         self._decode_provider = provider  # with enable_cuda_graph where asked: the decode session only
         # the decode sessions by MoE form: the per-assignment one at once, the all-experts one at its first step
         try:
