@@ -148,6 +148,12 @@ DECODE_ROUND5 = {
                                                  PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
     "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
                                                    PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1, PDL=2),
+    # Taller tiles with GSUM: each activation column loaded and converted once per BN weight rows (at BN 4 the
+    # bf16 activations are half a byte per weight byte through cp.async and shared memory).
+    "gemv_bn8_pipe4_sg_comb_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                        SHARED_GRID=1, COMBINE=1, GSUM=1),
+    "gemv_bn16_w4_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3,
+                                            PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
 }
 # The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
 LINEAR_ROUND5 = {

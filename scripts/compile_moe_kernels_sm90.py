@@ -177,7 +177,7 @@ def variants(quick: bool):
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
-            shared_w = {"sh_w_ptr": w, "sh_s_ptr": "*u8" if mx else w}  # after the constexprs (moe_gemv)
+            shared_w = {"sh_w_off": "i64", "sh_s_off": "i64"}  # after the constexprs (moe_gemv)
             sigs = {
                 "gate_up": (moe_gemv._gate_up_gemv, {
                     "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "part_ptr": "*fp32",

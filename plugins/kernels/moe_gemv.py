@@ -51,30 +51,34 @@ from .mxfp8_linear import _INTERPRETED, cast
 
 
 @triton.jit
-def _assignment_row(a, ids_ptr, w_ptr, s_ptr, sw_e, ss_e, TOP_K: tl.constexpr):
-    """(weights, scales, token, slot) of assignment ``a`` = token * top_k + slot, expert ``ids[a]``."""
-    e = tl.load(ids_ptr + a).to(tl.int64)
-    return w_ptr + e * sw_e, s_ptr + e * ss_e, a // TOP_K, a % TOP_K
-
-
-@triton.jit
-def _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e, TOP_K: tl.constexpr,
+def _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_off, sh_s_off, sw_e, ss_e, TOP_K: tl.constexpr,
                 ROUTED: tl.constexpr, SHARED: tl.constexpr):
     """(weights, scales, token, slot) of grid row ``a``: rows below ``n_routed`` are assignments (token * top_k +
     slot, expert ``ids[a]`` of the stack at ``w_ptr``), the rows from ``n_routed`` on are tokens of the shared
-    expert (``sh_w_ptr``, slot top_k): ROUTED and SHARED, the ``SHARED_GRID`` launch. ROUTED alone: every row an
-    assignment; neither: every row a token of the shared expert, whose weights are then at ``w_ptr`` (the launches'
-    positional arguments are those of the kernels before round 5, which the TensorRT plugin wrappers call)."""
+    expert (slot top_k), whose weights and scales lie ``sh_w_off`` / ``sh_s_off`` elements from ``w_ptr`` /
+    ``s_ptr``: ROUTED and SHARED, the ``SHARED_GRID`` launch. ROUTED alone: every row an assignment; neither:
+    every row a token of the shared expert, whose weights are then at ``w_ptr`` (the launches' positional
+    arguments are those of the kernels before round 5, which the TensorRT plugin wrappers call). Selects, not
+    branches: the compiler keeps the offsets' divisibility through a select (through an if it does not, and the
+    weight loads lose their 16-byte vectors and cp.async), and a hint that both offsets are whole multiples of
+    16 bytes, which ``launch`` checks (the select of a loaded expert id's offset loses the divisibility the
+    compiler knows of each: without the hint the sm_90 K step was 523 instructions with byte loads, 213 with it)."""
     if ROUTED and SHARED:
-        if a < n_routed:
-            w_base, s_base, tok, slot = _assignment_row(a, ids_ptr, w_ptr, s_ptr, sw_e, ss_e, TOP_K)
-        else:
-            w_base = sh_w_ptr
-            s_base = sh_s_ptr
-            tok = a - n_routed
-            slot = a * 0 + TOP_K
+        routed = a < n_routed
+        e = tl.load(ids_ptr + a, mask=routed, other=0).to(tl.int64)
+        # 16 bytes' worth of elements: launch() checks that both offsets are multiples of it
+        w16: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth
+        s16: tl.constexpr = 128 // s_ptr.dtype.element_ty.primitive_bitwidth
+        w_base = w_ptr + tl.multiple_of(tl.where(routed, e * sw_e, sh_w_off), w16)
+        s_base = s_ptr + tl.multiple_of(tl.where(routed, e * ss_e, sh_s_off), s16)
+        tok = tl.where(routed, a // TOP_K, a - n_routed)
+        slot = tl.where(routed, a % TOP_K, TOP_K)
     elif ROUTED:
-        w_base, s_base, tok, slot = _assignment_row(a, ids_ptr, w_ptr, s_ptr, sw_e, ss_e, TOP_K)
+        e = tl.load(ids_ptr + a).to(tl.int64)
+        w_base = w_ptr + e * sw_e
+        s_base = s_ptr + e * ss_e
+        tok = a // TOP_K
+        slot = a % TOP_K
     else:  # a launch of the shared expert alone (its weights at w_ptr)
         w_base = w_ptr
         s_base = s_ptr
@@ -112,7 +116,7 @@ def _gate_up_gemv(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, PDL: tl.constexpr = 0,
-    GSUM: tl.constexpr = 0, sh_w_ptr=None, sh_s_ptr=None, n_routed=0,
+    GSUM: tl.constexpr = 0, sh_w_off=0, sh_s_off=0, n_routed=0,
 ):
     """Program (a, n-tile, split): row ``a`` of the grid is an assignment or a token of the shared expert
     (``_row_source``). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's columns. With SPLIT_K > 1,
@@ -126,7 +130,7 @@ def _gate_up_gemv(
     _wait_for_previous_launch(PDL)
     if PDL and not _INTERPRETED:
         gdc_launch_dependents()
-    w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e,
+    w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_off, sh_s_off, sw_e, ss_e,
                                             TOP_K, ROUTED, SHARED)
     dt = x_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,7 +213,7 @@ def _down_gemv(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, COMBINE: tl.constexpr = 0,
-    PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0, sh_w_ptr=None, sh_s_ptr=None, out_ptr=None, tick_ptr=None,
+    PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0, sh_w_off=0, sh_s_off=0, out_ptr=None, tick_ptr=None,
     n_routed=0, scaling=1.0, so_t=0,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (an assignment row), y[token, top_k] = act[a] @ w2^T
@@ -224,7 +228,7 @@ def _down_gemv(
     a = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_ptr, sh_s_ptr, sw_e, ss_e,
+    w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_off, sh_s_off, sw_e, ss_e,
                                             TOP_K, ROUTED, SHARED)
     dt = act_ptr.dtype.element_ty
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -304,6 +308,17 @@ def _combine_tile(y_row, out_ptrs, n_ok, tick_ptr, scaling, sy_s, TOP_K: tl.cons
         tl.atomic_xchg(tick_ptr, 0, sem="relaxed", scope="gpu")
 
 
+def _offset(shared: torch.Tensor, routed: torch.Tensor) -> int | None:
+    """Elements from ``routed``'s first element to ``shared``'s (the SHARED_GRID kernels address the shared expert
+    from the routed stack's pointer, ``_row_source``); None unless that distance and the stack's expert stride are
+    whole multiples of 16 bytes, as the kernels assume."""
+    step = routed.element_size()
+    if (shared.dtype != routed.dtype or (shared.data_ptr() - routed.data_ptr()) % 16
+            or routed.stride(0) * step % 16):
+        return None
+    return (shared.data_ptr() - routed.data_ptr()) // step
+
+
 def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, alpha, limit, scaling, cfg: dict,
            fallback: bool = False) -> torch.Tensor | None:
     """The GEMV launches of one MoE call: gate-up and down, each as one launch over the assignments and the shared
@@ -336,15 +351,17 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     same_layout = all(r.w.stride()[1:] == s.w.stride()[1:] and r.s.stride()[1:] == s.s.stride()[1:]
                       for r, s in ((routed13, shared13), (routed2, shared2)))
     dev, dt = x.device, x.dtype
-    if cfg.get("SHARED_GRID") and i == i_s and same_layout:
+    offsets_13 = (_offset(shared13.w, routed13.w), _offset(shared13.s, routed13.s))
+    offsets_2 = (_offset(shared2.w, routed2.w), _offset(shared2.s, routed2.s))
+    if cfg.get("SHARED_GRID") and i == i_s and same_layout and None not in offsets_13 + offsets_2:
         act = torch.empty((n + t, i), dtype=dt, device=dev)
-        # (weights, shared weights, grid rows, activations, I, ROUTED, SHARED)
-        gate_up = [(routed13, shared13, n + t, act, i, True, True)]
-        down = [(routed2, shared2, n + t, act, i, True, True)]
+        # (weights, the shared expert's offsets from them, grid rows, activations, I, ROUTED, SHARED)
+        gate_up = [(routed13, offsets_13, n + t, act, i, True, True)]
+        down = [(routed2, offsets_2, n + t, act, i, True, True)]
     else:
         act, act_s = torch.empty((n, i), dtype=dt, device=dev), torch.empty((t, i_s), dtype=dt, device=dev)
-        gate_up = [(routed13, routed13, n, act, i, True, False), (shared13, shared13, t, act_s, i_s, False, False)]
-        down = [(routed2, routed2, n, act, i, True, False), (shared2, shared2, t, act_s, i_s, False, False)]
+        gate_up = [(routed13, (0, 0), n, act, i, True, False), (shared13, (0, 0), t, act_s, i_s, False, False)]
+        down = [(routed2, (0, 0), n, act, i, True, False), (shared2, (0, 0), t, act_s, i_s, False, False)]
     y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
     # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each launch.
     tiles = [g[2] * triton.cdiv(g[4], bn) for g in gate_up] + [d[2] * triton.cdiv(h, bn) for d in down]
@@ -356,19 +373,20 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     offsets = [sum(tiles[:j]) for j in range(len(tiles))]
     combine = bool(cfg.get("COMBINE"))
     tickets = ticket_counters(dev, t * triton.cdiv(h, bn)) if combine else cnt
-    for j, (w, sh, rows, a, width, routed, shared) in enumerate(gate_up):
+    for j, (w, (w_off, s_off), rows, a, width, routed, shared) in enumerate(gate_up):
         _gate_up_gemv[(rows, triton.cdiv(width, bn), split)](
             x, w.w, w.s, a, ids, part, cnt[offsets[j]:] if split > 1 else cnt, x.stride(0), *w.strides(),
             a.stride(0), alpha, limit,
             H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-            PREFETCH=prefetch, SHARED=shared, sh_w_ptr=sh.w, sh_s_ptr=sh.s, n_routed=n, **launch_kw,
+            PREFETCH=prefetch, SHARED=shared, sh_w_off=w_off, sh_s_off=s_off, n_routed=n,
+            **launch_kw,
         )
-    for j, (w, sh, rows, a, width, routed, shared) in enumerate(down, start=len(gate_up)):
+    for j, (w, (w_off, s_off), rows, a, width, routed, shared) in enumerate(down, start=len(gate_up)):
         _down_gemv[(rows, triton.cdiv(h, bn), split_down)](
             a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split_down > 1 else cnt, a.stride(0),
             *w.strides(), y.stride(0), y.stride(1),
             H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_down,
-            PREFETCH=prefetch, SHARED=shared, COMBINE=combine, sh_w_ptr=sh.w, sh_s_ptr=sh.s, out_ptr=out,
+            PREFETCH=prefetch, SHARED=shared, COMBINE=combine, sh_w_off=w_off, sh_s_off=s_off, out_ptr=out,
             tick_ptr=tickets, n_routed=n, scaling=float(scaling), so_t=out.stride(0), **launch_kw,
         )
     return None if combine else y
