@@ -56,7 +56,11 @@ def m3_lightning_indexer_scan(q_ptr, k_ptr, bt_ptr, qsl_ptr, pos_ptr, num_seqs, 
                               PREC: tl.constexpr):
     li._index_scan(q_ptr, k_ptr, k_ptr, bt_ptr, pos_ptr, qsl_ptr, qsl_ptr, qsl_ptr, qsl_ptr, out_ptr, num_seqs, H * D,
                    D, PAGE * D, D, 0, 0, max_pages, H * num_blocks, num_blocks, False, H, H_PAD, D, BLOCK_D, PAGE,
-                   BS, 1, ROWS, LOG2_SEQS, BLOCK_N, SPLITS, PREC, False)
+                   BS, 1, ROWS, LOG2_SEQS, BLOCK_N, SPLITS, PREC, False,
+                   # the TMA / fold arguments, spelled out: the gather scan (TMA False, FOLD False) never reads the
+                   # pointers (out_ptr stands in); left to the callee's defaults (None, a str), Triton 3.6's
+                   # jit-to-jit call failed to compile ("'str' object has no attribute 'type'")
+                   0, out_ptr, out_ptr, 0, 0, out_ptr, False, False, 1, False, 1, 2, 1, 2, 0, 0, "bitonic")
 
 @triton.jit
 def m3_lightning_indexer_topk(scores_ptr, pos_ptr, num_blocks, out_ptr, H: tl.constexpr, NB: tl.constexpr,
