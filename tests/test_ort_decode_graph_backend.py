@@ -119,3 +119,30 @@ def test_replay_path_binds_fixed_buffers_per_graph(tiny_artifact, monkeypatch):
             session.run_replayed(moved, 0)
     finally:
         eng.close()
+
+
+def test_decode_graph_step_matches_the_torch_backend(tiny_artifact):
+    """The decode graph's step against the reference ops (the torch backend on the CPU: ``m3export.ops``' bodies) on
+    the same caches: a prefill of two sequences through both backends, then decode steps (the second sequence's
+    context past several indexer blocks)."""
+    from m3export.model.batch import Segment, build_batch
+    from m3export.runtime.backends import create_backend
+
+    art = load_artifact(tiny_artifact)
+    ort_be = OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=True)
+    ref = create_backend("torch", tiny_artifact)
+    page, pages = art.page_size, [[0, 1, 2, 3], [4, 5, 6, 7]]
+    prompts = _prompts(2, seed=7)
+    for be in (ort_be, ref):
+        be.allocate(16, page)
+        ids, batch = build_batch([Segment(p, 0, t) for p, t in zip(pages, prompts)], page)
+        be.forward(ids, batch, torch.arange(ids.shape[0]))
+    lengths = [len(p) for p in prompts]
+    for step in range(3):
+        ids, batch = build_batch([Segment(p, n, [11 + step]) for p, n in zip(pages, lengths)], page)
+        (lo, ho), (lt, ht) = (be.forward(ids, batch, torch.arange(2)) for be in (ort_be, ref))
+        # fp32 against the fp32 reference ops: the bound test_runtime_onnxruntime holds the general graph to
+        assert torch.allclose(lo, lt, atol=1e-4) and torch.allclose(ho.float(), ht.float(), atol=1e-4), step
+        lengths = [n + 1 for n in lengths]
+    assert ort_be.decode_steps == 3 and ort_be.general_steps == 1
+    ort_be.close()
