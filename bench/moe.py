@@ -154,6 +154,14 @@ DECODE_ROUND5 = {
                                         SHARED_GRID=1, COMBINE=1, GSUM=1),
     "gemv_bn16_w4_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3,
                                             PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
+    # Around round 5's winner (gemv_bn4_bk512_pipe3_sg_comb_gsum, 103.9 us = 67 % at one token): a fourth stage,
+    # 1024-wide K steps, and TMA weight tiles with group sums (256-wide: TMA's box limit).
+    "gemv_bn4_bk512_pipe4_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=4,
+                                              PIPELINE=4, SHARED_GRID=1, COMBINE=1, GSUM=1),
+    "gemv_bn4_bk1024_w4_pipe2_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2,
+                                                  PIPELINE=2, SHARED_GRID=1, COMBINE=1, GSUM=1),
+    "gemv_bn8_pipe4_sg_comb_gsum_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
+                                            SHARED_GRID=1, COMBINE=1, GSUM=1, TMA=1),
 }
 # The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
 LINEAR_ROUND5 = {
