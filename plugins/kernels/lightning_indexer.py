@@ -50,8 +50,15 @@ DEFAULTS = {
     # programs that find no key.
     # H200 sweep 2026-11-30 22:12 UTC: "n64-w4-s3-waves4-max1024" 0.94x the earlier defaults' time; top-k
     # "bitonic-w4" 0.61x.
-    "scan": dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0, loads="gather",
-                 fold_topk=0),
+    # H200 sweep 2026-12-01 06:35 UTC (commit b64458a, bench/results/attention_sweep_indexer.json, every selection
+    # equal to the reference's): "tma-host-n128-w4-s8-waves2-max1024" (page-sized key tiles by bulk copies, the
+    # descriptor made at launch, 3 tiles in flight per program): batch 1 / 128k 10.8 us (73.3 % of copy bandwidth;
+    # the gather default of then 10.8 us, 13.2-13.4 us in earlier runs), batch 8 / 32k 20.2 us (78 %; 21.5),
+    # batch 1 / 4k 4.3 us (4.7). The sweep's geometric-mean winner "tma-host-n128-w4-s10-waves1-max1024" was faster at
+    # 8 / 32k (18.3 us) but slower at 1 / 128k (11.6 us, 68 %). Folding the top-k into the scan lost (33 us at 128k).
+    # Pools TMA cannot address fall back to the gather loads (``tma_usable``). It replaced "n64-w4-s3-waves4-max1024".
+    "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
+                 loads="tma-host", fold_topk=0),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys).
     "topk": dict(method="bitonic", num_warps=4),
 }

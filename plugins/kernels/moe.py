@@ -392,7 +392,13 @@ def gemm_config(block_m: int, mx_mode2: bool = True) -> dict:
 # us, 49 -> 56 % of copy bandwidth); bf16: 8-row tiles at 4 warps (207 -> 175 us, 76 %). The tiles they replaced
 # (MXFP8: BN 8 at 4 warps without PIPELINE; bf16: BN 4 with PREFETCH 2) are bench/moe.py's "gemv_4warps" and
 # "gemv_bn4_prefetch2" variants, re-measured by every sweep.
-GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4)
+# MXFP8 from round 5 (H200, 2026-12-01 06:30 UTC, commit ced295b, bench/results/moe_h200_decode_round5.json):
+# bench/moe.py's "gemv_bn4_bk512_pipe3_sg_comb_gsum", 4-row tiles over 512-wide K steps in 3 pipelined stages, the
+# shared expert as more rows of the routed launches' grid (SHARED_GRID), the combine in the down launch (COMBINE) and
+# per-32-column group sums (GSUM): one token 119.9 -> 103.9 us (56 -> 67 % of copy bandwidth), within the
+# reference's bound (only the fp32 summation order changes). It replaced "gemv_bn4_pipe4" (PIPELINE_SWEEP).
+GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3, SHARED_GRID=1, COMBINE=1,
+                   GSUM=1)
 GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
 
 
@@ -406,7 +412,12 @@ GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=
 # -> 19.97 ms (311 -> 466). The tiles they replaced are bench/moe.py's PREVIOUS_DEFAULTS "prefill_bm64_gu",
 # "prefill_bm128_bn128" (MXFP8) and "prefill_bm128" (bf16), re-measured by every sweep.
 PREFILL_MXFP8 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)
-PREFILL_MXFP8_LARGE = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1)
+# Round 5 (H200, 2026-12-01 05:55 UTC, bench/results/moe_h200_prefill_round5.json; again in round 6 at 06:36 UTC,
+# moe_h200_prefill_round6_16k.json): 128-wide N tiles for the down GEMM (BLOCK_N_DOWN) halve its time at 16k (15.2
+# -> 7.9 ms): 32.2 -> 25.5-26.6 ms (289 -> 350-365 TFLOP/s), output bit-equal to the tile without it (same K order).
+# No round-6 key (SCALES_AHEAD, MX_MODE 4, ACT_TMA, X_TMA) beat it; MX_MODE 3 with BLOCK_N_DOWN 128 FAILED its GPU
+# test at mini dims (tests/test_moe_prefill_round6.py, not diagnosed): not a default.
+PREFILL_MXFP8_LARGE = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, BLOCK_N_DOWN=128)
 PREFILL_BF16 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1)
 
 

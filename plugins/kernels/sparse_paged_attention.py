@@ -76,9 +76,18 @@ DEFAULTS = {
     #   timeout 600 python3 -m pytest -q -x tests/test_kernels_attention_gpu.py -k "greedy or mini_dims"
     #   timeout 600 python3 -m pytest -q -x tests/test_runtime_cuda_graph.py -k mini_kernels
     # (the mini greedy test: fp32, pages of 128; the graphs test: fp32, pages of 64, no-spec and MTP k = 2).
-    "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat"),
-    "prefill": dict(tile_tokens=1, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
-                    loop="flat"),
+    # H200 sweep 2026-12-01 06:30 UTC (commit ced295b, bench/results/attention_sweep_C.json, 52 measurements, every
+    # output within the bound): decode "flat_tma_fused-n128-w4-s3-waves2" (K / V by bulk copies, the split-K merge in
+    # the same launch): batch 16 / 32k 26.4 us = 60.4 % of copy bandwidth (the flat default 30 us, 52-54 %), batch
+    # 64 / 32k 78.5 us (81 %; the default 90.4 us in that run); 0.87x the defaults' time. It replaced
+    # "flat-n128-w4-s3-waves2". Prefill "union_tma_lean-t8-n128-w8-s2-waves2" (the 8-token union tile with bulk
+    # copies and the lean softmax step): 227 TFLOP/s at 16k on prompt-like selections against the one-token flat
+    # default's 116 (0.51x its time); plain "union-t8-n128-w8-s2-waves2" 208. The union tile passed the two `mini`
+    # GPU tests above in call 1 of 2026-12-01 05:55 UTC; this form of it must pass them too (the defaults' GPU
+    # validation call, docs/performance.md). It replaced "flat-t1-n64-w4-s3-waves2".
+    "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat_tma_fused"),
+    "prefill": dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, waves=2, max_splits=None,
+                    loop="union_tma_lean"),
 }
 _LOOPS = ("nested", "flat", "union", "halves")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
