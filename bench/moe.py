@@ -162,6 +162,14 @@ DECODE_ROUND5 = {
                                                   PIPELINE=2, SHARED_GRID=1, COMBINE=1, GSUM=1),
     "gemv_bn8_pipe4_sg_comb_gsum_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
                                             SHARED_GRID=1, COMBINE=1, GSUM=1, TMA=1),
+    # ACT_F32 (moe_gemv.launch): the SwiGLU activations kept as fp32 for the down launch, whose threads otherwise
+    # convert one bf16 activation per weight they multiply (sm_90 down K step at BN 4 / BK 512: 203 -> 159
+    # instructions for 32 weights per thread; 40 registers instead of 32).
+    "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                                     PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1, ACT_F32=1),
+    "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2,
+                                                          num_stages=3, PIPELINE=3, SHARED_GRID=1, COMBINE=1,
+                                                          GSUM=1, ACT_F32=1, PDL=2),
 }
 # The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
 LINEAR_ROUND5 = {

@@ -173,19 +173,20 @@ def variants(quick: bool):
         tag = (f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
                f"{' sdown%d' % split_down if split_down != split else ''}{' sg' if shared else ''}"
                f"{' tma' if tma else ''}{' comb' if comb else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}"
-               f"{' gsum' if c.get('GSUM') else ''}")
+               f"{' gsum' if c.get('GSUM') else ''}{' actf32' if c.get('ACT_F32') else ''}")
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
             shared_w = {"sh_w_off": "i64", "sh_s_off": "i64"}  # after the constexprs (moe_gemv)
+            act = "*fp32" if c.get("ACT_F32") else "*bf16"  # moe_gemv.launch's ACT_F32
             sigs = {
                 "gate_up": (moe_gemv._gate_up_gemv, {
-                    "x_ptr": "*bf16", **common, "act_ptr": "*bf16", "ids_ptr": "*i32", "part_ptr": "*fp32",
+                    "x_ptr": "*bf16", **common, "act_ptr": act, "ids_ptr": "*i32", "part_ptr": "*fp32",
                     "cnt_ptr": "*i32", "sx_t": "i32", "sw_e": "i64",
                     "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32", "ss_k": "i32", "sa_p": "i32",
                     "alpha": "fp32", "limit": "fp32", **shared_w, "n_routed": "i32"}),
                 "down": (moe_gemv._down_gemv, {
-                    "act_ptr": "*bf16", **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
+                    "act_ptr": act, **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
                     "part_ptr": "*fp32", "cnt_ptr": "*i32",
                     "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32",
                     "ss_k": "i32", "sy_t": "i32", "sy_s": "i32", **shared_w, "out_ptr": "*bf16", "tick_ptr": "*i32",
@@ -202,7 +203,8 @@ def variants(quick: bool):
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
-        if shared or comb or split_down != split or c.get("PDL"):  # MoE-only keys: the linear is listed without
+        if shared or comb or split_down != split or c.get("PDL") or c.get("ACT_F32"):  # MoE-only keys: the linear
+            # is listed without them
             continue
         out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
                     sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,

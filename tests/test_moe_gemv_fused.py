@@ -3,13 +3,14 @@
 ``SHARED_GRID`` puts the shared expert's tokens into the routed launches' grid (two GEMV launches instead of four),
 ``COMBINE`` lets the down launch's last program per (token, N tile) write the output (no combine launch), ``TMA``
 copies the weight tiles by TMA, ``SPLIT_K_DOWN`` splits the down launch alone, ``PDL`` makes the two launches
-programmatic dependents (Hopper). None of them changes a product, a sum's order or a rounding point, so each must
-give exactly the output of the same tile without it (``torch.equal``, not a tolerance), and that output must be as
-close to the float64 reference as the bf16 reference is (``test_kernels_moe._close``, whose docstring derives the
-bound). ``GSUM`` (per-group sums) changes the order of the fp32 sums only: it is held to that bound alone. CPU
-tests run under the Triton interpreter at tiny, odd sizes (H 96 is not a multiple of the 64-wide K tile, I 96 not
-of a 64-wide N tile: the last K step and N tile are partly past the edge, where TMA reads zeros or a neighbour's
-rows); the ``gpu`` tests run the compiled kernels at the ``mini`` preset's dims.
+programmatic dependents (Hopper), ``ACT_F32`` passes the activations between them as fp32. None of them changes a
+product, a sum's order or a rounding point, so each must give exactly the output of the same tile without it
+(``torch.equal``, not a tolerance), and that output must be as close to the float64 reference as the bf16
+reference is (``test_kernels_moe._close``, whose docstring derives the bound). ``GSUM`` (per-group sums) changes
+the order of the fp32 sums only: it is held to that bound alone. CPU tests run under the Triton interpreter at
+tiny, odd sizes (H 96 is not a multiple of the 64-wide K tile, I 96 not of a 64-wide N tile: the last K step and
+N tile are partly past the edge, where TMA reads zeros or a neighbour's rows); the ``gpu`` tests run the compiled
+kernels at the ``mini`` preset's dims.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ ROUND5 = {"sg_comb": dict(SHARED_GRID=1, COMBINE=1), "sg_comb_tma": dict(SHARED_
           "sg_split2_sdown3_tma": dict(SHARED_GRID=1, SPLIT_K=2, SPLIT_K_DOWN=3, TMA=1, COMBINE=1),
           # PDL's waits, trigger and L2 prefetches exist on the GPU only (the interpreter runs launches in order):
           # here the keys' plumbing; the GPU tests below run them, eagerly and replayed from a CUDA graph.
-          "sg_comb_pdl2": dict(SHARED_GRID=1, COMBINE=1, PDL=2)}
+          "sg_comb_pdl2": dict(SHARED_GRID=1, COMBINE=1, PDL=2),
+          # fp32 activations between the launches, holding the bf16-rounded values: the same bits out.
+          "sg_comb_actf32": dict(SHARED_GRID=1, COMBINE=1, ACT_F32=1)}
 
 
 def _run(case: MoECase, fmt: str, config: dict, dt=torch.bfloat16, device="cpu"):
@@ -219,7 +222,8 @@ def _mini_run(args, cfg, t):
 @pytest.mark.parametrize("name", ["gemv_bn4_pipe4_sg_comb", "gemv_bn4_pipe4_sg_comb_tma", "gemv_bn4_pipe6_sg_comb_tma",
                                   "gemv_bn8_pipe4_sg_comb_tma", "gemv_bn8_pipe4_sg_comb_sdown2",
                                   "gemv_bn4_pipe4_sg_comb_pdl", "gemv_bn4_pipe4_sg_comb_tma_pdl2",
-                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum", "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2"])
+                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum", "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2",
+                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2"])
 def test_gpu_round5_mini_dims(mini, name):
     # bench/moe.py's round-5 decode variants compiled (TMA, the cross-program tickets and split partials, PDL race
     # only on a device): one token and four, against the float64 reference's bound; called twice (the tickets reset
@@ -227,7 +231,8 @@ def test_gpu_round5_mini_dims(mini, name):
     # keys bit for bit (TMA changes nothing either, but its compiled arithmetic may fuse differently; GSUM reorders
     # the sums).
     cfg = _bench_round5().DECODE_ROUND5[name]
-    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL", "GSUM")}
+    base = {k: v for k, v in cfg.items()
+            if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL", "GSUM", "ACT_F32")}
     for t in (1, 4):
         got = _mini_run(mini, cfg, t)
         args = [mini[0][:t], *mini[1:]]

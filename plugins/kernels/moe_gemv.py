@@ -230,7 +230,7 @@ def _down_gemv(
     pid_k = tl.program_id(2)
     w_base, s_base, tok, slot = _row_source(a, n_routed, ids_ptr, w_ptr, s_ptr, sh_w_off, sh_s_off, sw_e, ss_e,
                                             TOP_K, ROUTED, SHARED)
-    dt = act_ptr.dtype.element_ty
+    dt = y_ptr.dtype.element_ty  # the activations' dtype (act may be fp32 holding its values: ACT_F32)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     w_rows = w_base + n.to(tl.int64) * sw_n
@@ -351,15 +351,19 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     same_layout = all(r.w.stride()[1:] == s.w.stride()[1:] and r.s.stride()[1:] == s.s.stride()[1:]
                       for r, s in ((routed13, shared13), (routed2, shared2)))
     dev, dt = x.device, x.dtype
+    # ACT_F32 1: the SwiGLU activations stored as fp32 (the same values, rounded to the activation dtype first), so
+    # the down launch loads them without a conversion per weight element (a thread of the down GEMV converts each
+    # activation it multiplies: about one instruction per weight byte of a 4- or 8-row tile on sm_90).
+    act_dt = torch.float32 if cfg.get("ACT_F32") else dt
     offsets_13 = (_offset(shared13.w, routed13.w), _offset(shared13.s, routed13.s))
     offsets_2 = (_offset(shared2.w, routed2.w), _offset(shared2.s, routed2.s))
     if cfg.get("SHARED_GRID") and i == i_s and same_layout and None not in offsets_13 + offsets_2:
-        act = torch.empty((n + t, i), dtype=dt, device=dev)
+        act = torch.empty((n + t, i), dtype=act_dt, device=dev)
         # (weights, the shared expert's offsets from them, grid rows, activations, I, ROUTED, SHARED)
         gate_up = [(routed13, offsets_13, n + t, act, i, True, True)]
         down = [(routed2, offsets_2, n + t, act, i, True, True)]
     else:
-        act, act_s = torch.empty((n, i), dtype=dt, device=dev), torch.empty((t, i_s), dtype=dt, device=dev)
+        act, act_s = torch.empty((n, i), dtype=act_dt, device=dev), torch.empty((t, i_s), dtype=act_dt, device=dev)
         gate_up = [(routed13, (0, 0), n, act, i, True, False), (shared13, (0, 0), t, act_s, i_s, False, False)]
         down = [(routed2, (0, 0), n, act, i, True, False), (shared2, (0, 0), t, act_s, i_s, False, False)]
     y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
