@@ -167,6 +167,13 @@ DECODE_ROUND5 = {
     # instructions for 32 weights per thread; 40 registers instead of 32).
     "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
                                                      PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1, ACT_F32=1),
+    # Round 5 measured COMBINE at +3 us over the separate combine launch (113.7 against 110.7 us with SHARED_GRID
+    # alone; every down program then ends on a barrier and an atomic round trip before it frees its SM slot), so
+    # round 5's winner without it, and with ACT_F32 without it.
+    "gemv_bn4_bk512_pipe3_sg_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
+                                         SHARED_GRID=1, GSUM=1),
+    "gemv_bn4_bk512_pipe3_sg_gsum_actf32": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                                PIPELINE=3, SHARED_GRID=1, GSUM=1, ACT_F32=1),
     "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2,
                                                           num_stages=3, PIPELINE=3, SHARED_GRID=1, COMBINE=1,
                                                           GSUM=1, ACT_F32=1, PDL=2),
