@@ -333,7 +333,7 @@ def decode_variants(fmt: str, batch: int) -> list:
     bigger = list(BYTES_SWEEP.values())
     round5 = list(DECODE_ROUND5.values())
     round5_few = [DECODE_ROUND5[n] for n in ("gemv_bn4_pipe4_sg_comb", "gemv_bn4_bk512_pipe3_sg_comb_gsum",
-                                             "gemv_bn8_bk512_w4_pipe3_sg_comb_gsum")]
+                                             "gemv_bn8_bk512_w4_pipe3_sg_comb_gsum", "gemv_bn4_bk512_pipe3_sg_gsum")]
     if fmt == "mxfp8":
         out = ([PREVIOUS_DEFAULTS["gemv_4warps"], *winners, PIPELINE_SWEEP["gemv_split2_pipe4"], *bigger, *round5]
                if batch == 1 else [*winners, *round5_few] if batch <= 8 else [])
