@@ -174,6 +174,14 @@ DECODE_ROUND5 = {
                                          SHARED_GRID=1, GSUM=1),
     "gemv_bn4_bk512_pipe3_sg_gsum_actf32": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
                                                 PIPELINE=3, SHARED_GRID=1, GSUM=1, ACT_F32=1),
+    # ... and the down launch on 8- or 16-row tiles (BLOCK_N_DOWN: twice / four times the weights per thread and K
+    # step against the same activations; its K loop is 6 steps of 512 against the gate-up's 12).
+    "gemv_bn4_bk512_pipe3_sg_gsum_actf32_down8": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                                      PIPELINE=3, SHARED_GRID=1, GSUM=1, ACT_F32=1,
+                                                      BLOCK_N_DOWN=8),
+    "gemv_bn4_bk512_pipe3_sg_gsum_actf32_down16": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                                       PIPELINE=3, SHARED_GRID=1, GSUM=1, ACT_F32=1,
+                                                       BLOCK_N_DOWN=16),
     "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2,
                                                           num_stages=3, PIPELINE=3, SHARED_GRID=1, COMBINE=1,
                                                           GSUM=1, ACT_F32=1, PDL=2),

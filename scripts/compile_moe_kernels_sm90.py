@@ -173,7 +173,8 @@ def variants(quick: bool):
         tag = (f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
                f"{' sdown%d' % split_down if split_down != split else ''}{' sg' if shared else ''}"
                f"{' tma' if tma else ''}{' comb' if comb else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}"
-               f"{' gsum' if c.get('GSUM') else ''}{' actf32' if c.get('ACT_F32') else ''}")
+               f"{' gsum' if c.get('GSUM') else ''}{' actf32' if c.get('ACT_F32') else ''}"
+               f"{' down%d' % c['BLOCK_N_DOWN'] if c.get('BLOCK_N_DOWN') else ''}")
         for mx in (True, False):
             w = "*fp8e4nv" if mx else "*bf16"
             common = {"w_ptr": w, "s_ptr": "*u8" if mx else w}
@@ -193,7 +194,8 @@ def variants(quick: bool):
                     "n_routed": "i32", "scaling": "fp32", "so_t": "i32"}),
             }
             for kind, (fn, sig) in sigs.items():
-                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn, BLOCK_K=bk,
+                bn_k = c.get("BLOCK_N_DOWN") or bn if kind == "down" else bn  # moe_gemv.launch's BLOCK_N_DOWN
+                consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn_k, BLOCK_K=bk,
                               SPLIT_K=split_down if kind == "down" else split, PREFETCH=prefetch,
                               PIPELINE=pipe.get("PIPELINE"), SHARED=shared, TMA=tma,
                               **({"COMBINE": comb} if kind == "down" else {}), PDL=c.get("PDL", 0),
@@ -203,8 +205,8 @@ def variants(quick: bool):
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
-        if shared or comb or split_down != split or c.get("PDL") or c.get("ACT_F32"):  # MoE-only keys: the linear
-            # is listed without them
+        if shared or comb or split_down != split or c.get("PDL") or c.get("ACT_F32") or c.get("BLOCK_N_DOWN"):
+            # MoE-only keys: the linear is listed without them
             continue
         out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
                     sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,

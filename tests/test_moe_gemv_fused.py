@@ -38,7 +38,10 @@ ROUND5 = {"sg_comb": dict(SHARED_GRID=1, COMBINE=1), "sg_comb_tma": dict(SHARED_
           # here the keys' plumbing; the GPU tests below run them, eagerly and replayed from a CUDA graph.
           "sg_comb_pdl2": dict(SHARED_GRID=1, COMBINE=1, PDL=2),
           # fp32 activations between the launches, holding the bf16-rounded values: the same bits out.
-          "sg_comb_actf32": dict(SHARED_GRID=1, COMBINE=1, ACT_F32=1)}
+          "sg_comb_actf32": dict(SHARED_GRID=1, COMBINE=1, ACT_F32=1),
+          # the down launch on 64-row tiles (H 96: the second half past H), split in two, its tickets and split
+          # counters counted per its own tiles
+          "sg_comb_down64_sdown2": dict(SHARED_GRID=1, COMBINE=1, BLOCK_N_DOWN=64, SPLIT_K_DOWN=2)}
 
 
 def _run(case: MoECase, fmt: str, config: dict, dt=torch.bfloat16, device="cpu"):
@@ -223,7 +226,8 @@ def _mini_run(args, cfg, t):
                                   "gemv_bn8_pipe4_sg_comb_tma", "gemv_bn8_pipe4_sg_comb_sdown2",
                                   "gemv_bn4_pipe4_sg_comb_pdl", "gemv_bn4_pipe4_sg_comb_tma_pdl2",
                                   "gemv_bn4_bk512_pipe3_sg_comb_gsum", "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2",
-                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2"])
+                                  "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2",
+                                  "gemv_bn4_bk512_pipe3_sg_gsum_actf32_down16"])
 def test_gpu_round5_mini_dims(mini, name):
     # bench/moe.py's round-5 decode variants compiled (TMA, the cross-program tickets and split partials, PDL race
     # only on a device): one token and four, against the float64 reference's bound; called twice (the tickets reset
@@ -232,7 +236,7 @@ def test_gpu_round5_mini_dims(mini, name):
     # the sums).
     cfg = _bench_round5().DECODE_ROUND5[name]
     base = {k: v for k, v in cfg.items()
-            if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL", "GSUM", "ACT_F32")}
+            if k not in ("SHARED_GRID", "COMBINE", "TMA", "SPLIT_K_DOWN", "PDL", "GSUM", "ACT_F32", "BLOCK_N_DOWN")}
     for t in (1, 4):
         got = _mini_run(mini, cfg, t)
         args = [mini[0][:t], *mini[1:]]

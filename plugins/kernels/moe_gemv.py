@@ -24,13 +24,14 @@ shared memory with cp.async while this step is summed, so the bytes in flight no
 compile at mini dims, gate-up BN 8 / BK 256 / 4 warps: 72 registers either way, 13.8 KB of shared memory at S 4,
 about 3x the bytes in flight per SM). The same loads and sums in the same order: results are bit-identical.
 
-Round 5 (config keys, all 0 in the defaults until the H200 measures them; ``bench/moe.py``'s DECODE_ROUND5):
+Round 5 (config keys; ``bench/moe.py``'s DECODE_ROUND5, ``moe.GEMV_DECODE`` takes the H200's winner):
 ``SHARED_GRID`` 1 runs the shared expert's tokens as more rows of the routed launches' grid (``_row_source``), so
 gate-up and down are one launch each; ``COMBINE`` 1 lets the down launch's last program per (token, N tile) write
 the output (``_combine_tile``, bit-identical to ``moe._combine``); ``TMA`` 1 copies the weight tiles by TMA
-(``gemv.tma_row_dot``); ``SPLIT_K_DOWN`` splits the down launch alone; ``PDL`` 1 / 2 makes gate-up and down
-programmatic dependent launches (``_down_gemv``'s docstring); ``GSUM`` 1 sums each K step per 32-column group
-(``gemv._group_dot``: fewer instructions and registers, another fp32 summation order).
+(``gemv.tma_row_dot``); ``SPLIT_K_DOWN`` splits the down launch alone and ``BLOCK_N_DOWN`` gives it its own N
+tile; ``PDL`` 1 / 2 makes gate-up and down programmatic dependent launches (``_down_gemv``'s docstring); ``GSUM``
+1 sums each K step per 32-column group (``gemv._group_dot``: fewer instructions and registers, another fp32
+summation order); ``ACT_F32`` 1 hands the activations to the down launch as fp32 (``launch``).
 
 Semantics are ``moe.py``'s: weights (E4M3 x UE8M0 scale, exactly, per element) are rounded to the activation
 dtype as the reference casts them, products and sums are fp32, the gate-up output is rounded to the activation
@@ -330,6 +331,7 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     n = t * top_k
     i, i_s = routed13.w.shape[1] // 2, shared13.w.shape[1] // 2
     bn, bk, split = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128), int(cfg.get("SPLIT_K", 1))
+    bn_down = cfg.get("BLOCK_N_DOWN") or bn  # the down launch's own N tile (its K loop is half the gate-up's)
     split_down = int(cfg.get("SPLIT_K_DOWN", split))
     prefetch = int(cfg.get("PREFETCH", 0))
     if min(split, split_down) < 1 or prefetch not in (0, 1, 2):
@@ -368,7 +370,7 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
         down = [(routed2, (0, 0), n, act, i, True, False), (shared2, (0, 0), t, act_s, i_s, False, False)]
     y = torch.empty((t, top_k + 1, h), dtype=dt, device=dev)
     # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each launch.
-    tiles = [g[2] * triton.cdiv(g[4], bn) for g in gate_up] + [d[2] * triton.cdiv(h, bn) for d in down]
+    tiles = [g[2] * triton.cdiv(g[4], bn) for g in gate_up] + [d[2] * triton.cdiv(h, bn_down) for d in down]
     part = cnt = act  # never read without split-K
     if max(split, split_down) > 1:
         part = torch.empty(max(split, split_down) * (n + t) * max(2 * max(i, i_s), h), dtype=torch.float32,
@@ -376,7 +378,7 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
         cnt = torch.zeros(sum(tiles), dtype=torch.int32, device=dev)
     offsets = [sum(tiles[:j]) for j in range(len(tiles))]
     combine = bool(cfg.get("COMBINE"))
-    tickets = ticket_counters(dev, t * triton.cdiv(h, bn)) if combine else cnt
+    tickets = ticket_counters(dev, t * triton.cdiv(h, bn_down)) if combine else cnt
     for j, (w, (w_off, s_off), rows, a, width, routed, shared) in enumerate(gate_up):
         _gate_up_gemv[(rows, triton.cdiv(width, bn), split)](
             x, w.w, w.s, a, ids, part, cnt[offsets[j]:] if split > 1 else cnt, x.stride(0), *w.strides(),
@@ -386,10 +388,10 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
             **launch_kw,
         )
     for j, (w, (w_off, s_off), rows, a, width, routed, shared) in enumerate(down, start=len(gate_up)):
-        _down_gemv[(rows, triton.cdiv(h, bn), split_down)](
+        _down_gemv[(rows, triton.cdiv(h, bn_down), split_down)](
             a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split_down > 1 else cnt, a.stride(0),
             *w.strides(), y.stride(0), y.stride(1),
-            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_down,
+            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn_down, BLOCK_K=bk, SPLIT_K=split_down,
             PREFETCH=prefetch, SHARED=shared, COMBINE=combine, sh_w_off=w_off, sh_s_off=s_off, out_ptr=out,
             tick_ptr=tickets, n_routed=n, scaling=float(scaling), so_t=out.stride(0), **launch_kw,
         )
