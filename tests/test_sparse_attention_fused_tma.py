@@ -40,8 +40,9 @@ BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
            "prefill-short": ([40, 20], [9, 4], 32)}
 LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused", "flat_tma_host_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
          "decode-blocks-of-32": ["flat_tma_fused", "flat_tma_lean"],
-         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "halves_tma"],
-         "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean"]}
+         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "halves_tma",
+                     "union_tma_lean_rescale"],
+         "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean", "union_tma_lean_rescale"]}
 
 
 @pytest.fixture(autouse=True)
@@ -153,10 +154,23 @@ def test_tma_falls_back_where_a_key_tile_crosses_pages(launches):
     assert launches[0]["TMA"] == 0 and launches[0]["FUSED"] is True
 
 
+@pytest.mark.parametrize("batch", ["prefill", "prefill-blocks-of-32"])
+def test_rescale_at_every_tile_gives_the_lean_steps_bits(batch, launches):
+    """'_rescale' multiplies the accumulator by alpha at every tile where the lean step tests first whether any row's
+    max grew: where none did, every alpha is exp2(0) = 1 exactly, so the outputs are the same bits (the test can fail:
+    a wrong alpha where a max grew, or a rescale skipped, changes them)."""
+    paged, qkv, scales, sel, bs, scale, ref = _case(batch, 16, dtype=torch.float32)
+    lean = _run(paged, qkv, scales, sel, bs, scale, "prefill", "union_tma_lean")
+    every = _run(paged, qkv, scales, sel, bs, scale, "prefill", "union_tma_lean_rescale")
+    assert torch.equal(lean, every)
+    assert [(kw["LEAN"], kw["RESCALE"]) for kw in launches] == [(True, False), (True, True)]
+
+
 @pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),
                                            ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused"),
                                            ("union_lean", "whole-tile TMA walks"), ("flat_host", "follows '_tma'"),
-                                           ("nested_tma_lean", "whole-tile TMA walks")])
+                                           ("nested_tma_lean", "whole-tile TMA walks"),
+                                           ("union_tma_rescale", "form of the '_lean' step")])
 def test_loop_forms_refuse_what_the_kernel_has_not(loop, message):
     with pytest.raises(ValueError, match=message):
         SPA.settings({"decode": {"loop": loop}}, "decode")

@@ -76,13 +76,16 @@ def attend_tile(q, k, v, ks_ptrs, vs_ptrs, kmask, allowed, qk_scale, m_i, l_i, a
 
 @triton.jit
 def attend_tile_lean(q, k, v, need_mask, allowed, qk_scale, m_i, l_i, acc, PREC: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
+                     INTERPRETED: tl.constexpr, ALWAYS_RESCALE: tl.constexpr = False):
     """``attend_tile`` (16-bit or fp32 pools, not FP8) with less vector work per score, the same semantics: the
     mask applied only when ``need_mask`` (the caller knows when every row may see every key of the tile), the
     scale folded into the exponent's FMA (the running max is kept scaled, as the partials and the merge expect:
     max(s) * c is the max of s * c exactly, c > 0), and the accumulator rescaled only when some row's max grew (else
     every alpha is exp2(0) = 1 exactly, so skipping it changes no bit). Only fp32 rounding of the exponent's argument
-    differs from ``attend_tile`` (one FMA instead of a product and a difference)."""
+    differs from ``attend_tile`` (one FMA instead of a product and a difference). ``ALWAYS_RESCALE``: the
+    accumulator rescaled at every tile instead (64 products a thread at 128 x 128 over 8 warps): the any-row test
+    is a reduction across the program's warps, i.e. a CTA barrier per tile (sm_90 SASS of the 8-warp union tile: 9
+    barriers a key tile), which also keeps the two warpgroups in step; the same bits (alpha = 1 where no max grew)."""
     s = mma(q, tl.trans(k), PREC, INTERPRETED)
     if need_mask:
         s = tl.where(allowed, s, float("-inf"))
@@ -91,7 +94,9 @@ def attend_tile_lean(q, k, v, need_mask, allowed, qk_scale, m_i, l_i, acc, PREC:
     p = tl.exp2(tl.fma(s, qk_scale, -ref[:, None]))
     alpha = tl.exp2(m_i - ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if tl.max((m_new != m_i).to(tl.int32), axis=0) > 0:
+    if ALWAYS_RESCALE:
+        acc = acc * alpha[:, None]
+    elif tl.max((m_new != m_i).to(tl.int32), axis=0) > 0:
         acc = acc * alpha[:, None]
     acc += mma(p.to(v.dtype), v, PREC, INTERPRETED)
     return m_new, l_i, acc

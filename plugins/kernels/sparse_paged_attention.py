@@ -94,8 +94,9 @@ _LOOPS = ("nested", "flat", "union", "halves")
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
 # at launch and passed by value instead of written by every program at its start (then fenced); "fused", the split-K merge in the same launch
 # (``_splitk.finish_rows_fused``: the last split of each tile merges; no second launch); "lean" (after "tma", whole-tile
-# walks, 16-bit / fp32 pools): each key tile's online-softmax step with less vector work (``attend_tile_lean``).
-_MODIFIERS = ("tma", "host", "fused", "lean")
+# walks, 16-bit / fp32 pools): each key tile's online-softmax step with less vector work (``attend_tile_lean``);
+# "rescale" (after "lean"): that step rescales the accumulator at every tile (no per-tile any-row test: a CTA barrier).
+_MODIFIERS = ("tma", "host", "fused", "lean", "rescale")
 
 
 # Most sequences whose starts a one-token program loads at once to find its sequence (``_sequence_by_count``; the fused
@@ -116,6 +117,8 @@ def loop_form(loop: str) -> tuple[str, bool, bool, bool, bool]:
     if "lean" in mods and ("tma" not in mods or walk not in ("flat", "union")):
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_lean' is a step of the whole-tile TMA walks "
                          "('flat_tma...' with one token per program, 'union_tma...')")
+    if "rescale" in mods and "lean" not in mods:
+        raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_rescale' is a form of the '_lean' step")
     if walk == "halves" and "fused" in mods:
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: the 'halves' walk finishes its two row groups "
                          "apart, so its merge cannot be fused")
@@ -215,6 +218,17 @@ VARIANTS = {
         "union_tma_lean-t8-n128-w8-s2-waves2": _prefill("union_tma_lean", 8, 128, 8, 2),
         "union_tma_lean-t8-n64-w8-s3-waves2": _prefill("union_tma_lean", 8, 64, 8, 3),
         "union_tma_host_lean-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean", 8, 128, 8, 2),
+        # issue 11's last prefill step (227 -> 250 TFLOP/s at 16k). The lean 8-warp tile's sm_90 SASS holds 9 CTA
+        # barriers per key tile (cross-warp reductions: the rows that chose the block, the mask test, the rescale
+        # test), so its two warpgroups run in step and never overlap one's softmax with the other's wgmma. "_rescale"
+        # drops the rescale test's (sm_90: 252 registers, 160 KB, 3 barriers and 6 shuffles fewer in the loop). A
+        # 4-warp tile (one warpgroup: no barrier between warpgroups) of 4 tokens (union 1.24x top-k, not 1.43x) with
+        # 64-key tiles in 3 stages: 192 registers, 80 KB, so two programs per multiprocessor. Not listed: 8 tokens
+        # at 4 warps (one warpgroup, M = 128 as two wgmma issues) spills (n64 s2: 255 registers + 208 bytes of
+        # stack), 4 tokens n128 w4 s2 is 255 registers and 144 KB (one program per multiprocessor, half the rows).
+        "union_tma_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_rescale", 8, 128, 8, 2),
+        "union_tma_host_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_rescale", 8, 128, 8, 2),
+        "union_tma_lean-t4-n64-w4-s3-waves2": _prefill("union_tma_lean", 4, 64, 4, 3),
     },
 }
 
@@ -428,6 +442,7 @@ def _sparse_paged_attention(
     TILE_IN_PAGE: tl.constexpr = False,  # these last, with defaults: the TensorRT wrappers pass the others by position
     TMA: tl.constexpr = 0, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
     LEAN: tl.constexpr = False, k_desc=None, v_desc=None, HOST_DESC: tl.constexpr = False,
+    RESCALE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -561,7 +576,7 @@ def _sparse_paged_attention(
                     some_not = tl.min(tl.where(row_ok, wants, True).to(tl.int32), axis=0) == 0
                     need = some_not | (c * BS + sub * BLOCK_N + BLOCK_N - 1 > pos_min)
                     m_i, l_i, acc = attend_tile_lean(q, k, v, need, wants[:, None] & (j[None, :] <= pos[:, None]),
-                                                     qk_scale, m_i, l_i, acc, PREC, INTERPRETED)
+                                                     qk_scale, m_i, l_i, acc, PREC, INTERPRETED, RESCALE)
                 else:
                     m_i, l_i, acc = _attend_block(
                         q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, True, wants, pos, last, d, dv, g, sk_p, sk_r,
@@ -724,7 +739,7 @@ def forward(
         TILE_IN_PAGE=mode == "prefill" and page % block_n == 0 and block_size % block_n == 0,
         TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
-        LEAN=lean and k_scale is None, **descs,
+        LEAN=lean and k_scale is None, RESCALE="rescale" in cfg["loop"].split("_"), **descs,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts and not fused else out
