@@ -2,6 +2,7 @@
 
     python3 bench/attention.py --sweep [--out bench/results/attention_sweep.json] [--budget-s 190]
     python3 bench/attention.py --sweep --only sparse-decode:16x32768,indexer-scan:1x131072   # chosen shapes
+    python3 bench/attention.py --sweep --only sparse-prefill-model:16384 --variants NAME,NAME   # chosen variants
     python3 bench/attention.py --sweep --device cpu --out /tmp/attention_sweep_cpu.json   # logic only
 
 Groups, after issue 11's unmet targets (``docs/performance.md``): ``sparse-decode`` (copy bandwidth at batch
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="",
                     help="comma-separated GROUP:SHAPE, e.g. sparse-decode:16x32768,indexer-scan:1x131072 "
                          "(BATCHxCONTEXT; prefill groups: the prompt length); overrides --groups")
+    ap.add_argument("--variants", default="",
+                    help="comma-separated VARIANTS names: time the defaults and only these (a name no swept kernel "
+                         "has is refused)")
     args = ap.parse_args(argv)
     groups = [g for g in args.groups.split(",") if g]
     if set(groups) - set(GROUPS):
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
     elif not torch.cuda.is_available():
         raise SystemExit("bench/attention.py --sweep needs a CUDA device (or --device cpu for a logic check)")
-    return Sweep(args.device, groups, args.budget_s, args.out, shapes).run()
+    names = [n for n in args.variants.split(",") if n]
+    return Sweep(args.device, groups, args.budget_s, args.out, shapes, names).run()
 
 
 def only_shapes(spec: str) -> dict:
@@ -117,7 +122,8 @@ def only_shapes(spec: str) -> dict:
 
 
 class Sweep:
-    def __init__(self, device: str, groups: list[str], budget_s: float, out: str, shapes: dict | None = None):
+    def __init__(self, device: str, groups: list[str], budget_s: float, out: str, shapes: dict | None = None,
+                 names: list[str] | None = None):
         import triton
 
         from m3export.plugins.kernels import lightning_indexer, sparse_paged_attention
@@ -128,6 +134,10 @@ class Sweep:
         self.dims = DIMS[device]
         self.shapes = shapes or SHAPES[device]
         self.groups, self.out = groups, out
+        self.names = set(names or ())
+        known = {n for m in (self.LI, self.SPA) for part in m.VARIANTS.values() for n in part}
+        if self.names - known:
+            raise SystemExit(f"attention_sweep: --variants: no kernel has {sorted(self.names - known)}")
         self.t0, self.budget_s = time.monotonic(), budget_s
         self.res = {"device": torch.cuda.get_device_name() if not self.cpu else "cpu (interpreter)",
                     "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -232,7 +242,8 @@ class Sweep:
         """The defaults, then every variant that runs something else (a variant equal to the defaults, e.g. the
         last sweep's winner, would only time the same launch twice)."""
         return [("default", dict(module.DEFAULTS[part]))] + [
-            (name, settings) for name, settings in module.VARIANTS[part].items() if settings != module.DEFAULTS[part]]
+            (name, settings) for name, settings in module.VARIANTS[part].items()
+            if settings != module.DEFAULTS[part] and (not self.names or name in self.names)]
 
     def each_variant(self, group, shape, module, part, run):
         """``run(settings) -> (seconds, bytes, flops, ok, detail, extra)`` for the defaults and every variant;
