@@ -33,6 +33,9 @@ COMPARE = {"DOUBLE", "FLOAT", "FLOAT16", "INT32", "INT64", "UINT32", "UINT64"}  
 MINMAX = FLOATS | {"INT32", "INT64", "UINT32", "UINT64"}  # Max/Min/Mod 13+
 CUDA_EP = {
     "Abs": ((0,), ARITH),
+    # ORT's own op in the default domain, registered 1+ (contrib LayerNorm<T, U, V, simplified>); the decode graphs
+    # feed it fp32 X and scale only (m3export/export/fused_norms.py), the (float, float, float) registration
+    "SimplifiedLayerNormalization": ((0, 1), {"DOUBLE", "FLOAT"}),
     "Add": ((0, 1), ARITH), "Sub": ((0, 1), ARITH), "Mul": ((0, 1), ARITH), "Div": ((0, 1), ARITH),
     "And": (None, {"BOOL"}), "Or": (None, {"BOOL"}), "Not": (None, {"BOOL"}),
     "Cast": ((0,), FIXED | FP8),  # 19-20
