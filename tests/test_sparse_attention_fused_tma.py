@@ -41,8 +41,9 @@ BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
 LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused", "flat_tma_host_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
          "decode-blocks-of-32": ["flat_tma_fused", "flat_tma_lean"],
          "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "halves_tma",
-                     "union_tma_lean_rescale"],
-         "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean", "union_tma_lean_rescale"]}
+                     "union_tma_lean_rescale", "union_tma_lean_chosen", "union_tma_host_lean_chosen_rescale"],
+         "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean", "union_tma_lean_rescale",
+                                  "union_tma_lean_chosen"]}
 
 
 @pytest.fixture(autouse=True)
@@ -166,11 +167,46 @@ def test_rescale_at_every_tile_gives_the_lean_steps_bits(batch, launches):
     assert [(kw["LEAN"], kw["RESCALE"]) for kw in launches] == [(True, False), (True, True)]
 
 
+@pytest.mark.parametrize("batch", ["prefill", "prefill-blocks-of-32"])
+def test_chosen_bits_give_the_lean_steps_bits(batch, launches):
+    """'_chosen' takes each key tile's wanting rows and its mask test from the union's bits instead of comparing
+    the rows' selections: the same rows, so the same bits out (a wrong bit masks a row's keys or lets them in)."""
+    paged, qkv, scales, sel, bs, scale, ref = _case(batch, 16, dtype=torch.float32)
+    lean = _run(paged, qkv, scales, sel, bs, scale, "prefill", "union_tma_lean")
+    chosen = _run(paged, qkv, scales, sel, bs, scale, "prefill", "union_tma_lean_chosen")
+    assert torch.equal(lean, chosen)
+    assert [kw["CHOSEN"] for kw in launches] == [False, True] and launches[1]["cho_ptr"] is not None
+
+
+def test_union_choosers_are_the_tokens_that_chose_each_union_block():
+    """Against sets built in Python per (tile, KV head, union entry): bit i iff token i of the tile selected the
+    block and may see it (id >= 0, not after its own block; repeats count once); padding entries and tokens past
+    the tile's end have none."""
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.tensor([3, 4, 5, 6, 7, 20, 21])  # blocks of 4: own blocks 0, 1, 1, 1, 1, 5, 5
+    sel = torch.randint(-1, 7, (7, 2, 3), generator=gen, dtype=torch.int32)
+    start, end, tokens = torch.tensor([0, 4, 5, 7]).int(), torch.tensor([4, 5, 7, 7]).int(), 4
+    union, count = SPA.tile_unions(sel, positions, start, end, tokens, 4)
+    bits = SPA.union_choosers(sel, positions, start, end, tokens, 4, union)
+    assert bits.shape == union.shape and bits.dtype == torch.int32
+    for s in range(4):
+        for h in range(2):
+            for e in range(union.shape[-1]):
+                c = union[s, h, e].item()
+                want = sum(1 << (i - start[s].item()) for i in range(start[s], end[s])
+                           if c in sel[i, h].tolist() and c <= positions[i] // 4)
+                assert bits[s, h, e].item() == want, (s, h, e)
+    assert (bits > 0).sum() == count.sum()  # every union block was chosen by some token
+    assert any(0 < b < (1 << (end[s] - start[s]).item()) - 1 for s in range(3) for b in bits[s].flatten().tolist())
+
+
 @pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),
                                            ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused"),
                                            ("union_lean", "whole-tile TMA walks"), ("flat_host", "follows '_tma'"),
                                            ("nested_tma_lean", "whole-tile TMA walks"),
-                                           ("union_tma_rescale", "form of the '_lean' step")])
+                                           ("union_tma_rescale", "form of the '_lean' step"),
+                                           ("flat_tma_lean_chosen", "union walk's '_lean'"),
+                                           ("union_tma_chosen", "union walk's '_lean'")])
 def test_loop_forms_refuse_what_the_kernel_has_not(loop, message):
     with pytest.raises(ValueError, match=message):
         SPA.settings({"decode": {"loop": loop}}, "decode")

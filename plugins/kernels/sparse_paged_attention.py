@@ -95,8 +95,11 @@ _LOOPS = ("nested", "flat", "union", "halves")
 # at launch and passed by value instead of written by every program at its start (then fenced); "fused", the split-K merge in the same launch
 # (``_splitk.finish_rows_fused``: the last split of each tile merges; no second launch); "lean" (after "tma", whole-tile
 # walks, 16-bit / fp32 pools): each key tile's online-softmax step with less vector work (``attend_tile_lean``);
-# "rescale" (after "lean"): that step rescales the accumulator at every tile (no per-tile any-row test: a CTA barrier).
-_MODIFIERS = ("tma", "host", "fused", "lean", "rescale")
+# "rescale" (after "lean"): that step rescales the accumulator at every tile (no per-tile any-row test: a CTA barrier);
+# "chosen" (union walk, after "lean"): which tokens of the tile chose each union block, as bits made with the union
+# (``union_choosers``), so that a key tile's rows that want it and whether all do are one scalar load, not a compare of
+# every row's selection and two reductions across the program's warps per tile.
+_MODIFIERS = ("tma", "host", "fused", "lean", "chosen", "rescale")
 
 
 # Most sequences whose starts a one-token program loads at once to find its sequence (``_sequence_by_count``; the fused
@@ -117,6 +120,9 @@ def loop_form(loop: str) -> tuple[str, bool, bool, bool, bool]:
     if "lean" in mods and ("tma" not in mods or walk not in ("flat", "union")):
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_lean' is a step of the whole-tile TMA walks "
                          "('flat_tma...' with one token per program, 'union_tma...')")
+    if "chosen" in mods and ("lean" not in mods or walk != "union"):
+        raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_chosen' is a form of the union walk's '_lean' "
+                         "step")
     if "rescale" in mods and "lean" not in mods:
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_rescale' is a form of the '_lean' step")
     if walk == "halves" and "fused" in mods:
@@ -229,6 +235,11 @@ VARIANTS = {
         "union_tma_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_rescale", 8, 128, 8, 2),
         "union_tma_host_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_rescale", 8, 128, 8, 2),
         "union_tma_lean-t4-n64-w4-s3-waves2": _prefill("union_tma_lean", 4, 64, 4, 3),
+        # "_chosen": the rows that want a block and whether all do from one load of bits made with the union
+        "union_tma_lean_chosen-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_chosen", 8, 128, 8, 2),
+        "union_tma_lean_chosen_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_chosen_rescale", 8, 128, 8, 2),
+        "union_tma_host_lean_chosen_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_chosen_rescale", 8,
+                                                                             128, 8, 2),
     },
 }
 
@@ -324,6 +335,32 @@ def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Te
     ids = torch.sort(torch.where(repeat, big, ids), dim=-1).values
     count = (ids != big).sum(-1, dtype=torch.int32)
     return ids.to(torch.int32).contiguous(), count.contiguous()
+
+
+def union_choosers(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
+                   tokens: int, block_size: int, union: torch.Tensor) -> torch.Tensor:
+    """For every entry of ``tile_unions``' union: bit i set iff token i of the tile selected that block and may see it
+    (id <= its own block); int32 [slots, Hkv, tokens * K] (tokens <= 31). The union walk's rows that want a block,
+    and whether all real tokens do, from one load (loop modifier "_chosen"). Device tensor ops on shapes alone: each
+    selection entry's place in the sorted union by a batched binary search, then one scatter."""
+    if tokens > 31:
+        raise ValueError(f"sparse_paged_attention: '_chosen' keeps a tile's tokens as int32 bits: {tokens} tokens")
+    t, hkv, k = sel.shape
+    slots, width = tile_start.shape[0], union.shape[-1]
+    tok = tile_start.long()[:, None] + torch.arange(tokens, device=sel.device)  # [slots, tokens]
+    real = tok < tile_end.long()[:, None]
+    tok = torch.where(real, tok, 0).clamp(max=max(t - 1, 0))
+    ids = sel[tok]  # [slots, tokens, Hkv, K]
+    own = (positions[tok] // block_size)[:, :, None, None]
+    ok = (real[:, :, None, None] & (ids >= 0) & (ids <= own)).permute(0, 2, 1, 3)  # [slots, Hkv, tokens, K]
+    ids = ids.permute(0, 2, 1, 3).contiguous()
+    at = torch.searchsorted(union.reshape(slots * hkv, 1, width).expand(-1, tokens, -1).reshape(-1, width),
+                            ids.reshape(-1, k)).view(slots, hkv, tokens, k)
+    at = torch.where(ok, at, width)  # not usable by that token: the spare column
+    seen = torch.zeros(slots, hkv, tokens, width + 1, dtype=torch.int32, device=sel.device)
+    seen.scatter_(-1, at, 1)
+    weights = (1 << torch.arange(tokens, dtype=torch.int32, device=sel.device)).view(1, 1, tokens, 1)
+    return (seen[..., :width] * weights).sum(2, dtype=torch.int32).contiguous()
 
 
 @triton.jit
@@ -442,7 +479,7 @@ def _sparse_paged_attention(
     TILE_IN_PAGE: tl.constexpr = False,  # these last, with defaults: the TensorRT wrappers pass the others by position
     TMA: tl.constexpr = 0, FUSED: tl.constexpr = False, tick_ptr=None, kv_rows=0, SEQS_PAD: tl.constexpr = 0,
     LEAN: tl.constexpr = False, k_desc=None, v_desc=None, HOST_DESC: tl.constexpr = False,
-    RESCALE: tl.constexpr = False,
+    RESCALE: tl.constexpr = False, cho_ptr=None, CHOSEN: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -562,7 +599,10 @@ def _sparse_paged_attention(
                 sub = it % SUB
                 if LOOP == "union":
                     c = tl.load(uni_base + visit)
-                    if TOKENS == 1:
+                    if CHOSEN:  # bit i: token i of the tile chose c (union_choosers); rows of padding never set
+                        bits = tl.load(cho_ptr + (tile * hkv + g).to(tl.int64) * VISITS + visit)
+                        wants = ((bits >> rel) & 1) != 0
+                    elif TOKENS == 1:
                         wants = row_ok
                     else:
                         wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
@@ -573,7 +613,10 @@ def _sparse_paged_attention(
                     j, kmask, page, row, k, v = _load_kv(k_src, v_src, bt_row, c, sub, True, last, d, dv, g, sk_p,
                                                          sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N,
                                                          TILE_IN_PAGE, 2)
-                    some_not = tl.min(tl.where(row_ok, wants, True).to(tl.int32), axis=0) == 0
+                    if CHOSEN:  # a real token of the tile that did not choose c: a scalar test
+                        some_not = bits != (1 << (end - start)) - 1
+                    else:
+                        some_not = tl.min(tl.where(row_ok, wants, True).to(tl.int32), axis=0) == 0
                     need = some_not | (c * BS + sub * BLOCK_N + BLOCK_N - 1 > pos_min)
                     m_i, l_i, acc = attend_tile_lean(q, k, v, need, wants[:, None] & (j[None, :] <= pos[:, None]),
                                                      qk_scale, m_i, l_i, acc, PREC, INTERPRETED, RESCALE)
@@ -691,12 +734,15 @@ def forward(
     if loop == "halves" and tokens % 2:
         raise ValueError(f"sparse_paged_attention: the 'halves' loop needs an even tile_tokens, not {tokens}")
     uni = cnt = sel  # never read unless the loop is "union" or "halves"
+    chosen = None
     if loop in ("union", "halves"):
         if tokens == 1:
             first = torch.arange(t, dtype=torch.int32, device=q.device)
             uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
         else:
             uni, cnt = tile_unions(sel, pos, tstart, tend, tokens, block_size)
+            if "chosen" in cfg["loop"].split("_") and loop == "union":
+                chosen = union_choosers(sel, pos, tstart, tend, tokens, block_size, uni)
     visits = tokens * topk
     splits = splits_for(q.device, slots * hkv, min(visits, cfg["max_splits"] or visits), cfg["waves"])
     splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
@@ -740,6 +786,7 @@ def forward(
         TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
         LEAN=lean and k_scale is None, RESCALE="rescale" in cfg["loop"].split("_"), **descs,
+        cho_ptr=chosen, CHOSEN=chosen is not None and lean and k_scale is None,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts and not fused else out
