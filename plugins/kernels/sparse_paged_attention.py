@@ -354,10 +354,10 @@ def union_choosers(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch
     own = (positions[tok] // block_size)[:, :, None, None]
     ok = (real[:, :, None, None] & (ids >= 0) & (ids <= own)).permute(0, 2, 1, 3)  # [slots, Hkv, tokens, K]
     ids = ids.permute(0, 2, 1, 3).contiguous()
-    at = torch.searchsorted(union.reshape(slots * hkv, 1, width).expand(-1, tokens, -1).reshape(-1, width),
-                            ids.reshape(-1, k)).view(slots, hkv, tokens, k)
+    at = torch.searchsorted(union.reshape(slots * hkv, width), ids.view(slots * hkv, tokens * k))
+    at = at.view(slots, hkv, tokens, k)
     at = torch.where(ok, at, width)  # not usable by that token: the spare column
-    seen = torch.zeros(slots, hkv, tokens, width + 1, dtype=torch.int32, device=sel.device)
+    seen = torch.zeros(slots, hkv, tokens, width + 1, dtype=torch.uint8, device=sel.device)
     seen.scatter_(-1, at, 1)
     weights = (1 << torch.arange(tokens, dtype=torch.int32, device=sel.device)).view(1, 1, tokens, 1)
     return (seen[..., :width] * weights).sum(2, dtype=torch.int32).contiguous()
