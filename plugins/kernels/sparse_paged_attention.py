@@ -235,7 +235,9 @@ VARIANTS = {
         "union_tma_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_rescale", 8, 128, 8, 2),
         "union_tma_host_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_rescale", 8, 128, 8, 2),
         "union_tma_lean-t4-n64-w4-s3-waves2": _prefill("union_tma_lean", 4, 64, 4, 3),
-        # "_chosen": the rows that want a block and whether all do from one load of bits made with the union
+        # "_chosen": the rows that want a block and whether all do from one load of bits made with the union.
+        # sm_90 key-tile loop (t8 n128 w8 s2, instructions / CTA barriers / shuffles a tile): lean 787 / 10 / 24,
+        # lean_rescale 763 / 7 / 18, lean_chosen 673 / 5 / 14, lean_chosen_rescale 647 / 4 / 8 (241 registers).
         "union_tma_lean_chosen-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_chosen", 8, 128, 8, 2),
         "union_tma_lean_chosen_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_chosen_rescale", 8, 128, 8, 2),
         "union_tma_host_lean_chosen_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_chosen_rescale", 8,
@@ -312,6 +314,20 @@ def fit_shared_memory(rows: int, block_n: int, block_d: int, block_dv: int, stag
                      f"shared memory with 16-key tiles in one stage; the device has {limit}")
 
 
+def _tile_selections(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
+                     tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tile's tokens' selections, [slots, Hkv, tokens, K] int32 (a token past the tile's end reads token 0's),
+    and which entries the token may use (a real token's id >= 0, not after its own block)."""
+    t = sel.shape[0]
+    tok = tile_start.long()[:, None] + torch.arange(tokens, device=sel.device)  # [slots, tokens]
+    real = tok < tile_end.long()[:, None]
+    tok = torch.where(real, tok, 0).clamp(max=max(t - 1, 0))
+    ids = sel[tok]  # [slots, tokens, Hkv, K]
+    own = (positions[tok] // block_size)[:, :, None, None]
+    ok = real[:, :, None, None] & (ids >= 0) & (ids <= own)
+    return ids.permute(0, 2, 1, 3), ok.permute(0, 2, 1, 3)
+
+
 def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
                 tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For every (query tile, KV head): the distinct blocks some token of the tile selected and may see (id >= 0,
@@ -319,16 +335,10 @@ def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Te
 
     sel [T, Hkv, K] int32, tiles [slots] -> (union [slots, Hkv, tokens * K] int32, count [slots, Hkv] int32).
     Device tensor ops on shapes alone (two sorts of tokens * K ids per tile): no sync, CUDA-graph safe."""
-    t, hkv, k = sel.shape
-    slots = tile_start.shape[0]
+    slots, (hkv, k) = tile_start.shape[0], sel.shape[1:]
     big = torch.iinfo(torch.int32).max
-    tok = tile_start.long()[:, None] + torch.arange(tokens, device=sel.device)  # [slots, tokens]
-    real = tok < tile_end.long()[:, None]
-    tok = torch.where(real, tok, 0).clamp(max=max(t - 1, 0))
-    ids = sel[tok]  # [slots, tokens, Hkv, K]
-    own = (positions[tok] // block_size)[:, :, None, None]
-    ok = real[:, :, None, None] & (ids >= 0) & (ids <= own)
-    ids = torch.where(ok, ids, big).permute(0, 2, 1, 3).reshape(slots, hkv, tokens * k)
+    ids, ok = _tile_selections(sel, positions, tile_start, tile_end, tokens, block_size)
+    ids = torch.where(ok, ids, big).reshape(slots, hkv, tokens * k)
     ids = torch.sort(ids, dim=-1).values
     repeat = torch.zeros_like(ids, dtype=torch.bool)
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
@@ -345,16 +355,9 @@ def union_choosers(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch
     selection entry's place in the sorted union by a batched binary search, then one scatter."""
     if tokens > 31:
         raise ValueError(f"sparse_paged_attention: '_chosen' keeps a tile's tokens as int32 bits: {tokens} tokens")
-    t, hkv, k = sel.shape
-    slots, width = tile_start.shape[0], union.shape[-1]
-    tok = tile_start.long()[:, None] + torch.arange(tokens, device=sel.device)  # [slots, tokens]
-    real = tok < tile_end.long()[:, None]
-    tok = torch.where(real, tok, 0).clamp(max=max(t - 1, 0))
-    ids = sel[tok]  # [slots, tokens, Hkv, K]
-    own = (positions[tok] // block_size)[:, :, None, None]
-    ok = (real[:, :, None, None] & (ids >= 0) & (ids <= own)).permute(0, 2, 1, 3)  # [slots, Hkv, tokens, K]
-    ids = ids.permute(0, 2, 1, 3).contiguous()
-    at = torch.searchsorted(union.reshape(slots * hkv, width), ids.view(slots * hkv, tokens * k))
+    slots, (hkv, k), width = tile_start.shape[0], sel.shape[1:], union.shape[-1]
+    ids, ok = _tile_selections(sel, positions, tile_start, tile_end, tokens, block_size)
+    at = torch.searchsorted(union.reshape(slots * hkv, width), ids.reshape(slots * hkv, tokens * k))
     at = at.view(slots, hkv, tokens, k)
     at = torch.where(ok, at, width)  # not usable by that token: the spare column
     seen = torch.zeros(slots, hkv, tokens, width + 1, dtype=torch.uint8, device=sel.device)
