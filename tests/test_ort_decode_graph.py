@@ -131,7 +131,9 @@ def test_decode_graph_equals_general_graph_fp16(fp16_artifact, flavour):
 def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
     """Graph inspection: no If / Scan / Loop and no value-shaped op (NonZero, ...) in the decode graph or its bodies
     (the general graph has the MoE's If and Scan); the same nodes, inputs and outputs as the general graph, but
-    for each RMSNorm as one node (``fused_norms.py``, recorded in the flavour's ``graph_passes``)."""
+    for each RMSNorm as one node and each RoPE as four (``fused_norms.py``, ``compact_rope.py``, recorded in the
+    flavour's ``graph_passes``)."""
+    from m3export.export.compact_rope import PASS as ROPE, compact_ropes
     from m3export.export.fused_norms import PASS, fuse_rms_norms
 
     art = load_artifact(tiny_artifact)
@@ -142,7 +144,8 @@ def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
         decoded = onnx.load(str(art.root / record["file"]), load_external_data=False)
         assert problems(decoded) == [] and record["source"] == "model.onnx"
         fused, count = fuse_rms_norms(general)
-        assert count > 0 and record["graph_passes"] == {PASS: count}
+        fused, ropes = compact_ropes(fused)
+        assert count > 0 and ropes > 0 and record["graph_passes"] == {PASS: count, ROPE: ropes}
         assert [n.op_type for n in decoded.graph.node] == [n.op_type for n in fused.graph.node]  # the same nodes
         assert [i.name for i in decoded.graph.input] == [i.name for i in general.graph.input]
         assert [o.name for o in decoded.graph.output] == [o.name for o in general.graph.output]

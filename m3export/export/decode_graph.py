@@ -26,6 +26,7 @@ from ..errors import ArtifactError
 from ..ops import DOMAIN
 from .flavour_files import write_flavour_graphs
 from .functions import DecodeSizes, functions_for
+from .compact_rope import PASS as COMPACT_ROPE, compact_ropes
 from .fused_norms import PASS as FUSED_NORMS, fuse_rms_norms
 
 FLAVOUR = "decode"
@@ -117,12 +118,13 @@ def graphs_with_decode_form(graphs: dict) -> list[str]:
 
 
 def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of: dict | None = None,
-                        moe: str = MOE_FORMS[0], fuse_norms: bool = True) -> dict:
+                        moe: str = MOE_FORMS[0], fuse_norms: bool = True, compact_rope: bool = True) -> dict:
     """Write ``<graph>.decode.onnx`` beside ``model.onnx`` and each ``mtp{k}.onnx`` in ``directory`` through the
     flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file); ``of``: a
     flavour's record (e.g. ``ort-contrib``'s), whose graphs ``<graph>.ort.onnx`` get ``<graph>.ort.decode.onnx``;
     ``moe`` all-experts: ``<graph>.decode-all-experts.onnx``; ``fuse_norms``: each RMSNorm as one
-    ``SimplifiedLayerNormalization`` node (``fused_norms.py``). Returns the manifest's record of the flavour
+    ``SimplifiedLayerNormalization`` node (``fused_norms.py``); ``compact_rope``: each RoPE as four nodes
+    (``compact_rope.py``). Returns the manifest's record of the flavour
     ``flavour_name`` (per graph: file, source, external data, ``status``, ``moe``, ``graph_passes``: pass name ->
     nodes it rewrote)."""
     from types import SimpleNamespace
@@ -137,6 +139,8 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
         passes = {}
         if fuse_norms:  # fewer kernels per step: each RMSNorm one ORT kernel (``fused_norms.py``, its bound)
             decoded, passes[FUSED_NORMS] = fuse_rms_norms(decoded)
+        if compact_rope:  # and each RoPE four nodes, bit-exact (``compact_rope.py``)
+            decoded, passes[COMPACT_ROPE] = compact_ropes(decoded)
         return decoded, {"status": STATUS, "moe": moe, "graph_passes": passes}
 
     def file_of(name: str) -> str:

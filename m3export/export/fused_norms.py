@@ -41,7 +41,11 @@ def _value(tensor):
     if isinstance(tensor, gs.Constant):
         return tensor.values
     if len(tensor.inputs) == 1 and tensor.inputs[0].op == "Constant":
-        v = tensor.inputs[0].attrs.get("value")
+        attrs = tensor.inputs[0].attrs
+        for key in ("value_ints", "value_int", "value_floats", "value_float"):
+            if key in attrs:
+                return np.asarray(attrs[key])
+        v = attrs.get("value")
         return None if v is None else (v.values if hasattr(v, "values") else np.asarray(v))
     return None
 
