@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from .fused_norms import constant_value, export_like
+
 PASS = "rope"
 
 
@@ -27,9 +29,8 @@ def _gs():
 
 
 def _const(tensor):
-    from .fused_norms import _value
 
-    v = _value(tensor)
+    v = constant_value(tensor)
     return None if v is None else np.asarray(v).reshape(-1).tolist()
 
 
@@ -108,15 +109,7 @@ def compact_ropes(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         count += 1
     if not count:
         return model, 0
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    out_model = gs.export_onnx(graph, do_type_check=False)
-    del out_model.opset_import[:]
-    out_model.opset_import.extend(model.opset_import)
-    del out_model.functions[:]
-    out_model.functions.extend(model.functions)
-    out_model.ir_version = model.ir_version
-    del out_model.graph.value_info[:]
-    out_model.graph.value_info.extend(model.graph.value_info)
+    out_model = export_like(graph, model, model.graph.value_info)
     return out_model, count
 
 

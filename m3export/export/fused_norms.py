@@ -35,7 +35,7 @@ def _gs():
     return gs()
 
 
-def _value(tensor):
+def constant_value(tensor):
     """The constant value of a graphsurgeon tensor (an initializer or a ``Constant`` node's output), else None."""
     gs = _gs()
     if isinstance(tensor, gs.Constant):
@@ -58,7 +58,7 @@ def _only_consumer(tensor, op: str):
 def _constant_derived(tensor, depth: int = 4) -> bool:
     """``tensor`` computed from constants only (initializers / ``Constant`` nodes through a few nodes): a gain ORT
     folds at load."""
-    if isinstance(tensor, _gs().Constant) or _value(tensor) is not None:
+    if isinstance(tensor, _gs().Constant) or constant_value(tensor) is not None:
         return True
     if depth == 0 or len(tensor.inputs) != 1:
         return False
@@ -74,19 +74,19 @@ def _match(pow_node):
     if len(pow_node.inputs) != 2 or len(pow_node.outputs) != 1:
         return None
     x, exponent = pow_node.inputs
-    e = _value(exponent)
+    e = constant_value(exponent)
     if e is None or np.asarray(e).size != 1 or float(np.asarray(e).reshape(())) != 2.0:
         return None
     mean = _only_consumer(pow_node.outputs[0], "ReduceMean")
     if mean is None or mean.attrs.get("keepdims", 1) != 1 or len(mean.inputs) != 2:
         return None
-    axes = _value(mean.inputs[1])
+    axes = constant_value(mean.inputs[1])
     if axes is None or np.asarray(axes).reshape(-1).tolist() not in ([-1], [len(x.shape) - 1] if x.shape else [-1]):
         return None
     add = _only_consumer(mean.outputs[0], "Add")
     if add is None:
         return None
-    eps = _value(add.inputs[1] if add.inputs[0] is mean.outputs[0] else add.inputs[0])
+    eps = constant_value(add.inputs[1] if add.inputs[0] is mean.outputs[0] else add.inputs[0])
     if eps is None or np.asarray(eps).size != 1:
         return None
     sqrt = _only_consumer(add.outputs[0], "Sqrt")
@@ -125,17 +125,23 @@ def fuse_rms_norms(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         fused.append((out.name, x.shape))
         graph.nodes.append(gs.Node(OP, f"{out.name}/{OP}", {"axis": -1, "epsilon": eps, "stash_type": 1},
                                    [x, gain], [out]))
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    out_model = gs.export_onnx(graph, do_type_check=False)
-    # graphsurgeon re-derives opset imports and drops the functions' value infos: keep the source's exactly
-    del out_model.opset_import[:]
-    out_model.opset_import.extend(model.opset_import)
-    del out_model.functions[:]
-    out_model.functions.extend(model.functions)
-    out_model.ir_version = model.ir_version
     # what shape inference added goes; the fused outputs' types stay declared (ONNX's inference does not know ORT's
     # op, and the nodes after it would otherwise have untyped inputs)
-    del out_model.graph.value_info[:]
-    out_model.graph.value_info.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
-                                      for name, shape in fused)
+    out_model = export_like(graph, model, [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
+                                           for name, shape in fused])
     return out_model, len(fused)
+
+
+def export_like(graph, model: onnx.ModelProto, value_info) -> onnx.ModelProto:
+    """The rewritten graphsurgeon ``graph`` as a model with ``model``'s opset imports, functions and IR version
+    (graphsurgeon re-derives the first and drops the functions' value infos) and exactly ``value_info``."""
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    out = _gs().export_onnx(graph, do_type_check=False)
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    del out.functions[:]
+    out.functions.extend(model.functions)
+    out.ir_version = model.ir_version
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(value_info)
+    return out
