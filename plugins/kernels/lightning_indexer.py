@@ -69,6 +69,12 @@ def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, 
                 min_split_tiles=min_split_tiles, loads=loads, fold_topk=fold_topk)
 
 
+# The scan settings fp32 index-key pools run when the settings ask for TMA loads (see ``_scan_launch``): the default
+# before 2026-12-01 06:35 UTC, "n64-w4-s3-waves4-max1024", keeping the caller's fold choice.
+FP32_POOL_SCAN = dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0,
+                      loads="gather")
+
+
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
 # tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (tma / tma-host: key
 # tiles by a tensor descriptor made in the kernel / at launch; n: key tile, w: warps, s: stages, waves, max: most
@@ -410,6 +416,12 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         slots = t
     else:
         seq, start, end, slots = query_tiles(qsl, t, tokens)
+    if cfg["loads"] != "gather" and kc.element_size() > 2 and not interpreted(index_q):
+        # fp32 pools: 128 fp32 keys per bulk-copied tile in the TMA default's stages asked for 288 KB of shared memory
+        # (the H200 has 227 KB; the `mini` fp32 greedy test, 2026-12-01 07:45 UTC): compiled, they run the gather
+        # scan of the earlier default, which those tests passed with (the interpreter has no shared memory to run
+        # out of: its fp32 tests keep the TMA walk). 16-bit and FP8 pools keep the TMA settings.
+        cfg = dict(cfg, **FP32_POOL_SCAN)
     tma = cfg["loads"] != "gather" and tma_usable(kc) is None  # any other pool: the same launch by gathering
     if tma:
         block_n = min(max(cfg["block_n"], MIN_TMA_TILE), page, MAX_TMA_BOX)  # one page per key tile, or part of one
