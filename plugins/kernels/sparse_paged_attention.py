@@ -90,6 +90,8 @@ DEFAULTS = {
                     loop="union_tma_lean"),
 }
 _LOOPS = ("nested", "flat", "union", "halves")
+# The prefill setting fp32 activations run when the caller names none (``forward``): "union-t8-n128-w8-s2-waves2".
+FP32_PREFILL = dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, waves=2, max_splits=None, loop="union")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
 # at launch and passed by value instead of written by every program at its start (then fenced); "fused", the split-K merge in the same launch
@@ -725,6 +727,10 @@ def forward(
     g_pad = next_pow2(group)
     mode = "decode" if t < 2 * b else "prefill"
     cfg = settings(config, mode)
+    if mode == "prefill" and not (config and "prefill" in config) and q.element_size() > 2 and not interpreted(q):
+        # fp32 activations (tests, precision runs): the union tile as the `mini` fp32 GPU tests passed it (2026-12-01
+        # 05:55 UTC); the TMA lean default was measured in bf16 only, and its fp32 tiles compile with spills
+        cfg = dict(cfg, **FP32_PREFILL)
     tokens = cfg.get("tile_tokens") or tokens_per_tile(t, b, g_pad)
     if tokens == 1:
         tseq = tstart = tend = qsl  # unused: the kernel finds each token's sequence itself
