@@ -396,9 +396,10 @@ def gemm_config(block_m: int, mx_mode2: bool = True) -> dict:
 # bench/moe.py's "gemv_bn4_bk512_pipe3_sg_comb_gsum", 4-row tiles over 512-wide K steps in 3 pipelined stages, the
 # shared expert as more rows of the routed launches' grid (SHARED_GRID), the combine in the down launch (COMBINE) and
 # per-32-column group sums (GSUM): one token 119.9 -> 103.9 us (56 -> 67 % of copy bandwidth), within the
-# reference's bound (only the fp32 summation order changes). It replaced "gemv_bn4_pipe4" (PIPELINE_SWEEP).
-GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3, SHARED_GRID=1, COMBINE=1,
-                   GSUM=1)
+# reference's bound (only the fp32 summation order changes). It replaced "gemv_bn4_pipe4" (PIPELINE_SWEEP). Re-swept
+# at 07:45 UTC (commit 2d00e02, moe_h200_decode_round5b.json, after the shared-grid load fix 4e00b6c): the same tile
+# without COMBINE (the combine as its own launch, bit-identical) 101.7 us = 68 % against 110.5 with it: COMBINE off.
+GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3, SHARED_GRID=1, GSUM=1)
 GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
 
 
