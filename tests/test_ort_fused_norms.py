@@ -56,8 +56,9 @@ def _norm_graph(dtype: str, gemma: bool = True, exponent: float = 2.0, axis: int
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
 
 
-def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+def _run(model: onnx.ModelProto, x: np.ndarray, provider: str = "CPUExecutionProvider") -> np.ndarray:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=[provider])
+    assert sess.get_providers()[0] == provider
     return sess.run(None, {sess.get_inputs()[0].name: x.astype(np.float32) if x.dtype == ml_dtypes.bfloat16
                            else x})[0]
 
@@ -80,13 +81,26 @@ def test_fused_norm_is_one_node_within_the_bound(dtype, gemma):
     node = next(n for n in fused.graph.node if n.op_type == OP)
     attrs = {a.name: h.get_attribute_value(a) for a in node.attribute}
     assert attrs["axis"] == -1 and attrs["stash_type"] == 1 and np.isclose(attrs["epsilon"], EPS, rtol=1e-7)
+    _assert_within_bound(model, fused, dtype, gemma)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fused_norm_within_the_bound_on_the_cuda_ep(dtype):
+    """ORT's CUDA kernel (``x * rsqrt``, its own reduction) on the 12 rows of the CPU test: the same bound."""
+    model = _norm_graph(dtype, True)
+    _assert_within_bound(model, fuse_rms_norms(model)[0], dtype, True, "CUDAExecutionProvider")
+
+
+def _assert_within_bound(model, fused, dtype: str, gemma: bool, provider: str = "CPUExecutionProvider") -> None:
     rng = np.random.default_rng(0)
     np_dtype = DTYPES[dtype][1]
     # rows at three scales: 1e-3 makes mean(x^2) ~ eps, so a wrong or missing epsilon moves the output by ~30 %
     x = np.concatenate([rng.standard_normal((4, HIDDEN)) * s for s in (1e-3, 1.0, 30.0)]).astype(np_dtype)
     want = _reference(model, x, gemma)
-    got = _run(fused, x).astype(np.float64)
-    traced = _run(model, x).astype(np.float64)
+    got = _run(fused, x, provider).astype(np.float64)
+    traced = _run(model, x, provider).astype(np.float64)
     scale = np.abs(want).max(-1, keepdims=True)
     if dtype == "float32":
         # fp32 both ways: the sum of 256 positive squares (relative error <= 255 u, u = 2^-24, as a bound; its

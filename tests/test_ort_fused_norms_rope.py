@@ -50,9 +50,21 @@ def _rope_graph(dtype: str, rotary: int) -> onnx.ModelProto:
     return h.make_model(h.make_graph(nodes, "rope", inputs, outs), opset_imports=[h.make_opsetid("", 20)])
 
 
-def _run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+def _run(model, feeds, provider: str = "CPUExecutionProvider"):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=[provider])
+    assert sess.get_providers()[0] == provider
     return sess.run(None, feeds)
+
+
+def _feeds(t: int, rotary: int, seed: int = 0) -> dict:
+    """q / k and the cos / sin of ``t`` tokens at different positions."""
+    rng = np.random.default_rng(seed)
+    positions = rng.integers(0, 100_000, t).astype(np.float64)
+    freqs = 1.0 / (10_000.0 ** (np.arange(rotary // 2) / (rotary // 2)))
+    angles = (positions[:, None] * freqs[None, :])[:, None, :]
+    return {"q_in": (rng.standard_normal((t, HEADS, D)) * 4).astype(np.float32),
+            "k_in": (rng.standard_normal((t, HEADS, D)) * 4).astype(np.float32),
+            "cos_in": np.cos(angles).astype(np.float32), "sin_in": np.sin(angles).astype(np.float32)}
 
 
 @pytest.mark.parametrize("dtype", list(TYPES))
@@ -62,14 +74,7 @@ def test_compact_rope_is_bit_equal(dtype, rotary):
     compact, count = compact_ropes(model)
     ops = [n.op_type for n in compact.graph.node]
     assert count == 2 and "Slice" not in ops and "Sub" not in ops and ops.count("Gather") == 2, ops
-    rng = np.random.default_rng(0)
-    t = 5
-    positions = rng.integers(0, 100_000, t).astype(np.float64)
-    freqs = 1.0 / (10_000.0 ** (np.arange(rotary // 2) / (rotary // 2)))
-    angles = (positions[:, None] * freqs[None, :])[:, None, :]
-    feeds = {"q_in": (rng.standard_normal((t, HEADS, D)) * 4).astype(np.float32),
-             "k_in": (rng.standard_normal((t, HEADS, D)) * 4).astype(np.float32),
-             "cos_in": np.cos(angles).astype(np.float32), "sin_in": np.sin(angles).astype(np.float32)}
+    feeds = _feeds(5, rotary)
     if dtype != "float32":
         # 16-bit types: structure only here. ORT's CPU EP has no bf16 Mul, and no fp16 one: its cast insertion runs
         # fp16 chains in fp32 and drops the Cast pairs around them (the graph's own rounding of the input to fp16
@@ -78,6 +83,20 @@ def test_compact_rope_is_bit_equal(dtype, rotary):
         return
     for w, g in zip(_run(model, feeds), _run(compact, feeds)):
         assert np.array_equal(w, g), np.abs(w - g).max()  # the same roundings (module docstring): bit-equal
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu")
+@pytest.mark.parametrize("dtype", list(TYPES))
+@pytest.mark.parametrize("rotary", [16, D])
+def test_compact_rope_is_bit_equal_on_the_cuda_ep(dtype, rotary):
+    """The CUDA EP rounds every node to its type (no cast insertion), so the 16-bit forms are checked on ORT's own
+    kernels too; 8 tokens at different positions (issue 16's batch-8 decode step)."""
+    model = _rope_graph(dtype, rotary)
+    compact, _ = compact_ropes(model)
+    feeds = _feeds(8, rotary, seed=2)
+    for w, g in zip(_run(model, feeds, "CUDAExecutionProvider"), _run(compact, feeds, "CUDAExecutionProvider")):
+        assert np.array_equal(w, g), np.abs(w - g).max()
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
