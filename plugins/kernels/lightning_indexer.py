@@ -69,12 +69,6 @@ def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, 
                 min_split_tiles=min_split_tiles, loads=loads, fold_topk=fold_topk)
 
 
-# The scan settings fp32 index-key pools run when the settings ask for TMA loads (see ``_scan_launch``): the default
-# before 2026-12-01 06:35 UTC, "n64-w4-s3-waves4-max1024", keeping the caller's fold choice.
-FP32_POOL_SCAN = dict(block_n=64, num_warps=4, num_stages=3, waves=4, max_splits=1024, min_split_tiles=0,
-                      loads="gather")
-
-
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
 # tests/test_kernels_attention_variants.py). Each is a COMPLETE setting, named for what it runs (tma / tma-host: key
 # tiles by a tensor descriptor made in the kernel / at launch; n: key tile, w: warps, s: stages, waves, max: most
@@ -125,6 +119,10 @@ VARIANTS = {
         "bitonic-w4": dict(method="bitonic", num_warps=4),
     },
 }
+
+# The scan settings fp32 index-key pools run when the settings ask for TMA loads (see ``_scan_launch``): the default
+# before 2026-12-01 06:35 UTC, keeping the caller's fold choice.
+FP32_POOL_SCAN = {k: v for k, v in VARIANTS["scan"]["n64-w4-s3-waves4-max1024"].items() if k != "fold_topk"}
 
 
 @triton.jit

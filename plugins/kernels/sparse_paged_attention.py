@@ -90,8 +90,6 @@ DEFAULTS = {
                     loop="union_tma_lean"),
 }
 _LOOPS = ("nested", "flat", "union", "halves")
-# The prefill setting fp32 activations run when the caller names none (``forward``): "union-t8-n128-w8-s2-waves2".
-FP32_PREFILL = dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, waves=2, max_splits=None, loop="union")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
 # at launch and passed by value instead of written by every program at its start (then fenced); "fused", the split-K merge in the same launch
@@ -246,6 +244,9 @@ VARIANTS = {
                                                                              128, 8, 2),
     },
 }
+
+# The prefill setting fp32 activations run when the caller names none (``forward``).
+FP32_PREFILL = VARIANTS["prefill"]["union-t8-n128-w8-s2-waves2"]
 
 
 def settings(config: dict | None, mode: str) -> dict:
