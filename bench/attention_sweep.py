@@ -31,7 +31,10 @@ A group's winner is the variant with the smallest geometric mean of (its time / 
 shapes measured for every variant, among variants whose every check passed; the sweep prints the ``DEFAULTS`` entry
 to copy into the kernel module (the winning variant's settings). It also prints the batch-1 ratio (indexer scan +
 top-k + sparse decode at 128k over 4k) with the defaults and with the winners. Measurements stop being started after
-``--budget-s`` seconds; the JSON is written after every shape, so a run cut short keeps what it measured. On
+``--budget-s`` seconds; the JSON is written after every shape, so a run cut short keeps what it measured. Prefill
+rows also carry ``graph_seconds`` / ``graph_tflops``: the same call replayed from a CUDA graph (the launcher's tile
+lists and the kernel on the device, without the host's launch cost), to tell a short launch's host overhead from
+the kernel's own time; ``seconds`` stays the eager call, as in earlier sweeps. On
 the GPU it ends with what the compiler made of each setting (``compiled_kernels``: shared memory, registers,
 programs per SM that these allow).
 
@@ -71,6 +74,9 @@ SHAPES = {  # decode: (batch, context); prefill: prompt length (one sequence)
 }
 GROUPS = ("sparse-decode", "indexer-scan", "topk", "sparse-prefill", "sparse-prefill-model")
 CHECK_SEQS, CHECK_TAIL = 4, 64
+# Prefill calls captured per CUDA graph for the kernel-time column (each call keeps its output in the graph's pool:
+# 1 GB per call at 64k tokens).
+PREFILL_GRAPH_REPS = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +335,13 @@ class Sweep:
             fn = lambda: self.SPA.forward(q, self.kc, self.vc, *s, sel, dm["bs"], dm["d"]**-0.5,  # noqa: E731
                                           config={"prefill": settings})
             ok, detail = self.check_attention(fn()[-tail:], ref)
-            return self.eager_time(fn), nbytes, flops, ok, detail, overlap
+            extra = dict(overlap)
+            if not self.cpu:  # the same calls replayed from a CUDA graph: the device's time, no host launch cost
+                from attention import graph_seconds
+
+                extra["graph_seconds"] = graph_seconds(lambda: fn(), [()], reps=PREFILL_GRAPH_REPS)
+                extra["graph_tflops"] = flops / extra["graph_seconds"] / 1e12
+            return self.eager_time(fn), nbytes, flops, ok, detail, extra
 
         self.each_variant(group, n, self.SPA, "prefill", run)
 

@@ -235,6 +235,11 @@ VARIANTS = {
         "union_tma_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_lean_rescale", 8, 128, 8, 2),
         "union_tma_host_lean_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_rescale", 8, 128, 8, 2),
         "union_tma_lean-t4-n64-w4-s3-waves2": _prefill("union_tma_lean", 4, 64, 4, 3),
+        # The 4-token tile (252 TFLOP/s at 16k on 2026-12-01 07:36 UTC, the 8-token default 229) with the lighter
+        # steps. sm_90 (Triton 3.6's ptxas, without a GPU): lean 192 registers, lean_rescale 194, lean_chosen_rescale
+        # 167; all 82 KB of shared memory, no spill, so two programs per multiprocessor each (by shared memory).
+        "union_tma_lean_rescale-t4-n64-w4-s3-waves2": _prefill("union_tma_lean_rescale", 4, 64, 4, 3),
+        "union_tma_lean_chosen_rescale-t4-n64-w4-s3-waves2": _prefill("union_tma_lean_chosen_rescale", 4, 64, 4, 3),
         # "_chosen": the rows that want a block and whether all do from one load of bits made with the union.
         # sm_90 key-tile loop (t8 n128 w8 s2, instructions / CTA barriers / shuffles a tile): lean 787 / 10 / 24,
         # lean_rescale 763 / 7 / 18, lean_chosen 673 / 5 / 14, lean_chosen_rescale 647 / 4 / 8 (241 registers).
