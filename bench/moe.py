@@ -197,6 +197,30 @@ LINEAR_ROUND5 = {
     "gemv_bn4_bk512_pipe3_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
                                       GSUM=1),
 }
+# Linear round 6 (issue 12: the one-row linear at 45-47 % of copy bandwidth, the largest share of the decode step's
+# gap to its roofline). The MoE GEMV reached 68 % with GSUM over 512-wide K steps at BN 4 (moe.GEMV_DECODE);
+# LINEAR_ROUND5's GSUM tiles were never timed: the round-5 call's linear rows hold its TMA tiles alone (the sweep
+# runs only the tiles --decode-variants names, and the call's list is not recorded; the GSUM tile passed its GPU
+# test in the same call), so every row's best was the default. main() now refuses a name no part of the run sweeps,
+# records the names in the JSON, and the table prints the best tile's name and how many ran. Around
+# GEMV_DECODE's tile: more stages (bytes in flight per SM at 8192 rows, ~15 programs per SM: 62 KB at 3 stages, 93
+# at 4, 124 at 5), BN 8 at 2 warps, 1024-wide K steps at 4 warps, and BN 2 (4096 programs at 8192 rows, about one
+# wave of 31 one-warp programs per SM). sm_90 compile at K 6144 and 8192 (registers, shared memory; no spills,
+# cp.async): 38 / 9.3 KB, 38 / 12.3 KB, 48 / 10.5 KB, 38 / 12.5 KB, 44 / 6.0 KB, 38 / 8.3 KB.
+LINEAR_ROUND6 = {
+    "gemv_bn4_bk512_pipe4_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=4, PIPELINE=4,
+                                      GSUM=1),
+    "gemv_bn4_bk512_pipe5_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=5, PIPELINE=5,
+                                      GSUM=1),
+    "gemv_bn8_bk512_w2_pipe3_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
+                                         GSUM=1),
+    "gemv_bn4_bk1024_w4_pipe3_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=3, PIPELINE=3,
+                                          GSUM=1),
+    "gemv_bn2_bk512_w1_pipe4_gsum": dict(GEMV=1, BLOCK_N=2, BLOCK_K=512, num_warps=1, num_stages=4, PIPELINE=4,
+                                         GSUM=1),
+    "gemv_bn2_bk1024_w2_pipe3_gsum": dict(GEMV=1, BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=3, PIPELINE=3,
+                                          GSUM=1),
+}
 # Prefill round 4 (issue 12: 450 TFLOP/s; rounds 2-3: MXFP8 169 / 206, bf16 253 / 313 at 4k / 16k tokens). What the
 # code and round 3 say is lost (docs/performance.md): (1) tile order: the 2-D grid runs row blocks fastest, so the
 # programs in flight share one N tile over every row block, and each N tile re-reads all activation rows, from HBM
@@ -299,8 +323,8 @@ PREFILL_ROUND6 = {
                                                            "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128, "ACT_TMA": 1,
                                                            "X_TMA": 1},
 }
-NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **PREFILL_ROUND4,
-         **PREFILL_ROUND5, **PREFILL_ROUND6}
+NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **LINEAR_ROUND6,
+         **PREFILL_ROUND4, **PREFILL_ROUND5, **PREFILL_ROUND6}
 # The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
 GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"], PREVIOUS_DEFAULTS["gemv_4warps"],
               PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"]]
@@ -379,6 +403,18 @@ FUSED_PROJECTIONS = {(9856, 6144): [(8192, 6144), (512, 6144), (512, 6144), (512
 FUSED_PROJECTIONS_SMOKE = {(48, 64): [(40, 64), (8, 64)]}
 
 
+def linear_variants(m: int) -> list:
+    """The linear sweep's GEMV tiles at ``m`` rows (before ``--decode-variants`` picks among them). One row: the
+    default GEMV tile's predecessor (the default, mxfp8_linear.gemv_config: gemv_pipe4, is the sweep's baseline), BN 4
+    (twice the programs), round 4's bigger tiles, round 5's TMA and GSUM tiles, round 6's GSUM tiles. Eight rows:
+    the tensor-core default against two pipelined GEMV tiles (one program per row and N tile: the 8 rows re-read each
+    weight tile from L2; the GEMV without PIPELINE lost there by 3-4x in rounds 1-2); already compiled at one row."""
+    if m == 1:
+        return [PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values(),
+                *LINEAR_ROUND5.values(), *LINEAR_ROUND6.values()]
+    return [PIPELINE_SWEEP["gemv_pipe4"], BYTES_SWEEP["gemv_bn16_bk512_8w_pipe3"]]
+
+
 def linear_decode(bw: float, sweep: int) -> list:
     """``m3::mxfp8_linear`` at decode rows for the attention projections' shapes (q 6144 -> 8192, o 8192 -> 6144,
     the fused input projections and their small members, ``FUSED_PROJECTIONS``): the launcher's default against the
@@ -399,26 +435,21 @@ def linear_decode(bw: float, sweep: int) -> list:
             x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
             want = mx.dequantize(w, sc).float() @ x.float().T
             need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
-            tried = []
-            # One row: the default GEMV tile (mxfp8_linear.gemv_config: gemv_pipe4) against the one it replaced,
-            # BN 4 (twice the programs) and round 4's bigger tiles. Eight rows: the tensor-core default against two
-            # pipelined GEMV tiles (one program per row and N tile: the 8 rows re-read each weight tile from L2; the
-            # GEMV without PIPELINE lost there by 3-4x in rounds 1-2); already compiled at one row.
-            sweep_m = ([PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values(),
-                        *LINEAR_ROUND5.values()]
-                       if m == 1 else [PIPELINE_SWEEP["gemv_pipe4"], BYTES_SWEEP["gemv_bn16_bk512_8w_pipe3"]])
-            for cfg in [None] + (decode_picked(sweep_m) if sweep and not small else []):
+            tried, failed = [], []
+            for cfg in [None] + (decode_picked(linear_variants(m)) if sweep and not small else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
                     err = rel_err(klin.run_linear(x, w, sc, config=cfg), want.T)
                 except Exception as exc:
                     print(f"  linear variant {cfg} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    failed.append(dict(name=variant_name(cfg), error=f"{type(exc).__name__}: {exc}"[:300]))
                     continue
                 tried.append(dict(config=cfg, name=variant_name(cfg), graph_ms=ms, rel_err=err))
             default = tried[0]
             best = min((v for v in tried if v["rel_err"] <= 1.5 * default["rel_err"]), key=lambda v: v["graph_ms"])
             row = dict(shape=f"{n} x {k}", rows=m, bytes_needed=need, graph_ms=default["graph_ms"],
-                       best_graph_ms=best["graph_ms"], best_config=best["config"],
+                       best_graph_ms=best["graph_ms"], best_config=best["config"], best_name=best["name"] or "default",
+                       failed=failed,
                        frac_copy_bw=need / (default["graph_ms"] * 1e-3) / bw,
                        best_frac_copy_bw=need / (best["graph_ms"] * 1e-3) / bw, rel_err_kernel=default["rel_err"],
                        variants=tried)
@@ -611,6 +642,14 @@ def main() -> int:
         batches = batches if "decode" in only else [1] if "decode1" in only else []
         prefills = prefills if "prefill" in only else []
     do_linear = (not only or "linear" in only) and "mxfp8" in formats
+    if VARIANTS is not None and args.sweep:
+        # A named variant that no part of this run sweeps would be dropped without a word (the round-5 call named
+        # none of the linear's GSUM tiles, and its linear rows read "best config None"): refuse it instead.
+        swept = {variant_name(c) for fmt in formats for b in batches for c in decode_variants(fmt, b)}
+        swept |= {variant_name(c) for m in (1, 8) for c in linear_variants(m)} if do_linear else set()
+        if VARIANTS - swept:
+            ap.error(f"--decode-variants: {sorted(VARIANTS - swept)} not swept by the parts of this run (--only "
+                     f"{args.only or 'all'}, --formats {args.formats}, batches {batches})")
     t0 = time.time()
     bw = copy_bandwidth()
     layer = Layer(args.experts, formats) if batches or prefills else None
@@ -618,7 +657,7 @@ def main() -> int:
     res = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "experts": args.experts,
            "dims": {"hidden": H, "intermediate": I, "shared_intermediate": I_SHARED, "top_k": TOP_K},
-           "copy_bandwidth_TBps": bw / 1e12, "decode": [], "prefill": []}
+           "copy_bandwidth_TBps": bw / 1e12, "variants_named": sorted(VARIANTS or []), "decode": [], "prefill": []}
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights ready in {time.time() - t0:.0f} s", flush=True)
     # The linear first: its few compiles are done in seconds, so a run cut by its time limit keeps it.
     res["linear"] = linear_decode(bw, args.sweep) if do_linear else []
@@ -722,10 +761,11 @@ def main() -> int:
               f"{r['graph_ms'] * 1e3:>9.1f} {r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% "
               f"{r['eager_ms'] * 1e3:>9.1f} {r['reference_ms'] * 1e3:>8.0f} {r['rel_err_kernel']:>8.1e} "
               f"{r['rel_err_reference']:>8.1e}")
-    print(f"{'linear N x K':14} {'rows':>4} {'MB':>6} {'graph us':>9} {'best us':>8} {'%copy':>6} {'best config'}")
+    print(f"{'linear N x K':14} {'rows':>4} {'MB':>6} {'graph us':>9} {'best us':>8} {'%copy':>6} best (variants run)")
     for r in res["linear"]:
         print(f"{r['shape']:14} {r['rows']:>4} {r['bytes_needed'] / 1e6:>6.1f} {r['graph_ms'] * 1e3:>9.1f} "
-              f"{r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% {r['best_config']}"
+              f"{r['best_graph_ms'] * 1e3:>8.1f} {100 * r['best_frac_copy_bw']:>5.0f}% {r['best_name']} "
+              f"({len(r['variants']) - 1} run{', %d failed' % len(r['failed']) if r['failed'] else ''})"
               + (f"  (members one by one: {r['members_graph_ms'] * 1e3:.1f} us)" if "members_graph_ms" in r else ""))
     print(f"{'fmt':6} {'tokens':>6} {'ms':>8} {'TFLOP/s':>8} {'best':>8} {'err':>8}")
     for r in res["prefill"]:
