@@ -323,8 +323,18 @@ PREFILL_ROUND6 = {
                                                            "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128, "ACT_TMA": 1,
                                                            "X_TMA": 1},
 }
+# Issue 12: the MXFP8 prefill GEMMs as warp-specialised Gluon kernels (plugins/kernels/moe_prefill_ws.py: a loader
+# warp for the TMA copies, a converter warpgroup for E4M3 -> bf16 into shared memory, 8 MMA warps for the wgmma and
+# the epilogue), bf16 activations only, swept by name. The first is moe_prefill_ws.WS_TILE (4 loaded + 2 converted
+# slots, 192 KB); the second trades a loaded slot for a converted one (3 + 3, 168 KB).
+PREFILL_WS = {
+    "prefill_ws_bm256_down128_s4c2": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
+                                          num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1),
+    "prefill_ws_bm256_down128_s3c3": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
+                                          num_warps=8, STAGES=3, CONV_STAGES=3, MX_MODE=3, WS=1),
+}
 NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **LINEAR_ROUND6,
-         **PREFILL_ROUND4, **PREFILL_ROUND5, **PREFILL_ROUND6}
+         **PREFILL_ROUND4, **PREFILL_ROUND5, **PREFILL_ROUND6, **PREFILL_WS}
 # The register-streamed GEMV tiles (scripts/compile_moe_kernels_sm90.py compiles these lists).
 GEMV_SWEEP = [PREVIOUS_DEFAULTS["gemv_2warps"], PREVIOUS_DEFAULTS["gemv_4warps"],
               PREVIOUS_DEFAULTS["gemv_bn4_prefetch2"]]

@@ -9,7 +9,7 @@ whose scores are that close may come out in the other order, and a top-k keeps t
 
 The bound (per score, from the reference's own operands, in float64):
 
-    beta = c(dtype, D) * A,   A = sum_d |q_d k_d|,   c = 2 rho + rho^2 + D eps32 (1 + rho)^2,   rho = 2 R u
+    beta = c(dtype, D) * A,   A = sum_d |q_d k_d|,   c = 2 rho + rho^2 + c32 (1 + rho)^2,   rho = 2 R u
 
 - Each side's stored index query / key element is its layer's exact value up to at most R = ``ROUNDINGS``
   roundings to the artifact dtype (unit roundoff u; first order, relative to the element): the layer's input row
@@ -17,8 +17,9 @@ The bound (per score, from the reference's own operands, in float64):
   norm's output and the rotation's output. The two sides round independently, so ORT's element differs from the
   reference's by at most rho = 2 R u of it: |q~_d - q_d| <= rho |q_d|, |k~_d - k_d| <= rho |k_d|.
 - Then |sum q~k~ - sum qk| <= sum (|dq||k| + |q||dk| + |dq||dk|) <= (2 rho + rho^2) A, and ORT sums its D
-  products in fp32 in some order: at most D eps32 sum |q~ k~| <= D eps32 (1 + rho)^2 A more (the classical bound
-  of a D-term dot, eps32 = 2^-23 being twice fp32's unit roundoff: the conformance suite's ``SCORE_SLACK`` margin).
+  products in fp32 in some order: at most c32 sum |q~ k~| <= c32 (1 + rho)^2 A more, c32 the fp32 dot's factor of
+  ``ops/index_score_bound.py`` (the conformance suite's own bound: IEEE for fp32 artifacts, the tensor-core bound
+  otherwise, the wider).
   The reference's score here is float64 of its own operands, exact to 2^-53.
 - A block's score is the max of its visible keys' scores; max is 1-Lipschitz in the largest change, so a block's
   bound is the largest of its keys' (the block max, like a ReLU, adds no error of its own).
@@ -29,7 +30,7 @@ The bound (per score, from the reference's own operands, in float64):
   M_next - M_prev <= beta_prev + beta_next. Those are the two conditions checked; forced blocks (own / local /
   initial) admit no difference at all, and -1 padding must be the same.
 
-For fp32 (u = 2^-24) c is ~ (16 + D) 2^-24, so an fp32 artifact's selections stay exact in all but true ties; for
+For fp32 (u = 2^-24) c is ~ (17 + D) 2^-24, so an fp32 artifact's selections stay exact in all but true ties; for
 bfloat16 c ~ 0.064: bfloat16 operands carry 8 significant bits.
 """
 
@@ -41,8 +42,8 @@ import torch
 
 from ..dtypes import BY_NAME
 from ..model.batch import Batch
-from ..ops import kv_fp8
-from ..ops.conformance import EPS32, block_scores64
+from ..ops import index_score_bound, kv_fp8
+from ..ops.conformance import block_scores64
 
 ROUNDINGS = 4
 """Roundings to the artifact dtype in each side's index query / key element, counted from the layer's input row:
@@ -57,7 +58,8 @@ def unit_roundoff(dtype: str) -> float:
 def score_bound_factor(dtype: str, head_dim: int) -> float:
     """c of the module docstring: a score's bound is c times the sum of |q_d k_d| of its operands."""
     rho = 2 * ROUNDINGS * unit_roundoff(dtype)
-    return 2 * rho + rho * rho + head_dim * EPS32 * (1 + rho) ** 2
+    c32 = index_score_bound.dot_error_factor(head_dim, ieee_fp32=BY_NAME[dtype].torch == torch.float32)
+    return 2 * rho + rho * rho + c32 * (1 + rho) ** 2
 
 
 @dataclass
@@ -143,8 +145,7 @@ class SelectionJudge:
         pool = kv_fp8.read_pool("index_k_cache", pool, scale)
         keys = pool.double() if scale is None else kv_fp8.dequantize_rows(pool, scale, torch.float64)
         inputs = [index_q[idx].double(), keys, batch.block_tables, sub_qsl, batch.seq_lens, batch.positions[idx]]
-        scores, fp32_dot = block_scores64(inputs, {"block_size": self.block_size})
-        abs_sum = fp32_dot / (index_q.shape[-1] * EPS32)  # block_scores64's bound is D eps32 sum|q k|
+        scores, abs_sum = block_scores64(inputs, {"block_size": self.block_size})
         return scores, self.factor * abs_sum
 
     def _why_not_near_tie(self, got: list[int], want: list[int], m: list[float], beta: list[float],

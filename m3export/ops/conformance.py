@@ -37,14 +37,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import OPS, kv_fp8, mxfp8, routing_bound
+from . import OPS, index_score_bound, kv_fp8, mxfp8, routing_bound
 from .indexer import lightning_indexer_reference
 from .paged import gather_sequence, sequences
 
 TAGS = ("small", "m3-shape", "long", "adversarial")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-EPS32 = torch.finfo(torch.float32).eps
 
 
 # ----------------------------------------------------------------------------------------------- references
@@ -506,12 +505,6 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
 }
 """Floating outputs. ``LightningIndexer`` returns block ids: exact, with the near-tie rule of :func:`compare`."""
 
-SCORE_SLACK = 2.0
-"""Near-tie rule: per the contract every dtype's scores are fp32 dots of the (T-rounded) operands, so an
-implementation's score differs from the float64 one by at most D * eps32 * sum_d |q_d k_d| (the classical bound
-for a D-term fp32 dot in any order). Two blocks whose float64 scores are closer than SCORE_SLACK times that bound
-(one bound per compared score) may legitimately come out in either order."""
-
 
 # ----------------------------------------------------------------------------------------------- comparison
 @dataclass
@@ -541,7 +534,8 @@ def compare(case: Case, dtype: torch.dtype, got: torch.Tensor, inputs: list[torc
         inputs64 = upcast(inputs)
         if case.fp8:  # the near-tie rule on the scores of the keys as read: dequantised, exactly, in float64
             inputs64[1] = kv_fp8.dequantize_rows(inputs[1], attrs["index_k_scale"], torch.float64)
-        _compare_selection(got, want, inputs64, scalar_attributes(attrs), v)
+        _compare_selection(got, want, inputs64, scalar_attributes(attrs), v,
+                           ieee_fp32=index_score_bound.ieee_operands(inputs[0].dtype, inputs[1].dtype))
         return v
     if got.dtype != dtype:
         v.failures.append(f"dtype {got.dtype}, expected {dtype}")
@@ -592,8 +586,9 @@ def _routing_near_ties(inputs64: list[torch.Tensor], attrs: dict, v: Verdict) ->
 
 
 def block_scores64(inputs64: list[torch.Tensor], attrs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 block scores M [T, H, NB] (-inf for blocks a token cannot see) and, per block, the fp32 rounding
-    bound of its best key's score, D * eps32 * sum_d |q_d k_d| (maximised over the block's visible keys)."""
+    """float64 block scores M [T, H, NB] (-inf for blocks a token cannot see) and, per block, the largest
+    sum_d |q_d k_d| of its visible keys (0 where none): what ``index_score_bound.dot_error_factor`` scales into the
+    block score's rounding bound."""
     q, pool, tables, qsl, seq_lens, positions = inputs64[:6]
     bs = attrs["block_size"]
     t, h, d = q.shape
@@ -605,7 +600,7 @@ def block_scores64(inputs64: list[torch.Tensor], attrs: dict) -> tuple[torch.Ten
             continue
         keys = gather_sequence(pool, tables[b], n)
         sc = torch.einsum("thd,nd->thn", q[s:e], keys)
-        mag = torch.einsum("thd,nd->thn", q[s:e].abs(), keys.abs()) * d * EPS32
+        mag = torch.einsum("thd,nd->thn", q[s:e].abs(), keys.abs())
         future = torch.arange(n, device=q.device).view(1, 1, n) > positions[s:e].view(-1, 1, 1)
         sc, mag = sc.masked_fill(future, float("-inf")), mag.masked_fill(future, 0.0)
         nb = -(-n // bs)
@@ -618,14 +613,16 @@ def block_scores64(inputs64: list[torch.Tensor], attrs: dict) -> tuple[torch.Ten
 
 
 def _compare_selection(got: torch.Tensor, want: torch.Tensor, inputs64: list[torch.Tensor], attrs: dict,
-                       v: Verdict) -> None:
+                       v: Verdict, ieee_fp32: bool = False) -> None:
     """Exact, except rows where every differing slot holds two blocks whose float64 scores differ by more than 0
-    and by less than fp32 can resolve (see SCORE_SLACK); the i-th best of perturbed scores is within one bound of
-    the i-th best of the exact ones, so a correct fp32 implementation passes this check."""
+    and by at most the sum of their scores' rounding bounds (``index_score_bound``: ``ieee_fp32`` for fp32 queries
+    and keys, else the tensor-core bound of 16-bit / FP8 operands); the i-th best of perturbed scores is within one
+    bound of the i-th best of the exact ones, so a correct implementation passes this check."""
     diff = (got != want).any(-1).nonzero().tolist()
     if not diff:
         return
-    scores, bound = block_scores64(inputs64, attrs)
+    scores, abs_dot = block_scores64(inputs64, attrs)
+    bound = index_score_bound.dot_error_factor(inputs64[0].shape[-1], ieee_fp32) * abs_dot
     nb = scores.shape[-1]
     positions = inputs64[5].tolist()
     bs, local, init = attrs["block_size"], attrs["local_blocks"], attrs["init_blocks"]
@@ -647,7 +644,7 @@ def _compare_selection(got: torch.Tensor, want: torch.Tensor, inputs64: list[tor
                     ok = False
                     break
                 gap = abs(scores[t, h, a] - scores[t, h, b]).item()
-                slack = SCORE_SLACK * (bound[t, h, a] + bound[t, h, b]).item()
+                slack = (bound[t, h, a] + bound[t, h, b]).item()
                 if not (0 < gap <= slack) or not math.isfinite(gap):
                     ok = False
                     break

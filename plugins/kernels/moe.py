@@ -646,12 +646,21 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
     shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
     weights = [routed13, routed2, shared13, shared2]
-    cfg, shared_cfg = (_check_tma(c, weights, fallback=defaulted) for c in (cfg, shared_cfg))
+    ws = cfg.get("WS")  # the warp-specialised Gluon GEMMs (moe_prefill_ws.py), a variant the caller names
+    if ws:
+        from . import moe_prefill_ws
+
+        moe_prefill_ws.check(weights, dt, cfg)
+    else:
+        cfg, shared_cfg = (_check_tma(c, weights, fallback=defaulted) for c in (cfg, shared_cfg))
     act = torch.empty((blocks.rows.shape[0], i), dtype=dt, device=dev)
     act_s = torch.empty((t, i_s), dtype=dt, device=dev)
     y = (torch.empty if owned is None else torch.zeros)((t, top_k + 1, h), dtype=dt, device=dev)
     alpha, limit = float(swiglu_alpha), float(swiglu_limit)
 
+    if ws:
+        moe_prefill_ws.launch(x, weights, act, act_s, y, blocks, route_w, n, alpha, limit, top_k, cfg)
+        return _combine_launch(y, out, routed_scaling_factor, h, top_k)
     _launch_gate_up(x, routed13, act, blocks, n, alpha, limit, h, i, top_k, bm, cfg, f32, prec)
     _launch_gate_up(x, shared13, act_s, None, t, alpha, limit, h, i_s, top_k, shared_bm, shared_cfg, f32, prec)
     _launch_down(act, routed2, y, blocks, route_w, n, h, i, top_k, bm, cfg, f32, prec)

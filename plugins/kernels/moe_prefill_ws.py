@@ -1,0 +1,345 @@
+"""The MXFP8 MoE prefill GEMMs as warp-specialised Gluon kernels (sm_90): a launch path of ``moe.py``, not an op.
+
+Why: with MXFP8 weights the Triton tiles of ``moe._gate_up`` / ``moe._down`` convert each E4M3 weight tile to bf16
+on the same warps that issue the wgmma, so the tensor cores wait for the conversion every K step (the layer ran
+365 TFLOP/s at 16k tokens on the H200 against ~550 for the same kernels on bf16 weights, ``docs/performance.md``),
+and Triton 3.6 does not warp-specialise that loop on sm_90. Here each program splits its warps in three partitions
+that meet through shared-memory rings guarded by mbarriers:
+
+* the loader (1 warp) issues the bulk tensor copies (TMA): the activation tile [BLOCK_M, BLOCK_K] (bf16) and the
+  E4M3 weight tile [rows, BLOCK_K] of each K step into a ring of ``STAGES`` slots;
+* the converter (one warpgroup) reads a weight tile and its UE8M0 scales and writes the bf16 tile into a second
+  ring of ``CONV_STAGES`` slots (``_e4m3_bf16``: the integer conversion of ``moe._e4m3_tile_bf16``, MX_MODE 3,
+  times the power-of-two scale, one rounding: exact as the reference);
+* the default partition (``num_warps`` warps) issues ``warpgroup_mma`` on the two shared-memory tiles, keeps the
+  accumulator in registers and runs the epilogue of the Triton kernel it replaces: SwiGLU-OAI for gate-up
+  (``moe._gate_up``), the routing weight and the slot store for down (``moe._down``); their roundings are the same.
+
+Gate and up weight rows of one tile come as two copies stacked in one slot (gate rows, then up rows), so one wgmma
+of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The activation tile of the routed
+gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
+(``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
+
+Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants). MXFP8 weights
+that TMA can read (``moe.tma_unusable``) and bf16 activations only; Gluon kernels do not run under the Triton
+interpreter, so the CPU tests compile them for sm_90 (``tests/test_moe_prefill_ws.py``) and the GPU tests compare
+them with the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# The tile the H200 runs (the 16k winner's shape, ``moe.PREFILL_MXFP8_LARGE``: 256-row blocks, 128 weight rows per
+# wgmma, 64-wide K steps): rings of 4 loaded and 2 converted slots, 8 MMA warps (two warpgroups of 128 rows).
+# Shared memory: 4 x (32 KB activations + 8 KB E4M3) + 2 x 16 KB bf16 = 192 KB of the H200's 227.
+# MX_MODE 3 names the conversion's semantics (``moe.check_mx_mode`` accepts it whatever scale bytes were loaded).
+WS_TILE = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8, num_warps=8, STAGES=4,
+               CONV_STAGES=2, MX_MODE=3, WS=1)
+CONVERTER_WARPS = 4
+LOADER_WARPS = gl.constexpr(1)
+# Registers per thread asked for the worker partitions (setmaxnreg); the MMA warps get what is left of the 64K
+# registers of the SM: the kernel is launched with MAXNREG x (num_warps + 8 warps) x 32 = 64K (8 MMA warps: 192
+# each while the partitions run, no spills at the tile above).
+CONVERTER_REGS = gl.constexpr(96)
+LOADER_REGS = gl.constexpr(24)
+MAXNREG = 128
+
+# ``moe._E4M3_BF16_ASM``'s bits: four E4M3 codes in one register ($2) to two registers of two bf16 each, the value
+# times 2^-120 (sign << 15 | exponent and mantissa << 4), NaN codes 0x7F / 0xFF with an all-ones exponent.
+from .moe import _E4M3_BF16_ASM  # noqa: E402  (one owner of the PTX)
+
+_ASM = gl.constexpr(_E4M3_BF16_ASM.value)
+
+
+@gluon.jit
+def _tile_ids(GROUP_M: gl.constexpr, N_TILES: gl.constexpr):
+    """(row block, N tile) of this program on a 1-D grid walked in groups of GROUP_M row blocks (``moe._tile_ids``
+    with GROUP_M >= 1: the group's activation rows stay in L2 while every N tile passes over them)."""
+    pid = gl.program_id(0)
+    num_m = gl.num_programs(0) // N_TILES
+    per_group = GROUP_M * N_TILES
+    first_m = (pid // per_group) * GROUP_M
+    size = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, a_row, w_row, w_chunk,
+            K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: per K step, wait for the slot to be free, then TMA the G weight chunks (rows ``w_row + g *
+    w_chunk``) and the activation tile (rows from ``a_row``) into it. The weights first: the converter needs them
+    before the MMA needs the activations."""
+    for k in range(0, K_STEPS, 1):
+        s = k % STAGES
+        free = ((k // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed the phase before phase 0
+        mbarrier.wait(w_empty.index(s), free)
+        mbarrier.expect(w_ready.index(s), G * BN * BK)
+        for g in gl.static_range(G):
+            tma.async_copy_global_to_shared(w_desc, [w_row + g * w_chunk, k * BK], w_ready.index(s),
+                                            w_bufs.index(s).slice(g * BN, BN))
+        mbarrier.wait(a_empty.index(s), free)
+        mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [a_row, k * BK], a_ready.index(s), a_bufs.index(s))
+
+
+@gluon.jit
+def _scale_factor(scales):
+    """UE8M0 scale bytes as the bf16 power of two 2^(s - 127), built in the exponent field: byte 0 is the subnormal
+    2^-127, byte 255 +inf (``docs/ops.md`` §8), as ``moe._e4m3_tile_bf16``."""
+    b = scales.to(gl.uint16)
+    return gl.where(b == 0, 0x0040, b << 7).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _e4m3_bf16(codes, factor):
+    """E4M3 codes (uint8, four consecutive per thread) times their scale factors (bf16, broadcast) as bf16, exactly
+    the bits of ``moe._e4m3_tile_bf16`` (MX_MODE 3): the integer conversion gives the code's value times 2^-120
+    (normal, subnormal, zero; NaN codes stay NaN); times 2^120 (exact) and times the scale: one rounding, as the
+    reference's fp32 product rounded to bf16."""
+    v = gl.inline_asm_elementwise(_ASM, "=r,=r,r", [codes], dtype=gl.bfloat16, is_pure=True, pack=4)
+    v = v * gl.full(v.shape, 0x7B80, gl.uint16, v.type.layout).to(gl.bfloat16, bitcast=True)  # 2^120
+    return v * factor
+
+
+@gluon.jit
+def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, s_row0, ss_n, n_first, w_chunk,
+               N_OUT: gl.constexpr, K: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
+               BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """One warpgroup: per K step, the E4M3 tile of the load ring and its scales (plain loads, issued before the
+    wait on the tile) to the bf16 tile of the converted ring. Each thread holds runs of 32 codes along K (one
+    scale group): the tile is seen as [rows, BK / 32, 32] and each thread loads its group's scale byte once."""
+    NW: gl.constexpr = G * BN
+    GROUPS: gl.constexpr = BK // 32
+    flat: gl.constexpr = gl.BlockedLayout([1, 32], [32 // GROUPS, GROUPS], [WARPS, 1], [1, 0])
+    grouped: gl.constexpr = gl.BlockedLayout([1, 1, 32], [32 // GROUPS, GROUPS, 1], [WARPS, 1, 1], [2, 1, 0])
+    s_layout: gl.constexpr = gl.SliceLayout(2, grouped)
+    j = gl.arange(0, NW, layout=gl.SliceLayout(1, s_layout))
+    grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, s_layout))
+    n = n_first + j % BN  # the output column (gate-up: gate / up row) of tile row j
+    row = s_row0 + (n + (j // BN) * w_chunk).to(gl.int64) * ss_n
+    row_ok = n < N_OUT
+    for k in range(0, K_STEPS, 1):
+        s = k % STAGES
+        c = k % CONV_STAGES
+        kg = k * GROUPS + grp
+        sc = gl.load(s_ptr + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
+        factor = gl.expand_dims(_scale_factor(sc), 2)
+        mbarrier.wait(w_ready.index(s), (k // STAGES) & 1)
+        codes = w_bufs.index(s).load(flat)
+        fence_async_shared()  # the read is ordered before the loader's next copy into this slot
+        mbarrier.arrive(w_empty.index(s), count=1)
+        codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
+        vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
+        mbarrier.wait(c_empty.index(c), ((k // CONV_STAGES) & 1) ^ 1)
+        c_bufs.index(c).store(vals)
+        fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) that reads it
+        mbarrier.arrive(c_ready.index(c), count=1)
+
+
+@gluon.jit
+def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, BM: gl.constexpr, NW: gl.constexpr,
+         K_STEPS: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The default partition's K loop: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW], one wgmma in
+    flight; a step's slots go back to the loader and the converter once the next step's wgmma is issued and the
+    previous one has retired."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, NW, 16])
+    acc = gl.zeros([BM, NW], gl.float32, acc_layout)
+    for k in range(0, K_STEPS, 1):
+        s = k % STAGES
+        c = k % CONV_STAGES
+        mbarrier.wait(a_ready.index(s), (k // STAGES) & 1)
+        mbarrier.wait(c_ready.index(c), (k // CONV_STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), c_bufs.index(c).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if k > 0:
+            mbarrier.arrive(a_empty.index((k - 1) % STAGES), count=1)
+            mbarrier.arrive(c_empty.index((k - 1) % CONV_STAGES), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return (acc,)  # the default partition's results are a tuple
+
+
+@gluon.jit
+def _gemm_ws(
+    a_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, alpha, limit,
+    ss_e, ss_n, so_r, so_s,
+    N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
+    GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """One program: row block pid_m (one expert's rows, or BLOCK_M tokens for the shared expert) x BLOCK_N output
+    columns. GATE_UP: out = act [rows, I] (SwiGLU-OAI of the gate and up tiles), W_E = 2I rows per expert, the up
+    chunk N_OUT rows below the gate chunk. Down: out = y [T, TOP_K + 1, H] (so_r / so_s its token / slot strides),
+    W_E = H. The weights are seen as one [E * W_E, K] matrix (``w_desc``), their scales as [E, W_E, K / 32]."""
+    # The MMA partition hands a step's slots back one step late (after the next wgmma is issued), so a ring of one
+    # slot would wait on itself.
+    gl.static_assert(STAGES >= 2 and CONV_STAGES >= 2, "WS rings need at least 2 slots each")
+    pid_m, pid_n = _tile_ids(GROUP_M, gl.cdiv(N_OUT, BLOCK_N))
+    if ROUTED:
+        e = gl.load(block_expert_ptr + pid_m)
+        if e < 0:
+            return
+    else:
+        e = pid_m * 0  # the shared expert: a stack of one
+    G: gl.constexpr = 2 if GATE_UP else 1
+    NW: gl.constexpr = G * BLOCK_N
+    K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.uint8)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NW, BLOCK_K], gl.bfloat16)
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, BLOCK_K], w_layout)
+    c_bufs = gl.allocate_shared_memory(gl.bfloat16, [CONV_STAGES, NW, BLOCK_K], c_layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [CONV_STAGES, 1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [CONV_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=1)
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(w_empty.index(i), count=1)
+    for i in gl.static_range(CONV_STAGES):
+        mbarrier.init(c_ready.index(i), count=1)
+        mbarrier.init(c_empty.index(i), count=1)
+    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before first use
+
+    n_first = pid_n * BLOCK_N
+    w_row = e * W_E + n_first
+    s_row0 = e.to(gl.int64) * ss_e
+    res = gl.warp_specialize([
+        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, BLOCK_M, NW, K_STEPS, STAGES, CONV_STAGES,
+                num_warps)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, pid_m * BLOCK_M, w_row,
+                   N_OUT, K_STEPS, G, BLOCK_N, BLOCK_K, STAGES)),
+        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, s_row0, ss_n, n_first, N_OUT,
+                      N_OUT, K, K_STEPS, G, BLOCK_N, BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
+    ], [LOADER_WARPS, CONV_WARPS], [LOADER_REGS, CONVERTER_REGS])
+    _epilogue(res[0], out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, pid_m, n_first, N_OUT,
+              TOP_K, ROUTED, GATE_UP, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, pid_m, n_first,
+              N_OUT: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``moe._gate_up``'s and ``moe._down``'s epilogues on the accumulator: the GEMM output rounded to bf16 as the
+    reference rounds it; gate-up: SwiGLU-OAI (gate clamp, up clamp, alpha, + 1), the activation row p of the
+    block order stored; down: times the assignment's routing weight, stored in its token's slot (the shared
+    expert's slot TOP_K)."""
+    if GATE_UP:
+        g, u = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        layout: gl.constexpr = g.type.layout
+        gate = gl.minimum(g.to(gl.bfloat16).to(gl.float32), limit)
+        up = gl.minimum(gl.maximum(u.to(gl.bfloat16).to(gl.float32), -limit), limit)
+        val = (up + 1.0) * (gate / (1.0 + gl.exp(-alpha * gate)))
+    else:
+        layout: gl.constexpr = acc.type.layout
+        val = acc.to(gl.bfloat16).to(gl.float32)
+    p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    n = n_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if ROUTED:
+        a = gl.load(rows_ptr + p)
+        ok = a < num_rows
+    else:
+        a = p
+        ok = p < num_rows
+    if GATE_UP:  # act rows in block order (the shared expert: token order)
+        dst = out_ptr + p.to(gl.int64)[:, None] * so_r + n[None, :]
+    else:
+        if ROUTED:
+            tok = a // TOP_K
+            slot = a % TOP_K
+            val = val * gl.load(route_w_ptr + a, mask=ok, other=0.0)[:, None]
+        else:
+            tok = a
+            slot = a * 0 + TOP_K
+        dst = out_ptr + tok.to(gl.int64)[:, None] * so_r + (slot * so_s)[:, None] + n[None, :]
+    gl.store(dst, val.to(gl.bfloat16), mask=ok[:, None] & (n < N_OUT)[None, :])
+
+
+def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
+    """A host-made TMA descriptor over the 2-D ``t`` with its default swizzled shared-memory layout."""
+    dtype = {torch.bfloat16: gl.bfloat16, torch.uint8: gl.uint8}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _stacked_rows(w: torch.Tensor) -> torch.Tensor:
+    """An expert stack [E, rows, K] of E4M3 codes as one [E * rows, K] uint8 matrix (no copy)."""
+    return w.view(torch.uint8).reshape(w.shape[0] * w.shape[1], w.shape[2])
+
+
+def check(weights: list, dtype: torch.dtype, cfg: dict) -> None:
+    """Why these weights / activations cannot take the warp-specialised path, as a ValueError naming the tensor:
+    it takes MXFP8 weight stacks whose rows TMA can read (``moe.tma_unusable``) laid out as one matrix (expert
+    stride = rows x row stride, so an expert's tile never needs a second descriptor), contiguous scales along K,
+    and bf16 activations (the converted weights are bf16 tiles)."""
+    from .moe import tma_unusable
+
+    if triton.knobs.runtime.interpret:
+        raise ValueError("moe: WS (warp-specialised Gluon kernels) needs a CUDA device: Gluon kernels do not run "
+                         "under the Triton interpreter (TRITON_INTERPRET=1)")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"moe: WS (warp-specialised MXFP8 prefill) takes bf16 activations, got {dtype}")
+    for name, w in zip(("w13", "w2", "shared_w13", "shared_w2"), weights):
+        if not w.mxfp8:
+            raise ValueError(f"moe: WS takes MXFP8 weights (E4M3 + UE8M0 scales), {name} has none")
+        why = tma_unusable([w])
+        if why is not None:
+            raise ValueError(f"moe: WS {name}: {why}")
+        if w.w.stride(0) != w.w.shape[1] * w.w.stride(1) or w.s.stride(-1) != 1:
+            raise ValueError(f"moe: WS {name} must be one contiguous stack of rows with scales contiguous along K, "
+                             f"got strides {w.w.stride()} / scale strides {w.s.stride()}")
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K"):
+        if cfg.get(key, 64) > 256 or cfg.get(key, 64) % 64:
+            raise ValueError(f"moe: WS {key} must be a multiple of 64 up to 256 (one TMA box, wgmma tiles), got "
+                             f"{cfg[key]}")
+
+
+def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, grid_m, n_out, k, top_k,
+            routed, gate_up, bn, cfg):
+    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    _gemm_ws[(grid_m * triton.cdiv(n_out, bn),)](
+        _descriptor(a, [bm, bk]), _descriptor(_stacked_rows(w.w), [bn, bk]), w.s, out, rows, block_expert, route_w,
+        num_rows, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
+        N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2),
+        CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"], maxnreg=MAXNREG,
+    )
+
+
+def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, limit, top_k, cfg) -> None:
+    """The four GEMMs of one MoE layer (routed gate-up, shared gate-up, routed down, shared down) into ``act``,
+    ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; ``blocks`` made with ``cfg['BLOCK_M']``
+    rows, which the shared expert takes as well. ``check`` first."""
+    routed13, routed2, shared13, shared2 = weights
+    t, h = x.shape
+    i, i_s = act.shape[1], act_s.shape[1]
+    bm = cfg["BLOCK_M"]
+    bn, bn_down = cfg["BLOCK_N"], cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
+    rows, block_expert = blocks.rows, blocks.block_expert
+    # The routed rows in block order (padding rows copy the last assignment's token: computed, never stored).
+    x_blocks = x.index_select(0, rows.clamp(max=num_assignments - 1) // top_k)
+    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:  # TMA's alignment (shared)
+        x = x.clone(memory_format=torch.contiguous_format)
+    route_w = route_w.contiguous()
+    _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
+            blocks.num_blocks, i, h, top_k, True, True, bn, cfg)
+    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, triton.cdiv(t, bm), i_s,
+            h, top_k, False, True, bn, cfg)
+    _launch(act, routed2, y, rows, block_expert, route_w, num_assignments, alpha, limit, y.stride(0), y.stride(1),
+            blocks.num_blocks, h, i, top_k, True, False, bn_down, cfg)
+    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1), triton.cdiv(t, bm),
+            h, i_s, top_k, False, False, bn_down, cfg)

@@ -1,0 +1,198 @@
+"""The warp-specialised MXFP8 MoE prefill GEMMs (``plugins/kernels/moe_prefill_ws.py``, Gluon) without and with a GPU.
+
+Gluon kernels do not run under the Triton interpreter, so on the CPU each kernel is compiled for sm_90 at the
+``mini`` dims (H 6144, I 3072) as the launcher specialises it, and the compiled form is checked for what the design
+needs: the three partitions (1 loader warp, 4 converter warps, the MMA warps) with their register budgets
+(``setmaxnreg``), the weight and activation tiles by TMA, the products as wgmma, no register spills, and shared memory
+within the H200's 227 KB per block. The ``gpu`` tests run the whole layer through ``moe.run_moe`` with the variant's
+config against the float64 evaluation of the reference, with ``tests/test_kernels_moe.py``'s bound (``_close``: no
+less accurate than the bf16 reference, plus one bf16 ulp at the output's magnitude for roundings placed elsewhere).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.moe import NAMES, PREFILL_WS
+from tests.test_kernels_moe import INTERPRETED, MoECase, _as64, _close
+from m3export.ops import moe as ref
+from m3export.plugins.kernels import moe as moe_kernel
+
+triton = pytest.importorskip("triton")
+H, I, TOP_K = 6144, 3072, 4  # the mini preset's MoE dims
+SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block
+
+
+def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
+    """``_gemm_ws`` compiled for sm_90 as ``moe_prefill_ws._launch`` specialises it at the mini dims."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    def desc(dtype, gl_dtype, block):
+        t = torch.empty(block, dtype=dtype)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block,
+                                                                                                       gl_dtype)))
+
+    bn = cfg["BLOCK_N"] if gate_up else cfg["BLOCK_N_DOWN"]
+    n_out, k = (I, H) if gate_up else (H, I)
+    sig = {"a_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
+           "w_desc": desc(torch.uint8, gl.uint8, [bn, cfg["BLOCK_K"]]), "s_ptr": "*u8", "out_ptr": "*bf16",
+           "rows_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", "num_rows": "i32",
+           "alpha": "fp32", "limit": "fp32", "ss_e": "i32", "ss_n": "i32", "so_r": "i32", "so_s": "i32"}
+    consts = dict(N_OUT=n_out, K=k, W_E=2 * I if gate_up else H, TOP_K=TOP_K, ROUTED=routed, GATE_UP=gate_up,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                  STAGES=cfg["STAGES"], CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS,
+                  num_warps=cfg["num_warps"])
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(ws._gemm_ws, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg["num_warps"], maxnreg=ws.MAXNREG))
+
+
+def _resources(cubin: bytes) -> dict:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    assert m, out[-500:]
+    return {"regs": int(m[1]), "stack": int(m[2]), "local": int(m[3])}
+
+
+def test_ws_variants_are_named():
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    assert all(NAMES[name] == c for name, c in PREFILL_WS.items())
+    assert ws.WS_TILE in PREFILL_WS.values()  # the launcher's tile is the first swept one
+
+
+@pytest.mark.parametrize("name", list(PREFILL_WS))
+@pytest.mark.parametrize("gate_up,routed", [(True, True), (False, True), (True, False)],
+                         ids=["gate_up", "down", "shared_gate_up"])
+def test_ws_kernels_compile_for_sm90_at_mini_dims(name, gate_up, routed):
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    cfg = PREFILL_WS[name]
+    k = _compile_sm90(cfg, gate_up, routed)
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    assert k.metadata.shared <= SMEM_LIMIT, f"{k.metadata.shared} bytes of shared memory"
+    # One warp_specialize with the loader (1 warp) and converter (4 warps) partitions and their register requests.
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    assert re.search(r"partition0\([^{]*\) num_warps\(1\) \{", ttgir)
+    assert re.search(rf"partition1\([^{{]*\) num_warps\({ws.CONVERTER_WARPS}\) \{{", ttgir)
+    assert f"requestedRegisters = array<i32: {ws.LOADER_REGS.value}, {ws.CONVERTER_REGS.value}>" in ttgir
+    assert k.metadata.num_warps == cfg["num_warps"] + 8  # the workers' 5 warps take two more warpgroups
+    regs = {int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    assert {ws.LOADER_REGS.value, ws.CONVERTER_REGS.value} <= regs
+    # Budget: the MMA warps' share while the partitions run, plus the workers', fits the SM's 64K registers.
+    mma_regs = min(r for r in regs if r > ws.CONVERTER_REGS.value)
+    assert 32 * (cfg["num_warps"] * mma_regs + 4 * ws.CONVERTER_REGS.value + 4 * ws.LOADER_REGS.value) <= 65536
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
+    # The converter loads each scale byte once (one per thread and 32-code group), not once per code.
+    rows = 2 * cfg["BLOCK_N"] if gate_up else cfg["BLOCK_N_DOWN"]
+    assert ptx.count("ld.global.b8") == rows * cfg["BLOCK_K"] // 32 // (32 * ws.CONVERTER_WARPS)
+    res = _resources(k.asm["cubin"])
+    assert res["stack"] == 0 and res["local"] == 0, res
+
+
+def test_ws_refuses_what_it_cannot_run():
+    # Under the interpreter (CPU CI) the WS config is refused before any launch, with the reason; on a device the
+    # format checks name the tensor.
+    case = MoECase(8, 64, 64, 64, 4, 2, seed=71)
+    args = case.mxfp8_args(torch.bfloat16)
+    cfg = dict(PREFILL_WS["prefill_ws_bm256_down128_s4c2"])
+    if INTERPRETED:
+        with pytest.raises(ValueError, match="Gluon kernels do not run under the Triton interpreter"):
+            moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
+        return
+    pytest.skip("the refusals under the interpreter; the device checks are the gpu tests'")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("name", list(PREFILL_WS))
+@pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128)], ids=["700tok_16exp", "4096tok_128exp"])
+def test_gpu_ws_layer_mini_dims(name, tokens, experts):
+    # The mini dims: 700 tokens over 16 experts (175 assignments per expert: padding rows in every expert's last
+    # 256-row block, a partial shared-expert block read past the tokens as TMA zeros) and 4096 tokens over 128
+    # experts (the bench's shape at 4k), against the float64 reference with _close's bound; and next to the
+    # launcher's default (Triton) tiles on the same inputs, each within the same bound.
+    case = MoECase(tokens, H, I, I, experts, TOP_K, gain=0.02, seed=72 + experts)
+    args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+    want = ref.moe_mxfp8_reference(*args, *case.attrs())
+    want64 = ref.moe_mxfp8_reference(*_as64(args), *case.attrs())
+    got = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]),
+                             config=dict(PREFILL_WS[name]))
+    _close(got, want, want64)
+    default = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]))
+    _close(default, want, want64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+def test_gpu_ws_refuses_other_formats():
+    case = MoECase(300, 256, 256, 256, 4, 2, seed=73)
+    cfg = dict(PREFILL_WS["prefill_ws_bm256_down128_s4c2"])
+    bf = [a.cuda() for a in case.bf16_args(torch.bfloat16)]
+    with pytest.raises(ValueError, match="WS takes MXFP8 weights"):
+        moe_kernel.run_moe(*bf, *case.attrs(), config=cfg)
+    mx = [a.cuda() for a in case.mxfp8_args(torch.float32)]
+    with pytest.raises(ValueError, match="WS .* takes bf16 activations"):
+        moe_kernel.run_moe(*mx[:3], *mx[3::2], *case.attrs(), scales=tuple(mx[4::2]), config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+def test_gpu_ws_each_gemm_next_to_the_triton_tiles():
+    # Each GEMM alone, next to moe._launch_gate_up / moe._launch_down with the launcher's default 16k tile
+    # (PREFILL_MXFP8_LARGE) on the same routing: the routed and shared gate-up activations, then each path's down
+    # outputs from its own activations. Both multiply the same bf16 weights (exact) and round at the same points;
+    # only the fp32 summation order differs (~1e-6 relative), so an element differs only where a sum straddles a
+    # bf16 rounding boundary, by one rounding step (2^-8 relative) carried through SwiGLU: the norm of the
+    # difference stays far below 2^-8 of the norm, while a wrong tile, scale row, K step or slot is off by O(1).
+    # The report names the GEMM that fails.
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+    from m3export.plugins.kernels.moe_routing import group_by_expert, route
+
+    case = MoECase(1000, H, I, I, 32, TOP_K, gain=0.02, seed=74)
+    x, router, bias, w13, s13, w2, s2, sw13, ss13, sw2, ss2 = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+    cfg = dict(ws.WS_TILE)
+    tri = moe_kernel.gemm_config(cfg["BLOCK_M"]) | {k: v for k, v in moe_kernel.PREFILL_MXFP8_LARGE.items()
+                                                    if k != "BLOCK_M"}
+    ids, route_w = route(x, router, bias, TOP_K)
+    t, n = x.shape[0], x.shape[0] * TOP_K
+    blocks = group_by_expert(ids, w13.shape[0], cfg["BLOCK_M"])
+    weights = [moe_kernel._Weights(w, s) for w, s in ((w13, s13), (w2, s2), (sw13, ss13), (sw2, ss2))]
+    ws.check(weights, x.dtype, cfg)
+    tri = moe_kernel._check_tma(tri, weights, fallback=False)
+    outs = {}
+    for kind in ("ws", "triton"):
+        act = torch.zeros((blocks.rows.shape[0], I), dtype=x.dtype, device=x.device)
+        act_s = torch.zeros((t, I), dtype=x.dtype, device=x.device)
+        y = torch.zeros((t, TOP_K + 1, H), dtype=x.dtype, device=x.device)
+        if kind == "ws":
+            ws.launch(x, weights, act, act_s, y, blocks, route_w, n, 1.702, 7.0, TOP_K, cfg)
+        else:
+            bm = cfg["BLOCK_M"]
+            moe_kernel._launch_gate_up(x, weights[0], act, blocks, n, 1.702, 7.0, H, I, TOP_K, bm, tri, False, "tf32")
+            moe_kernel._launch_gate_up(x, weights[2], act_s, None, t, 1.702, 7.0, H, I, TOP_K, bm, tri, False, "tf32")
+            moe_kernel._launch_down(act, weights[1], y, blocks, route_w, n, H, I, TOP_K, bm, tri, False, "tf32")
+            moe_kernel._launch_down(act_s, weights[3], y, None, None, t, H, I, TOP_K, bm, tri, False, "tf32")
+        outs[kind] = dict(act=act[blocks.rows < n], act_s=act_s, y_routed=y[:, :TOP_K], y_shared=y[:, TOP_K])
+    report = {}
+    for key, want in outs["triton"].items():
+        got = outs["ws"][key]
+        report[key] = float((got.float() - want.float()).norm() / want.float().norm())
+    print(report)
+    assert all(v <= 2.0 ** -8 for v in report.values()), report
