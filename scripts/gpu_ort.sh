@@ -22,8 +22,10 @@
 #   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
 #   GPU_ORT_DRY=1 bash scripts/gpu_ort.sh    # CPU dry run of the same commands: the installed onnxruntime, the CPU
 #                                            # EP, tiny artifacts only, PagedAttention not lowered (no CPU kernel)
-#   GPU_ORT_DECODE=1 bash scripts/gpu_ort.sh # the decode-only graph's steps only (GPU tests, mini bf16 export,
-#                                            # plain / decode / decode-graph rows -> ort_gpu_decode_h200.json)
+#   GPU_ORT_DECODE=1 bash scripts/gpu_ort.sh # the decode-only graph's steps only (GPU tests, the graph passes'
+#                                            # GPU tests, mini bf16 export, plain / decode / decode-graph rows ->
+#                                            # ort_gpu_decode_h200.json; DECODE_STEPS picks and orders them, e.g.
+#                                            # DECODE_STEPS=export,kernels,passes for the kernel profile first)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=$PWD
@@ -103,16 +105,38 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
   # decode-graph / lowered-decode-graph rows beside the torch backend (DECODE_VARIANTS; each backend holds its own
   # weights, ~12 GB a session for mini bf16, and a decode variant opens up to three), then generation through the
   # onnxruntime backend on CUDA (the decode graph is its default there now)
-  step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
-      --durations=3 tests/test_ort_decode_graph_gpu.py
-  step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
-      --out /tmp/ortgpu-art/big --force
-  step bench_decode 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" $BENCH_ARGS \
-      --variants "${DECODE_VARIANTS:-plain,decode-graph,lowered-decode-graph}" \
-      ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} \
-      --json "$OUT/ort_gpu_decode_h200.json"
-  step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs --tb=short \
-      tests/test_runtime_onnxruntime.py
+  # DECODE_STEPS: which steps, in that order (default: tests,passes,export,bench,runtime); `kernels` (after
+  # `export`) is bench/ort_kernels.py: where the GPU time of a decode-graph step goes, kernel by kernel, eager and
+  # replayed (ort_kernels_h200.json); `passes` runs the RMSNorm / RoPE graph passes' GPU tests (tiny artifacts:
+  # each pass alone at batch 8 / 7 / 1, eager and replayed; what ORT's CUDA optimiser made of each pass, written to
+  # optimized_ops_<dtype>.json); `passes_mini` (after `export`) is bench/ort_passes.py: the same passes applied to
+  # the `mini` artifact's own decode graph, each against the no-pass graph and the torch backend at batch 8 and 1
+  # (ort_passes_h200.json)
+  for s in $(echo "${DECODE_STEPS:-tests,passes,export,bench,runtime}" | tr , ' '); do
+    case "$s" in
+      tests) step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
+          --tb=short --durations=3 tests/test_ort_decode_graph_gpu.py ;;
+      passes)
+        step "gpu_tests test_ort_fused_norms_decode" "${PASSES_LIMIT:-200}" python3 -m pytest -v -p no:cacheprovider \
+            -m gpu -rfs --tb=short --durations=5 tests/test_ort_fused_norms_decode.py
+        step "gpu_tests test_ort_fused_norms(_rope)" 60 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
+            --tb=short tests/test_ort_fused_norms.py tests/test_ort_fused_norms_rope.py ;;
+      export) step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib \
+          --lower "$LOWER" --out /tmp/ortgpu-art/big --force ;;
+      kernels) step kernel_profile "${KERNELS_LIMIT:-240}" python3 bench/ort_kernels.py --artifact /tmp/ortgpu-art/big \
+          --provider "$PROVIDER" --shapes "${KERNEL_SHAPES:-1x4096,8x4096}" --json "$OUT/ort_kernels_h200.json" ;;
+      passes_mini) step passes_mini 150 python3 bench/ort_passes.py --artifact /tmp/ortgpu-art/big \
+          --provider "$PROVIDER" --json "$OUT/ort_passes_h200.json" ;;
+      bench) step bench_decode 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" \
+          $BENCH_ARGS --variants "${DECODE_VARIANTS:-plain,decode-graph,lowered-decode-graph}" \
+          ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} --json "$OUT/ort_gpu_decode_h200.json" ;;
+      runtime) step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
+          --tb=short tests/test_runtime_onnxruntime.py ;;
+      *) echo "DECODE_STEPS: unknown step $s (tests, passes, export, kernels, passes_mini, bench, runtime)" \
+             | tee -a "$OUT/summary.txt"
+         status=1 ;;
+    esac
+  done
   cat "$OUT/summary.txt"
   exit "$status"
 fi

@@ -1,0 +1,156 @@
+"""The decode graph's RMSNorm / RoPE graph passes (``fused_norms.py``, ``compact_rope.py``) on an artifact's own
+decode graph, without exporting it again: each pass alone and both, against the graph without them and against
+the torch backend, on one decode step at batch 8 and 1 (issue 16: on the H200 the `mini` bf16 decode graph with both
+passes gave other greedy tokens than the torch backend at batch 8, first-step logits 0.95 apart, and the same
+tokens at batch 1; on the CPU EP and the tiny model the passes stay within their bounds).
+
+The artifact's decode graph of the batch's MoE form is loaded without its weights, rewritten by the pass(es) and run
+through ``OnnxRuntimeBackend`` (``pad_decode``: the padded inputs a replay gets, eagerly) in place of the
+backend's own decode session (``ort_kernels.swap_decode``: the weights load from the artifact's folder), on pools
+that hold the torch backend's random values; sequences sit at different positions (``--context`` minus 97 per
+sequence, closer for short contexts). Per batch and variant: the largest logit difference to the no-pass graph
+and to the torch backend, the rows that differ from the no-pass graph, and whether the greedy tokens agree. The
+RoPE pass is bit-exact by construction (its rewrite rounds where the traced nodes round), so any difference in its
+row is a kernel's doing; the RMSNorm pass moves a few fp32 ulps, which a routing near-tie can turn into another
+expert (a large difference in one row).
+
+  python bench/ort_passes.py --artifact art/mini-bf16 --json $OUT/ort_passes_h200.json      # H200 + onnxruntime-gpu
+  python bench/ort_passes.py --artifact /tmp/art/tiny --provider cpu --context 40           # CPU: the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ort_gpu import fill_ort_pools, fresh_pools  # noqa: E402  (bench/ort_gpu.py: the torch backend's pools)
+from ort_kernels import swap_decode  # noqa: E402  (bench/ort_kernels.py)
+from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
+
+VARIANTS = {"none": (), "rms_norm": ("rms_norm",), "rope": ("rope",), "both": ("rms_norm", "rope")}
+
+
+def variant_bytes(path: Path, passes: tuple[str, ...]) -> tuple[bytes, dict]:
+    """The graph at ``path`` (its external weights left where they are) with ``passes`` applied, serialised, and
+    how many nodes each pass rewrote."""
+    import onnx
+
+    from m3export.export.compact_rope import compact_ropes
+    from m3export.export.fused_norms import fuse_rms_norms
+
+    model = onnx.load(str(path), load_external_data=False)
+    counts = {}
+    if "rms_norm" in passes:
+        model, counts["rms_norm"] = fuse_rms_norms(model)
+    if "rope" in passes:
+        model, counts["rope"] = compact_ropes(model)
+    return model.SerializeToString(), counts
+
+
+def step_batch(art, batch: int, context: int, device: str):
+    """(ids, Batch, pages) of a decode step whose ``batch`` sequences sit at ``context``, ``context - 97``, ...
+    (closer where ``context`` is short; each on its own pages), built on the host as the engine hands a padded
+    decode step."""
+    from m3export.model.batch import Segment, build_batch
+
+    page = art.page_size
+    apart = min(97, max(context // batch, 1))
+    contexts = [max(context - apart * i, 1) for i in range(batch)]
+    need = [-(-(c + 1) // page) for c in contexts]
+    starts = [sum(need[:i]) for i in range(batch)]
+    g = torch.Generator().manual_seed(batch)
+    tokens = torch.randint(0, art.config.vocab_size, (batch,), generator=g).tolist()
+    segments = [Segment(list(range(s, s + n)), c, [t]) for s, n, c, t in zip(starts, need, contexts, tokens)]
+    ids, b = build_batch(segments, page)
+    return ids, b, sum(need)
+
+
+def compare(logits: dict[str, torch.Tensor], torch_logits: torch.Tensor) -> dict:
+    """Per variant: its largest logit difference to the no-pass graph and to the torch backend, the rows that
+    differ from the no-pass graph (largest first), greedy agreement with both."""
+    none = logits["none"]
+    out = {}
+    for name, lx in logits.items():
+        per_row = (lx - none).abs().amax(-1)
+        rows = [int(r) for r in per_row.argsort(descending=True) if per_row[r] > 0]
+        out[name] = {"max_abs_diff_vs_none": float(per_row.max()),
+                     "max_abs_diff_vs_torch": float((lx - torch_logits).abs().max()),
+                     "rows_differing_from_none": rows, "row_diffs_vs_none": [float(per_row[r]) for r in rows],
+                     "bit_equal_to_none": bool(torch.equal(lx, none)),
+                     "greedy_same_as_none": bool(torch.equal(lx.argmax(-1), none.argmax(-1))),
+                     "greedy_same_as_torch": bool(torch.equal(lx.argmax(-1), torch_logits.argmax(-1)))}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact", required=True, help="exported artifact with decode graphs (`mini` bf16 on the H200)")
+    ap.add_argument("--provider", default="cuda", help="ONNX Runtime execution provider (default: %(default)s)")
+    ap.add_argument("--batches", default="8,1", help="batch sizes (default: %(default)s)")
+    ap.add_argument("--context", type=int, default=4096, help="the first sequence's position (default: %(default)s)")
+    ap.add_argument("--json", default=str(RESULTS / "ort_passes_h200.json"))
+    args = ap.parse_args()
+
+    from m3export.export.artifact import load_artifact
+    from m3export.export.decode_graph import moe_form
+    from m3export.plugins.onnxruntime.providers import parse_provider, require
+    from m3export.runtime.backends import create_backend
+    from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
+    from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+    provider = require(parse_provider(args.provider))
+    art = load_artifact(args.artifact, verify_checksums=False)
+    device = provider.device
+    cfg, page = art.config, art.page_size
+    res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "provider": str(provider), "rows": []}
+    torch_be = create_backend("torch", args.artifact, device=device)
+    if not isinstance(torch_be, GraphedTorchBackend):  # the CPU: the class the GPU gets (its scratch page)
+        torch_be = GraphedTorchBackend(torch_be.model, torch_be.dtype, use_graphs=False, pad_eagerly=True)
+    be = OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True)
+    status = 0
+    try:
+        for batch in (int(b) for b in args.batches.split(",")):
+            ids, b, pages = step_batch(art, batch, args.context, device)
+            be.allocate(pages, page)
+            fresh_pools(torch_be, pages, page)
+            g = torch.Generator(device=device).manual_seed(0)
+            for pool in (p for layer in torch_be._caches for p in layer):
+                if pool.is_floating_point():
+                    pool.normal_(0.0, 1.0, generator=g)
+            fill_ort_pools(be, torch_be)
+            rows = torch.arange(batch)
+            with torch.no_grad():
+                lt, _ = torch_be.forward(ids.to(device), b.to(device), rows.to(device))
+                be.forward(ids, b, rows)  # opens this batch's MoE form
+                form = moe_form(batch, cfg.num_experts_per_tok, cfg.num_local_experts)
+                form = form if form in be._decodes else "per-assignment"
+                record = art.manifest.flavours[be._decode_flavours[form]]["model"]
+                logits, rewritten = {}, {}
+                for name, passes in VARIANTS.items():
+                    model, rewritten[name] = variant_bytes(art.root / record["file"], passes)
+                    swap_decode(be, form, model=model)
+                    lx, _ = be.forward(ids, b, rows)
+                    logits[name] = lx.float().cpu()
+            row = {"batch": batch, "contexts": b.positions.tolist(), "moe_form": form, "rewritten": rewritten,
+                   "logit_scale": float(lt.abs().max()), **compare(logits, lt.float().cpu())}
+            res["rows"].append(row)
+            write_results(res, args.json)
+            print(f"\nbatch {batch} ({form}), logits up to {row['logit_scale']:.3g}:")
+            for name in VARIANTS:
+                r = row[name]
+                print(f"  {name:9s} vs none {r['max_abs_diff_vs_none']:9.3g} (rows {r['rows_differing_from_none'][:8]})"
+                      f"  vs torch {r['max_abs_diff_vs_torch']:9.3g}  greedy vs none "
+                      f"{'same' if r['greedy_same_as_none'] else 'DIFFERENT'}, vs torch "
+                      f"{'same' if r['greedy_same_as_torch'] else 'DIFFERENT'}")
+            status |= int(not row["rope"]["bit_equal_to_none"])
+    finally:
+        be.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

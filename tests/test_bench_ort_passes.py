@@ -1,0 +1,32 @@
+"""bench/ort_passes.py on the CPU EP (tiny fp32 artifact): each pass rewrites the artifact's own decode graph (23
+norms, 14 rotations), the RoPE variant is bit-equal to the no-pass graph, the RMSNorm variant within its bound
+(``tests/test_ort_fused_norms_decode.py``'s), and the torch backend agrees with all of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "ort_passes.py"
+
+
+def test_cpu_run_rewrites_and_compares_each_pass(tiny_artifact, tmp_path):  # noqa: F811
+    out = tmp_path / "p.json"
+    run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
+                          "--context", "60", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [8, 1] and len(set(rows[0]["contexts"])) == 8  # 8 different positions
+    for r in rows:
+        assert r["rewritten"] == {"none": {}, "rms_norm": {"rms_norm": 23}, "rope": {"rope": 14},
+                                  "both": {"rms_norm": 23, "rope": 14}}, r["rewritten"]
+        assert r["rope"]["bit_equal_to_none"] and r["none"]["bit_equal_to_none"]
+        # fp32: the fused norm moves a few fp32 ulps (fused_norms.py), ~1e-6 of the logits' scale through 4 layers
+        for name in ("rms_norm", "both"):
+            assert 0 < r[name]["max_abs_diff_vs_none"] <= 1e-5 * r["logit_scale"], (name, r[name])
+        # the same greedy tokens everywhere; the torch backend within the fp32 distance of two implementations
+        assert all(r[n]["greedy_same_as_none"] and r[n]["greedy_same_as_torch"] for n in ("none", "rms_norm", "rope",
+                                                                                       "both"))
+        assert r["none"]["max_abs_diff_vs_torch"] <= 1e-5 * r["logit_scale"]
