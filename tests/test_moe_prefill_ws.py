@@ -11,6 +11,7 @@ less accurate than the bf16 reference, plus one bf16 ulp at the output's magnitu
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import tempfile
@@ -20,13 +21,37 @@ import pytest
 import torch
 
 from bench.moe import NAMES, PREFILL_WS
-from tests.test_kernels_moe import INTERPRETED, MoECase, _as64, _close
+from tests.test_kernels_moe import ALPHA, INTERPRETED, LIMIT, SCALING, MoECase, _as64, _close
 from m3export.ops import moe as ref
 from m3export.plugins.kernels import moe as moe_kernel
 
 triton = pytest.importorskip("triton")
 H, I, TOP_K = 6144, 3072, 4  # the mini preset's MoE dims
 SMEM_LIMIT = 227 * 1024  # the H200's shared memory per block
+
+
+@functools.lru_cache(maxsize=2)
+def _mini_case(tokens: int, experts: int, seed: int):
+    """MoECase's MXFP8 arguments (x, router, bias, then values and scales of w13, w2, shared w13, shared w2) at the
+    mini dims, drawn and quantised on the GPU one expert at a time (128 experts of 6144 x 6144 and 6144 x 3072 fp32
+    would take ~30 GB and minutes on the host); weights N(0, 0.02^2) as MoECase(gain=0.02), kept for the next test
+    of the same shape."""
+    from m3export.ops import mxfp8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, H, device="cuda", generator=g).bfloat16()
+    router = torch.randn(experts, H, device="cuda", generator=g) * 0.3
+    bias = torch.randn(experts, device="cuda", generator=g) * 0.05
+    q13 = torch.empty(experts, 2 * I, H, dtype=torch.float8_e4m3fn, device="cuda")
+    s13 = torch.empty(experts, 2 * I, H // 32, dtype=torch.uint8, device="cuda")
+    q2 = torch.empty(experts, H, I, dtype=torch.float8_e4m3fn, device="cuda")
+    s2 = torch.empty(experts, H, I // 32, dtype=torch.uint8, device="cuda")
+    for e in range(experts):
+        q13[e], s13[e] = mxfp8.quantize(torch.randn(2 * I, H, device="cuda", generator=g) * 0.02)
+        q2[e], s2[e] = mxfp8.quantize(torch.randn(H, I, device="cuda", generator=g) * 0.02)
+    shared13 = mxfp8.quantize(torch.randn(2 * I, H, device="cuda", generator=g) * 0.02)
+    shared2 = mxfp8.quantize(torch.randn(H, I, device="cuda", generator=g) * 0.02)
+    return (x, router, bias, q13, s13, q2, s2, *shared13, *shared2)
 
 
 def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
@@ -126,17 +151,13 @@ def test_ws_refuses_what_it_cannot_run():
 def test_gpu_ws_layer_mini_dims(name, tokens, experts):
     # The mini dims: 700 tokens over 16 experts (175 assignments per expert: padding rows in every expert's last
     # 256-row block, a partial shared-expert block read past the tokens as TMA zeros) and 4096 tokens over 128
-    # experts (the bench's shape at 4k), against the float64 reference with _close's bound; and next to the
-    # launcher's default (Triton) tiles on the same inputs, each within the same bound.
-    case = MoECase(tokens, H, I, I, experts, TOP_K, gain=0.02, seed=72 + experts)
-    args = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
-    want = ref.moe_mxfp8_reference(*args, *case.attrs())
-    want64 = ref.moe_mxfp8_reference(*_as64(args), *case.attrs())
-    got = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]),
-                             config=dict(PREFILL_WS[name]))
+    # experts (the bench's shape at 4k), against the float64 reference with _close's bound.
+    args = list(_mini_case(tokens, experts, 72))
+    attrs = (TOP_K, SCALING, ALPHA, LIMIT)
+    want = ref.moe_mxfp8_reference(*args, *attrs)
+    want64 = ref.moe_mxfp8_reference(*_as64(args), *attrs)
+    got = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=dict(PREFILL_WS[name]))
     _close(got, want, want64)
-    default = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]))
-    _close(default, want, want64)
 
 
 @pytest.mark.gpu
@@ -165,8 +186,7 @@ def test_gpu_ws_each_gemm_next_to_the_triton_tiles():
     from m3export.plugins.kernels import moe_prefill_ws as ws
     from m3export.plugins.kernels.moe_routing import group_by_expert, route
 
-    case = MoECase(1000, H, I, I, 32, TOP_K, gain=0.02, seed=74)
-    x, router, bias, w13, s13, w2, s2, sw13, ss13, sw2, ss2 = [a.cuda() for a in case.mxfp8_args(torch.bfloat16)]
+    x, router, bias, w13, s13, w2, s2, sw13, ss13, sw2, ss2 = _mini_case(1000, 32, 74)
     cfg = dict(ws.WS_TILE)
     tri = moe_kernel.gemm_config(cfg["BLOCK_M"]) | {k: v for k, v in moe_kernel.PREFILL_MXFP8_LARGE.items()
                                                     if k != "BLOCK_M"}
@@ -182,11 +202,11 @@ def test_gpu_ws_each_gemm_next_to_the_triton_tiles():
         act_s = torch.zeros((t, I), dtype=x.dtype, device=x.device)
         y = torch.zeros((t, TOP_K + 1, H), dtype=x.dtype, device=x.device)
         if kind == "ws":
-            ws.launch(x, weights, act, act_s, y, blocks, route_w, n, 1.702, 7.0, TOP_K, cfg)
+            ws.launch(x, weights, act, act_s, y, blocks, route_w, n, ALPHA, LIMIT, TOP_K, cfg)
         else:
             bm = cfg["BLOCK_M"]
-            moe_kernel._launch_gate_up(x, weights[0], act, blocks, n, 1.702, 7.0, H, I, TOP_K, bm, tri, False, "tf32")
-            moe_kernel._launch_gate_up(x, weights[2], act_s, None, t, 1.702, 7.0, H, I, TOP_K, bm, tri, False, "tf32")
+            moe_kernel._launch_gate_up(x, weights[0], act, blocks, n, ALPHA, LIMIT, H, I, TOP_K, bm, tri, False, "tf32")
+            moe_kernel._launch_gate_up(x, weights[2], act_s, None, t, ALPHA, LIMIT, H, I, TOP_K, bm, tri, False, "tf32")
             moe_kernel._launch_down(act, weights[1], y, blocks, route_w, n, H, I, TOP_K, bm, tri, False, "tf32")
             moe_kernel._launch_down(act_s, weights[3], y, None, None, t, H, I, TOP_K, bm, tri, False, "tf32")
         outs[kind] = dict(act=act[blocks.rows < n], act_s=act_s, y_routed=y[:, :TOP_K], y_shared=y[:, TOP_K])
