@@ -132,8 +132,7 @@ def test_sparse_attention_variant_matches_reference(mode, variant, name, dtype):
 
 @pytest.mark.parametrize("mode, loop, name", [("decode", "flat", "decode-one-token-seqs"),
                                               ("prefill", "flat", "mixed-with-empty-seq"),
-                                              ("prefill", "union", "mixed-with-empty-seq"),
-                                              ("prefill", "halves", "mixed-with-empty-seq")])
+                                              ("prefill", "union", "mixed-with-empty-seq")])
 def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
     """The loop forms read FP8 pools as the default does (E4M3 bytes, per-row scales; the same attend_tile). fp32
     queries, so the comparison is as tight as tests/test_kernels_attention.py's fp32 bound (the E4M3 values and
@@ -157,11 +156,11 @@ def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
 # page load per key tile, which every GPU prefill takes (blocks = pages = 128) but the CASES above (blocks of 4,
 # tiles of 16) never do; decode (a page id per key) at the same sizes. A decode batch with a one-token sequence, and
 # a mixed prefill batch (decode-like sequences, a one-token sequence, sequences crossing pages) whose odd tile tails
-# leave "halves" groups partly or wholly empty.
+# leave 8-token tiles partly empty.
 IN_PAGE_CASES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]), "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3])}
 IN_PAGE_LOOPS = {"decode": [{}],
                  "prefill": [{"loop": "flat", "tile_tokens": 1}, {"loop": "union", "tile_tokens": 4},
-                             {"loop": "halves", "tile_tokens": 4}, {"loop": "halves", "tile_tokens": 8}]}
+                             {"loop": "union", "tile_tokens": 8}]}
 
 
 @pytest.mark.parametrize("page", [16, 32])
@@ -183,15 +182,6 @@ def test_key_tiles_inside_pages_match_reference(mode, cfg, page):
     got = SPA.forward(*[x.to(DEVICE) for x in (q, k, v)], *paged.args(), sel.to(DEVICE), bs, d**-0.5,
                       config={mode: {**cfg, "block_n": 16}})
     _assert_attention_close(got, ref, v)
-
-
-def test_halves_needs_an_even_tile():
-    paged = Paged([9, 9], [4, 4], 4, seed=2)
-    q, k = paged.randn(8, 4, 16), paged.pool(2, 16)
-    sel = torch.zeros(8, 2, 2, dtype=torch.int32)
-    odd = {"prefill": {"loop": "halves", "tile_tokens": 3}}
-    with pytest.raises(ValueError, match="'halves' loop needs an even tile_tokens, not 3"):
-        SPA.forward(q, k, k, *paged.args("cpu"), sel, 4, 0.25, config=odd)
 
 
 def test_tile_unions_are_each_tiles_distinct_usable_blocks():

@@ -40,7 +40,7 @@ BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
            "prefill-short": ([40, 20], [9, 4], 32)}
 LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused", "flat_tma_host_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
          "decode-blocks-of-32": ["flat_tma_fused", "flat_tma_lean"],
-         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "halves_tma",
+         "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "flat_tma",
                      "union_tma_host_lean_chosen_rescale"],
          "prefill-blocks-of-32": ["union_tma_fused", "union_tma_lean"]}
 
@@ -109,7 +109,7 @@ def test_fused_and_tma_loops_match_reference(batch, loop, page, launches):
     (kw,) = launches
     assert bool(kw["TMA"]) == ("tma" in loop) and kw["FUSED"] == ("fused" in loop) and kw["LEAN"] == ("lean" in loop)
     if "tma" in loop:  # whole tiles by bulk copies where the walk allows it (module docstring), else V rows zeroed
-        assert kw["TMA"] == (1 if loop.startswith("halves") else 2)
+        assert kw["TMA"] == (2 if loop.startswith("union") or kw["TOKENS"] == 1 else 1)
     assert kw.get("HOST_DESC", False) == ("host" in loop)  # descriptors made at launch
     assert kw["SPLITS"] > 1, "the case must split its selections for the merge to be exercised"
     if "fused" in loop:
@@ -198,7 +198,7 @@ def test_union_choosers_are_the_tokens_that_chose_each_union_block():
 
 
 @pytest.mark.parametrize("loop, message", [("flat_fused_tma", "in that order"), ("flat_dma", "in that order"),
-                                           ("spiral_tma", "is not one of"), ("halves_fused", "cannot be fused"),
+                                           ("spiral_tma", "is not one of"), ("halves_tma", "is not one of"),
                                            ("union_lean", "whole-tile TMA walks"), ("flat_host", "follows '_tma'"),
                                            ("nested_tma_lean", "whole-tile TMA walks"),
                                            ("union_tma_rescale", "form of the '_lean' step"),

@@ -11,18 +11,15 @@ merges the splits. Selection entries that are -1, after the token's own block, o
 allowed set is exactly the reference's (order and duplicates do not matter).
 
 Launch parameters are the table ``DEFAULTS`` (one entry for decode-like batches, one for prefill); ``forward(...,
-config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Three
+config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times the alternatives in one run). Two
 loop forms besides the default "nested" walk (an inner loop over one block's key tiles, so the compiler's software
 pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the loads
 of skipped visits instead of branching around them, so the next block's loads can be in flight while this one is
 computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's
 sorted list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
-per-visit de-duplication; "halves" walks the same list with the tile's rows in two groups of half its tokens, each
-with its own online softmax, and a group none of whose tokens chose a block skips its dot and softmax for it (K and
-V are still read once for the whole tile). A union tile computes every row against every block of the union, so its
+per-visit de-duplication. A union tile computes every row against every block of the union, so its
 work over the op's is (union / top-k): on selections like a real prompt's (``bench/prefill_selections.py``) 1.3 /
-1.6 / 2.0 for 4 / 8 / 16 tokens; the halves of an 8-token tile cost about what 4-token tiles cost in work while
-reading K and V per 8 tokens. Every form computes the same allowed set; only the summation order of the online
+1.6 / 2.0 for 4 / 8 / 16 tokens. Every form computes the same allowed set; only the summation order of the online
 softmax differs (the blocks' order). In prefill, where a key tile lies inside one page (it divides the page and the
 block), its page id is one scalar load instead of one per key.
 
@@ -89,7 +86,7 @@ DEFAULTS = {
     "prefill": dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, waves=2, max_splits=None,
                     loop="union_tma_lean"),
 }
-_LOOPS = ("nested", "flat", "union", "halves")
+_LOOPS = ("nested", "flat", "union")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
 # at launch and passed by value instead of written by every program at its start (then fenced); "fused", the split-K merge in the same launch
@@ -125,9 +122,6 @@ def loop_form(loop: str) -> tuple[str, bool, bool, bool, bool]:
                          "step")
     if "rescale" in mods and "lean" not in mods:
         raise ValueError(f"sparse_paged_attention: loop {loop!r}: '_rescale' is a form of the '_lean' step")
-    if walk == "halves" and "fused" in mods:
-        raise ValueError(f"sparse_paged_attention: loop {loop!r}: the 'halves' walk finishes its two row groups "
-                         "apart, so its merge cannot be fused")
     return walk, "tma" in mods, "host" in mods, "fused" in mods, "lean" in mods
 
 
@@ -204,20 +198,13 @@ VARIANTS = {
         "union-t8-n128-w8-s2-waves2": _prefill("union", 8, 128, 8, 2),  # best on smooth index queries (0.75x)
         "union-t16-n64-w8-s2-waves2": _prefill("union", 16, 64, 8, 2),
         "union-t8-n64-w8-s4-waves2": _prefill("union", 8, 64, 8, 4),  # one stage more (215 registers, no spill)
-        # 8-token union tiles whose two 4-token halves (64 rows each, one wgmma warpgroup's M) skip the blocks none
-        # of their tokens chose: K / V read once per 8 tokens, the work of 4-token tiles (module docstring). Compiled
-        # for sm_90 without a GPU (Triton 3.6's ptxas): wgmma, 242 registers, no spill, but no cp.async: the
-        # pipeliner leaves loads whose dots sit under a branch unpipelined (the union tiles get cp.async), so this
-        # measures whether the skipped work outweighs the lost overlap. 128-key tiles spilled (144-608 bytes).
-        "halves-t8-n64-w8-s3-waves2": _prefill("halves", 8, 64, 8, 3),
         # the union tile with K / V through TMA (bulk tensor copies, pipelined by the compiler without cp.async's
-        # per-thread address math; sm_90 n64 s3: 96 KB = three K+V buffers in a ring, one barrier wait per tile), and
-        # the halves walk with TMA. Compiled for sm_90, TMA does NOT give halves the pipelining its branches cost it:
-        # 64 KB (no ring), its K and V copies each waited for right after issue (two waits per tile), as the
-        # pointer-load halves issues no cp.async; kept to measure the bulk copies' own issue cost there.
+        # per-thread address math; sm_90 n64 s3: 96 KB = three K+V buffers in a ring, one barrier wait per tile).
+        # (The "halves" walk, two 4-token row groups of an 8-token union tile that skip blocks none of their tokens
+        # chose, lost at every measured shape, 81-99 TFLOP/s with pointer loads and 88 with TMA against 180-227 for
+        # the union tiles, and was removed; docs/performance.md.)
         "union_tma-t8-n128-w8-s2-waves2": _prefill("union_tma", 8, 128, 8, 2),
         "union_tma-t8-n64-w8-s3-waves2": _prefill("union_tma", 8, 64, 8, 3),
-        "halves_tma-t8-n64-w8-s3-waves2": _prefill("halves_tma", 8, 64, 8, 3),
         # ... and with the lean step (attend_tile_lean: mask only on the tiles that need one, the scale in the
         # exponent's FMA, the accumulator rescaled only when a row's max grew). sm_90: n128 s2 253 registers, n64 s3
         # 202, no spill, 160 / 96 KB (the plain union tile n128 s2 spills 8 bytes at 255).
@@ -455,18 +442,17 @@ def _attend_block(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, p
 
 
 @triton.jit
-def _tile_rows(q_ptr, pos_ptr, sel_base, start, end, first, g, sq_t, sq_h, ss_t, G: tl.constexpr, G_PAD: tl.constexpr,
-               NT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
+def _tile_rows(q_ptr, pos_ptr, sel_base, start, end, g, sq_t, sq_h, ss_t, G: tl.constexpr, G_PAD: tl.constexpr,
+               TOKENS: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, K: tl.constexpr,
                K_PAD: tl.constexpr):
-    """Rows (``NT`` tokens of the tile from its token ``first`` on, times the query heads of KV head ``g``):
-    (token within the tile, token, query head, row exists, position, queries [ROWS, BLOCK_D], each row's token's
-    selection [ROWS, K_PAD])."""
+    """Rows (the tile's ``TOKENS`` tokens times the query heads of KV head ``g``): (token within the tile, token,
+    query head, row exists, position, queries [ROWS, BLOCK_D], each row's token's selection [ROWS, K_PAD])."""
     rows = tl.arange(0, ROWS)
-    rel = first + rows // G_PAD  # token of the row within the tile
+    rel = rows // G_PAD  # token of the row within the tile
     tok = start + rel
     hh = rows % G_PAD
     hq = g * G + hh
-    row_ok = (tok < end) & (hh < G) & (rows // G_PAD < NT)
+    row_ok = (tok < end) & (hh < G) & (rel < TOKENS)
     pos = tl.load(pos_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + hq[:, None] * sq_h + d[None, :],
@@ -527,165 +513,124 @@ def _sparse_paged_attention(
     else:
         k_src = k_ptr
         v_src = v_ptr
-    if LOOP == "halves":  # the tile's union; its rows in two groups of TOKENS / 2 tokens (module docstring)
-        HALF_T: tl.constexpr = TOKENS // 2
-        HALF: tl.constexpr = ROWS // 2
-        _, tok_a, hq_a, ok_a, pos_a, q_a, sel_a = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, 0, g, sq_t, sq_h,
-                                                              ss_t, G, G_PAD, HALF_T, HALF, D, BLOCK_D, K, K_PAD)
-        _, tok_b, hq_b, ok_b, pos_b, q_b, sel_b = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, HALF_T, g, sq_t,
-                                                              sq_h, ss_t, G, G_PAD, HALF_T, HALF, D, BLOCK_D, K,
-                                                              K_PAD)
-        last_h = tl.maximum(tl.max(pos_a, axis=0), tl.max(pos_b, axis=0))
-        m_a = tl.full([HALF], float("-inf"), tl.float32)
-        l_a = tl.zeros([HALF], tl.float32)
-        acc_a = tl.zeros([HALF, BLOCK_DV], tl.float32)
-        m_b = tl.full([HALF], float("-inf"), tl.float32)
-        l_b = tl.zeros([HALF], tl.float32)
-        acc_b = tl.zeros([HALF, BLOCK_DV], tl.float32)
-        n_uni = tl.load(cnt_ptr + tile * hkv + g)
-        uni_row = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
-        u_lo = split * PER
-        u_hi = tl.minimum(u_lo + PER, n_uni)
-        for it in range(u_lo * SUB, u_hi * SUB):
-            c = tl.load(uni_row + it // SUB)
-            j, kmask, page, row, k, v = _load_kv(k_src, v_src, bt_row, c, it % SUB, c >= 0, last_h, d, dv, g, sk_p,
-                                                 sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE,
-                                                 TMA)
-            ks_rows = ks_ptr + page * sks_p + row * sks_r + g
-            vs_rows = vs_ptr + page * svs_p + row * svs_r + g
-            wants_a = tl.max((sel_a == c).to(tl.int32), axis=1) > 0
-            if tl.max(wants_a.to(tl.int32), axis=0) > 0:  # a group none of whose tokens chose c skips the block
-                allowed = wants_a[:, None] & kmask[None, :] & (j[None, :] <= pos_a[:, None])
-                m_a, l_a, acc_a = attend_tile(q_a, k, v, ks_rows, vs_rows, kmask, allowed, qk_scale, m_a, l_a, acc_a,
-                                              FP8, PREC, INTERPRETED)
-            wants_b = tl.max((sel_b == c).to(tl.int32), axis=1) > 0
-            if tl.max(wants_b.to(tl.int32), axis=0) > 0:
-                allowed = wants_b[:, None] & kmask[None, :] & (j[None, :] <= pos_b[:, None])
-                m_b, l_b, acc_b = attend_tile(q_b, k, v, ks_rows, vs_rows, kmask, allowed, qk_scale, m_b, l_b, acc_b,
-                                              FP8, PREC, INTERPRETED)
-        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc_a, m_a, l_a, tok_a, hq_a, ok_a, split, so_t, so_h, dv, HQ, DV,
-                    SPLITS)
-        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc_b, m_b, l_b, tok_b, hq_b, ok_b, split, so_t, so_h, dv, HQ, DV,
-                    SPLITS)
-    else:
-        rel, tok, hq, row_ok, pos, q, sel_rows = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, 0, g, sq_t, sq_h,
-                                                            ss_t, G, G_PAD, TOKENS, ROWS, D, BLOCK_D, K, K_PAD)
-        last = tl.max(pos, axis=0)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
-        if LOOP == "nested":
-            for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
-                c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
-                for sub in range(0, tl.where(use, SUB, 0)):
-                    m_i, l_i, acc = _attend_block(
-                        q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
-                        sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
-                        BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
-        elif TMA == 2:  # bulk copies of whole key tiles only (see the module docstring); the tail by pointers
-            if LOOP == "union":  # the tile's distinct usable blocks, ascending: the last one is the only one that
-                # can reach past the tile's last position
-                n_vis = tl.load(cnt_ptr + tile * hkv + g)
-                uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
-                c_last = tl.load(uni_base + tl.maximum(n_vis - 1, 0))
-                has_own = (n_vis > 0) & (c_last == last // BS)
-                n_other = n_vis - has_own.to(tl.int32)
-            else:  # one token: its usable first occurrences, the token's own block (if chosen) last
-                sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
-                repeat = tl.max(((kk[None, :] < kk[:, None]) & (sel_one[None, :] == sel_one[:, None])).to(tl.int32),
-                                axis=1)
-                first_use = (sel_one >= 0) & (sel_one * BS <= last) & (repeat == 0)
-                other = first_use & (sel_one != last // BS)
-                rank = tl.cumsum(other.to(tl.int32), axis=0) - 1
-                n_other = tl.sum(other.to(tl.int32), axis=0)
-                has_own = tl.sum((first_use & (sel_one == last // BS)).to(tl.int32), axis=0) > 0
-            own = last // BS
-            pos_min = tl.min(tl.where(row_ok, pos, last), axis=0)  # the earliest position of the tile's rows
-            own_keys = last + 1 - own * BS  # keys of the own block up to the last position (1..BS)
-            n_full = n_other * SUB + tl.where(has_own, own_keys // BLOCK_N, 0)  # whole key tiles, in walk order
-            t_lo = split * PER * SUB
-            t_hi = t_lo + PER * SUB
-            for it in range(t_lo, tl.minimum(t_hi, n_full)):
-                visit = it // SUB
-                sub = it % SUB
-                if LOOP == "union":
-                    c = tl.load(uni_base + visit)
-                    if CHOSEN:  # bit i: token i of the tile chose c (union_choosers); rows of padding never set
-                        bits = tl.load(cho_ptr + (tile * hkv + g).to(tl.int64) * VISITS + visit)
-                        wants = ((bits >> rel) & 1) != 0
-                    elif TOKENS == 1:
-                        wants = row_ok
-                    else:
-                        wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
-                else:
-                    c = tl.where(visit < n_other, tl.sum(tl.where(other & (rank == visit), sel_one, 0), axis=0), own)
+    rel, tok, hq, row_ok, pos, q, sel_rows = _tile_rows(q_ptr, pos_ptr, sel_base, start, end, g, sq_t, sq_h, ss_t,
+                                                        G, G_PAD, TOKENS, ROWS, D, BLOCK_D, K, K_PAD)
+    last = tl.max(pos, axis=0)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    if LOOP == "nested":
+        for visit in range(split * PER, tl.minimum(split * PER + PER, (end - start) * K)):
+            c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
+            for sub in range(0, tl.where(use, SUB, 0)):
+                m_i, l_i, acc = _attend_block(
+                    q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r,
+                    sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
+                    BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
+    elif TMA == 2:  # bulk copies of whole key tiles only (see the module docstring); the tail by pointers
+        if LOOP == "union":  # the tile's distinct usable blocks, ascending: the last one is the only one that
+            # can reach past the tile's last position
+            n_vis = tl.load(cnt_ptr + tile * hkv + g)
+            uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+            c_last = tl.load(uni_base + tl.maximum(n_vis - 1, 0))
+            has_own = (n_vis > 0) & (c_last == last // BS)
+            n_other = n_vis - has_own.to(tl.int32)
+        else:  # one token: its usable first occurrences, the token's own block (if chosen) last
+            sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
+            repeat = tl.max(((kk[None, :] < kk[:, None]) & (sel_one[None, :] == sel_one[:, None])).to(tl.int32),
+                            axis=1)
+            first_use = (sel_one >= 0) & (sel_one * BS <= last) & (repeat == 0)
+            other = first_use & (sel_one != last // BS)
+            rank = tl.cumsum(other.to(tl.int32), axis=0) - 1
+            n_other = tl.sum(other.to(tl.int32), axis=0)
+            has_own = tl.sum((first_use & (sel_one == last // BS)).to(tl.int32), axis=0) > 0
+        own = last // BS
+        pos_min = tl.min(tl.where(row_ok, pos, last), axis=0)  # the earliest position of the tile's rows
+        own_keys = last + 1 - own * BS  # keys of the own block up to the last position (1..BS)
+        n_full = n_other * SUB + tl.where(has_own, own_keys // BLOCK_N, 0)  # whole key tiles, in walk order
+        t_lo = split * PER * SUB
+        t_hi = t_lo + PER * SUB
+        for it in range(t_lo, tl.minimum(t_hi, n_full)):
+            visit = it // SUB
+            sub = it % SUB
+            if LOOP == "union":
+                c = tl.load(uni_base + visit)
+                if CHOSEN:  # bit i: token i of the tile chose c (union_choosers); rows of padding never set
+                    bits = tl.load(cho_ptr + (tile * hkv + g).to(tl.int64) * VISITS + visit)
+                    wants = ((bits >> rel) & 1) != 0
+                elif TOKENS == 1:
                     wants = row_ok
-                if LEAN:  # the mask only where a row may not see a key of the tile (attend_tile_lean)
-                    j, kmask, page, row, k, v = _load_kv(k_src, v_src, bt_row, c, sub, True, last, d, dv, g, sk_p,
-                                                         sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N,
-                                                         TILE_IN_PAGE, 2)
-                    if CHOSEN:  # a real token of the tile that did not choose c: a scalar test
-                        some_not = bits != (1 << (end - start)) - 1
-                    else:
-                        some_not = tl.min(tl.where(row_ok, wants, True).to(tl.int32), axis=0) == 0
-                    need = some_not | (c * BS + sub * BLOCK_N + BLOCK_N - 1 > pos_min)
-                    m_i, l_i, acc = attend_tile_lean(q, k, v, need, wants[:, None] & (j[None, :] <= pos[:, None]),
-                                                     qk_scale, m_i, l_i, acc, PREC, INTERPRETED, RESCALE)
                 else:
-                    m_i, l_i, acc = _attend_block(
-                        q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, True, wants, pos, last, d, dv, g, sk_p, sk_r,
-                        sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
-                        BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, 2)
-            if has_own & (own_keys % BLOCK_N != 0) & (t_lo <= n_full) & (n_full < t_hi):  # the partial tile
+                    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+            else:
+                c = tl.where(visit < n_other, tl.sum(tl.where(other & (rank == visit), sel_one, 0), axis=0), own)
+                wants = row_ok
+            if LEAN:  # the mask only where a row may not see a key of the tile (attend_tile_lean)
+                j, kmask, page, row, k, v = _load_kv(k_src, v_src, bt_row, c, sub, True, last, d, dv, g, sk_p,
+                                                     sk_r, sk_h, sv_p, sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N,
+                                                     TILE_IN_PAGE, 2)
+                if CHOSEN:  # a real token of the tile that did not choose c: a scalar test
+                    some_not = bits != (1 << (end - start)) - 1
+                else:
+                    some_not = tl.min(tl.where(row_ok, wants, True).to(tl.int32), axis=0) == 0
+                need = some_not | (c * BS + sub * BLOCK_N + BLOCK_N - 1 > pos_min)
+                m_i, l_i, acc = attend_tile_lean(q, k, v, need, wants[:, None] & (j[None, :] <= pos[:, None]),
+                                                 qk_scale, m_i, l_i, acc, PREC, INTERPRETED, RESCALE)
+            else:
+                m_i, l_i, acc = _attend_block(
+                    q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, True, wants, pos, last, d, dv, g, sk_p, sk_r,
+                    sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE,
+                    BS, BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, 2)
+        if has_own & (own_keys % BLOCK_N != 0) & (t_lo <= n_full) & (n_full < t_hi):  # the partial tile
+            if TOKENS == 1:
+                wants = row_ok
+            else:
+                wants = tl.max((sel_rows == own).to(tl.int32), axis=1) > 0
+            m_i, l_i, acc = _attend_block(
+                q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, own, own_keys // BLOCK_N, True, wants, pos, last, d, dv,
+                g, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D,
+                DV, PAGE, BS, BLOCK_N, True, PREC, INTERPRETED, 0)
+    else:
+        if TOKENS == 1:
+            sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
+        if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
+            n_vis = tl.load(cnt_ptr + tile * hkv + g)
+            uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+        else:
+            n_vis = (end - start) * K
+        v_lo = split * PER
+        v_hi = tl.minimum(v_lo + PER, n_vis)
+        for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
+            visit = it // SUB
+            sub = it % SUB
+            if LOOP == "union":
+                c = tl.load(uni_base + visit)
+                use = c >= 0  # always: the list holds usable blocks only
                 if TOKENS == 1:
                     wants = row_ok
                 else:
-                    wants = tl.max((sel_rows == own).to(tl.int32), axis=1) > 0
-                m_i, l_i, acc = _attend_block(
-                    q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, own, own_keys // BLOCK_N, True, wants, pos, last, d, dv,
-                    g, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D,
-                    DV, PAGE, BS, BLOCK_N, True, PREC, INTERPRETED, 0)
-        else:
-            if TOKENS == 1:
-                sel_one = tl.load(sel_base + start.to(tl.int64) * ss_t + kk, mask=kk < K, other=-1)
-            if LOOP == "union":  # the tile's distinct usable blocks, ascending (tile_unions)
-                n_vis = tl.load(cnt_ptr + tile * hkv + g)
-                uni_base = uni_ptr + (tile * hkv + g).to(tl.int64) * VISITS
+                    wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
             else:
-                n_vis = (end - start) * K
-            v_lo = split * PER
-            v_hi = tl.minimum(v_lo + PER, n_vis)
-            for it in range(v_lo * SUB, v_hi * SUB):  # (visit, key tile) pairs: one loop the compiler can pipeline
-                visit = it // SUB
-                sub = it % SUB
-                if LOOP == "union":
-                    c = tl.load(uni_base + visit)
-                    use = c >= 0  # always: the list holds usable blocks only
-                    if TOKENS == 1:
-                        wants = row_ok
-                    else:
-                        wants = tl.max((sel_rows == c).to(tl.int32), axis=1) > 0
+                if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
+                    # loop counter and this visit's addresses, and repeats are a 1-D test
+                    c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
+                    seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
+                    wants = row_ok
+                    use = (c >= 0) & (c * BS <= last) & (seen == 0)
                 else:
-                    if TOKENS == 1:  # one token: its selection held in registers, so no load stands between the
-                        # loop counter and this visit's addresses, and repeats are a 1-D test
-                        c = tl.sum(tl.where(kk == visit, sel_one, 0), axis=0)
-                        seen = tl.max(((kk < visit) & (sel_one == c)).to(tl.int32), axis=0)
-                        wants = row_ok
-                        use = (c >= 0) & (c * BS <= last) & (seen == 0)
-                    else:
-                        c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
-                # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
-                m_i, l_i, acc = _attend_block(
-                    q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
-                    sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
-                    BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
+                    c, use, wants = _tile_visit(sel_base, ss_t, start, visit, rel, kk, sel_rows, last, K, BS)
+            # a skipped visit masks every load (no memory traffic) and every score: an exact no-op step
+            m_i, l_i, acc = _attend_block(
+                q, k_src, v_src, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, pos, last, d, dv, g, sk_p, sk_r, sk_h,
+                sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8, D, DV, PAGE, BS,
+                BLOCK_N, TILE_IN_PAGE, PREC, INTERPRETED, TMA)
 
-        if FUSED:  # the split-K merge in this launch: the last split of the (tile, KV head) merges (_splitk)
-            finish_rows_fused(out_ptr, acc_ptr, m_ptr, l_ptr, tick_ptr + tile * hkv + g, acc, m_i, l_i, tok, hq, row_ok,
-                              split, so_t, so_h, dv, HQ, DV, SPLITS)
-        else:
-            finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
-                        SPLITS)
+    if FUSED:  # the split-K merge in this launch: the last split of the (tile, KV head) merges (_splitk)
+        finish_rows_fused(out_ptr, acc_ptr, m_ptr, l_ptr, tick_ptr + tile * hkv + g, acc, m_i, l_i, tok, hq, row_ok,
+                          split, so_t, so_h, dv, HQ, DV, SPLITS)
+    else:
+        finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV,
+                    SPLITS)
 
 
 def forward(
@@ -744,13 +689,9 @@ def forward(
     else:
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
     loop, tma, host, fused, lean = loop_form(cfg["loop"])
-    if loop == "halves" and tokens == 1:
-        loop = "union"  # one token has no halves: its own list, the same computation
-    if loop == "halves" and tokens % 2:
-        raise ValueError(f"sparse_paged_attention: the 'halves' loop needs an even tile_tokens, not {tokens}")
-    uni = cnt = sel  # never read unless the loop is "union" or "halves"
+    uni = cnt = sel  # never read unless the loop is "union"
     chosen = None
-    if loop in ("union", "halves"):
+    if loop == "union":
         if tokens == 1:
             first = torch.arange(t, dtype=torch.int32, device=q.device)
             uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
@@ -765,11 +706,11 @@ def forward(
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     ticks = ticket_counters(q.device, slots * hkv) if fused else None
     ks, vs = scale_pools(k_scale, v_scale, kc)
-    # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs ("halves":
-    # each group of tokens / 2 at least 16). TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for
-    # sm_90 at mini dims it takes the prefill default from 168 to 115 registers, but the decode default from 168 to
-    # 186 (three programs per multiprocessor by registers down to two), so decode keeps a page id per key.
-    rows = 2 * max(16, tokens // 2 * g_pad) if loop == "halves" else max(16, tokens * g_pad)
+    # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs.
+    # TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for sm_90 at mini dims it takes the prefill
+    # default from 168 to 115 registers, but the decode default from 168 to 186 (three programs per multiprocessor by
+    # registers down to two), so decode keeps a page id per key.
+    rows = max(16, tokens * g_pad)
     block_d, block_dv = next_pow2(max(d, 16)), next_pow2(max(dv, 16))
     # key tile at most the block; for tiles of several tokens, key tile and stages within the device's shared memory
     # (fit_shared_memory: the union tile in fp32 asked for 256 KB). One token per program (16 rows) launches as set:
