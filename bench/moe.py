@@ -332,6 +332,14 @@ PREFILL_WS = {
                                           num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1),
     "prefill_ws_bm256_down128_s3c3": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
                                           num_warps=8, STAGES=3, CONV_STAGES=3, MX_MODE=3, WS=1),
+    # Persistent (one program per SM walking its tiles, moe_prefill_ws._programs): the loader and the converter
+    # fill the next tile's slots while the MMA warps run the epilogue, and the barrier set-up is paid once per SM.
+    "prefill_ws_bm256_down128_s4c2_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                     GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
+                                                     WS=1, PERSISTENT=1),
+    "prefill_ws_bm256_down128_s3c3_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                     GROUP_M=8, num_warps=8, STAGES=3, CONV_STAGES=3, MX_MODE=3,
+                                                     WS=1, PERSISTENT=1),
 }
 NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **LINEAR_ROUND6,
          **PREFILL_ROUND4, **PREFILL_ROUND5, **PREFILL_ROUND6, **PREFILL_WS}

@@ -59,36 +59,52 @@ _ASM = gl.constexpr(_E4M3_BF16_ASM.value)
 
 
 @gluon.jit
-def _tile_ids(GROUP_M: gl.constexpr, N_TILES: gl.constexpr):
-    """(row block, N tile) of this program on a 1-D grid walked in groups of GROUP_M row blocks (``moe._tile_ids``
-    with GROUP_M >= 1: the group's activation rows stay in L2 while every N tile passes over them)."""
-    pid = gl.program_id(0)
-    num_m = gl.num_programs(0) // N_TILES
+def _tile(tile, num_m, GROUP_M: gl.constexpr, N_TILES: gl.constexpr):
+    """(row block, N tile) of tile number ``tile``, the tiles walked in groups of GROUP_M row blocks (as
+    ``moe._tile_ids`` with GROUP_M >= 1: the group's activation rows stay in L2 while every N tile passes over them,
+    and an expert's weight tile is read by its row blocks one after the other)."""
     per_group = GROUP_M * N_TILES
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     size = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size
-    pid_n = (pid % per_group) // size
-    return pid_m, pid_n
+    return first_m + (tile % per_group) % size, (tile % per_group) // size
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, a_row, w_row, w_chunk,
-            K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: per K step, wait for the slot to be free, then TMA the G weight chunks (rows ``w_row + g *
-    w_chunk``) and the activation tile (rows from ``a_row``) into it. The weights first: the converter needs them
-    before the MMA needs the activations."""
-    for k in range(0, K_STEPS, 1):
-        s = k % STAGES
-        free = ((k // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed the phase before phase 0
-        mbarrier.wait(w_empty.index(s), free)
-        mbarrier.expect(w_ready.index(s), G * BN * BK)
-        for g in gl.static_range(G):
-            tma.async_copy_global_to_shared(w_desc, [w_row + g * w_chunk, k * BK], w_ready.index(s),
-                                            w_bufs.index(s).slice(g * BN, BN))
-        mbarrier.wait(a_empty.index(s), free)
-        mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [a_row, k * BK], a_ready.index(s), a_bufs.index(s))
+def _expert(block_expert_ptr, pid_m, ROUTED: gl.constexpr):
+    """The expert of row block ``pid_m`` (-1: a block past the last in use, skipped); the shared expert: 0."""
+    if ROUTED:
+        e = gl.load(block_expert_ptr + pid_m)
+    else:
+        e = pid_m * 0
+    return e
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr, num_m, first_tile,
+            tile_step, num_tiles, W_E: gl.constexpr, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
+            GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
+            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: per K step of each of the program's tiles, wait for the slot to be free, then TMA the G weight
+    chunks (gate-up: the gate rows, then the up rows N_OUT further) and the activation tile into it. The weights
+    first: the converter needs them before the MMA needs the activations."""
+    it = 0  # K steps issued over the program's tiles: the ring position
+    for tile in range(first_tile, num_tiles, tile_step):
+        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+        e = _expert(block_expert_ptr, pid_m, ROUTED)
+        if e >= 0:
+            w_row = e * W_E + pid_n * BN
+            for k in range(0, K_STEPS, 1):
+                s = (it + k) % STAGES
+                free = (((it + k) // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase -1
+                mbarrier.wait(w_empty.index(s), free)
+                mbarrier.expect(w_ready.index(s), G * BN * BK)
+                for g in gl.static_range(G):
+                    tma.async_copy_global_to_shared(w_desc, [w_row + g * N_OUT, k * BK], w_ready.index(s),
+                                                    w_bufs.index(s).slice(g * BN, BN))
+                mbarrier.wait(a_empty.index(s), free)
+                mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, k * BK], a_ready.index(s), a_bufs.index(s))
+            it += K_STEPS
 
 
 @gluon.jit
@@ -111,9 +127,11 @@ def _e4m3_bf16(codes, factor):
 
 
 @gluon.jit
-def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, s_row0, ss_n, n_first, w_chunk,
-               N_OUT: gl.constexpr, K: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
-               BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
+               first_tile, tile_step, num_tiles, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr,
+               GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
+               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr,
+               WARPS: gl.constexpr):
     """One warpgroup: per K step, the E4M3 tile of the load ring and its scales (plain loads, issued before the
     wait on the tile) to the bf16 tile of the converted ring. Each thread holds runs of 32 codes along K (one
     scale group): the tile is seen as [rows, BK / 32, 32] and each thread loads its group's scale byte once."""
@@ -124,76 +142,92 @@ def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, s_row0
     s_layout: gl.constexpr = gl.SliceLayout(2, grouped)
     j = gl.arange(0, NW, layout=gl.SliceLayout(1, s_layout))
     grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, s_layout))
-    n = n_first + j % BN  # the output column (gate-up: gate / up row) of tile row j
-    row = s_row0 + (n + (j // BN) * w_chunk).to(gl.int64) * ss_n
-    row_ok = n < N_OUT
-    for k in range(0, K_STEPS, 1):
-        s = k % STAGES
-        c = k % CONV_STAGES
-        kg = k * GROUPS + grp
-        sc = gl.load(s_ptr + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
-        factor = gl.expand_dims(_scale_factor(sc), 2)
-        mbarrier.wait(w_ready.index(s), (k // STAGES) & 1)
-        codes = w_bufs.index(s).load(flat)
-        fence_async_shared()  # the read is ordered before the loader's next copy into this slot
-        mbarrier.arrive(w_empty.index(s), count=1)
-        codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
-        vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
-        mbarrier.wait(c_empty.index(c), ((k // CONV_STAGES) & 1) ^ 1)
-        c_bufs.index(c).store(vals)
-        fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) that reads it
-        mbarrier.arrive(c_ready.index(c), count=1)
+    it = 0
+    for tile in range(first_tile, num_tiles, tile_step):
+        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+        e = _expert(block_expert_ptr, pid_m, ROUTED)
+        if e >= 0:
+            n = pid_n * BN + j % BN  # the output column (gate-up: gate / up row) of tile row j
+            row = e.to(gl.int64) * ss_e + (n + (j // BN) * N_OUT).to(gl.int64) * ss_n
+            row_ok = n < N_OUT
+            for k in range(0, K_STEPS, 1):
+                s = (it + k) % STAGES
+                c = (it + k) % CONV_STAGES
+                kg = k * GROUPS + grp
+                sc = gl.load(s_ptr + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :],
+                             other=0)
+                factor = gl.expand_dims(_scale_factor(sc), 2)
+                mbarrier.wait(w_ready.index(s), ((it + k) // STAGES) & 1)
+                codes = w_bufs.index(s).load(flat)
+                fence_async_shared()  # the read is ordered before the loader's next copy into this slot
+                mbarrier.arrive(w_empty.index(s), count=1)
+                codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
+                vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
+                mbarrier.wait(c_empty.index(c), (((it + k) // CONV_STAGES) & 1) ^ 1)
+                c_bufs.index(c).store(vals)
+                fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) reading it
+                mbarrier.arrive(c_ready.index(c), count=1)
+            it += K_STEPS
 
 
 @gluon.jit
-def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, BM: gl.constexpr, NW: gl.constexpr,
-         K_STEPS: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """The default partition's K loop: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW], one wgmma in
-    flight; a step's slots go back to the loader and the converter once the next step's wgmma is issued and the
-    previous one has retired."""
+def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
+         num_tiles, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr,
+         N_TILES: gl.constexpr, GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
+         GATE_UP: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
+         STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The default partition, per tile: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW] over the K
+    steps, one wgmma in flight (a step's slots go back to the loader and the converter once the next step's wgmma
+    is issued and the previous one has retired; the last step's after the final wait), then the epilogue, which
+    overlaps the workers' first steps of the next tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                           instr_shape=[16, NW, 16])
-    acc = gl.zeros([BM, NW], gl.float32, acc_layout)
-    for k in range(0, K_STEPS, 1):
-        s = k % STAGES
-        c = k % CONV_STAGES
-        mbarrier.wait(a_ready.index(s), (k // STAGES) & 1)
-        mbarrier.wait(c_ready.index(c), (k // CONV_STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(s), c_bufs.index(c).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        if k > 0:
-            mbarrier.arrive(a_empty.index((k - 1) % STAGES), count=1)
-            mbarrier.arrive(c_empty.index((k - 1) % CONV_STAGES), count=1)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return (acc,)  # the default partition's results are a tuple
+    it = 0
+    for tile in range(first_tile, num_tiles, tile_step):
+        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+        e = _expert(block_expert_ptr, pid_m, ROUTED)
+        if e >= 0:
+            acc = gl.zeros([BM, NW], gl.float32, acc_layout)
+            for k in range(0, K_STEPS, 1):
+                s = (it + k) % STAGES
+                c = (it + k) % CONV_STAGES
+                mbarrier.wait(a_ready.index(s), ((it + k) // STAGES) & 1)
+                mbarrier.wait(c_ready.index(c), ((it + k) // CONV_STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(s), c_bufs.index(c).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k > 0:
+                    mbarrier.arrive(a_empty.index((it + k - 1) % STAGES), count=1)
+                    mbarrier.arrive(c_empty.index((it + k - 1) % CONV_STAGES), count=1)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            it += K_STEPS
+            mbarrier.arrive(a_empty.index((it - 1) % STAGES), count=1)
+            mbarrier.arrive(c_empty.index((it - 1) % CONV_STAGES), count=1)
+            _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, pid_m, pid_n * BN,
+                      N_OUT, TOP_K, ROUTED, GATE_UP, BM, BN)
 
 
 @gluon.jit
 def _gemm_ws(
-    a_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, alpha, limit,
+    a_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, num_m, alpha, limit,
     ss_e, ss_n, so_r, so_s,
     N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
     GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """One program: row block pid_m (one expert's rows, or BLOCK_M tokens for the shared expert) x BLOCK_N output
-    columns. GATE_UP: out = act [rows, I] (SwiGLU-OAI of the gate and up tiles), W_E = 2I rows per expert, the up
-    chunk N_OUT rows below the gate chunk. Down: out = y [T, TOP_K + 1, H] (so_r / so_s its token / slot strides),
-    W_E = H. The weights are seen as one [E * W_E, K] matrix (``w_desc``), their scales as [E, W_E, K / 32]."""
+    """Tiles of (row block: one expert's rows, or BLOCK_M tokens for the shared expert) x BLOCK_N output columns,
+    ``num_m`` row blocks; program p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the grid covers
+    them all, persistent with a smaller grid). GATE_UP: out = act [rows, I] (SwiGLU-OAI of the gate and up tiles),
+    W_E = 2I rows per expert, the up chunk N_OUT rows below the gate chunk. Down: out = y [T, TOP_K + 1, H] (so_r
+    / so_s its token / slot strides), W_E = H. The weights are seen as one [E * W_E, K] matrix (``w_desc``), their
+    scales as [E, W_E, K / 32]."""
     # The MMA partition hands a step's slots back one step late (after the next wgmma is issued), so a ring of one
     # slot would wait on itself.
     gl.static_assert(STAGES >= 2 and CONV_STAGES >= 2, "WS rings need at least 2 slots each")
-    pid_m, pid_n = _tile_ids(GROUP_M, gl.cdiv(N_OUT, BLOCK_N))
-    if ROUTED:
-        e = gl.load(block_expert_ptr + pid_m)
-        if e < 0:
-            return
-    else:
-        e = pid_m * 0  # the shared expert: a stack of one
     G: gl.constexpr = 2 if GATE_UP else 1
     NW: gl.constexpr = G * BLOCK_N
     K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    N_TILES: gl.constexpr = (N_OUT + BLOCK_N - 1) // BLOCK_N
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.uint8)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NW, BLOCK_K], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -215,19 +249,20 @@ def _gemm_ws(
         mbarrier.init(c_empty.index(i), count=1)
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before first use
 
-    n_first = pid_n * BLOCK_N
-    w_row = e * W_E + n_first
-    s_row0 = e.to(gl.int64) * ss_e
-    res = gl.warp_specialize([
-        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, BLOCK_M, NW, K_STEPS, STAGES, CONV_STAGES,
-                num_warps)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, pid_m * BLOCK_M, w_row,
-                   N_OUT, K_STEPS, G, BLOCK_N, BLOCK_K, STAGES)),
-        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, s_row0, ss_n, n_first, N_OUT,
-                      N_OUT, K, K_STEPS, G, BLOCK_N, BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
+    first_tile = gl.program_id(0)
+    tile_step = gl.num_programs(0)
+    num_tiles = num_m * N_TILES
+    gl.warp_specialize([
+        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
+                num_tiles, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
+                GROUP_M, TOP_K, ROUTED, GATE_UP, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr, num_m,
+                   first_tile, tile_step, num_tiles, W_E, N_OUT, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_M,
+                   BLOCK_N, BLOCK_K, STAGES)),
+        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
+                      first_tile, tile_step, num_tiles, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N,
+                      BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
     ], [LOADER_WARPS, CONV_WARPS], [LOADER_REGS, CONVERTER_REGS])
-    _epilogue(res[0], out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, pid_m, n_first, N_OUT,
-              TOP_K, ROUTED, GATE_UP, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -302,18 +337,27 @@ def check(weights: list, dtype: torch.dtype, cfg: dict) -> None:
         if w.w.stride(0) != w.w.shape[1] * w.w.stride(1) or w.s.stride(-1) != 1:
             raise ValueError(f"moe: WS {name} must be one contiguous stack of rows with scales contiguous along K, "
                              f"got strides {w.w.stride()} / scale strides {w.s.stride()}")
-    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K"):
-        if cfg.get(key, 64) > 256 or cfg.get(key, 64) % 64:
-            raise ValueError(f"moe: WS {key} must be a multiple of 64 up to 256 (one TMA box, wgmma tiles), got "
+    for key, most in (("BLOCK_M", 256), ("BLOCK_N", 128), ("BLOCK_N_DOWN", 256), ("BLOCK_K", 64)):
+        if cfg.get(key, 64) > most or cfg.get(key, 64) % 64:  # one TMA box; a wgmma's N (2 x BLOCK_N in gate-up)
+            raise ValueError(f"moe: WS {key} must be a multiple of 64 up to {most} (one TMA box, one wgmma N), got "
                              f"{cfg[key]}")
 
 
-def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, grid_m, n_out, k, top_k,
+def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
+    """The grid: one program per tile, or with ``persistent`` one per SM (one program fits an SM: 192 KB of shared
+    memory, 16 warps), each walking its share of the tiles."""
+    if not persistent:
+        return tiles
+    return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, num_m, n_out, k, top_k,
             routed, gate_up, bn, cfg):
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
-    _gemm_ws[(grid_m * triton.cdiv(n_out, bn),)](
+    grid = _programs(num_m * triton.cdiv(n_out, bn), a.device, bool(cfg.get("PERSISTENT")))
+    _gemm_ws[(grid,)](
         _descriptor(a, [bm, bk]), _descriptor(_stacked_rows(w.w), [bn, bk]), w.s, out, rows, block_expert, route_w,
-        num_rows, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
+        num_rows, num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
         N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2),
         CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"], maxnreg=MAXNREG,
