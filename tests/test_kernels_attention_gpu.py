@@ -68,6 +68,34 @@ def test_mini_dims_against_references_without_host_sync(page):
         assert (got.float() - ref.float()).abs().max().item() <= bound
 
 
+def test_mini_dims_long_prefill_chunks_against_references():
+    """The prefill default on the launch sizes it is tuned for (bf16, M3 dims, pages of 128): a 4096-token chunk at
+    the end of a 16k-token prompt beside a 1000-token prompt, on the indexer kernel's selections. The last 64 tokens
+    of each are checked against the reference called for them alone (it gathers only their context); the bound is
+    the bf16 one derived in paged_attention. ``--sparse-prefill NAME`` runs a candidate here instead."""
+    from m3export.ops.attention import sparse_paged_attention_reference
+    from m3export.plugins.kernels import lightning_indexer, paged_attention, sparse_paged_attention
+
+    gen = torch.Generator().manual_seed(5)
+    ctx, new, tail = [16384, 1000], [4096, 1000], 64
+    pages, (bt, qsl, sl, pos) = _batch(ctx, new, 128, gen)
+    t = pos.numel()
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    iq, q = torch.randn(t, HKV, D, **bf), torch.randn(t, HQ, D, **bf)
+    ikc = torch.randn(pages, 128, D, **bf)
+    kc, vc = torch.randn(pages, 128, HKV, D, **bf), torch.randn(pages, 128, HKV, D, **bf)
+    sel = lightning_indexer.forward(iq, ikc, bt, qsl, sl, pos, BS, TOPK, LOCAL, INIT)
+    got = sparse_paged_attention.forward(q, kc, vc, bt, qsl, sl, pos, sel, BS, D**-0.5)
+    assert torch.isfinite(got).all()
+    bound = paged_attention.output_error_bound(torch.bfloat16, vc.abs().max().item())
+    for b in range(len(ctx)):
+        end = int(qsl[b + 1])
+        rows = slice(end - tail, end)
+        one = (bt[b:b + 1], torch.tensor([0, tail], device="cuda", dtype=torch.int32), sl[b:b + 1], pos[rows])
+        ref = sparse_paged_attention_reference(q[rows], kc, vc, *one, sel[rows], BS, D**-0.5)
+        assert (got[rows].float() - ref.float()).abs().max().item() <= bound, f"sequence {b}"
+
+
 def test_mini_dims_fused_norm_rope_cache_write():
     """The fused QK-norm + RoPE + cache-write kernel at M3 dims (64 q heads, 4 KV heads, 128-dim heads, 64 rotary
     dims, bf16) against the model's separate steps, whose roundings it repeats (after the norm, each RoPE
