@@ -105,14 +105,15 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
   # decode-graph / lowered-decode-graph rows beside the torch backend (DECODE_VARIANTS; each backend holds its own
   # weights, ~12 GB a session for mini bf16, and a decode variant opens up to three), then generation through the
   # onnxruntime backend on CUDA (the decode graph is its default there now)
-  # DECODE_STEPS: which steps, in that order (default: tests,passes,export,bench,runtime); `kernels` (after
+  # DECODE_STEPS: which steps, in that order (default: tests,passes,shared,export,bench,runtime); `shared`: the
+  # sessions' one copy of the weights on the device (plugins/onnxruntime/shared_weights.py); `kernels` (after
   # `export`) is bench/ort_kernels.py: where the GPU time of a decode-graph step goes, kernel by kernel, eager and
   # replayed (ort_kernels_h200.json); `passes` runs the RMSNorm / RoPE graph passes' GPU tests (tiny artifacts:
   # each pass alone at batch 8 / 7 / 1, eager and replayed; what ORT's CUDA optimiser made of each pass, written to
   # optimized_ops_<dtype>.json); `passes_mini` (after `export`) is bench/ort_passes.py: the same passes applied to
   # the `mini` artifact's own decode graph, each against the no-pass graph and the torch backend at batch 8 and 1
   # (ort_passes_h200.json)
-  for s in $(echo "${DECODE_STEPS:-tests,passes,export,bench,runtime}" | tr , ' '); do
+  for s in $(echo "${DECODE_STEPS:-tests,passes,shared,export,bench,runtime}" | tr , ' '); do
     case "$s" in
       tests) step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
           --tb=short --durations=3 tests/test_ort_decode_graph_gpu.py ;;
@@ -121,6 +122,8 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
             -m gpu -rfs --tb=short --durations=5 tests/test_ort_fused_norms_decode.py
         step "gpu_tests test_ort_fused_norms(_rope)" 60 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
             --tb=short tests/test_ort_fused_norms.py tests/test_ort_fused_norms_rope.py ;;
+      shared) step "gpu_tests test_ort_shared_weights" 60 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
+          --tb=short tests/test_ort_shared_weights.py ;;
       export) step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib \
           --lower "$LOWER" --out /tmp/ortgpu-art/big --force ;;
       kernels) step kernel_profile "${KERNELS_LIMIT:-240}" python3 bench/ort_kernels.py --artifact /tmp/ortgpu-art/big \
@@ -132,7 +135,7 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
           ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} --json "$OUT/ort_gpu_decode_h200.json" ;;
       runtime) step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
           --tb=short tests/test_runtime_onnxruntime.py ;;
-      *) echo "DECODE_STEPS: unknown step $s (tests, passes, export, kernels, passes_mini, bench, runtime)" \
+      *) echo "DECODE_STEPS: unknown step $s (tests, passes, shared, export, kernels, passes_mini, bench, runtime)" \
              | tee -a "$OUT/summary.txt"
          status=1 ;;
     esac

@@ -55,6 +55,8 @@ CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option for ONNX Runti
 if TYPE_CHECKING:
     from m3export.export.manifest import GraphInfo
 
+    from .shared_weights import SharedWeights
+
 
 def _ort():
     try:
@@ -88,11 +90,13 @@ class PagedSession:
     the execution provider (``device``), and ``pools`` shows them as host numpy arrays."""
 
     def __init__(self, path: Path, graph: GraphInfo, providers: str | Provider | Sequence = "cpu", options=None,
-                 threads: int | None = None, model: bytes | None = None):
+                 threads: int | None = None, model: bytes | None = None, weights: SharedWeights | None = None):
         """``threads``: ONNX Runtime's intra-op threads (default: one per physical core, spinning while idle,
         which on a machine shared with other work costs several times the step; benchmarks pin it).
         ``model``: a serialised variant of the graph at ``path`` to run instead (``verify``'s copy with extra
-        outputs: ``graph`` lists them); its external weights load from ``path``'s folder."""
+        outputs: ``graph`` lists them); its external weights load from ``path``'s folder. ``weights``: the graph's
+        external weights from this one copy, shared with the other sessions given it (``shared_weights.py``;
+        added to ``options``), instead of a copy of the session's own."""
         ort = _ort()
         self.graph = graph
         self.provider = require(parse_provider(providers))
@@ -113,6 +117,11 @@ class PagedSession:
         if model is not None:  # bytes have no folder of their own to resolve external data locations against
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                              str(Path(path).parent))
+        if weights is not None:
+            import onnx
+
+            proto = onnx.load(str(path), load_external_data=False) if model is None else onnx.load_from_string(model)
+            weights.add_to(options, proto, Path(path).parent)
         try:
             self._session = ort.InferenceSession(str(path) if model is None else model, sess_options=options,
                                                  providers=providers)

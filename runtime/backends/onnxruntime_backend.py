@@ -21,7 +21,8 @@ graph per (bucket, width) through ORT's ``gpu_graph_id`` (``PagedSession.run_rep
 gets the option: ORT refuses it for a graph with control flow, so the general graph (MoE ``If`` / ``Scan``) runs as
 before. ``pad_decode`` runs the same padded inputs through the decode graph without capture (any EP: tests).
 MTP modules' one-token steps (the drafter's chain steps) go through ``mtp{k}.decode.onnx`` eagerly, never captured.
-The decode session holds its own copy of the weights (two ``InferenceSession``s of one model).
+Every session of the backend reads its weights from one copy in the EP's memory (``SharedWeights``,
+``plugins/onnxruntime/shared_weights.py``; ``share_weights=False``: each session loads its own, as before).
 
 Images and video (a vision-language artifact): ``vision.onnx`` encodes each media item once (``encode_media``),
 and the step graph takes the media tokens of a step as ``media_rows`` / ``media_embeds`` (``MEDIA_INPUTS``),
@@ -90,15 +91,17 @@ class OnnxRuntimeBackend(Backend):
 
     def __init__(self, artifact, provider="cpu", flavour: str | None = None, threads: int | None = None,
                  decode_graph: bool | None = None, pad_decode: bool = False,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS):
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, share_weights: bool = True):
         """``flavour``: run the graphs' recorded flavour (e.g. ``ort-contrib``, experimental) instead of the plain
         ones; it has the same signatures. ``threads``: ONNX Runtime's intra-op threads per session
         (``PagedSession``). ``decode_graph``: decode steps through the artifact's decode-only graph (None: where
         the artifact has one and the EP keeps its tensors on a device; on the CPU EP it saves no copy and costs a
         second copy of the weights). ``enable_cuda_graph=1`` among a CUDA provider's options: decode steps
-        replayed as CUDA graphs, padded to ``buckets``; ``pad_decode``: the same padding without capture."""
+        replayed as CUDA graphs, padded to ``buckets``; ``pad_decode``: the same padding without capture.
+        ``share_weights``: every session reads one copy of the weights (``SharedWeights``)."""
         from m3export.plugins.onnxruntime.providers import Provider, parse_provider
         from m3export.plugins.onnxruntime.session import PagedSession
+        from m3export.plugins.onnxruntime.shared_weights import SharedWeights
 
         provider = parse_provider(provider)
         self.cuda_graphs = provider.options.get(CUDA_GRAPH, "0").strip().lower() in ("1", "true")
@@ -128,11 +131,14 @@ class OnnxRuntimeBackend(Backend):
             raise BackendUnavailable(f"{artifact.root}: graphs of dtype {artifact.manifest.dtype!r} cannot be fed "
                                      "from here")
         self.graph_dtype = BY_NAME[artifact.manifest.dtype]  # activations, hidden states and pools
-        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=general, threads=threads)
+        # one copy of the weights for every session below (None: each session loads its own)
+        self._weights = SharedWeights(general.device) if share_weights else None
+        self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=general, threads=threads,
+                                                weights=self._weights)
         self.provider = self._main.provider
         self.device = self._main.device  # where the engine builds batches: the EP's memory
         self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", flavour=flavour, providers=self.provider,
-                                                threads=threads)
+                                                threads=threads, weights=self._weights)
                      for k in range(artifact.manifest.mtp_modules)]
         for session in (self._main, *self._mtp):
             _check_signature(session, artifact.root)
@@ -149,6 +155,8 @@ class OnnxRuntimeBackend(Backend):
         except BaseException:  # the sessions opened so far go now, while the CUDA runtime is up (PagedSession.close)
             for session in (self._main, *self._mtp):
                 session.close()
+            if self._weights is not None:
+                self._weights.close()
             raise
         self._mtp_decodes: dict[tuple[int, str], object] = {}  # (module, MoE form) -> its decode session, eager
         self.buckets = tuple(sorted(buckets))
@@ -185,7 +193,8 @@ class OnnxRuntimeBackend(Backend):
 
         try:
             session = PagedSession.from_artifact(self.artifact, "model", flavour=self._decode_flavours[form],
-                                                 providers=self._decode_provider, threads=self._threads)
+                                                 providers=self._decode_provider, threads=self._threads,
+                                                 weights=self._weights)
         except BackendUnavailable as e:
             if self.cuda_graphs:
                 raise BackendUnavailable(f"ONNX Runtime refused {CUDA_GRAPH}=1 for the decode graph: {e}") from e
@@ -233,6 +242,8 @@ class OnnxRuntimeBackend(Backend):
         for session in (self._main, *self._mtp, *self._decodes.values(), *self._mtp_decodes.values()):
             session.close()
         self._vision = None  # its only reference: ORT frees the session here
+        if self._weights is not None:  # after every session that reads them
+            self._weights.close()
 
     @property
     def num_mtp_modules(self) -> int:
@@ -370,7 +381,8 @@ class OnnxRuntimeBackend(Backend):
         key = (module, form)
         if key not in self._mtp_decodes:
             session = PagedSession.from_artifact(self.artifact, graph, flavour=self._decode_flavours[form],
-                                                 providers=self.provider, threads=self._threads)
+                                                 providers=self.provider, threads=self._threads,
+                                                 weights=self._weights)
             _check_signature(session, self.artifact.root)
             general = self._mtp[module]
             if general.pool_tensors:

@@ -1,0 +1,106 @@
+"""One copy of an artifact's weights, in the execution provider's memory, for every ONNX Runtime session of it.
+
+The onnxruntime backend opens several sessions of one artifact: the general step graph, its decode-only forms (one
+per MoE form), the MTP modules and their decode forms. Each graph names its weights as external data in the
+artifact's ``weights.safetensors`` (file, offset, length), and left to itself every session loads its own copy
+(~12 GB per session for the `mini` bf16 artifact on the CUDA EP; the step graph and two decode forms held three).
+
+``SharedWeights`` reads each external initializer once, keyed by its bytes' place in the file (the MTP graphs name
+the shared embedding and LM head too), into a torch tensor in the EP's memory, wraps it as an ``OrtValue`` over the
+same memory (DLPack: no copy) and hands it to each session through ``SessionOptions.add_initializer``. ONNX Runtime
+then uses that buffer in place wherever the session plans the initializer on the same device (its
+``initializers_to_share_map`` path, onnxruntime PR 5092); where it plans it elsewhere (a node its EP left on the
+CPU) it warns and loads its own copy, so the result is the same either way. Kernels that pre-pack a weight (the CPU
+EP's MatMul) keep a packed copy per session; the CUDA EP's kernels read the weights as they are.
+
+The tensors stay alive as long as this object (and every session given them: each holds the ``OrtValue``s, whose
+DLPack capsules keep the torch memory): close the sessions first, then drop it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from pathlib import Path
+
+import torch
+
+from m3export.dtypes import BY_ONNX
+
+_EXTERNAL = 1  # onnx.TensorProto.EXTERNAL
+
+
+def ortvalue_over(t: torch.Tensor):
+    """``t``'s memory as an ``onnxruntime.OrtValue`` (DLPack, no copy); onnxruntime's binding takes the capsule
+    with or without the bool flag of older releases."""
+    import onnxruntime
+    from onnxruntime.capi import _pybind_state as C
+
+    capsule = t.__dlpack__()
+    try:
+        value = C.OrtValue.from_dlpack(capsule, False)
+    except TypeError:  # onnxruntime >= 1.32: from_dlpack(capsule)
+        value = C.OrtValue.from_dlpack(capsule)
+    return onnxruntime.OrtValue(value)
+
+
+class SharedWeights:
+    """The external initializers of an artifact's graphs, one tensor each in ``device`` memory, added to every
+    session's options (``add_to``)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._values: dict[tuple, tuple[torch.Tensor, object]] = {}  # bytes' place -> (tensor, OrtValue over it)
+        self._files: dict[Path, mmap.mmap] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: one copy of every distinct weight added so far."""
+        return sum(t.numel() * t.element_size() for t, _ in self._values.values())
+
+    def tensor(self, key: tuple) -> torch.Tensor:
+        return self._values[key][0]
+
+    def add_to(self, options, model, folder: Path) -> list[str]:
+        """``options.add_initializer`` for each external initializer of ``model`` (an ``onnx.ModelProto``, loaded
+        without its external data) whose data lies in ``folder``; each read once per (file, offset, length, type,
+        dims). -> the names added."""
+        added = []
+        for init in model.graph.initializer:
+            if init.data_location != _EXTERNAL or init.data_type not in BY_ONNX:
+                continue
+            ext = {e.key: e.value for e in init.external_data}
+            if "location" not in ext:
+                continue
+            file = (Path(folder) / ext["location"]).resolve()
+            offset, dims = int(ext.get("offset", 0)), tuple(int(d) for d in init.dims)
+            dtype = BY_ONNX[init.data_type]
+            length = int(ext["length"]) if "length" in ext else dtype.itemsize * int(torch.Size(dims).numel())
+            key = (file, offset, length, init.data_type, dims)
+            if key not in self._values:
+                t = self._read(file, offset, length, init.name).view(dtype.torch).reshape(dims)
+                self._values[key] = (t, ortvalue_over(t))
+            options.add_initializer(init.name, self._values[key][1])
+            added.append(init.name)
+        return added
+
+    def _read(self, file: Path, offset: int, length: int, name: str) -> torch.Tensor:
+        """``length`` bytes at ``offset`` of ``file`` as a uint8 tensor of its own in ``device`` memory."""
+        mm = self._files.get(file)
+        if mm is None:
+            with open(file, "rb") as f:
+                mm = self._files[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if offset + length > len(mm):
+            raise ValueError(f"{file}: initializer {name} lies at bytes {offset}..{offset + length}, past the file's "
+                             f"{len(mm)} bytes")
+        with warnings.catch_warnings():  # a read-only map: torch warns that it cannot write it (nothing does)
+            warnings.simplefilter("ignore", UserWarning)
+            host = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)
+        return host.to(self.device, copy=True)
+
+    def close(self) -> None:
+        """Drop the tensors and the file maps (after the sessions that use them are closed)."""
+        self._values = {}
+        for mm in self._files.values():
+            mm.close()
+        self._files = {}
