@@ -297,7 +297,9 @@ def eager_profile(be, batch: int, context: int, steps: int, tmp: Path) -> tuple[
     session = be._decodes[form].session
     start_ns = session.get_profiling_start_time_ns()
     res = {"batch": batch, "context": context, "moe_form": form, "steps": steps,
-           "flavour": be._decode_flavours[form]}
+           "flavour": be._decode_flavours[form],
+           "shared_weights_GB": be._weights.nbytes / 1e9 if be._weights is not None else None,
+           "shared_weights_refused": list(be._weights.refused.values())[:5] if be._weights is not None else None}
     prof = None
     if be.device.type != "cuda":
         for _ in range(steps):

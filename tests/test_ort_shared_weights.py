@@ -97,6 +97,7 @@ def test_backend_sessions_share_one_copy_and_give_the_same_logits(tiny_artifact)
         # each distinct weight once: the general graph, its decode form and the MTP module (which names the
         # embedding and LM head too) read one copy, no more than the artifact's weight file holds
         size = (tiny_artifact / "weights.safetensors").stat().st_size
+        assert not shared._weights.refused, shared._weights.refused
         assert 0.9 * size < shared._weights.nbytes <= size, (shared._weights.nbytes, size)
         # the embedding table, zeroed in the shared copy: every session's next logits move (their own copies would not)
         key = next(k for k in shared._weights._values if k[4] == (art.config.vocab_size, art.config.hidden_size)
@@ -135,6 +136,7 @@ def test_second_cuda_session_allocates_no_second_copy(tmp_path):
     own = _session(tmp_path, provider, None)
     own.run(None, {"i": i})
     own_cost = before - free()
+    assert not weights.refused, weights.refused  # onnxruntime wrapped the device tensor (DLPack)
     assert own_cost >= rows * cols * 2, own_cost  # the control: a session's own copy shows
     assert shared_cost < 32 << 20, (shared_cost, own_cost)
     del first, second, own

@@ -52,6 +52,7 @@ class SharedWeights:
         self.device = torch.device(device)
         self._values: dict[tuple, tuple[torch.Tensor, object]] = {}  # bytes' place -> (tensor, OrtValue over it)
         self._files: dict[Path, mmap.mmap] = {}
+        self.refused: dict[tuple, str] = {}  # weights onnxruntime could not wrap (each session loads its own): why
 
     @property
     def nbytes(self) -> int:
@@ -77,9 +78,16 @@ class SharedWeights:
             dtype = BY_ONNX[init.data_type]
             length = int(ext["length"]) if "length" in ext else dtype.itemsize * int(torch.Size(dims).numel())
             key = (file, offset, length, init.data_type, dims)
+            if key in self.refused:
+                continue
             if key not in self._values:
                 t = self._read(file, offset, length, init.name).view(dtype.torch).reshape(dims)
-                self._values[key] = (t, ortvalue_over(t))
+                try:
+                    self._values[key] = (t, ortvalue_over(t))
+                except (TypeError, RuntimeError, ValueError) as e:  # a dtype / device this onnxruntime's DLPack
+                    # import lacks: the sessions load their own copies of it, as without sharing (said here)
+                    self.refused[key] = f"{init.name}: {type(e).__name__}: {e}"[:300]
+                    continue
             options.add_initializer(init.name, self._values[key][1])
             added.append(init.name)
         return added
