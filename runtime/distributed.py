@@ -136,12 +136,9 @@ def shard_backend(spec: LaunchSpec, rank: int, device: torch.device):
     from .backends import make_torch_backend
 
     parallel = ParallelConfig(tensor_parallel_size=spec.tensor_parallel_size, expert_parallel=spec.expert_parallel)
+    # On CUDA the kernels serve the ops: fusion.serve_on, in load_model_shard and in the backend.
     model = load_model_shard(spec.source, parallel, rank, device=device, dtype=model_dtype(spec) or torch.float32,
                              progress=False)
-    if device.type == "cuda":
-        from m3export.plugins.kernels import use_on
-
-        use_on(device)
     return make_torch_backend(model, spec.enforce_eager, spec.kv_cache_dtype)
 
 

@@ -84,10 +84,7 @@ def create_backend(name: str, artifact: str | Path, device: str = "cpu", dtype: 
         # Start-up checks structure and sizes; hashing every weight byte is `m3export verify`'s job.
         art = load_artifact(artifact, verify_checksums=False)
         model = load_torch_model(art, device, dtype)
-        if str(device).startswith("cuda"):
-            from m3export.plugins.kernels import use_on
-
-            use_on(device)
+        # On CUDA the backend makes the kernels the ops' implementation (TorchBackend: fusion.serve_on).
         return make_torch_backend(model, enforce_eager, _artifact_cache_dtype(art.manifest, kv_cache_dtype))
     if name == "onnxruntime":
         from .onnxruntime_backend import OnnxRuntimeBackend
