@@ -104,74 +104,26 @@ BYTES_SWEEP = {
 }
 # Decode round 5 (issue 12: MXFP8 batch 1 at 56 % of copy bandwidth with GEMV_DECODE, 65 % wanted; the H200
 # profile of the whole step put gate-up at 74 % and down at 57 %, the rest of the layer's 123 us in routing, the
-# combine and the gaps between 8 launches). Each adds one thing to GEMV_DECODE (BN 4, BK 256, 2 warps, PIPELINE 4):
-# SHARED_GRID 1: the shared expert's tokens as more rows of the routed launches' grid (moe_gemv._row_source), so
-# gate-up and down are one launch each instead of two, and no shared launch runs 768 programs (BN 4) on 132 SMs
-# with room for ~1800; COMBINE 1: the combine done by the down launch's last program per (token, N tile)
-# (moe_gemv._combine_tile, bit-identical to moe._combine), one launch fewer; TMA 1: weight tiles by TMA from a
-# descriptor made on the device, pipelined by the same stages (gemv.tma_row_dot); deeper stages with TMA (6: five
-# 1-2 KB tiles in flight per program); BN 8 at 4 warps with all three; SPLIT_K_DOWN 2: the down launch's programs
-# (12 K steps of 256) split in two (at BN 8 the down launch has 5 x 768 programs, ~2 waves). Registers / shared
-# memory from scripts/compile_moe_kernels_sm90.py in the comments (gate-up / down, MXFP8, mini dims, no spills).
+# combine and the gaps between 8 launches). SHARED_GRID 1: the shared expert's tokens as more rows of the routed
+# launches' grid (moe_gemv._row_source), so gate-up and down are one launch each instead of two. Round 5's winner
+# (moe.GEMV_DECODE since, bench/results/moe_h200_decode_round5b.json: 101.7 us = 68 %) adds GSUM and 512-wide K
+# steps; the entries below are what is left to compare it with. The keys that measured slower than the same tile
+# without them in every pairing (moe_h200_decode_round5.json / round5b.json, docs/performance.md) were removed
+# from the kernels with their variants: the combine in the down launch by ticket (113.7 against 110.7 us, 110.5
+# against 101.7), TMA weight tiles (124.6-136.4 against 110.7-119.9; the one-row linear's too, at all four
+# shapes) and the down launch split alone (127.5, slower than every other tile).
 DECODE_ROUND5 = {
     "gemv_bn4_pipe4_sg": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
                               SHARED_GRID=1),
-    "gemv_bn4_pipe4_sg_comb": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                   SHARED_GRID=1, COMBINE=1),
-    "gemv_bn4_pipe4_tma": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4, TMA=1),
-    "gemv_bn4_pipe4_sg_comb_tma": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                       SHARED_GRID=1, COMBINE=1, TMA=1),
-    "gemv_bn4_pipe6_sg_comb_tma": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=6, PIPELINE=6,
-                                       SHARED_GRID=1, COMBINE=1, TMA=1),
-    "gemv_bn8_pipe4_sg_comb_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4,
-                                       SHARED_GRID=1, COMBINE=1, TMA=1),
-    "gemv_bn8_pipe4_sg_comb_sdown2": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4,
-                                          SHARED_GRID=1, COMBINE=1, SPLIT_K_DOWN=2),
-    # Programmatic dependent launches (moe_gemv PDL): the gate-up launch lets the down launch start once its last
-    # programs run, so down programs fill the SM slots of the gate-up's last wave (1: they wait there; 2: they first
-    # ask L2 for their weight rows) and neither launch waits for a launch gap.
-    "gemv_bn4_pipe4_sg_comb_pdl": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                       SHARED_GRID=1, COMBINE=1, PDL=1),
-    "gemv_bn4_pipe4_sg_comb_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                        SHARED_GRID=1, COMBINE=1, PDL=2),
-    "gemv_bn4_pipe4_sg_comb_tma_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                            SHARED_GRID=1, COMBINE=1, TMA=1, PDL=2),
     # GSUM 1 (gemv._group_dot): each K step's products summed per 32-column group, then scaled once per group: a
     # quarter fewer instructions per weight byte than the element-wise accumulator (whose K step is 211 SASS
     # instructions for 32 weights per thread at GEMV_DECODE's tile) and BN x BK / 32 accumulator registers, so
-    # 512-wide K steps fit as many programs per SM as 256-wide ones did.
-    "gemv_bn4_pipe4_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                        SHARED_GRID=1, COMBINE=1, GSUM=1),
-    "gemv_bn4_bk512_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
-                                              PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
-    "gemv_bn8_bk512_w4_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3,
-                                                 PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
-    "gemv_bn4_bk512_pipe3_sg_comb_gsum_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
-                                                   PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1, PDL=2),
-    # Taller tiles with GSUM: each activation column loaded and converted once per BN weight rows (at BN 4 the
-    # bf16 activations are half a byte per weight byte through cp.async and shared memory).
-    "gemv_bn8_pipe4_sg_comb_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                        SHARED_GRID=1, COMBINE=1, GSUM=1),
-    "gemv_bn16_w4_pipe3_sg_comb_gsum": dict(GEMV=1, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3,
-                                            PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1),
-    # Around round 5's winner (gemv_bn4_bk512_pipe3_sg_comb_gsum, 103.9 us = 67 % at one token): a fourth stage,
-    # 1024-wide K steps, and TMA weight tiles with group sums (256-wide: TMA's box limit).
-    "gemv_bn4_bk512_pipe4_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=4,
-                                              PIPELINE=4, SHARED_GRID=1, COMBINE=1, GSUM=1),
-    "gemv_bn4_bk1024_w4_pipe2_sg_comb_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=2,
-                                                  PIPELINE=2, SHARED_GRID=1, COMBINE=1, GSUM=1),
-    "gemv_bn8_pipe4_sg_comb_gsum_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=2, num_stages=4, PIPELINE=4,
-                                            SHARED_GRID=1, COMBINE=1, GSUM=1, TMA=1),
-    # ACT_F32 (moe_gemv.launch): the SwiGLU activations kept as fp32 for the down launch, whose threads otherwise
-    # convert one bf16 activation per weight they multiply (sm_90 down K step at BN 4 / BK 512: 203 -> 159
-    # instructions for 32 weights per thread; 40 registers instead of 32).
-    "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
-                                                     PIPELINE=3, SHARED_GRID=1, COMBINE=1, GSUM=1, ACT_F32=1),
-    # Round 5 measured COMBINE at +3 us over the separate combine launch (113.7 against 110.7 us with SHARED_GRID
-    # alone; every down program then ends on a barrier and an atomic round trip before it frees its SM slot), so
-    # round 5's winner without it, and with ACT_F32 without it.
+    # 512-wide K steps fit as many programs per SM as 256-wide ones did. This one is moe.GEMV_DECODE.
     "gemv_bn4_bk512_pipe3_sg_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
                                          SHARED_GRID=1, GSUM=1),
+    # ACT_F32 (moe_gemv.launch): the SwiGLU activations kept as fp32 for the down launch, whose threads otherwise
+    # convert one bf16 activation per weight they multiply (sm_90 down K step at BN 4 / BK 512: 203 -> 159
+    # instructions for 32 weights per thread; 40 registers instead of 32) ...
     "gemv_bn4_bk512_pipe3_sg_gsum_actf32": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
                                                 PIPELINE=3, SHARED_GRID=1, GSUM=1, ACT_F32=1),
     # ... and the down launch on 8- or 16-row tiles (BLOCK_N_DOWN: twice / four times the weights per thread and K
@@ -182,16 +134,19 @@ DECODE_ROUND5 = {
     "gemv_bn4_bk512_pipe3_sg_gsum_actf32_down16": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
                                                        PIPELINE=3, SHARED_GRID=1, GSUM=1, ACT_F32=1,
                                                        BLOCK_N_DOWN=16),
-    "gemv_bn4_bk512_pipe3_sg_comb_gsum_actf32_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2,
-                                                          num_stages=3, PIPELINE=3, SHARED_GRID=1, COMBINE=1,
-                                                          GSUM=1, ACT_F32=1, PDL=2),
+    # Programmatic dependent launches (moe_gemv PDL): the gate-up launch lets the down launch start once its last
+    # programs run, so down programs fill the SM slots of the gate-up's last wave (1: they wait there; 2: they first
+    # ask L2 for their weight rows) and neither launch waits for a launch gap. Measured only beside the combine by
+    # ticket (round 5: 112.2 / 112.6 us against 113.7 without, and 109.0 against 103.9 on round 5's winner), so
+    # here on GEMV_DECODE as it is.
+    "gemv_bn4_bk512_pipe3_sg_gsum_pdl": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
+                                             SHARED_GRID=1, GSUM=1, PDL=1),
+    "gemv_bn4_bk512_pipe3_sg_gsum_pdl2": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3,
+                                              PIPELINE=3, SHARED_GRID=1, GSUM=1, PDL=2),
 }
-# The one-row linear with TMA weight tiles (the same kernel, gemv._linear_gemv): the default tile, BN 4, 6 stages.
+# The one-row linear with per-group sums (GSUM, gemv._group_dot): the default tile, and 512-wide K steps at BN 8 and
+# BN 4. (Round 5's TMA weight tiles for the linear lost at all four shapes and were removed.)
 LINEAR_ROUND5 = {
-    "gemv_pipe4_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4, TMA=1),
-    "gemv_bn4_pipe4_tma": DECODE_ROUND5["gemv_bn4_pipe4_tma"],
-    "gemv_pipe6_tma": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=6, PIPELINE=6, TMA=1),
-    # ... and with per-group sums (GSUM): the default tile, and 512-wide K steps at BN 8 and BN 4.
     "gemv_pipe4_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4, GSUM=1),
     "gemv_bk512_pipe3_gsum": dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, PIPELINE=3, GSUM=1),
     "gemv_bn4_bk512_pipe3_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3,
@@ -268,60 +223,21 @@ PREFILL_ROUND5 = {
                                                  TMA=1),
 }
 # Prefill round 6 (issue 12: MXFP8 at 450 TFLOP/s; round 4 left 221 / 280 at 4k / 16k against bf16's 362 / 466).
-# The sm_90 SASS of round 4's 16k winner (scripts/compile_moe_kernels_sm90.py; per thread and 64-wide K step of
-# _gate_up, 337 instructions around 4 HGMMA 64x256x16) shows three costs besides the conversion arithmetic: (a) the
-# step's scales come by a plain global load (2 bytes per weight row: below cp.async's 4, so not pipelined) that
-# the conversion waits on a few instructions later; (b) MX_MODE 3 converts in the loaded tile's layout and moves
-# the bf16 tile to the MMA's register-operand layout through shared memory (STS, 4 LDSM, 7 barriers per step);
-# (c) the activation tile of _down comes by per-thread cp.async with its address and mask arithmetic although a
-# block's rows are consecutive there. The keys (moe._gate_up / moe._down): SCALES_AHEAD 1 loads each step's
-# scales one step early (the load is consumed at the top of the next step); MX_MODE 4 converts as MX_MODE 3 but
-# in the plain product, so the converted tile is written once to shared memory as the MMA's B operand, shared by
-# both warpgroups' row slices, with no register-operand round trip (8 HGMMA 64x128x16, 2 warpgroup waits per step
-# instead of 8); ACT_TMA 1 loads _down's activation tile by TMA. Registers / spills from the sm_90 compile
-# (gate-up / down, routed, no stack anywhere) in each entry's comment. Swept by name (--prefill-variants, MXFP8
-# weights; not in PREFILL_SWEEP, so the plain sweep's length and round 5's measurement stay as they were), checked
-# like every variant against the fp32 oracle at 4k and the default's output at 16k; tests/test_moe_prefill_round6.py
-# checks them on the CPU and (gpu) at mini dims.
-_L256 = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1)  # round 4's 16k winner
-_S64 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)  # round 4's 4k winner
+# Measured on the H200 at 16k (bench/results/moe_h200_prefill_round6_16k.json): none of its keys beat round 5's
+# 128-wide down tiles (moe.PREFILL_MXFP8_LARGE since, 25.48 ms); scales loaded a K step ahead (SCALES_AHEAD), the
+# integer conversion into the MMA's shared-memory operand (MX_MODE 4) and the down activations by TMA (ACT_TMA)
+# were slower in every pairing (26.01-33.67 ms) and are removed from the kernels with their variants. The integer
+# conversion in registers (MX_MODE 3) with 128-wide down tiles gave wrong outputs on the H200 (inf or off by 42 in
+# tests/test_moe_prefill_round6.py, not in every run: the launcher now refuses that combination). What is left:
+# X_TMA 1, gate-up's activation tile by TMA from a copy of the routed rows gathered into block order
+# (moe._launch_gate_up; ~0.3 ms and 0.8 GB at 16k), which took 28.74 -> 28.41 ms on a removed tile, here on the two
+# defaults. Swept by name (--prefill-variants, MXFP8 weights; not in PREFILL_SWEEP), checked like every variant
+# against the fp32 oracle at 4k and the default's output at 16k; tests/test_moe_prefill_round6.py checks them on
+# the CPU and (gpu) at mini dims.
 PREFILL_ROUND6 = {
-    # 16k: the winner with the integer conversion and the down GEMM's 128-wide N tile (round 5's two changes
-    # together): 211 / 226 registers.
-    "prefill_bm256_gu_w8_group8_tma_int_down128": {**_L256, "MX_MODE": 3, "BLOCK_N_DOWN": 128},
-    # ... with tl.dot_scaled (gemm_config's MX_MODE 2), scales a step ahead, the down activations by TMA: 232 / 197.
-    "prefill_bm256_ahead_down128_acttma": {**_L256, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128, "ACT_TMA": 1},
-    # ... with the integer conversion: 213 / 184.
-    "prefill_bm256_int_ahead_down128_acttma": {**_L256, "MX_MODE": 3, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
-                                               "ACT_TMA": 1},
-    # ... with the conversion into the MMA's shared-memory operand: 223 / 177.
-    "prefill_bm256_smem_ahead_down128_acttma": {**_L256, "MX_MODE": 4, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
-                                                "ACT_TMA": 1},
-    # 4k: the 64-row winner with scales ahead and the down activations by TMA (175 / 95), and with the
-    # conversion into shared memory (126 / 72: three programs per SM by registers, 57 KB of shared memory each).
-    "prefill_bm64_gu_group8_tma_ahead_acttma": {**_S64, "SCALES_AHEAD": 1, "ACT_TMA": 1},
-    "prefill_bm64_gu_group8_tma_smem_ahead_acttma": {**_S64, "MX_MODE": 4, "SCALES_AHEAD": 1, "ACT_TMA": 1},
-    # 4k: 128-row blocks (one conversion of each weight tile for twice the rows of the 64-row winner) with the
-    # shared-memory conversion, both GEMMs 8 warps: 119 / 113
-    # registers and 82 KB, so two programs per SM, one converting while the other's MMAs run.
-    "prefill_bm128_gu_w8_group8_tma_smem_ahead_down128_acttma": dict(
-        BLOCK_M=128, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, MX_MODE=4, SCALES_AHEAD=1,
-        BLOCK_N_DOWN=128, ACT_TMA=1),
-    # X_TMA 1: gate-up's activation tile by TMA as well, from a copy of the routed rows gathered into block order
-    # (moe._launch_gate_up; ~0.3 ms and 0.8 GB at 16k): the 256-row integer and shared-memory tiles above (gate-up
-    # 192 / 230 registers; its K step 349 -> 299 and 326 -> 269 instructions per thread), the 64-row
-    # shared-memory tile (129).
-    "prefill_bm256_int_ahead_down128_acttma_xtma": {**_L256, "MX_MODE": 3, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
-                                                    "ACT_TMA": 1, "X_TMA": 1},
-    "prefill_bm256_smem_ahead_down128_acttma_xtma": {**_L256, "MX_MODE": 4, "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128,
-                                                     "ACT_TMA": 1, "X_TMA": 1},
-    "prefill_bm64_gu_group8_tma_smem_ahead_acttma_xtma": {**_S64, "MX_MODE": 4, "SCALES_AHEAD": 1, "ACT_TMA": 1,
-                                                          "X_TMA": 1},
-    # The 256-row shared-memory tile with 128-wide K steps in 2 stages (180 KB of shared memory): half the barriers
-    # and waits per MMA, 440 instead of 2 x 269 instructions per thread and 128 columns of K (224 / 198 registers).
-    "prefill_bm256_smem_bk128_ahead_down128_acttma_xtma": {**_L256, "BLOCK_K": 128, "num_stages": 2, "MX_MODE": 4,
-                                                           "SCALES_AHEAD": 1, "BLOCK_N_DOWN": 128, "ACT_TMA": 1,
-                                                           "X_TMA": 1},
+    "prefill_bm256_gu_w8_group8_tma_down128_xtma": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8,
+                                                        TMA=1, BLOCK_N_DOWN=128, X_TMA=1),
+    "prefill_bm64_gu_group8_tma_xtma": dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1, X_TMA=1),
 }
 # Issue 12: the MXFP8 prefill GEMMs as warp-specialised Gluon kernels (plugins/kernels/moe_prefill_ws.py: a loader
 # warp for the TMA copies, a converter warpgroup for E4M3 -> bf16 into shared memory, 8 MMA warps for the wgmma and
@@ -376,14 +292,13 @@ def decode_variants(fmt: str, batch: int) -> list:
     round 4's bigger tiles (BYTES_SWEEP). MXFP8 at 2-8 tokens: the two round-3 PIPELINE winners (the GEMV lost to
     the 16-row tensor-core tiles there by 10-20 % in all rounds), the 16-row tensor-core tiles from 8 tokens. bf16
     at 2-8: the register-streamed GEMV tiles, the two PIPELINE winners and GU_FUSED 16-row tiles. The grouped path
-    forced at one token in both formats. Round 5 (DECODE_ROUND5: the shared expert in the routed grid, the combine
-    in the down launch, TMA weight tiles, PDL, per-group sums) at one token in both formats, three of them at 2-8
-    tokens with MXFP8."""
+    forced at one token in both formats. Round 5 (DECODE_ROUND5: the shared expert in the routed grid, per-group
+    sums, fp32 activations between the launches, the down launch's own N tile, PDL) at one token in both formats,
+    two of them at 2-8 tokens with MXFP8."""
     winners = [PIPELINE_SWEEP["gemv_pipe4"], PIPELINE_SWEEP["gemv_bn4_pipe4"]]
     bigger = list(BYTES_SWEEP.values())
     round5 = list(DECODE_ROUND5.values())
-    round5_few = [DECODE_ROUND5[n] for n in ("gemv_bn4_pipe4_sg_comb", "gemv_bn4_bk512_pipe3_sg_comb_gsum",
-                                             "gemv_bn8_bk512_w4_pipe3_sg_comb_gsum", "gemv_bn4_bk512_pipe3_sg_gsum")]
+    round5_few = [DECODE_ROUND5[n] for n in ("gemv_bn4_pipe4_sg", "gemv_bn4_bk512_pipe3_sg_gsum")]
     if fmt == "mxfp8":
         out = ([PREVIOUS_DEFAULTS["gemv_4warps"], *winners, PIPELINE_SWEEP["gemv_split2_pipe4"], *bigger, *round5]
                if batch == 1 else [*winners, *round5_few] if batch <= 8 else [])

@@ -154,25 +154,21 @@ def variants(quick: bool):
                     if kind == "gate_up":
                         consts["GU_FUSED"] = 1
                 # trailing constexprs: ASTSource takes no defaults
-                for key in ("GROUP_M", "TMA", "SCALES_AHEAD") + (("ACT_TMA",) if kind == "down" else ("X_TMA",)):
-                    consts[key] = cfg.get(key, 0) if mx or key != "SCALES_AHEAD" else 0  # as moe._check_tma
+                for key in ("GROUP_M", "TMA") + (() if kind == "down" else ("X_TMA",)):
+                    consts[key] = cfg.get(key, 0)
                 label = (f"{kind:7} {'mxfp8' if mx else 'bf16':5} BM{bm:<3} BN{bn:<3} "
                          f"BK{cfg['BLOCK_K']:<3} w{cfg['num_warps']} s{cfg['num_stages']} mode{consts['MX_MODE']}"
                          f"{' gu' if consts.get('GU_FUSED') else ''}"
                          f"{' g%d' % cfg['GROUP_M'] if cfg.get('GROUP_M') else ''}{' tma' if cfg.get('TMA') else ''}"
-                         f"{' ahead' if consts['SCALES_AHEAD'] else ''}{' acttma' if consts.get('ACT_TMA') else ''}"
                          f"{' xtma' if consts.get('X_TMA') else ''}")
                 out.append((label, fn, moe_signature(mx, kind), consts, cfg["num_warps"], cfg["num_stages"]))
     # The GEMV tiles (_gemv_tiles), each for both weight formats and the linear.
     for c in _gemv_tiles(quick):
         bn, bk, gw, gs = c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]
         split, prefetch, pipe = c.get("SPLIT_K", 1), c.get("PREFETCH", 0), gemv.pipeline_kw(c, "compile")
-        split_down = c.get("SPLIT_K_DOWN", split)
-        # moe_gemv.launch: SHARED_GRID (shared rows in the routed grid), TMA weight tiles, COMBINE in the down launch
-        shared, tma, comb = int(bool(c.get("SHARED_GRID"))), int(bool(c.get("TMA"))), int(bool(c.get("COMBINE")))
+        shared = int(bool(c.get("SHARED_GRID")))  # moe_gemv.launch: shared rows in the routed grid
         tag = (f"BN{bn:<3} BK{bk:<4} w{gw} s{gs} split{split} pf{prefetch} pipe{pipe.get('PIPELINE', 0)}"
-               f"{' sdown%d' % split_down if split_down != split else ''}{' sg' if shared else ''}"
-               f"{' tma' if tma else ''}{' comb' if comb else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}"
+               f"{' sg' if shared else ''}{' pdl%d' % c['PDL'] if c.get('PDL') else ''}"
                f"{' gsum' if c.get('GSUM') else ''}{' actf32' if c.get('ACT_F32') else ''}"
                f"{' down%d' % c['BLOCK_N_DOWN'] if c.get('BLOCK_N_DOWN') else ''}")
         for mx in (True, False):
@@ -190,27 +186,24 @@ def variants(quick: bool):
                     "act_ptr": act, **common, "y_ptr": "*bf16", "ids_ptr": "*i32", "route_w_ptr": "*fp32",
                     "part_ptr": "*fp32", "cnt_ptr": "*i32",
                     "sa_p": "i32", "sw_e": "i64", "sw_n": "i32", "sw_k": "i32", "ss_e": "i32", "ss_n": "i32",
-                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32", **shared_w, "out_ptr": "*bf16", "tick_ptr": "*i32",
-                    "n_routed": "i32", "scaling": "fp32", "so_t": "i32"}),
+                    "ss_k": "i32", "sy_t": "i32", "sy_s": "i32", **shared_w, "n_routed": "i32"}),
             }
             for kind, (fn, sig) in sigs.items():
                 bn_k = c.get("BLOCK_N_DOWN") or bn if kind == "down" else bn  # moe_gemv.launch's BLOCK_N_DOWN
                 consts = dict(H=H, I=I, TOP_K=TOP_K, ROUTED=True, MXFP8=mx, BLOCK_N=bn_k, BLOCK_K=bk,
-                              SPLIT_K=split_down if kind == "down" else split, PREFETCH=prefetch,
-                              PIPELINE=pipe.get("PIPELINE"), SHARED=shared, TMA=tma,
-                              **({"COMBINE": comb} if kind == "down" else {}), PDL=c.get("PDL", 0),
-                              GSUM=c.get("GSUM", 0))
+                              SPLIT_K=split, PREFETCH=prefetch, PIPELINE=pipe.get("PIPELINE"), SHARED=shared,
+                              PDL=c.get("PDL", 0), GSUM=c.get("GSUM", 0))
                 out.append((f"{kind + '/gemv':12} {'mxfp8' if mx else 'bf16':5} {tag}", fn, sig, consts, gw, gs))
         sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "sx_m": "i32", "sw_n": "i32",
                "sw_k": "i32", "ss_n": "i32", "ss_k": "i32", "sy_m": "i32", "N": "i32"}
         if split > 1:  # the linear GEMV has no split-K
             continue
-        if shared or comb or split_down != split or c.get("PDL") or c.get("ACT_F32") or c.get("BLOCK_N_DOWN"):
+        if shared or c.get("PDL") or c.get("ACT_F32") or c.get("BLOCK_N_DOWN"):
             # MoE-only keys: the linear is listed without them
             continue
         out.append((f"{'linear/gemv':12} mxfp8 {tag}", gemv._linear_gemv,
                     sig, dict(K=H, MXFP8=True, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch,
-                              PIPELINE=pipe.get("PIPELINE"), TMA=tma, GSUM=c.get("GSUM", 0)), gw, gs))
+                              PIPELINE=pipe.get("PIPELINE"), GSUM=c.get("GSUM", 0)), gw, gs))
     for m in (1, 64, 512):
         c = mxfp8_linear.tile_config(m)
         bm, bn, bk, w, s = c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"]

@@ -12,8 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tma import ensure_descriptor_allocator
-from .mxfp8_linear import _e4m3_value, _scale_value, cast, tile_scales
+from .mxfp8_linear import _e4m3_value, _scale_value, cast
 
 
 @triton.jit
@@ -98,7 +97,7 @@ def _load_tile(x_row, w_rows, s_rows, k0, k_end, sw_k, ss_k, n_ok, BLOCK_K: tl.c
 
 @triton.jit
 def _dot_tile(acc3, w, s, x, MXFP8: tl.constexpr, DT: tl.constexpr):
-    """``row_dot``'s arithmetic on a loaded tile (``_load_tile``, ``tma_row_dot``, ``row_dot`` itself): the
+    """``row_dot``'s arithmetic on a loaded tile (``_load_tile``, ``row_dot`` itself): the
     element-wise accumulator, or the group sums of ``_group_dot`` (a 2-D accumulator, ``acc_zeros`` GSUM 1)."""
     if len(acc3.shape) == 2:  # group sums (``acc_zeros`` GSUM 1)
         acc3 = _group_dot(acc3, w, s, x.to(tl.float32), MXFP8, DT)
@@ -111,24 +110,6 @@ def _dot_tile(acc3, w, s, x, MXFP8: tl.constexpr, DT: tl.constexpr):
             w3 = w.to(tl.float32)
         acc3 = acc3 + w3 * x.to(tl.float32)
     return acc3
-
-
-@triton.jit
-def tma_row_dot(x3, acc3, desc, row0, s_rows, k0, ss_k, n_ok, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, MXFP8: tl.constexpr, DT: tl.constexpr):
-    """``row_dot`` with the weight tile [BLOCK_N, BLOCK_K] at (row0, k0) copied by TMA from ``desc`` (a tensor
-    descriptor over one [rows, K] weight matrix, unit stride along K). Why: a program's weight stream then costs
-    no per-thread addresses or registers while in flight (one thread issues the bulk copy into shared memory), so
-    a K loop pipelined by ``tl.range(num_stages=S)`` keeps S - 1 tiles in flight per program at the registers of
-    the arithmetic alone. Columns past K read as zeros (the descriptor's bounds); rows past the caller's ``n_ok``
-    may hold another matrix's values (the next expert's, or the up rows below the gate rows): each row's sum is
-    its own, so they reach only outputs the caller masks. The same products in the same order as ``row_dot``."""
-    w = tl.reshape(desc.load([row0, k0]), (BLOCK_N, BLOCK_K // 32, 32))
-    if MXFP8:
-        s = tile_scales(s_rows, k0, ss_k, n_ok, K, BLOCK_K)
-    else:
-        s = w  # not read
-    return _dot_tile(acc3, w, s, x3, MXFP8, DT)
 
 
 @triton.jit
@@ -185,11 +166,9 @@ def x_tile(x_row, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m, N,
                  K: tl.constexpr, MXFP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, PIPELINE: tl.constexpr = None, TMA: tl.constexpr = 0,
-                 GSUM: tl.constexpr = 0):
+                 PREFETCH: tl.constexpr, PIPELINE: tl.constexpr = None, GSUM: tl.constexpr = 0):
     """Program (n-tile, row): y[row, tile] = x[row] @ W[tile]^T. ``PIPELINE``: cp.async stages of the K loop
-    (``moe_gemv``'s docstring says why the loop must name them). ``TMA`` 1: the weight tiles by TMA through a
-    descriptor made on the device (``tma_row_dot``), pipelined by the same stages."""
+    (``moe_gemv``'s docstring says why the loop must name them); ``GSUM``: per-group sums (``acc_zeros``)."""
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     dt = x_ptr.dtype.element_ty
@@ -197,14 +176,7 @@ def _linear_gemv(x_ptr, w_ptr, s_ptr, y_ptr, sx_m, sw_n, sw_k, ss_n, ss_k, sy_m,
     n_ok = n < N
     w_rows = w_ptr + n.to(tl.int64) * sw_n
     s_rows = s_ptr + n.to(tl.int64) * ss_n
-    if TMA:
-        desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[sw_n, 1], block_shape=[BLOCK_N, BLOCK_K])
-        acc = acc_zeros(BLOCK_N, BLOCK_K, GSUM)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPELINE):
-            x = x_tile(x_ptr + row * sx_m, k0, K, BLOCK_K)
-            acc = tma_row_dot(x, acc, desc, pid_n * BLOCK_N, s_rows, k0, ss_k, n_ok, K, BLOCK_N, BLOCK_K, MXFP8, dt)
-        out = reduce_rows(acc)
-    elif PREFETCH == 0:
+    if PREFETCH == 0:
         acc = acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPELINE):
             x = x_tile(x_ptr + row * sx_m, k0, K, BLOCK_K)
@@ -238,39 +210,23 @@ def gsum_kw(cfg: dict, who: str) -> dict:
     return {"GSUM": 1}
 
 
-def tma_kw(cfg: dict, who: str, weights: list) -> dict:
-    """The ``TMA`` constexpr of a GEMV config (absent when unset), after checking that TMA can read ``weights``
-    (``moe.tma_unusable``: 16-byte aligned base and row strides, unit stride along K) and installing the allocator
-    for the descriptors the kernel makes on the device. TMA copies tiles of at most 256 elements a side, and the
-    K loop streams the tiles, so it goes with PREFETCH 0 and BLOCK_K <= 256."""
-    if not cfg.get("TMA"):
-        return {}
-    from .moe import tma_unusable  # moe imports this module's users: imported at call time
-
-    bk, bn = int(cfg.get("BLOCK_K", 128)), int(cfg.get("BLOCK_N", 32))
-    if cfg.get("PREFETCH", 0) or bk > 256 or bn > 256:
-        raise ValueError(f"{who}: TMA goes with PREFETCH 0, BLOCK_K and BLOCK_N <= 256, got PREFETCH "
-                         f"{cfg.get('PREFETCH', 0)}, BLOCK_K {bk}, BLOCK_N {bn}")
-    why = tma_unusable(weights)
-    if why is not None:
-        raise ValueError(f"{who}: {why}")
-    if not triton.knobs.runtime.interpret:
-        ensure_descriptor_allocator()
-    return {"TMA": 1}
+# The keys a GEMV config of the linear may hold (``linear_gemv`` refuses others rather than ignoring them).
+LINEAR_CONFIG_KEYS = {"GEMV", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PREFETCH", "PIPELINE", "GSUM"}
 
 
 def linear_gemv(x2, weight, weight_scale, y, cfg: dict) -> None:
     """y [M, N] = x2 [M, K] @ dequant(weight)^T, one program per (row, N tile)."""
     m, k = x2.shape
     n = weight.shape[0]
+    unknown = set(cfg) - LINEAR_CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"mxfp8_linear: the GEMV path takes the config keys {sorted(LINEAR_CONFIG_KEYS)}, got "
+                         f"{sorted(unknown)}")
     bn = cfg.get("BLOCK_N", 32)
-    from .moe import _Weights
-
-    tma = tma_kw(cfg, "mxfp8_linear", [_Weights(weight, weight_scale)])
     _linear_gemv[(triton.cdiv(n, bn), m)](
         x2, weight, weight_scale, y, x2.stride(0), weight.stride(0), weight.stride(1),
         weight_scale.stride(0), weight_scale.stride(1), y.stride(0), n,
         K=k, MXFP8=True, BLOCK_N=bn, BLOCK_K=cfg.get("BLOCK_K", 128), PREFETCH=cfg.get("PREFETCH", 0),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), **pipeline_kw(cfg, "mxfp8_linear"),
-        **tma, **gsum_kw(cfg, "mxfp8_linear"),
+        **gsum_kw(cfg, "mxfp8_linear"),
     )

@@ -125,47 +125,11 @@ def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.cons
     the rows' scales. MX_MODE 3 computes the transposed product (acc^T += w @ x^T) as ``tl.dot_scaled``'s lowering
     does on sm_90: the converted weights are then the MMA's register operand and the block's rows its N, instead of
     a round trip through shared memory."""
-    if MXFP8 and MX_MODE >= 3:
-        acc = _scaled_dot(x, acc, w, tile_scales(s_rows, k0, ss_k, r_ok, K, w.shape[1]), MX_MODE, F32, PREC)
+    if MXFP8 and MX_MODE == 3:
+        w16 = _e4m3_tile_bf16(w, tile_scales(s_rows, k0, ss_k, r_ok, K, w.shape[1]))
+        acc = tl.trans(dot_acc(w16, tl.trans(x), tl.trans(acc), F32, PREC))
     else:
         acc = tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K, MXFP8, MX_MODE, F32, PREC)
-    return acc
-
-
-@triton.jit
-def _step_dot(x, acc, w, s_next, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.constexpr,
-              MX_MODE: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, SCALES_AHEAD: tl.constexpr):
-    """One K step of the TMA path on a loaded weight tile w [BN, BK] at column k0: ``_tile_dot``, or with
-    ``SCALES_AHEAD`` the dot with the scales the previous step loaded (``s_next``) while this step loads the next
-    step's (masked past K). Returns (acc, the scales for the next step)."""
-    if SCALES_AHEAD:
-        s_now = s_next
-        s_next = tile_scales(s_rows, k0 + w.shape[1], ss_k, r_ok, K, w.shape[1])
-        acc = _scaled_dot(x, acc, w, s_now, MX_MODE, F32, PREC)
-    else:
-        acc = _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K, MXFP8, MX_MODE, F32, PREC)
-    return acc, s_next
-
-
-@triton.jit
-def _scaled_dot(x, acc, w, s, MX_MODE: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr):
-    """acc += x [BM, BK] @ (w * scales)^T for an E4M3 tile w [BN, BK] whose UE8M0 scales s [BN, BK / 32] are
-    already loaded (``SCALES_AHEAD`` loads them a K step early). MX_MODE 1: the per-32 broadcast of
-    ``mxfp8_linear.tile_dot`` (what the interpreter runs for 2). MX_MODE 2: ``tl.dot_scaled``. MX_MODE 3: the
-    integer conversion (``_e4m3_tile_bf16``) in the transposed product (acc^T += w @ x^T, the converted weights
-    the MMA's register operand). MX_MODE 4: the same conversion in the plain product, so the converted [BN, BK]
-    tile is the MMA's shared-memory operand: converted once per program by all its warps (in MX_MODE 3 each
-    warpgroup converts the weight rows of its own M slice, and with fewer than 64 weight rows per warpgroup several
-    convert the same rows) and read by every warpgroup's slice of the block's rows."""
-    if MX_MODE == 1:  # the interpreter's stand-in for 2 (``mxfp8_linear.tile_dot``'s per-32 broadcast)
-        w3 = tl.reshape(_e4m3_value(w), (w.shape[0], w.shape[1] // 32, 32)) * _scale_value(s)[:, :, None]
-        acc = dot_acc(x, tl.trans(cast(tl.reshape(w3, w.shape), x.dtype)), acc, F32, PREC)
-    elif MX_MODE == 2:
-        acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), s, "e4m3", acc)
-    elif MX_MODE == 3:
-        acc = tl.trans(dot_acc(_e4m3_tile_bf16(w, s), tl.trans(x), tl.trans(acc), F32, PREC))
-    else:
-        acc = dot_acc(x, tl.trans(_e4m3_tile_bf16(w, s)), acc, F32, PREC)
     return acc
 
 
@@ -176,7 +140,7 @@ def _gate_up(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     MX_MODE: tl.constexpr, GU_FUSED: tl.constexpr = 0, GROUP_M: tl.constexpr = 0, TMA: tl.constexpr = 0,
-    SCALES_AHEAD: tl.constexpr = 0, X_TMA: tl.constexpr = 0,
+    X_TMA: tl.constexpr = 0,
 ):
     """GU_FUSED 1: the gate and up tiles as one [2 x BLOCK_N, BLOCK_K] weight tile, rows interleaved (gate n, up n,
     ...), so each K step is one dot of twice the width instead of two (one wgmma of N = 2 x BLOCK_N, the activation
@@ -186,11 +150,6 @@ def _gate_up(
     read as zeros), the expert stack viewed as [E, 2, I, H] (gate, up); with GU_FUSED the gate and up tiles are one
     [1, 2, BLOCK_N, BLOCK_K] copy, stacked (gate rows, then up rows) instead of interleaved. Scales and the
     gathered activation rows are ordinary loads (a row gather by TMA is a Blackwell feature).
-    SCALES_AHEAD 1 (TMA, MX_MODE 1-4; the gate or fused gate-up tile, an unfused up tile loads its own): each K
-    step's scales are loaded one step early and carried over the loop. A scale tile has 2 bytes per weight row at
-    BLOCK_K 64 (4 at 128), below cp.async's 4-byte minimum for the pipeliner, so without this the K step waits on
-    a global load of its own scales (the sm_90 SASS of the round-4 tiles: one LDG.U8 / LDG.U16 per step, consumed
-    a few instructions later through a shared-memory layout change and two barriers).
     X_TMA 1 (with TMA): the activation tile by TMA too, from rows in block order: for the routed experts ``x_ptr``
     is then a gathered copy (``_launch_gate_up``: row p holds the token of assignment p, padding rows a copy of a
     real one, not stored), for the shared expert x itself (rows past the tokens read as zeros)."""
@@ -221,7 +180,6 @@ def _gate_up(
         s_r = s_ptr + e.to(tl.int64) * ss_e + (r + (j // BLOCK_N) * I).to(tl.int64) * ss_n
         acc = tl.zeros((BLOCK_M, G * BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        s_next = tile_scales(s_r, 0, ss_k, r_ok, H, BLOCK_K) if SCALES_AHEAD else 0
         if X_TMA:  # x's rows: every row block's (routed: the grid's row blocks) or the tokens (shared)
             grid_m = tl.num_programs(0) // tl.cdiv(I, BLOCK_N) if GROUP_M else tl.num_programs(0)
             x_desc = tl.make_tensor_descriptor(x_ptr, shape=[grid_m * BLOCK_M if ROUTED else num_rows, H],
@@ -234,8 +192,7 @@ def _gate_up(
                 x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :],
                             mask=ok[:, None] & (k[None, :] < H), other=0.0)
             w = tl.reshape(desc.load([e, 0, pid_n * BLOCK_N, k0]), (G * BLOCK_N, BLOCK_K))
-            acc, s_next = _step_dot(x, acc, w, s_next, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC,
-                                    SCALES_AHEAD)
+            acc = _tile_dot(x, acc, w, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
             if not GU_FUSED:  # the up tile: a second copy and dot
                 wu = tl.reshape(desc.load([e, 1, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
                 acc_u = _tile_dot(x, acc_u, wu, s_r + I * ss_n, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
@@ -282,15 +239,10 @@ def _down(
     sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    MX_MODE: tl.constexpr, GROUP_M: tl.constexpr = 0, TMA: tl.constexpr = 0, SCALES_AHEAD: tl.constexpr = 0,
-    ACT_TMA: tl.constexpr = 0,
+    MX_MODE: tl.constexpr, GROUP_M: tl.constexpr = 0, TMA: tl.constexpr = 0,
 ):
-    """GROUP_M, TMA and SCALES_AHEAD as in ``_gate_up``: tile order, weight tiles through a device-made tensor
-    descriptor over the stack viewed as [E, H, I], scales loaded a K step early. ACT_TMA 1 (with TMA): the
-    activation tile too comes by TMA, through a descriptor over ``act`` [rows, I] (a block's rows are consecutive
-    there, unlike gate-up's gathered token rows), instead of per-thread cp.async with address and mask arithmetic
-    in the K loop. Padding rows (never written by ``_gate_up``) then enter the product unmasked: each output row
-    depends on its own activation row only, and those rows are not stored."""
+    """GROUP_M and TMA as in ``_gate_up``: tile order, weight tiles through a device-made tensor descriptor over
+    the stack viewed as [E, H, I]."""
     pid_m, pid_n = _tile_ids(GROUP_M, tl.cdiv(H, BLOCK_N))
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROUTED:
@@ -315,22 +267,13 @@ def _down(
     if TMA:
         desc = tl.make_tensor_descriptor(w_ptr, shape=[e + 1, H, I], strides=[sw_e, sw_n, 1],
                                          block_shape=[1, BLOCK_N, BLOCK_K])
-        if ACT_TMA:  # act's rows: every row block's (routed: the grid's row blocks) or the tokens (shared)
-            grid_m = tl.num_programs(0) // tl.cdiv(H, BLOCK_N) if GROUP_M else tl.num_programs(0)
-            act_desc = tl.make_tensor_descriptor(act_ptr, shape=[grid_m * BLOCK_M if ROUTED else num_rows, I],
-                                                 strides=[sa_p, 1], block_shape=[BLOCK_M, BLOCK_K])
-        s_next = tile_scales(s_rows, 0, ss_k, n_ok, I, BLOCK_K) if SCALES_AHEAD else 0
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        if ACT_TMA:
-            x = act_desc.load([pid_m * BLOCK_M, k0])
-        else:
-            x = tl.load(act_ptr + p[:, None].to(tl.int64) * sa_p + k[None, :], mask=ok[:, None] & (k[None, :] < I),
-                        other=0.0)
+        x = tl.load(act_ptr + p[:, None].to(tl.int64) * sa_p + k[None, :], mask=ok[:, None] & (k[None, :] < I),
+                    other=0.0)
         if TMA:
             w = tl.reshape(desc.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
-            acc, s_next = _step_dot(x, acc, w, s_next, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC,
-                                    SCALES_AHEAD)
+            acc = _tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC)
         else:
             acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
     y = cast(acc, dt).to(tl.float32)
@@ -398,7 +341,8 @@ def gemm_config(block_m: int, mx_mode2: bool = True) -> dict:
 # per-32-column group sums (GSUM): one token 119.9 -> 103.9 us (56 -> 67 % of copy bandwidth), within the
 # reference's bound (only the fp32 summation order changes). It replaced "gemv_bn4_pipe4" (PIPELINE_SWEEP). Re-swept
 # at 07:45 UTC (commit 2d00e02, moe_h200_decode_round5b.json, after the shared-grid load fix 4e00b6c): the same tile
-# without COMBINE (the combine as its own launch, bit-identical) 101.7 us = 68 % against 110.5 with it: COMBINE off.
+# without COMBINE (the combine as its own launch, bit-identical) 101.7 us = 68 % against 110.5 with it: COMBINE off
+# (and removed since, with the GEMV's TMA and SPLIT_K_DOWN keys, all slower in every pairing measured).
 GEMV_DECODE = dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3, SHARED_GRID=1, GSUM=1)
 GEMV_DECODE_BF16 = dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
 
@@ -416,8 +360,9 @@ PREFILL_MXFP8 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)
 # Round 5 (H200, 2026-12-01 05:55 UTC, bench/results/moe_h200_prefill_round5.json; again in round 6 at 06:36 UTC,
 # moe_h200_prefill_round6_16k.json): 128-wide N tiles for the down GEMM (BLOCK_N_DOWN) halve its time at 16k (15.2
 # -> 7.9 ms): 32.2 -> 25.5-26.6 ms (289 -> 350-365 TFLOP/s), output bit-equal to the tile without it (same K order).
-# No round-6 key (SCALES_AHEAD, MX_MODE 4, ACT_TMA, X_TMA) beat it; MX_MODE 3 with BLOCK_N_DOWN 128 FAILED its GPU
-# test at mini dims (tests/test_moe_prefill_round6.py, not diagnosed): not a default.
+# No round-6 key (SCALES_AHEAD, MX_MODE 4, ACT_TMA, X_TMA) beat it (the first three, slower in every pairing, are
+# removed since); MX_MODE 3 with BLOCK_N_DOWN 128 FAILED its GPU test at mini dims (tests/test_moe_prefill_round6.py,
+# not diagnosed): not a default.
 PREFILL_MXFP8_LARGE = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, BLOCK_N_DOWN=128)
 PREFILL_BF16 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1)
 
@@ -485,28 +430,30 @@ def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
     """``cfg`` as the launch will run it. TMA reads each expert stack through a device-made tensor descriptor: the
     MX_MODE 1 / 2 / 3 scale paths (``_tile_dot``), weights ``tma_unusable`` accepts, and on the GPU a global-memory
     allocator for the descriptors. Weights TMA cannot read: with ``fallback`` (the launcher's own default, inside
-    a model step) the same tile without TMA; without it (a config the caller chose) a ValueError. MX_MODE 3 and 4
-    (the integer E4M3 conversion), ``SCALES_AHEAD``, ``ACT_TMA`` and ``X_TMA`` exist on the TMA path only;
-    ``SCALES_AHEAD`` takes the tile-scale modes 1-4 (with bf16 weights there are no scales: it is dropped)."""
+    a model step) the same tile without TMA; without it (a config the caller chose) a ValueError. MX_MODE 3 (the
+    integer E4M3 conversion) and ``X_TMA`` exist on the TMA path only."""
     mx = weights[0].mxfp8
-    if not mx:
-        cfg = {k: v for k, v in cfg.items() if k != "SCALES_AHEAD"}
-    if mx and cfg.get("SCALES_AHEAD") and cfg["MX_MODE"] == 0:
-        raise ValueError("moe: SCALES_AHEAD takes MX_MODE 1-4 (tile scales), got 0")
+    if mx and cfg["MX_MODE"] not in (0, 1, 2, 3):
+        raise ValueError(f"moe: MX_MODE must be 0, 1, 2 or 3 with MXFP8 weights, got {cfg['MX_MODE']}")
     if not cfg.get("TMA"):
-        if mx and cfg["MX_MODE"] >= 3:
-            raise ValueError(f"moe: MX_MODE {cfg['MX_MODE']} (integer E4M3 conversion) needs TMA 1")
-        if cfg.get("SCALES_AHEAD") or cfg.get("ACT_TMA") or cfg.get("X_TMA"):
-            raise ValueError("moe: SCALES_AHEAD, ACT_TMA and X_TMA need TMA 1")
+        if mx and cfg["MX_MODE"] == 3:
+            raise ValueError("moe: MX_MODE 3 (integer E4M3 conversion) needs TMA 1")
+        if cfg.get("X_TMA"):
+            raise ValueError("moe: X_TMA needs TMA 1")
         return cfg
-    if mx and cfg["MX_MODE"] not in (1, 2, 3, 4):
-        raise ValueError(f"moe: TMA takes MX_MODE 1, 2 or 3 (or 4) with MXFP8 weights, got {cfg['MX_MODE']}")
+    if mx and cfg["MX_MODE"] == 0:
+        raise ValueError("moe: TMA takes MX_MODE 1, 2 or 3 with MXFP8 weights, got 0")
+    if mx and cfg["MX_MODE"] == 3 and (cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]) > 64:
+        # The down GEMM's MMA is then 128 weight rows over both warpgroups: its outputs were wrong on the H200 (inf,
+        # or off by 42, not in every run; tests/test_moe_prefill_round6.py's down-launch test narrows it down).
+        raise ValueError(f"moe: MX_MODE 3 takes down N tiles of at most 64, got "
+                         f"{cfg.get('BLOCK_N_DOWN') or cfg['BLOCK_N']} (wrong outputs on the H200)")
     why = tma_unusable(weights)
     if why is not None:
         if not fallback:
             raise ValueError(f"moe: {why}")
-        return {**{k: v for k, v in cfg.items() if k not in ("SCALES_AHEAD", "ACT_TMA", "X_TMA")}, "TMA": 0,
-                "MX_MODE": 1 if cfg["MX_MODE"] >= 3 else cfg["MX_MODE"]}
+        return {**{k: v for k, v in cfg.items() if k != "X_TMA"}, "TMA": 0,
+                "MX_MODE": 1 if cfg["MX_MODE"] == 3 else cfg["MX_MODE"]}
     if not triton.knobs.runtime.interpret:
         _ensure_descriptor_allocator()
     return cfg
@@ -529,7 +476,7 @@ def _launch_gate_up(x, w: "_Weights", act, blocks: ExpertBlocks | None, num_rows
     _gate_up[_grid(grid_m, cdiv(i, cfg["BLOCK_N"]), cfg)](
         x, w.w, w.s, act, rows, block_expert, num_rows, x.stride(0), *w.strides(), act.stride(0), alpha, limit,
         H=h, I=i, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_M=bm, F32=f32, PREC=prec,
-        **{k: v for k, v in cfg.items() if k not in ("BLOCK_N_DOWN", "ACT_TMA")},  # down keys
+        **{k: v for k, v in cfg.items() if k != "BLOCK_N_DOWN"},  # the down key
     )
 
 
@@ -618,11 +565,10 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         local = ids.long() - owned[0]
         ids = torch.where((local >= 0) & (local < e), local, e).to(ids.dtype)  # not ours: expert e, skipped
     if (config or {}).get("GEMV"):  # the CUDA-core decode path (moe_gemv.py): no permutation, no padding
-        y = moe_gemv.launch(x, out, ids, route_w, _Weights(w13, scales[0]), _Weights(w2, scales[1]),
+        y = moe_gemv.launch(x, ids, route_w, _Weights(w13, scales[0]), _Weights(w2, scales[1]),
                             _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3]), top_k,
-                            float(swiglu_alpha), float(swiglu_limit), routed_scaling_factor, config,
-                            fallback=defaulted)
-        return out if y is None else _combine_launch(y, out, routed_scaling_factor, h, top_k)
+                            float(swiglu_alpha), float(swiglu_limit), config)
+        return _combine_launch(y, out, routed_scaling_factor, h, top_k)
     bm = (config or {}).get("BLOCK_M") or block_m_for(n, e)
     if owned is None:
         blocks: ExpertBlocks = group_by_expert(ids, e, bm)

@@ -26,12 +26,12 @@ about 3x the bytes in flight per SM). The same loads and sums in the same order:
 
 Round 5 (config keys; ``bench/moe.py``'s DECODE_ROUND5, ``moe.GEMV_DECODE`` takes the H200's winner):
 ``SHARED_GRID`` 1 runs the shared expert's tokens as more rows of the routed launches' grid (``_row_source``), so
-gate-up and down are one launch each; ``COMBINE`` 1 lets the down launch's last program per (token, N tile) write
-the output (``_combine_tile``, bit-identical to ``moe._combine``); ``TMA`` 1 copies the weight tiles by TMA
-(``gemv.tma_row_dot``); ``SPLIT_K_DOWN`` splits the down launch alone and ``BLOCK_N_DOWN`` gives it its own N
-tile; ``PDL`` 1 / 2 makes gate-up and down programmatic dependent launches (``_down_gemv``'s docstring); ``GSUM``
-1 sums each K step per 32-column group (``gemv._group_dot``: fewer instructions and registers, another fp32
-summation order); ``ACT_F32`` 1 hands the activations to the down launch as fp32 (``launch``).
+gate-up and down are one launch each; ``BLOCK_N_DOWN`` gives the down launch its own N tile; ``PDL`` 1 / 2 makes
+gate-up and down programmatic dependent launches (``_down_gemv``'s docstring); ``GSUM`` 1 sums each K step per
+32-column group (``gemv._group_dot``: fewer instructions and registers, another fp32 summation order); ``ACT_F32``
+1 hands the activations to the down launch as fp32 (``launch``). Three more round-5 keys measured slower on the
+H200 in every pairing and were removed (``docs/performance.md``): the combine in the down launch by ticket, TMA
+weight tiles, and a split-K of the down launch alone.
 
 Semantics are ``moe.py``'s: weights (E4M3 x UE8M0 scale, exactly, per element) are rounded to the activation
 dtype as the reference casts them, products and sums are fp32, the gate-up output is rounded to the activation
@@ -45,9 +45,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._batch import ticket_counters
 from .gemv import (acc_zeros as _acc_zeros, gsum_kw, pipeline_kw, reduce_rows as _reduce, row_dot as _row_dot,
-                   stream_dot as _stream, tma_kw, tma_row_dot as _tma_dot, x_tile as _x3)
+                   stream_dot as _stream, x_tile as _x3)
 from .mxfp8_linear import _INTERPRETED, cast
 
 
@@ -116,13 +115,12 @@ def _gate_up_gemv(
     sx_t, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sa_p, alpha, limit,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, PDL: tl.constexpr = 0,
-    GSUM: tl.constexpr = 0, sh_w_off=0, sh_s_off=0, n_routed=0,
+    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0,
+    sh_w_off=0, sh_s_off=0, n_routed=0,
 ):
     """Program (a, n-tile, split): row ``a`` of the grid is an assignment or a token of the shared expert
     (``_row_source``). act[a] = SwiGLU-OAI(x[token] @ w13[e]^T) for the tile's columns. With SPLIT_K > 1,
-    ``part_ptr`` is fp32 [SPLIT_K, rows, 2, I] and ``cnt_ptr`` int32 [rows, n-tiles]. TMA 1: the gate and up
-    tiles by TMA (``gemv.tma_row_dot``) from a descriptor over the row's [2I, H] matrix. PDL >= 1: launched as a
+    ``part_ptr`` is fp32 [SPLIT_K, rows, 2, I] and ``cnt_ptr`` int32 [rows, n-tiles]. PDL >= 1: launched as a
     programmatic dependent of the routing; waits for it, then lets the down launch start (its programs take the
     SM slots this launch's last wave leaves free, and wait there for this launch to finish)."""
     a = tl.program_id(0)
@@ -140,20 +138,7 @@ def _gate_up_gemv(
     s_g = s_base + n.to(tl.int64) * ss_n
     KS: tl.constexpr = ((H + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K  # K per split
     x_row = x_ptr + tok.to(tl.int64) * sx_t
-    if TMA:  # one descriptor per program over its expert's [2I, H] (gate rows, then up rows)
-        desc = tl.make_tensor_descriptor(w_base, shape=[2 * I, H], strides=[sw_n, 1],
-                                         block_shape=[BLOCK_N, BLOCK_K])
-        acc_g = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
-        acc_u = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
-        for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
-            k0 = pid_k * KS + kk
-            x = _x3(x_row, k0, H, BLOCK_K)
-            acc_g = _tma_dot(x, acc_g, desc, pid_n * BLOCK_N, s_g, k0, ss_k, n_ok, H, BLOCK_N, BLOCK_K, MXFP8, dt)
-            acc_u = _tma_dot(x, acc_u, desc, I + pid_n * BLOCK_N, s_g + I * ss_n, k0, ss_k, n_ok, H, BLOCK_N,
-                             BLOCK_K, MXFP8, dt)
-        acc_g = _reduce(acc_g)
-        acc_u = _reduce(acc_u)
-    elif PREFETCH == 0:  # gate and up in one loop, one K step in flight
+    if PREFETCH == 0:  # gate and up in one loop, one K step in flight
         acc_g = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         acc_u = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
@@ -213,16 +198,13 @@ def _down_gemv(
     sa_p, sw_e, sw_n, sw_k, ss_e, ss_n, ss_k, sy_t, sy_s,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, ROUTED: tl.constexpr, MXFP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, TMA: tl.constexpr = 0, COMBINE: tl.constexpr = 0,
-    PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0, sh_w_off=0, sh_s_off=0, out_ptr=None, tick_ptr=None,
-    n_routed=0, scaling=1.0, so_t=0,
+    PIPELINE: tl.constexpr = None, SHARED: tl.constexpr = 0, PDL: tl.constexpr = 0, GSUM: tl.constexpr = 0,
+    sh_w_off=0, sh_s_off=0, n_routed=0,
 ):
     """y[token, slot] = T(act[a] @ w2[e]^T) * routing weight (an assignment row), y[token, top_k] = act[a] @ w2^T
     (a shared row; ``_row_source``). With SPLIT_K > 1, ``part_ptr`` is fp32 [SPLIT_K, rows, H] and ``cnt_ptr``
-    int32 [rows, n-tiles]. COMBINE 1 (every routed and shared row in this one launch): the program that stores the
-    last of a token's top_k + 1 slots of this N tile (a ticket per (token, N tile) in ``tick_ptr``, put back to 0
-    after) writes ``out`` as ``moe._combine`` does, from the same bf16 slots in the same order. PDL >= 1 (launched
-    as a programmatic dependent of the gate-up launch): waits for it before reading the activations; PDL 2 first
+    int32 [rows, n-tiles]. PDL >= 1 (launched as a programmatic dependent of the gate-up launch): waits for it
+    before reading the activations; PDL 2 first
     asks L2 for the program's weight rows (``_prefetch_l2``), so the programs that start during the gate-up's last
     wave fetch weights instead of idling. The expert ids it reads before waiting come from the routing, which the
     gate-up launch waited for before it let this one start."""
@@ -241,15 +223,7 @@ def _down_gemv(
         _prefetch_l2(tl.where(n_ok, w_rows, w_base), pid_k * KS, KS, I, w_ptr.dtype.element_ty.primitive_bitwidth
                      // 8)
     _wait_for_previous_launch(PDL)
-    if TMA:
-        desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[sw_n, 1], block_shape=[BLOCK_N, BLOCK_K])
-        acc = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
-        for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
-            k0 = pid_k * KS + kk
-            x = _x3(act_ptr + a.to(tl.int64) * sa_p, k0, I, BLOCK_K)
-            acc = _tma_dot(x, acc, desc, pid_n * BLOCK_N, s_rows, k0, ss_k, n_ok, I, BLOCK_N, BLOCK_K, MXFP8, dt)
-        acc = _reduce(acc)
-    elif PREFETCH == 0:
+    if PREFETCH == 0:
         acc = _acc_zeros(BLOCK_N, BLOCK_K, GSUM)
         for kk in tl.range(0, KS, BLOCK_K, num_stages=PIPELINE):
             k0 = pid_k * KS + kk
@@ -268,9 +242,6 @@ def _down_gemv(
     y_row = y_ptr + tok.to(tl.int64) * sy_t + n
     if SPLIT_K == 1:
         _weighted_store(acc, y_row + slot * sy_s, n_ok, route_w, ROUTED, dt)
-        if COMBINE:
-            _combine_tile(y_row, out_ptr + tok.to(tl.int64) * so_t + n, n_ok, tick_ptr + tok * tl.num_programs(1)
-                          + pid_n, scaling, sy_s, TOP_K)
     else:
         rows = tl.num_programs(0)
         part = part_ptr + a.to(tl.int64) * H + n
@@ -278,9 +249,6 @@ def _down_gemv(
         if _arrive_last(cnt_ptr + a * tl.num_programs(1) + pid_n, SPLIT_K):
             _weighted_store(_sum_splits(part, rows * H, n_ok, SPLIT_K), y_row + slot * sy_s, n_ok, route_w, ROUTED,
                             dt)
-            if COMBINE:
-                _combine_tile(y_row, out_ptr + tok.to(tl.int64) * so_t + n, n_ok, tick_ptr + tok *
-                              tl.num_programs(1) + pid_n, scaling, sy_s, TOP_K)
 
 
 @triton.jit
@@ -290,23 +258,6 @@ def _weighted_store(acc, out_ptrs, n_ok, route_w, ROUTED: tl.constexpr, dt: tl.c
     if ROUTED:
         y = y * route_w
     tl.store(out_ptrs, cast(y, dt), mask=n_ok)
-
-
-@triton.jit
-def _combine_tile(y_row, out_ptrs, n_ok, tick_ptr, scaling, sy_s, TOP_K: tl.constexpr):
-    """After this program stored its slot of a token's N tile: in the last of the token's top_k + 1 programs of
-    the tile to arrive, ``out = scaling * (routed slots summed in fp32, slot 0 first) + shared slot``, rounded once:
-    ``moe._combine``'s arithmetic on the same values, so the result is bit-identical to the separate launch. The
-    ticket is ``_arrive_last``'s (barrier, acq_rel atomic at GPU scope), the slots are read past L1 (``.cg``: other
-    programs wrote them), and the counter goes back to 0 for the next launch (``_batch.ticket_counters``)."""
-    if _arrive_last(tick_ptr, TOP_K + 1):
-        tl.debug_barrier()
-        acc = tl.zeros(n_ok.shape, dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            acc += tl.load(y_row + k * sy_s, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        shared = tl.load(y_row + TOP_K * sy_s, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptrs, cast(acc * scaling + shared, out_ptrs.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(tick_ptr, 0, sem="relaxed", scope="gpu")
 
 
 def _offset(shared: torch.Tensor, routed: torch.Tensor) -> int | None:
@@ -320,34 +271,32 @@ def _offset(shared: torch.Tensor, routed: torch.Tensor) -> int | None:
     return (shared.data_ptr() - routed.data_ptr()) // step
 
 
-def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, alpha, limit, scaling, cfg: dict,
-           fallback: bool = False) -> torch.Tensor | None:
+# The keys a GEMV config may hold (``launch`` refuses others rather than ignoring them).
+CONFIG_KEYS = {"GEMV", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "PREFETCH", "PIPELINE",
+               "SHARED_GRID", "BLOCK_N_DOWN", "PDL", "GSUM", "ACT_F32"}
+
+
+def launch(x, ids, route_w, routed13, routed2, shared13, shared2, top_k, alpha, limit, cfg: dict) -> torch.Tensor:
     """The GEMV launches of one MoE call: gate-up and down, each as one launch over the assignments and the shared
     expert's tokens (``SHARED_GRID`` 1, where the shared expert has the routed experts' I and row strides) or as a
-    routed and a shared launch. Returns the expert outputs ``y [T, top_k + 1, H]`` for ``moe._combine``, or None
-    where ``COMBINE`` 1 wrote ``out`` from the down launch. ``fallback`` (the launcher's own default, inside a
-    model step): weights TMA cannot read run the same tiles without TMA instead of raising."""
+    routed and a shared launch. Returns the expert outputs ``y [T, top_k + 1, H]`` for ``moe._combine``."""
+    unknown = set(cfg) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"moe: the GEMV decode path takes the config keys {sorted(CONFIG_KEYS)}, got "
+                         f"{sorted(unknown)}")
     t, h = x.shape
     n = t * top_k
     i, i_s = routed13.w.shape[1] // 2, shared13.w.shape[1] // 2
     bn, bk, split = cfg.get("BLOCK_N", 32), cfg.get("BLOCK_K", 128), int(cfg.get("SPLIT_K", 1))
     bn_down = cfg.get("BLOCK_N_DOWN") or bn  # the down launch's own N tile (its K loop is half the gate-up's)
-    split_down = int(cfg.get("SPLIT_K_DOWN", split))
     prefetch = int(cfg.get("PREFETCH", 0))
-    if min(split, split_down) < 1 or prefetch not in (0, 1, 2):
-        raise ValueError(f"moe: SPLIT_K / SPLIT_K_DOWN must be >= 1 and PREFETCH 0, 1 or 2, got {split} / "
-                         f"{split_down} and {prefetch}")
-    try:
-        tma = tma_kw(cfg, "moe", [routed13, routed2, shared13, shared2])
-    except ValueError:
-        if not fallback:
-            raise
-        tma = {}
+    if split < 1 or prefetch not in (0, 1, 2):
+        raise ValueError(f"moe: SPLIT_K must be >= 1 and PREFETCH 0, 1 or 2, got {split} and {prefetch}")
     pdl = int(cfg.get("PDL", 0))
     if pdl not in (0, 1, 2):
         raise ValueError(f"moe: PDL must be 0, 1 or 2, got {pdl}")
     launch_kw = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
-                     **pipeline_kw(cfg, "moe"), **tma, **gsum_kw(cfg, "moe"))
+                     **pipeline_kw(cfg, "moe"), **gsum_kw(cfg, "moe"))
     if pdl:  # programmatic dependent launches (Hopper); the interpreter runs launches in order without them
         launch_kw.update(PDL=pdl, **({} if triton.knobs.runtime.interpret else {"launch_pdl": True}))
     same_layout = all(r.w.stride()[1:] == s.w.stride()[1:] and r.s.stride()[1:] == s.s.stride()[1:]
@@ -372,13 +321,10 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
     # Split-K scratch: fp32 partials, and one zeroed arrival counter per (row, N tile) of each launch.
     tiles = [g[2] * triton.cdiv(g[4], bn) for g in gate_up] + [d[2] * triton.cdiv(h, bn_down) for d in down]
     part = cnt = act  # never read without split-K
-    if max(split, split_down) > 1:
-        part = torch.empty(max(split, split_down) * (n + t) * max(2 * max(i, i_s), h), dtype=torch.float32,
-                           device=dev)
+    if split > 1:
+        part = torch.empty(split * (n + t) * max(2 * max(i, i_s), h), dtype=torch.float32, device=dev)
         cnt = torch.zeros(sum(tiles), dtype=torch.int32, device=dev)
     offsets = [sum(tiles[:j]) for j in range(len(tiles))]
-    combine = bool(cfg.get("COMBINE"))
-    tickets = ticket_counters(dev, t * triton.cdiv(h, bn_down)) if combine else cnt
     for j, (w, (w_off, s_off), rows, a, width, routed, shared) in enumerate(gate_up):
         _gate_up_gemv[(rows, triton.cdiv(width, bn), split)](
             x, w.w, w.s, a, ids, part, cnt[offsets[j]:] if split > 1 else cnt, x.stride(0), *w.strides(),
@@ -388,11 +334,10 @@ def launch(x, out, ids, route_w, routed13, routed2, shared13, shared2, top_k, al
             **launch_kw,
         )
     for j, (w, (w_off, s_off), rows, a, width, routed, shared) in enumerate(down, start=len(gate_up)):
-        _down_gemv[(rows, triton.cdiv(h, bn_down), split_down)](
-            a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split_down > 1 else cnt, a.stride(0),
+        _down_gemv[(rows, triton.cdiv(h, bn_down), split)](
+            a, w.w, w.s, y, ids, route_w, part, cnt[offsets[j]:] if split > 1 else cnt, a.stride(0),
             *w.strides(), y.stride(0), y.stride(1),
-            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn_down, BLOCK_K=bk, SPLIT_K=split_down,
-            PREFETCH=prefetch, SHARED=shared, COMBINE=combine, sh_w_off=w_off, sh_s_off=s_off, out_ptr=out,
-            tick_ptr=tickets, n_routed=n, scaling=float(scaling), so_t=out.stride(0), **launch_kw,
+            H=h, I=width, TOP_K=top_k, ROUTED=routed, MXFP8=w.mxfp8, BLOCK_N=bn_down, BLOCK_K=bk, SPLIT_K=split,
+            PREFETCH=prefetch, SHARED=shared, sh_w_off=w_off, sh_s_off=s_off, n_routed=n, **launch_kw,
         )
-    return None if combine else y
+    return y
