@@ -144,15 +144,19 @@ def test_gpu_integer_conversion_down_launch(routed, bm, bn_down):
     rows = blocks.rows.shape[0] if routed else t
     act = torch.randn(rows, i, device="cuda", generator=torch.Generator("cuda").manual_seed(66)).bfloat16()
     w2 = moe_kernel._Weights(*(args[5:7] if routed else args[9:11]))
+    moe_kernel._ensure_descriptor_allocator()
     outs = {}
-    for mode in (2, 3):
+    for mode, repeats in ((2, 1), (3, 3)):  # MX_MODE 3 three times: a race shows as runs that differ
         cfg = {**moe_kernel.gemm_config(bm), **moe_kernel.PREFILL_MXFP8_LARGE, "MX_MODE": mode,
                "BLOCK_N_DOWN": bn_down}
         cfg = {k: v for k, v in cfg.items() if k != "BLOCK_M"}  # not _check_tma: it refuses MX_MODE 3 at 128
-        moe_kernel._ensure_descriptor_allocator()
-        y = torch.zeros((t, top_k + 1, h), dtype=torch.bfloat16, device="cuda")
-        moe_kernel._launch_down(act, w2, y, blocks, route_w, t * top_k if routed else t, h, i, top_k, bm, cfg,
-                                False, "tf32")
-        outs[mode] = y[:, :top_k].reshape(-1, h) if routed else y[:, top_k]
-    diff = (outs[3].float() - outs[2].float()).abs().max()
-    assert diff <= 2.0 ** -7 * outs[2].float().abs().max(), _pattern(outs[3], outs[2], bn_down)
+        for _ in range(repeats):
+            y = torch.zeros((t, top_k + 1, h), dtype=torch.bfloat16, device="cuda")
+            moe_kernel._launch_down(act, w2, y, blocks, route_w, t * top_k if routed else t, h, i, top_k, bm, cfg,
+                                    False, "tf32")
+            outs.setdefault(mode, []).append(y[:, :top_k].reshape(-1, h) if routed else y[:, top_k])
+    want = outs[2][0]
+    runs = [f"run {r}: {_pattern(got, want, bn_down)}" for r, got in enumerate(outs[3])]
+    same = sum(torch.equal(got, outs[3][0]) for got in outs[3][1:])
+    worst = max((got.float() - want.float()).abs().max() for got in outs[3])
+    assert worst <= 2.0 ** -7 * want.float().abs().max(), f"{same} of 2 repeats equal to the first; " + "; ".join(runs)
