@@ -132,6 +132,43 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(name, gate_up, routed):
     assert res["stack"] == 0 and res["local"] == 0, res
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
+def test_ws_launches_through_run_moe(monkeypatch):
+    # The host side on the CPU (the kernels themselves need the device): run_moe with a WS config hands moe_prefill_ws
+    # the blocks it routed and launches the four GEMMs with the row blocks of those blocks (BLOCK_M is the
+    # launcher's, not a key of the tile config it passes on), the gate-up launches N tiles of BLOCK_N over I and the
+    # down launches N tiles of BLOCK_N_DOWN over H, one program per tile, or one per SM with PERSISTENT. The kernel
+    # and the device checks are replaced by recorders (the combine then sums unwritten memory: shape only).
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def record(*args, **consts):
+                launches.append((grid[0], args[8], consts))  # args[8]: num_m, the row blocks
+            return record
+
+    monkeypatch.setattr(ws, "_gemm_ws", Recorder())
+    monkeypatch.setattr(ws, "check", lambda weights, dtype, cfg: None)
+    case = MoECase(300, 128, 64, 64, 4, 2, seed=75)
+    args = case.mxfp8_args(torch.bfloat16)
+    for persistent in (0, 1):
+        launches.clear()
+        cfg = dict(PREFILL_WS["prefill_ws_bm256_down128_s4c2"], PERSISTENT=persistent)
+        if persistent:
+            monkeypatch.setattr(ws, "_programs", lambda tiles, device, on: min(tiles, 3) if on else tiles)
+        out = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
+        assert out.shape == (300, 128)
+        kinds = [(c["GATE_UP"], c["ROUTED"], c["BLOCK_M"], c["BLOCK_N"], c["N_OUT"], c["K"]) for _, _, c in launches]
+        assert kinds == [(True, True, 256, 64, 64, 128), (True, False, 256, 64, 64, 128),
+                         (False, True, 256, 128, 128, 64), (False, False, 256, 128, 128, 64)]
+        routed_blocks = launches[0][1]
+        assert routed_blocks == launches[2][1] >= 600 // 256 and launches[1][1] == launches[3][1] == 2  # 300 tokens
+        tiles = [num_m * -(-c["N_OUT"] // c["BLOCK_N"]) for _, num_m, c in launches]
+        assert [g for g, _, _ in launches] == ([min(n, 3) for n in tiles] if persistent else tiles)
+
+
 def test_ws_refuses_what_it_cannot_run():
     # Under the interpreter (CPU CI) the WS config is refused before any launch, with the reason; on a device the
     # format checks name the tensor.

@@ -372,12 +372,15 @@ def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r
 
 def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, limit, top_k, cfg) -> None:
     """The four GEMMs of one MoE layer (routed gate-up, shared gate-up, routed down, shared down) into ``act``,
-    ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; ``blocks`` made with ``cfg['BLOCK_M']``
-    rows, which the shared expert takes as well. ``check`` first."""
+    ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; the row blocks are ``blocks``' (the shared
+    expert takes blocks of as many tokens). ``check`` first."""
     routed13, routed2, shared13, shared2 = weights
     t, h = x.shape
     i, i_s = act.shape[1], act_s.shape[1]
-    bm = cfg["BLOCK_M"]
+    bm = blocks.block_m
+    if bm > 256 or bm % 64:
+        raise ValueError(f"moe: WS row blocks must be a multiple of 64 up to 256 (one TMA box), got {bm}")
+    cfg = {**cfg, "BLOCK_M": bm}
     bn, bn_down = cfg["BLOCK_N"], cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
     rows, block_expert = blocks.rows, blocks.block_expert
     # The routed rows in block order (padding rows copy the last assignment's token: computed, never stored).
