@@ -161,7 +161,9 @@ LINEAR_ROUND5 = {
 # GEMV_DECODE's tile: more stages (bytes in flight per SM at 8192 rows, ~15 programs per SM: 62 KB at 3 stages, 93
 # at 4, 124 at 5), BN 8 at 2 warps, 1024-wide K steps at 4 warps, and BN 2 (4096 programs at 8192 rows, about one
 # wave of 31 one-warp programs per SM). sm_90 compile at K 6144 and 8192 (registers, shared memory; no spills,
-# cp.async): 38 / 9.3 KB, 38 / 12.3 KB, 48 / 10.5 KB, 38 / 12.5 KB, 44 / 6.0 KB, 38 / 8.3 KB.
+# cp.async): 38 / 9.3 KB, 38 / 12.3 KB, 48 / 10.5 KB, 38 / 12.5 KB, 44 / 6.0 KB, 38 / 8.3 KB. Measured on the
+# H200 (bench/results/moe_h200_linear_gsum.json): every GSUM tile beat the default of then (gemv_pipe4), BN 8 at 2
+# warps by 15-21 % at all four shapes (mxfp8_linear.gemv_config since); the extra stages and BK 1024 did not help.
 LINEAR_ROUND6 = {
     "gemv_bn4_bk512_pipe4_gsum": dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=4, PIPELINE=4,
                                       GSUM=1),
@@ -337,14 +339,15 @@ FUSED_PROJECTIONS_SMOKE = {(48, 64): [(40, 64), (8, 64)]}
 
 
 def linear_variants(m: int) -> list:
-    """The linear sweep's GEMV tiles at ``m`` rows (before ``--decode-variants`` picks among them). One row: the
-    default GEMV tile's predecessor (the default, mxfp8_linear.gemv_config: gemv_pipe4, is the sweep's baseline), BN 4
-    (twice the programs), round 4's bigger tiles, round 5's TMA and GSUM tiles, round 6's GSUM tiles. Eight rows:
+    """The linear sweep's GEMV tiles at ``m`` rows (before ``--decode-variants`` picks among them; the one equal to
+    the default, mxfp8_linear.gemv_config, is not run twice). One row: the defaults before round 6's
+    (gemv_4warps, gemv_pipe4), BN 4 (twice the programs), round 4's bigger tiles, round 5's and round 6's GSUM
+    tiles (the default is round 6's gemv_bn8_bk512_w2_pipe3_gsum). Eight rows:
     the tensor-core default against two pipelined GEMV tiles (one program per row and N tile: the 8 rows re-read each
     weight tile from L2; the GEMV without PIPELINE lost there by 3-4x in rounds 1-2); already compiled at one row."""
     if m == 1:
-        return [PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_bn4_pipe4"], *BYTES_SWEEP.values(),
-                *LINEAR_ROUND5.values(), *LINEAR_ROUND6.values()]
+        return [PREVIOUS_DEFAULTS["gemv_4warps"], PIPELINE_SWEEP["gemv_pipe4"], PIPELINE_SWEEP["gemv_bn4_pipe4"],
+                *BYTES_SWEEP.values(), *LINEAR_ROUND5.values(), *LINEAR_ROUND6.values()]
     return [PIPELINE_SWEEP["gemv_pipe4"], BYTES_SWEEP["gemv_bn16_bk512_8w_pipe3"]]
 
 
@@ -369,7 +372,8 @@ def linear_decode(bw: float, sweep: int) -> list:
             want = mx.dequantize(w, sc).float() @ x.float().T
             need = w.numel() + sc.numel() + 2 * (x.numel() + m * n)
             tried, failed = [], []
-            for cfg in [None] + (decode_picked(linear_variants(m)) if sweep and not small else []):
+            swept = [c for c in decode_picked(linear_variants(m)) if c != klin.gemv_config(m)]
+            for cfg in [None] + (swept if sweep and not small else []):
                 try:
                     ms = graph_time_ms(lambda: klin.run_linear(x, w, sc, config=cfg))
                     err = rel_err(klin.run_linear(x, w, sc, config=cfg), want.T)
@@ -533,7 +537,7 @@ def main() -> int:
                     help="try the tile variants (decode_variants, PREFILL_SWEEP, the linear GEMV tiles)")
     ap.add_argument("--decode-variants", default="",
                     help="comma list of variant names (NAMES) the decode and linear sweeps are limited to, next to "
-                    "the default; e.g. --only decode --batches 1,8 --decode-variants gemv_bn4_pipe4_sg_comb")
+                    "the default; e.g. --only decode --batches 1,8 --decode-variants gemv_bn4_pipe4_sg")
     ap.add_argument("--only", default="",
                     help="comma list of the parts to run (default all): decode, decode1 (decode at batch 1 only), "
                     "prefill, linear; e.g. --only linear,decode1 for the one-row GEMV sweeps alone")

@@ -189,14 +189,20 @@ def tile_config(m: int, mx_mode2: bool = True) -> dict:
 
 
 def gemv_config(m: int) -> dict | None:
-    """The CUDA-core GEMV tile (``gemv.py``) where the H200 measured it faster than ``tile_config``'s: one row,
-    BN 8 / BK 256 at 4 warps with the K loop's 4 stages named (PIPELINE: cp.async through shared memory), the
-    winner of bench/moe.py's round-3 sweep (2026-12-01 00:35 UTC, commit bd355ce, moe_h200_round3.json) at 8192 x
-    6144 and 6144 x 8192: 29.4 / 28.4 -> 28.0 / 26.7 us with the same error. The tile it replaced (the same without
-    PIPELINE, round 2's winner) is the sweep's "gemv_4warps". At 8 rows the tensor-core tiles won (the GEMV tiles
+    """The CUDA-core GEMV tile (``gemv.py``) where the H200 measured it faster than ``tile_config``'s: one row.
+    8-row tiles over 512-wide K steps at 2 warps, 3 named stages (PIPELINE: cp.async through shared memory), each
+    K step summed per 32-column group and scaled once per group (GSUM, ``gemv._group_dot``: only the fp32 summation
+    order changes). bench/moe.py's "gemv_bn8_bk512_w2_pipe3_gsum" (LINEAR_ROUND6), measured on the H200 (2026-12-01
+    ~10:45 UTC, commit cf7c9e8, ``python3 bench/moe.py --only linear --formats mxfp8 --decode-variants ...``,
+    bench/results/moe_h200_linear_gsum.json; graph replays, 4.24 TB/s copy): 8192 x 6144 28.1 -> 23.9 us (43 -> 51 %
+    of copy bandwidth), 6144 x 8192 26.8 -> 22.0, the fused sparse-layer projections 9856 x 6144 31.7 -> 25.2 (46 ->
+    58 %), the dense layers' 9216 x 6144 29.4 -> 24.4; same error against the fp32 reference; its GPU test
+    (tests/test_linear_gemv_sweep.py: bf16 / fp16 / fp32 activations at the step's shapes) passed in the same call.
+    The tile it replaced (BN 8 / BK 256 at 4 warps, PIPELINE 4: round 3's winner, 2026-12-01 00:35 UTC) is the
+    sweep's "gemv_pipe4", the one before that "gemv_4warps". At 8 rows the tensor-core tiles won (the GEMV tiles
     took 3-4x longer), so only m == 1 takes it."""
     if m == 1:
-        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4, PIPELINE=4)
+        return dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3, GSUM=1)
     return None
 
 
