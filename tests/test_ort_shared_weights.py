@@ -141,3 +141,27 @@ def test_second_cuda_session_allocates_no_second_copy(tmp_path):
     assert shared_cost < 32 << 20, (shared_cost, own_cost)
     del first, second, own
     weights.close()
+
+
+@pytest.mark.parametrize("flavour", [None, "decode", "decode-all-experts"])
+def test_onnxruntime_folds_no_copy_of_a_weight(tiny_artifact, tmp_path, flavour):  # noqa: F811
+    """Sharing covers a weight only where the session reads it as it lies: ONNX Runtime constant-folds a weight's
+    ``Transpose`` into a transposed initializer of the session's own (the MoE bodies once transposed every expert
+    weight: a copy per session, the shared original unused). The optimised graphs hold no initializer of more
+    than 1024 elements that the artifact's graph does not (the router's fp32 [E, H] transpose is 512 here)."""
+    import math
+
+    from m3export.export.artifact import load_artifact
+
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    file = art.root / (art.graphs["model"].file if flavour is None else art.manifest.flavours[flavour]["model"]["file"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "opt.data")
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "64")
+    ort.InferenceSession(str(file), sess_options=options, providers=["CPUExecutionProvider"])
+    ours = {i.name for i in onnx.load(str(file), load_external_data=False).graph.initializer}
+    folded = [(i.name, list(i.dims)) for i in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False)
+              .graph.initializer if i.name not in ours and math.prod(i.dims) > 1024]
+    assert not folded, folded

@@ -74,13 +74,14 @@ def _vec(b: Builder, scalar: str) -> str:
     return b.Reshape(scalar, b.const([1]))
 
 
-def _swiglu(b: Builder, gate_up: str, alpha: str, limit: str) -> str:
-    """Uninterleaved SwiGLU-OAI with clamp, in gate_up's dtype (as m3export.ops.moe.swiglu_oai).
+def _swiglu(b: Builder, gate_up: str, alpha: str, limit: str, axis: int = -1) -> str:
+    """Uninterleaved SwiGLU-OAI with clamp, in gate_up's dtype (as m3export.ops.moe.swiglu_oai); ``axis``: the
+    gate / up halves' axis (the feature axis).
 
     The clamp runs in fp32 on exact casts (the value or the bound comes back, both of gate_up's dtype): ONNX
     Runtime has no bfloat16 ``Clip`` kernel on the CUDA or CPU EP, and the ``Less`` its function body expands to
     has none either, so a bf16 ``Clip`` made the step graph unloadable (tests/test_ort_cuda_kernel_types.py)."""
-    gate, up = b.Split(gate_up, axis=-1, num_outputs=2, n_out=2)
+    gate, up = b.Split(gate_up, axis=axis, num_outputs=2, n_out=2)
     limit = b.CastLike(limit, gate_up)
     bound = b.Cast(limit, to=F32)  # gate_up's rounding of the limit, as before
 
@@ -91,6 +92,13 @@ def _swiglu(b: Builder, gate_up: str, alpha: str, limit: str) -> str:
     up = clamp(up, b.Neg(bound))
     sig = b.Mul(gate, b.Sigmoid(b.Mul(gate, b.CastLike(alpha, gate_up))))
     return b.Mul(b.Add(up, b.CastLike(b.const(1.0, np.float32), gate_up)), sig)
+
+
+def _linear(b: Builder, x: str, w: str) -> str:
+    """``x @ w^T`` for a 2-D weight ``w`` [N, K] as it lies (``Gemm`` with ``transB``): a ``Transpose`` of a weight
+    initializer is folded by ONNX Runtime into a transposed copy of its own in every session (so the weight is held
+    twice and no session can share it), and one of a computed weight is a copy per step."""
+    return b.Gemm(x, w, transB=1)
 
 
 def _dequant(b: Builder, weight: str, scale: str) -> str:
@@ -553,7 +561,7 @@ def _moe(name: str, mxfp8: bool, decode: bool = False, all_experts: bool = False
     rows = s.Transpose(s.NonZero(s.ReduceMax(s.Cast(hit, to=TensorProto.INT32), s.const([1]), keepdims=0)))
     xr = s.GatherND("x", rows)  # [R, H]
     w13, w2 = weight(s, "w13_e", "w13_scale_e"), weight(s, "w2_e", "w2_scale_e")
-    y = s.MatMul(_swiglu(s, s.MatMul(xr, s.Transpose(w13, perm=[1, 0])), alpha, limit), s.Transpose(w2, perm=[1, 0]))
+    y = _linear(s, _swiglu(s, _linear(s, xr, w13), alpha, limit), w2)
     y = s.CastLike(s.Mul(s.Cast(y, to=F32), s.Unsqueeze(s.GatherND(gain, rows), s.const([1]))), "x")
     # rows are distinct within one expert, so a plain scatter of acc[rows] + y is the add (and unlike
     # ScatterND(reduction="add") it has ORT CPU kernels for every float type)
@@ -581,10 +589,7 @@ def _moe(name: str, mxfp8: bool, decode: bool = False, all_experts: bool = False
                       else_branch=_moe_scanned(experts, scan_in, body))
 
     shared_w13, shared_w2 = weight(b, "shared_w13", "shared_w13_scale"), weight(b, "shared_w2", "shared_w2_scale")
-    shared = b.MatMul(
-        _swiglu(b, b.MatMul("x", b.Transpose(shared_w13, perm=[1, 0])), alpha, limit),
-        b.Transpose(shared_w2, perm=[1, 0]),
-    )
+    shared = _linear(b, _swiglu(b, _linear(b, "x", shared_w13), alpha, limit), shared_w2)
     scaled = b.Mul(routed, b.CastLike(b.attr(Ref("routed_scaling_factor", FLOAT)), "x"))
     return _function(name, b, [b.Add(scaled, shared)])
 
@@ -602,9 +607,10 @@ def _gathered_sum(g: Builder, alpha: str, limit: str, idx: str, w: str) -> str:
     after each add: the two differ by rounding only, as the GPU kernels' fp32 sum does)."""
     w13 = g.CastLike(g.Gather("w13", idx, axis=0), "x")  # [T, k, 2I, H]
     w2 = g.CastLike(g.Gather("w2", idx, axis=0), "x")  # [T, k, H, I]
-    xe = g.Unsqueeze("x", g.const([1, 2]))  # [T, 1, 1, H]
-    act = _swiglu(g, g.MatMul(xe, g.Transpose(w13, perm=[0, 1, 3, 2])), alpha, limit)  # [T, k, 1, I]
-    y = g.Squeeze(g.MatMul(act, g.Transpose(w2, perm=[0, 1, 3, 2])), g.const([2]))  # [T, k, H]
+    xe = g.Unsqueeze("x", g.const([1, 3]))  # [T, 1, H, 1]
+    # each gathered weight as the left factor, as it lies ([N, K] rows): no transposed copy of it per step
+    act = _swiglu(g, g.MatMul(w13, xe), alpha, limit, axis=-2)  # [T, k, I, 1]
+    y = g.Squeeze(g.MatMul(w2, act), g.const([3]))  # [T, k, H]
     y = g.CastLike(g.Mul(g.Cast(y, to=F32), g.Unsqueeze(w, g.const([2]))), "x")
     return g.CastLike(g.ReduceSum(g.Cast(y, to=F32), g.const([1]), keepdims=0), "x")
 
@@ -623,21 +629,23 @@ def _moe_scanned(experts: str, scan_in: list[str], body):
 
 
 def _all_experts_sum(b: Builder, alpha: str, limit: str, idx: str, w: str) -> str:
-    """The routed sum computing every expert on every token (``[E, T, 2I]`` and ``[E, T, H]`` batched products of
-    ``x`` against each weight where it lies: no per-step copy of a weight), each token keeping its own top_k: an
+    """The routed sum computing every expert on every token (``[E, 2I, T]`` and ``[E, H, T]`` batched products of
+    each weight where it lies against ``x``: no copy of a weight), each token keeping its own top_k: an
     assignment's output is rounded to the activation dtype after its routing weight as in ``_gathered_sum`` (the
     same values), the others are exact zeros (``Where``: an expert's output on a token it was not chosen for may be
     inf), and the sum over experts runs in fp32 in ascending expert order, rounded once (``_gathered_sum`` sums in
     top-k order: the two differ by rounding only)."""
-    act = _swiglu(b, b.MatMul("x", b.Transpose("w13", perm=[0, 2, 1])), alpha, limit)  # [E, T, I]
-    y = b.MatMul(act, b.Transpose("w2", perm=[0, 2, 1]))  # [E, T, H]
+    # the weights as the left factors, as they lie ([E, N, K]: no transposed copy of them, neither per step nor
+    # folded into a session's own initializer), against x^T [H, T]: token-last activations, one small transpose
+    act = _swiglu(b, b.MatMul("w13", b.Transpose("x", perm=[1, 0])), alpha, limit, axis=1)  # [E, I, T]
+    y = b.MatMul("w2", act)  # [E, H, T]
     zeros = b.Expand(b.const(0.0, np.float32), b.Concat(b.Shape("x", end=1), b.Shape("router_weight", end=1), axis=0))
     gain = b.Transpose(b.ScatterElements(zeros, idx, w, axis=1), perm=[1, 0])  # [E, T]: w where chosen, else 0
     chosen = b.Transpose(b.Cast(b.ScatterElements(zeros, idx, b.Expand(b.const(1.0, np.float32), b.Shape(idx)),
                                                   axis=1), to=TensorProto.BOOL), perm=[1, 0])  # [E, T]
-    y = b.CastLike(b.Mul(b.Cast(y, to=F32), b.Unsqueeze(gain, b.const([2]))), "x")
-    y = b.Where(b.Unsqueeze(chosen, b.const([2])), b.Cast(y, to=F32), b.const(0.0, np.float32))
-    return b.CastLike(b.ReduceSum(y, b.const([0]), keepdims=0), "x")
+    y = b.CastLike(b.Mul(b.Cast(y, to=F32), b.Unsqueeze(gain, b.const([1]))), "x")
+    y = b.Where(b.Unsqueeze(chosen, b.const([1])), b.Cast(y, to=F32), b.const(0.0, np.float32))
+    return b.CastLike(b.Transpose(b.ReduceSum(y, b.const([0]), keepdims=0), perm=[1, 0]), "x")  # [T, H]
 
 
 def moe(decode: bool = False, all_experts: bool = False) -> FunctionProto:
