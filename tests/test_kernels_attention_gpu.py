@@ -69,15 +69,16 @@ def test_mini_dims_against_references_without_host_sync(page):
 
 
 def test_mini_dims_long_prefill_chunks_against_references():
-    """The prefill default on the launch sizes it is tuned for (bf16, M3 dims, pages of 128): a 4096-token chunk at
-    the end of a 16k-token prompt beside a 1000-token prompt, on the indexer kernel's selections. The last 64 tokens
-    of each are checked against the reference called for them alone (it gathers only their context); the bound is
-    the bf16 one derived in paged_attention. ``--sparse-prefill NAME`` runs a candidate here instead."""
+    """The prefill default on the launch sizes it is tuned for (bf16, M3 dims, pages of 128): an 8192-token chunk at
+    the end of a 16k-token prompt beside a 1000-token prompt (9192 new tokens in one launch), on the indexer kernel's
+    selections. The last 64 tokens of each are checked against the
+    reference called for them alone (it gathers only their context); the bound is the bf16 one derived in
+    paged_attention. ``--sparse-prefill NAME`` runs a candidate here instead."""
     from m3export.ops.attention import sparse_paged_attention_reference
     from m3export.plugins.kernels import lightning_indexer, paged_attention, sparse_paged_attention
 
     gen = torch.Generator().manual_seed(5)
-    ctx, new, tail = [16384, 1000], [4096, 1000], 64
+    ctx, new, tail = [16384, 1000], [8192, 1000], 64
     pages, (bt, qsl, sl, pos) = _batch(ctx, new, 128, gen)
     t = pos.numel()
     bf = dict(device="cuda", dtype=torch.bfloat16)
