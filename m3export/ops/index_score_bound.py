@@ -38,9 +38,9 @@ Why this and not ``SCORE_SLACK * D * eps32 * (A_a + A_b)`` (the conformance rule
 2u): that is 4 D u per unit of A, the tensor-core case's width (2) applied to every dtype, so fp32 operands, which
 every implementation computes in IEEE arithmetic, were excused 4x further than their roundings can reach; rows a
 wrong fp32 selection could hide in. Both rules are the same for 16-bit operands (up to the +3 terms).
-``tests/test_op_conformance.py`` builds an IEEE fp32 summation order that moves two blocks' scores 0.98 of the fp32
-bound apart the other way (a swap the rule must excuse: a bound 2 % narrower fails it) and a swap 1.3 bounds apart
-that it must catch (the old rule excused it).
+``tests/test_index_score_bound.py`` builds an IEEE fp32 summation order that swaps two blocks whose float64 scores are
+0.976 of the fp32 bound apart (a swap the rule must excuse: a bound 3 % narrower fails it), and swaps 1.3 and 3.9
+bounds apart that the rule must catch (the old rule excused both).
 """
 
 from __future__ import annotations
