@@ -411,7 +411,17 @@ def main() -> int:
            "rows": []}
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     rows, kernels, status = {}, {}, 0
-    # one phase per way, one backend each (an eager one and a replaying one would hold two copies of the weights)
+    cuda = provider.name == "CUDAExecutionProvider"
+
+    def device_free() -> int:
+        if not cuda:
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info(torch.device(provider.device))[0]
+
+    # one phase per way, one backend each (an eager one and a replaying one would hold two copies of the weights);
+    # the device memory each backend took after its first shape (sessions, shared weights, pools, workspaces)
+    free = device_free()
     be = OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True)
     try:
         with tempfile.TemporaryDirectory(prefix="ort_kernels_") as tmp:
@@ -421,11 +431,13 @@ def main() -> int:
                     row["eager"], kernels[batch, context] = eager_profile(be, batch, context, args.steps, Path(tmp))
                 except Exception as e:  # noqa: BLE001 - ORT and torch raise their own types: a row to report
                     row["eager"], status = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
+                res.setdefault("eager_backend_device_GB", (free - device_free()) / 1e9)
                 res["rows"] = list(rows.values())
                 write_results(res, args.json)
     finally:
         be.close()
-    if provider.name == "CUDAExecutionProvider":
+    if cuda:
+        free = device_free()
         be = OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"}))
         try:
             for batch, context in shapes:
@@ -434,9 +446,13 @@ def main() -> int:
                                                                     kernels.get((batch, context)))
                 except Exception as e:  # noqa: BLE001
                     rows[batch, context]["replay"], status = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
+                res.setdefault("replay_backend_device_GB", (free - device_free()) / 1e9)
                 write_results(res, args.json)
         finally:
             be.close()
+    for key in ("eager_backend_device_GB", "replay_backend_device_GB"):
+        if key in res:
+            print(f"{key}: {res[key]:.2f}")
     for row in rows.values():
         if "error" in row["eager"]:
             print(f"\nbatch {row['batch']} context {row['context']}: {row['eager']['error'][:300]}")
