@@ -250,17 +250,18 @@ def _fill_pools(be, seed: int = 0) -> None:
             t.normal_(0.0, 1.0, generator=g)
 
 
-def swap_decode(be, form: str, options=None, model: bytes | None = None) -> None:
+def swap_decode(be, form: str, options=None, model: bytes | None = None, graph=None) -> None:
     """Replace ``be``'s decode session of ``form`` by one opened with ``options`` (e.g. ORT's profiler on) and / or
-    running ``model`` (a variant of the same graph, its weights from the artifact's folder), on the same pools and
-    the backend's shared weights (the old one closed first)."""
+    running ``model`` (a variant of the same graph, its weights from the artifact's folder; ``graph``: its
+    signature where it has more outputs), on the same pools and the backend's shared weights (the old one closed
+    first)."""
     from m3export.plugins.onnxruntime.session import PagedSession
 
     pages = next(iter(be._main.pool_tensors.values())).shape[0]
     be._decodes.pop(form).close()
     record = be.artifact.manifest.flavours[be._decode_flavours[form]]["model"]
-    new = PagedSession(be.artifact.root / record["file"], be.artifact.graphs["model"], providers=be._decode_provider,
-                       options=options, model=model, weights=be._weights)
+    new = PagedSession(be.artifact.root / record["file"], graph or be.artifact.graphs["model"],
+                       providers=be._decode_provider, options=options, model=model, weights=be._weights)
     new.allocate(pages, pools_of=be._main)
     be._decodes[form] = new
 

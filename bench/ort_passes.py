@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,17 +33,18 @@ from ort_kernels import swap_decode  # noqa: E402  (bench/ort_kernels.py)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
 VARIANTS = {"none": (), "rms_norm": ("rms_norm",), "rope": ("rope",), "both": ("rms_norm", "rope")}
+TAPPED = ("router_input.", "router_experts.")  # router_taps' output prefixes
 
 
-def variant_bytes(path: Path, passes: tuple[str, ...]) -> tuple[bytes, dict]:
-    """The graph at ``path`` (its external weights left where they are) with ``passes`` applied, serialised, and
-    how many nodes each pass rewrote."""
+def variant_bytes(source: bytes, passes: tuple[str, ...]) -> tuple[bytes, dict]:
+    """The serialised graph ``source`` (its external weights left where they are) with ``passes`` applied,
+    serialised, and how many nodes each pass rewrote."""
     import onnx
 
     from m3export.export.compact_rope import compact_ropes
     from m3export.export.fused_norms import fuse_rms_norms
 
-    model = onnx.load(str(path), load_external_data=False)
+    model = onnx.load_from_string(source)
     counts = {}
     if "rms_norm" in passes:
         model, counts["rms_norm"] = fuse_rms_norms(model)
@@ -67,6 +69,46 @@ def step_batch(art, batch: int, context: int, device: str):
     segments = [Segment(list(range(s, s + n)), c, [t]) for s, n, c, t in zip(starts, need, contexts, tokens)]
     ids, b = build_batch(segments, page)
     return ids, b, sum(need)
+
+
+def capture_outputs(session) -> dict:
+    """A dict that holds ``session``'s outputs of its last step (the backend keeps only logits and hidden state)."""
+    captured: dict = {}
+    run = session.run_torch
+
+    def run_torch(feeds):
+        out = run(feeds)
+        captured.update(out)
+        return out
+
+    session.run_torch = run_torch
+    return captured
+
+
+def routing(taps, seen: dict[str, dict], batch: int, top_k: int) -> dict:
+    """Per MoE layer, from each variant's tapped router inputs and chosen expert ids (``router_taps``): the tokens
+    whose chosen experts differ from the no-pass graph's, and the no-pass graph's routing margin (float64: the
+    k-th largest biased score less the next, from its own router input) at each of them and over all tokens. A
+    change at a margin of a few 1e-3 or less is a near-tie a rounding may flip; at a wide margin it is not."""
+    out = {}
+    for tap in taps:
+        if tap.experts is None:
+            continue
+        x = seen["none"][tap.output][:batch].double().cpu().numpy()
+        scores = 1 / (1 + np.exp(-(x @ tap.weight.T))) + tap.bias  # [T, E]
+        ranked = -np.sort(-scores, axis=1)
+        margin = ranked[:, top_k - 1] - ranked[:, top_k]
+        mine = {t: set(seen["none"][tap.experts][t].tolist()) for t in range(batch)}
+        layer = {"min_margin": float(margin.min())}
+        for name in seen:
+            if name == "none":
+                continue
+            moved = [t for t in range(batch) if set(seen[name][tap.experts][t].tolist()) != mine[t]]
+            layer[name] = {"tokens_rerouted": moved, "margins_there": [float(margin[t]) for t in moved],
+                           "max_abs_router_input_diff": float((seen[name][tap.output][:batch].float() -
+                                                               seen["none"][tap.output][:batch].float()).abs().max())}
+        out[tap.module] = layer
+    return out
 
 
 def compare(logits: dict[str, torch.Tensor], torch_logits: torch.Tensor) -> dict:
@@ -97,6 +139,7 @@ def main() -> int:
 
     from m3export.export.artifact import load_artifact
     from m3export.export.decode_graph import moe_form
+    from m3export.export.router_taps import tap_router_inputs
     from m3export.plugins.onnxruntime.providers import parse_provider, require
     from m3export.runtime.backends import create_backend
     from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
@@ -129,14 +172,19 @@ def main() -> int:
                 form = moe_form(batch, cfg.num_experts_per_tok, cfg.num_local_experts)
                 form = form if form in be._decodes else "per-assignment"
                 record = art.manifest.flavours[be._decode_flavours[form]]["model"]
-                logits, rewritten = {}, {}
+                # every MoE node's router input and chosen experts as extra outputs (the same nodes otherwise)
+                tapped = tap_router_inputs(art, "model", path=art.root / record["file"])
+                logits, rewritten, seen = {}, {}, {}
                 for name, passes in VARIANTS.items():
-                    model, rewritten[name] = variant_bytes(art.root / record["file"], passes)
-                    swap_decode(be, form, model=model)
+                    model, rewritten[name] = variant_bytes(tapped.model, passes)
+                    swap_decode(be, form, model=model, graph=tapped.graph)
+                    outputs = capture_outputs(be._decodes[form])
                     lx, _ = be.forward(ids, b, rows)
                     logits[name] = lx.float().cpu()
+                    seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith(TAPPED)}
             row = {"batch": batch, "contexts": b.positions.tolist(), "moe_form": form, "rewritten": rewritten,
-                   "logit_scale": float(lt.abs().max()), **compare(logits, lt.float().cpu())}
+                   "logit_scale": float(lt.abs().max()), **compare(logits, lt.float().cpu()),
+                   "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok)}
             res["rows"].append(row)
             write_results(res, args.json)
             print(f"\nbatch {batch} ({form}), logits up to {row['logit_scale']:.3g}:")
@@ -146,6 +194,9 @@ def main() -> int:
                       f"  vs torch {r['max_abs_diff_vs_torch']:9.3g}  greedy vs none "
                       f"{'same' if r['greedy_same_as_none'] else 'DIFFERENT'}, vs torch "
                       f"{'same' if r['greedy_same_as_torch'] else 'DIFFERENT'}")
+            for module, layer in row["routing"].items():
+                moved = {n: layer[n]["tokens_rerouted"] for n in VARIANTS if n != "none" and n in layer}
+                print(f"  {module}: min routing margin {layer['min_margin']:.3g}; tokens rerouted vs none {moved}")
             status |= int(not row["rope"]["bit_equal_to_none"])
     finally:
         be.close()

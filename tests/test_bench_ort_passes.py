@@ -1,6 +1,7 @@
 """bench/ort_passes.py on the CPU EP (tiny fp32 artifact): each pass rewrites the artifact's own decode graph (23
 norms, 14 rotations), the RoPE variant is bit-equal to the no-pass graph, the RMSNorm variant within its bound
-(``tests/test_ort_fused_norms_decode.py``'s), and the torch backend agrees with all of them."""
+(``tests/test_ort_fused_norms_decode.py``'s), the torch backend agrees with all of them, and the router taps report
+each MoE layer's routing, unchanged by either pass here."""
 
 from __future__ import annotations
 
@@ -30,3 +31,9 @@ def test_cpu_run_rewrites_and_compares_each_pass(tiny_artifact, tmp_path):  # no
         assert all(r[n]["greedy_same_as_none"] and r[n]["greedy_same_as_torch"] for n in ("none", "rms_norm", "rope",
                                                                                        "both"))
         assert r["none"]["max_abs_diff_vs_torch"] <= 1e-5 * r["logit_scale"]
+        # the router taps of the decode graph: one per MoE layer (the tiny model's 3), no token rerouted in fp32
+        assert len(r["routing"]) == 3, r["routing"]
+        for layer in r["routing"].values():
+            assert layer["min_margin"] > 0 and all(layer[n]["tokens_rerouted"] == [] for n in ("rms_norm", "rope",
+                                                                                                 "both"))
+            assert layer["rope"]["max_abs_router_input_diff"] == 0  # the RoPE pass is exact

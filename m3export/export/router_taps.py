@@ -19,6 +19,7 @@ to. The body's nodes are unchanged; an internal value only becomes visible.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -54,16 +55,17 @@ class TappedGraph:
     taps: list[RouterTap]
 
 
-def tap_router_inputs(artifact, name: str) -> TappedGraph:
+def tap_router_inputs(artifact, name: str, path: Path | None = None) -> TappedGraph:
     """Graph ``name`` of ``artifact`` with every ``m3`` MoE node's router input also an output (module docstring).
-    A graph without MoE nodes comes back with no taps."""
+    A graph without MoE nodes comes back with no taps. ``path``: another file of that graph (a flavour's, e.g.
+    the decode graph: the same nodes, inputs and outputs) to tap instead of the artifact's own."""
     try:
         import onnx_graphsurgeon as gs
     except ImportError as e:
         raise BackendUnavailable("verify reads ONNX Runtime's router inputs through a graph copy made with "
                                  "onnx-graphsurgeon: pip install onnx-graphsurgeon") from e
 
-    path = artifact.path(name)
+    path = artifact.path(name) if path is None else Path(path)
     proto = onnx.load(str(path), load_external_data=False)
     graph = gs.import_onnx(proto)
     info = artifact.graphs[name]
