@@ -258,6 +258,13 @@ PREFILL_WS = {
     "prefill_ws_bm256_down128_s3c3_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
                                                      GROUP_M=8, num_warps=8, STAGES=3, CONV_STAGES=3, MX_MODE=3,
                                                      WS=1, PERSISTENT=1),
+    # ... with 4 loaded and 3 converted slots (208 KB), and with groups of 16 row blocks.
+    "prefill_ws_bm256_down128_s4c3_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                     GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=3, MX_MODE=3,
+                                                     WS=1, PERSISTENT=1),
+    "prefill_ws_bm256_down128_s4c2_group16_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128,
+                                                             BLOCK_K=64, GROUP_M=16, num_warps=8, STAGES=4,
+                                                             CONV_STAGES=2, MX_MODE=3, WS=1, PERSISTENT=1),
 }
 NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **LINEAR_ROUND6,
          **PREFILL_ROUND4, **PREFILL_ROUND5, **PREFILL_ROUND6, **PREFILL_WS}

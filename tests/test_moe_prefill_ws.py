@@ -54,6 +54,14 @@ def _mini_case(tokens: int, experts: int, seed: int):
     return (x, router, bias, q13, s13, q2, s2, *shared13, *shared2)
 
 
+@functools.lru_cache(maxsize=2)
+def _references(tokens: int, experts: int, seed: int):
+    """The bf16 reference and its float64 evaluation on ``_mini_case``'s arguments, once per shape."""
+    args = list(_mini_case(tokens, experts, seed))
+    attrs = (TOP_K, SCALING, ALPHA, LIMIT)
+    return ref.moe_mxfp8_reference(*args, *attrs), ref.moe_mxfp8_reference(*_as64(args), *attrs)
+
+
 def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
     """``_gemm_ws`` compiled for sm_90 as ``moe_prefill_ws._launch`` specialises it at the mini dims."""
     from triton.backends.compiler import GPUTarget
@@ -192,8 +200,7 @@ def test_gpu_ws_layer_mini_dims(name, tokens, experts):
     # experts (the bench's shape at 4k), against the float64 reference with _close's bound.
     args = list(_mini_case(tokens, experts, 72))
     attrs = (TOP_K, SCALING, ALPHA, LIMIT)
-    want = ref.moe_mxfp8_reference(*args, *attrs)
-    want64 = ref.moe_mxfp8_reference(*_as64(args), *attrs)
+    want, want64 = _references(tokens, experts, 72)
     got = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=dict(PREFILL_WS[name]))
     _close(got, want, want64)
 
