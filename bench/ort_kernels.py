@@ -231,6 +231,10 @@ def replay_summary(graphs: list[list[dict]], step_ms: float, eager: list[dict] |
     out = {"replays": len(graphs), "kernels": med([len(r) for r in graphs]), "busy_ms": busy, "span_ms": span,
            "gaps_ms": span - busy, "gap_us_per_kernel": (span - busy) * 1e3 / max(med([len(r) for r in graphs]), 1),
            "step_ms": step_ms, "outside_graph_ms": step_ms - span}
+    # the replayed kernels by name, without nodes (what the graph runs, whether or not it is the eager order)
+    own = tables([{"kernel": kernel_name(g["name"]), "family": family(g["name"]), "node": None, "op": None,
+                   "origin": "replay", "dur": g["dur"], "start": g["start"]} for r in graphs for g in r], len(graphs))
+    out["by_family"], out["by_kernel"] = own["by_family"], own["by_kernel"]
     if eager:
         first_step = [k for k in eager if k["step"] == 0]
         same = [r for r in graphs if [kernel_name(g["name"]) for g in r] == [k["kernel"] for k in first_step]]
@@ -385,6 +389,11 @@ def print_row(r: dict) -> None:
         for x in g[key][:15]:
             k = " / ".join(x["key"]) if isinstance(x["key"], list) else x["key"]
             print(f"    {x['us_per_step']:9.1f} us {x['share']:6.1%} x{x['count_per_step']:<6.0f} {k[:110]}")
+    for title, key in (("per kernel family", "by_family"), ("per kernel", "by_kernel")):
+        if key in rp:
+            print(f"  {title} (replayed kernel times):")
+            for x in rp[key][:15]:
+                print(f"    {x['us_per_step']:9.1f} us {x['share']:6.1%} x{x['count_per_step']:<6.0f} {x['key'][:110]}")
 
 
 def main() -> int:

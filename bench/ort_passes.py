@@ -21,6 +21,7 @@ expert (a large difference in one row).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -85,21 +86,55 @@ def capture_outputs(session) -> dict:
     return captured
 
 
-def routing(taps, seen: dict[str, dict], batch: int, top_k: int) -> dict:
+@contextlib.contextmanager
+def torch_router_inputs(model):
+    """A dict filled, while the block runs, with each MoE module's input (its router's input ``x``) by module name,
+    from forward pre-hooks (an eager forward: a replayed graph runs no hook)."""
+    from m3export.model.mlp import MoE
+
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__(name, args[0].detach().clone()))
+             for name, m in model.named_modules() if isinstance(m, MoE)]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _route(tap, x: torch.Tensor, top_k: int) -> tuple[list[set], np.ndarray]:
+    """The experts a router input ``x`` [T, H] chooses (float64, the tap's own weight and bias) and the margin of
+    each token's choice (the k-th largest biased score less the next)."""
+    scores = 1 / (1 + np.exp(-(x.double().cpu().numpy() @ tap.weight.T))) + tap.bias  # [T, E]
+    order = np.argsort(-scores, axis=1, kind="stable")
+    ranked = np.take_along_axis(scores, order, axis=1)
+    return [set(r[:top_k].tolist()) for r in order], ranked[:, top_k - 1] - ranked[:, top_k]
+
+
+def routing(taps, seen: dict[str, dict], batch: int, top_k: int, torch_x: dict | None = None) -> dict:
     """Per MoE layer, from each variant's tapped router inputs and chosen expert ids (``router_taps``): the tokens
     whose chosen experts differ from the no-pass graph's, and the no-pass graph's routing margin (float64: the
     k-th largest biased score less the next, from its own router input) at each of them and over all tokens. A
-    change at a margin of a few 1e-3 or less is a near-tie a rounding may flip; at a wide margin it is not."""
+    change at a margin of a few 1e-3 or less is a near-tie a rounding may flip; at a wide margin it is not.
+    ``torch_x`` (the torch backend's router inputs by module, ``torch_router_inputs``): the same against the torch
+    backend, whose experts are recomputed from its own input, and how far the two router inputs are apart (where
+    the two backends' hidden states part, layer by layer)."""
     out = {}
     for tap in taps:
         if tap.experts is None:
             continue
-        x = seen["none"][tap.output][:batch].double().cpu().numpy()
-        scores = 1 / (1 + np.exp(-(x @ tap.weight.T))) + tap.bias  # [T, E]
-        ranked = -np.sort(-scores, axis=1)
-        margin = ranked[:, top_k - 1] - ranked[:, top_k]
+        _, margin = _route(tap, seen["none"][tap.output][:batch], top_k)
         mine = {t: set(seen["none"][tap.experts][t].tolist()) for t in range(batch)}
         layer = {"min_margin": float(margin.min())}
+        if torch_x is not None and tap.module in torch_x:
+            tx = torch_x[tap.module][:batch]
+            theirs, their_margin = _route(tap, tx, top_k)
+            moved = [t for t in range(batch) if theirs[t] != mine[t]]
+            layer["torch"] = {"tokens_rerouted": moved, "margins_there": [float(margin[t]) for t in moved],
+                              "torch_margins_there": [float(their_margin[t]) for t in moved],
+                              "max_abs_router_input_diff": float((tx.float().cpu() - seen["none"][tap.output][
+                                  :batch].float().cpu()).abs().max()),
+                              "router_input_scale": float(tx.float().abs().max())}
         for name in seen:
             if name == "none":
                 continue
@@ -119,8 +154,9 @@ def compare(logits: dict[str, torch.Tensor], torch_logits: torch.Tensor) -> dict
     for name, lx in logits.items():
         per_row = (lx - none).abs().amax(-1)
         rows = [int(r) for r in per_row.argsort(descending=True) if per_row[r] > 0]
+        vs_torch = (lx - torch_logits).abs().amax(-1)
         out[name] = {"max_abs_diff_vs_none": float(per_row.max()),
-                     "max_abs_diff_vs_torch": float((lx - torch_logits).abs().max()),
+                     "max_abs_diff_vs_torch": float(vs_torch.max()), "row_diffs_vs_torch": vs_torch.tolist(),
                      "rows_differing_from_none": rows, "row_diffs_vs_none": [float(per_row[r]) for r in rows],
                      "bit_equal_to_none": bool(torch.equal(lx, none)),
                      "greedy_same_as_none": bool(torch.equal(lx.argmax(-1), none.argmax(-1))),
@@ -150,9 +186,10 @@ def main() -> int:
     device = provider.device
     cfg, page = art.config, art.page_size
     res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "provider": str(provider), "rows": []}
+    # the torch backend run eagerly on the padded shapes a graph sees (the same kernels as its graphs; eager so
+    # that a hook sees each MoE module's input: ``torch_router_inputs``)
     torch_be = create_backend("torch", args.artifact, device=device)
-    if not isinstance(torch_be, GraphedTorchBackend):  # the CPU: the class the GPU gets (its scratch page)
-        torch_be = GraphedTorchBackend(torch_be.model, torch_be.dtype, use_graphs=False, pad_eagerly=True)
+    torch_be = GraphedTorchBackend(torch_be.model, torch_be.dtype, use_graphs=False, pad_eagerly=True)
     be = OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True)
     status = 0
     try:
@@ -166,7 +203,7 @@ def main() -> int:
                     pool.normal_(0.0, 1.0, generator=g)
             fill_ort_pools(be, torch_be)
             rows = torch.arange(batch)
-            with torch.no_grad():
+            with torch.no_grad(), torch_router_inputs(torch_be.model) as torch_x:
                 lt, _ = torch_be.forward(ids.to(device), b.to(device), rows.to(device))
                 be.forward(ids, b, rows)  # opens this batch's MoE form
                 form = moe_form(batch, cfg.num_experts_per_tok, cfg.num_local_experts)
@@ -184,7 +221,7 @@ def main() -> int:
                     seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith(TAPPED)}
             row = {"batch": batch, "contexts": b.positions.tolist(), "moe_form": form, "rewritten": rewritten,
                    "logit_scale": float(lt.abs().max()), **compare(logits, lt.float().cpu()),
-                   "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok)}
+                   "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok, torch_x)}
             res["rows"].append(row)
             write_results(res, args.json)
             print(f"\nbatch {batch} ({form}), logits up to {row['logit_scale']:.3g}:")
@@ -194,9 +231,13 @@ def main() -> int:
                       f"  vs torch {r['max_abs_diff_vs_torch']:9.3g}  greedy vs none "
                       f"{'same' if r['greedy_same_as_none'] else 'DIFFERENT'}, vs torch "
                       f"{'same' if r['greedy_same_as_torch'] else 'DIFFERENT'}")
+            print(f"  rows vs torch (no-pass graph): {[round(v, 3) for v in row['none']['row_diffs_vs_torch']]}")
             for module, layer in row["routing"].items():
                 moved = {n: layer[n]["tokens_rerouted"] for n in VARIANTS if n != "none" and n in layer}
-                print(f"  {module}: min routing margin {layer['min_margin']:.3g}; tokens rerouted vs none {moved}")
+                t = layer.get("torch", {})
+                print(f"  {module}: min routing margin {layer['min_margin']:.3g}; tokens rerouted vs none {moved}; "
+                      f"vs torch {t.get('tokens_rerouted')} (margins {[f'{m:.2g}' for m in t.get('margins_there', [])]}"
+                      f", router inputs {t.get('max_abs_router_input_diff', float('nan')):.3g} apart)")
             status |= int(not row["rope"]["bit_equal_to_none"])
     finally:
         be.close()

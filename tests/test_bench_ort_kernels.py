@@ -112,6 +112,7 @@ def test_replay_gaps_and_its_kernels_mapped_to_the_eager_nodes():
     assert abs(s["busy_ms"] - 0.012) < 1e-12 and abs(s["span_ms"] - 0.018) < 1e-12
     assert abs(s["gap_us_per_kernel"] - 1.5) < 1e-9 and abs(s["outside_graph_ms"] - 0.012) < 1e-12
     assert s["replays_matching_eager_order"] == 2
+    assert sum(r["count_per_step"] for r in s["by_kernel"]) == 4 and s["by_kernel"][0]["us_per_step"] == 3.0
     assert {r["key"]: r["us_per_step"] for r in s["replay_by_origin"]} == {"MoE": 9.0, "graph": 3.0}
     ggpu[0]["name"] = "void other_kernel(x)"  # the first replay's order differs from the eager step's
     s = ort_kernels.replay_summary(ort_kernels.replays(glaunch, ggpu, linked), 0.030, eager)

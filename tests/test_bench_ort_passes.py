@@ -37,3 +37,6 @@ def test_cpu_run_rewrites_and_compares_each_pass(tiny_artifact, tmp_path):  # no
             assert layer["min_margin"] > 0 and all(layer[n]["tokens_rerouted"] == [] for n in ("rms_norm", "rope",
                                                                                                  "both"))
             assert layer["rope"]["max_abs_router_input_diff"] == 0  # the RoPE pass is exact
+            # the torch backend's router inputs (hooks) within fp32 rounding of ORT's, the same experts chosen
+            t = layer["torch"]
+            assert t["tokens_rerouted"] == [] and t["max_abs_router_input_diff"] <= 1e-5 * t["router_input_scale"], t
