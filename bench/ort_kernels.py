@@ -49,8 +49,10 @@ from ort_step_host import node_origin  # noqa: E402  (bench/ort_step_host.py: gr
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
 # host calls that put work on a stream (CUDA runtime and driver API names as CUPTI reports them)
-LAUNCHES = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchKernelExC|LaunchCooperativeKernel|MemcpyAsync|Memcpy2DAsync|"
-                      r"MemsetAsync|MemsetD8Async|MemsetD32Async|Memcpy|Memset|GraphLaunch)(_v\d+|_ptsz)?$")
+# (cuBLAS's sm90 GEMMs launch through the driver's cuLaunchKernelEx, cluster launches: missing it once left the
+# step's large GEMMs unattributed)
+LAUNCHES = re.compile(r"^(cuda|cu)(LaunchKernel(Ex|ExC)?|LaunchCooperativeKernel(Multi\w*)?|Memcpy\w*Async|"
+                      r"Memset\w*Async|Memcpy|Memset|GraphLaunch)(_v\d+|_ptsz)*$")
 GRAPH_LAUNCH = re.compile(r"^(cuda|cu)GraphLaunch")
 
 
@@ -336,6 +338,10 @@ def eager_profile(be, batch: int, context: int, steps: int, tmp: Path) -> tuple[
              if any(k["step"] == s for k in kernels)]
     res["gpu"] = {"linked_by": how, "clock_shift_us": shift / 1e3, "launches_in_nodes": inside,
                   "activities": len(gpu), "attributed": len(kernels),
+                  # GPU activities whose launch was not found (a launch call LAUNCHES does not name): per step
+                  "unlinked": tables([{"kernel": kernel_name(g["name"]), "family": family(g["name"]), "node": None,
+                                       "op": None, "origin": "unlinked", "dur": g["dur"], "start": g["start"]}
+                                      for g, x in zip(gpu, linked) if x is None], steps, top=10)["by_kernel"],
                   "eager_span_ms": float(np.median(spans)) if spans else None, **tables(kernels, steps)}
     return res, kernels
 
@@ -363,7 +369,7 @@ def replay_profile(be, batch: int, context: int, steps: int, reps: int, eager: l
 
 def print_row(r: dict) -> None:
     g = r["eager"]["gpu"]
-    print(f"\nbatch {r['batch']} context {r['context']} ({r['eager']['moe_form']}): "
+    print(f"\nbatch {r['batch']} context {r['context']} ({r['eager']['moe_form']}, {r['eager']['flavour']}): "
           f"{r['eager']['nodes_per_step']:.0f} ORT nodes per step ({r['eager']['cpu_ep_nodes_per_step']:.0f} on the "
           f"CPU EP)")
     if "busy_ms_per_step" not in g:
@@ -396,6 +402,24 @@ def print_row(r: dict) -> None:
                 print(f"    {x['us_per_step']:9.1f} us {x['share']:6.1%} x{x['count_per_step']:<6.0f} {x['key'][:110]}")
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in shape.split("x")) for shape in text.split(",") if shape]
+
+
+def force_moe_form(be, form: str | None):
+    """``be`` (no pools yet) running every decode step through MoE form ``form``'s decode graph (None: as it
+    picks, ``decode_graph.moe_form``): each form's flavour mapped to ``form``'s, open decode sessions reopened."""
+    if form is None:
+        return be
+    flavour = be._decode_flavours[form]
+    for f in be._decode_flavours:
+        be._decode_flavours[f] = flavour
+    for f in list(be._decodes):
+        be._decodes[f].close()
+        be._decodes[f] = be._open_decode(f)
+    return be
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--artifact", required=True, help="exported artifact with decode graphs (`mini` bf16 on the H200)")
@@ -403,6 +427,9 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x4096,8x4096", help="batch x context pairs (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per shape and way (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per shape (default: %(default)s)")
+    ap.add_argument("--all-experts-shapes", default="",
+                    help="shapes profiled again with every decode step through the all-experts MoE form (the "
+                         "backend picks per-assignment for small batches, decode_graph.moe_form)")
     ap.add_argument("--json", default=str(RESULTS / "ort_kernels_h200.json"))
     args = ap.parse_args()
 
@@ -419,7 +446,6 @@ def main() -> int:
     res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "onnxruntime": onnxruntime.__version__,
            "provider": str(provider), "device": torch.cuda.get_device_name() if provider.device != "cpu" else "cpu",
            "rows": []}
-    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     rows, kernels, status = {}, {}, 0
     cuda = provider.name == "CUDAExecutionProvider"
 
@@ -429,37 +455,48 @@ def main() -> int:
         torch.cuda.synchronize()
         return torch.cuda.mem_get_info(torch.device(provider.device))[0]
 
-    # one phase per way, one backend each (an eager one and a replaying one would hold two copies of the weights);
-    # the device memory each backend took after its first shape (sessions, shared weights, pools, workspaces)
-    free = device_free()
-    be = OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="ort_kernels_") as tmp:
-            for batch, context in shapes:
-                row = rows[batch, context] = {"batch": batch, "context": context}
-                try:
-                    row["eager"], kernels[batch, context] = eager_profile(be, batch, context, args.steps, Path(tmp))
-                except Exception as e:  # noqa: BLE001 - ORT and torch raise their own types: a row to report
-                    row["eager"], status = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
-                res.setdefault("eager_backend_device_GB", (free - device_free()) / 1e9)
-                res["rows"] = list(rows.values())
-                write_results(res, args.json)
-    finally:
-        be.close()
-    if cuda:
+    def phases(shapes: list[tuple[int, int]], form: str | None) -> None:
+        """The eager then the replayed profiles of ``shapes``, one backend each (both at once would hold two sets
+        of sessions); ``form``: every decode step through that MoE form's decode graph (``force_moe_form``)."""
+        nonlocal status
+        label = form or "by batch"
         free = device_free()
-        be = OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"}))
+        be = force_moe_form(OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True), form)
+        try:
+            with tempfile.TemporaryDirectory(prefix="ort_kernels_") as tmp:
+                for batch, context in shapes:
+                    row = rows[batch, context, label] = {"batch": batch, "context": context, "moe_form_asked": label}
+                    try:
+                        row["eager"], kernels[batch, context, label] = eager_profile(be, batch, context, args.steps,
+                                                                                     Path(tmp))
+                    except Exception as e:  # noqa: BLE001 - ORT and torch raise their own types: a row to report
+                        row["eager"], status = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
+                    res.setdefault("eager_backend_device_GB", (free - device_free()) / 1e9)
+                    res["rows"] = list(rows.values())
+                    write_results(res, args.json)
+        finally:
+            be.close()
+        if not cuda:
+            return
+        free = device_free()
+        be = force_moe_form(OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"})),
+                            form)
         try:
             for batch, context in shapes:
                 try:
-                    rows[batch, context]["replay"] = replay_profile(be, batch, context, args.steps, args.reps,
-                                                                    kernels.get((batch, context)))
+                    rows[batch, context, label]["replay"] = replay_profile(
+                        be, batch, context, args.steps, args.reps, kernels.get((batch, context, label)))
                 except Exception as e:  # noqa: BLE001
-                    rows[batch, context]["replay"], status = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
+                    rows[batch, context, label]["replay"], status = {"error": f"{type(e).__name__}: {e}"[:2000]}, 1
                 res.setdefault("replay_backend_device_GB", (free - device_free()) / 1e9)
                 write_results(res, args.json)
         finally:
             be.close()
+
+    # the device memory each backend took after its first shape (sessions, shared weights, pools, workspaces)
+    phases(parse_shapes(args.shapes), None)
+    if args.all_experts_shapes:
+        phases(parse_shapes(args.all_experts_shapes), "all-experts")
     for key in ("eager_backend_device_GB", "replay_backend_device_GB"):
         if key in res:
             print(f"{key}: {res[key]:.2f}")

@@ -127,7 +127,9 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
       export) step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib \
           --lower "$LOWER" --out /tmp/ortgpu-art/big --force ;;
       kernels) step kernel_profile "${KERNELS_LIMIT:-240}" python3 bench/ort_kernels.py --artifact /tmp/ortgpu-art/big \
-          --provider "$PROVIDER" --shapes "${KERNEL_SHAPES:-1x4096,8x4096}" --json "$OUT/ort_kernels_h200.json" ;;
+          --provider "$PROVIDER" --shapes "${KERNEL_SHAPES:-1x4096,8x4096}" \
+          --all-experts-shapes "${KERNEL_ALL_EXPERTS_SHAPES-1x4096}" --steps "${KERNEL_STEPS:-5}" \
+          --json "$OUT/ort_kernels_h200.json" ;;
       passes_mini) step passes_mini 150 python3 bench/ort_passes.py --artifact /tmp/ortgpu-art/big \
           --provider "$PROVIDER" --json "$OUT/ort_passes_h200.json" ;;
       bench) step bench_decode 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" \

@@ -122,13 +122,25 @@ def test_replay_gaps_and_its_kernels_mapped_to_the_eager_nodes():
 def test_cpu_run_reports_the_decode_graph_nodes(tiny_artifact, tmp_path):  # noqa: F811
     out = tmp_path / "k.json"
     run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
-                          "--shapes", "1x40,2x30", "--steps", "2", "--json", str(out)],
+                          "--shapes", "1x40,2x30", "--all-experts-shapes", "1x40", "--steps", "2", "--json", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["batch"], r["context"]) for r in rows] == [(1, 40), (2, 30)]
+    assert [(r["batch"], r["context"], r["moe_form_asked"]) for r in rows] == [
+        (1, 40, "by batch"), (2, 30, "by batch"), (1, 40, "all-experts")]
+    # a batch of 1 takes the per-assignment graph unless the all-experts one is forced on it
+    assert [r["eager"]["flavour"] for r in rows] == ["decode", "decode-all-experts", "decode-all-experts"]
     for r in rows:
         # the tiny decode graph inlines its m3 bodies: hundreds of nodes a step, all on the CPU EP here
         eager = r["eager"]
         assert eager["nodes_per_step"] > 300 and eager["cpu_ep_nodes_per_step"] == eager["nodes_per_step"]
-    assert rows[0]["eager"]["moe_form"] == "per-assignment" and rows[1]["eager"]["moe_form"] == "all-experts"
+
+
+def test_every_launch_call_is_a_launch():
+    """The calls that put work on a stream, by the names CUPTI gives them (cuBLAS's sm90 GEMMs go through the
+    driver's cuLaunchKernelEx), and not the calls that only wait or record."""
+    for name in ("cudaLaunchKernel", "cudaLaunchKernelExC_v11060", "cuLaunchKernel", "cuLaunchKernelEx",
+                 "cudaMemcpyAsync", "cuMemcpyHtoDAsync_v2", "cudaMemsetAsync", "cudaGraphLaunch_v10000"):
+        assert ort_kernels.LAUNCHES.match(name), name
+    for name in ("cudaStreamSynchronize", "cudaEventRecord", "cudaStreamWaitEvent", "cudaGetDevice"):
+        assert not ort_kernels.LAUNCHES.match(name), name
