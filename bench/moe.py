@@ -41,7 +41,7 @@ ALPHA, LIMIT, SCALING = 1.702, 7.0, 2.0
 # Tile variants tried when --sweep is on, next to the launcher's default (config None: moe.default_config, the
 # winners of rounds 2-4 of the sweep, the last 2026-12-01 03:40 UTC, commit a2ec016), each with its own error
 # against the oracle; a variant equal to the default at that shape is not run twice. MX_MODE 1 broadcasts one scale
-# per 32 columns, 2 is tl.dot_scaled, 3 converts E4M3 by integer operations (moe._e4m3_tile_bf16, TMA tiles only);
+# per 32 columns, 2 is tl.dot_scaled (3, the integer conversion, is refused: moe._check_tma says why);
 # GU_FUSED 1 makes the gate and up tiles one dot of twice the width (moe._gate_up); GEMV is the
 # CUDA-core path of moe_gemv.py (one program per token and expert); PREFETCH loads GEMV K steps ahead in registers,
 # PIPELINE S names the GEMV K loop's stages so that Triton copies the next S - 1 steps into shared memory with
@@ -213,11 +213,10 @@ PREFILL_ROUND4 = {
 # for the down GEMM alone (moe._launch_down BLOCK_N_DOWN): at BN 64 each row block's activations are re-read by 96
 # N tiles of H (~46 GB through L2 at 16k), and _down ran at 165 TFLOP/s against _gate_up's 311; its MMA is then
 # the 256 x 128 of the gate-up tile (sm_90: 211-228 registers there, no spills). bf16: round 4's second (the
-# 128 x 256 GU_FUSED tile, 20.8 ms at 16k without TMA) with TMA.
+# 128 x 256 GU_FUSED tile, 20.8 ms at 16k without TMA) with TMA. (1) and (2) are gone with MX_MODE 3: they lost to
+# the defaults (10.70 against 10.53 ms at 4k, 31.05 against 25.48 at 16k) and its pipelined loop races on the
+# wgmma's register operand (moe._check_tma).
 PREFILL_ROUND5 = {
-    "prefill_bm64_gu_group8_tma_int": dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1, MX_MODE=3),
-    "prefill_bm256_gu_w8_group8_tma_int": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1,
-                                               MX_MODE=3),
     "prefill_bm128_gu_group8_tma": dict(BLOCK_M=128, GU_FUSED=1, GROUP_M=8, TMA=1),
     "prefill_bm256_gu_w8_group8_tma_down128": dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8,
                                                    TMA=1, BLOCK_N_DOWN=128),
@@ -230,7 +229,7 @@ PREFILL_ROUND5 = {
 # integer conversion into the MMA's shared-memory operand (MX_MODE 4) and the down activations by TMA (ACT_TMA)
 # were slower in every pairing (26.01-33.67 ms) and are removed from the kernels with their variants. The integer
 # conversion in registers (MX_MODE 3) with 128-wide down tiles gave wrong outputs on the H200 (inf or off by 42 in
-# tests/test_moe_prefill_round6.py, not in every run: the launcher now refuses that combination). What is left:
+# tests/test_moe_prefill_round6.py, not in every run: a register race, moe._check_tma, refused since). What is left:
 # X_TMA 1, gate-up's activation tile by TMA from a copy of the routed rows gathered into block order
 # (moe._launch_gate_up; ~0.3 ms and 0.8 GB at 16k), which took 28.74 -> 28.41 ms on a removed tile, here on the two
 # defaults. Swept by name (--prefill-variants, MXFP8 weights; not in PREFILL_SWEEP), checked like every variant
@@ -286,9 +285,7 @@ TC_DECODE_SWEEP = [PREVIOUS_DEFAULTS["tc16_bn32_unfused"], PREVIOUS_DEFAULTS["tc
 PREFILL_SWEEP = {
     "mxfp8": [PREVIOUS_DEFAULTS["prefill_bm64_gu"], PREVIOUS_DEFAULTS["prefill_bm128_bn128"],
               PREFILL_ROUND4["prefill_bm64_gu_group8_tma"], PREFILL_ROUND4["prefill_bm256_gu_w8_group8_tma"],
-              *(PREFILL_ROUND5[name] for name in ("prefill_bm64_gu_group8_tma_int",
-                                                  "prefill_bm256_gu_w8_group8_tma_int",
-                                                  "prefill_bm128_gu_group8_tma",
+              *(PREFILL_ROUND5[name] for name in ("prefill_bm128_gu_group8_tma",
                                                   "prefill_bm256_gu_w8_group8_tma_down128"))],
     "bf16": [PREVIOUS_DEFAULTS["prefill_bm128"], PREFILL_ROUND4["prefill_bm128_bn128_group8_tma"],
              PREFILL_ROUND4["prefill_bm128_gu_bn128_w8_group8"],

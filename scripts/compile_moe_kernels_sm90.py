@@ -44,6 +44,51 @@ def resources(cubin: bytes) -> dict:
     return {"regs": int(m[1]), "stack": int(m[2]), "static_smem": int(m[3])} if m else {"raw": out.stdout[-200:]}
 
 
+def sass(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(_cuobjdump()), "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def pending_a_writes(sass_text: str) -> int:
+    """How many (instruction, wgmma) pairs of the kernel's K loop have the instruction write a register that the
+    wgmma, issued earlier and not yet retired, reads as its A operand. An HGMMA with a register A fragment (four
+    registers from the one it names) reads them asynchronously: writing them before the WARPGROUP.DEPBAR that
+    retires it is undefined (PTX ISA, wgmma.mma_async). Triton 3.6 pipelines such loops with all but 3 wgmmas
+    retired at the end of a K step and leaves the registers to ptxas; the integer E4M3 conversion's tiles
+    (MX_MODE 3, refused since) had 1-12 such writes per loop and gave wrong outputs on the H200, not in every run,
+    tl.dot_scaled's (MX_MODE 2) none. The loop runs from the target of the backward branch after the last HGMMA to
+    that branch, walked twice so that the wgmmas still pending at its end meet the next step's writes; a write is
+    an instruction whose first operand is a general register (two for .64 / wide forms, four for .128 and LDSM .4)."""
+    ins = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass_text)]
+    hgmma = [i for i, (_, t) in enumerate(ins) if "HGMMA" in t]
+    if not hgmma:
+        return 0
+    end = next((i for i in range(hgmma[-1], len(ins)) if (m := re.search(r"BRA (0x[0-9a-f]+)", ins[i][1]))
+                and int(m[1], 16) <= ins[hgmma[0]][0]), None)
+    if end is None:
+        return 0
+    target = int(re.search(r"BRA (0x[0-9a-f]+)", ins[end][1])[1], 16)
+    body = [t for a, t in ins if target <= a <= ins[end][0]]
+    pending: list[set] = []
+    hits = 0
+    for _ in range(2):
+        for t in body:
+            t = re.sub(r"^@!?U?P\w+\s+", "", t.strip())
+            if m := re.search(r"HGMMA\.\S+ R\d+, R(\d+), gdesc", t):
+                pending.append({int(m[1]) + j for j in range(4)})
+            elif m := re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", t):
+                keep = int(m[1], 16)
+                pending = pending[len(pending) - keep:] if keep else []
+            elif (m := re.match(r"(\S+)\s+R(\d+)\b", t)) and not m[1].startswith("HGMMA"):
+                width = 4 if ".128" in m[1] or re.match(r"LDSM.*\.4$", m[1]) else 2 if ".64" in m[1] or "WIDE" in m[1] \
+                    else 1
+                written = {int(m[2]) + j for j in range(width)}
+                hits += sum(bool(written & regs) for regs in pending)
+    return hits
+
+
 UNIT_STRIDES = ("sw_k", "ss_k")  # weights and scales are contiguous along K in every launch
 
 
@@ -62,7 +107,8 @@ def build(fn, signature: dict, constexprs: dict, warps: int, stages: int) -> dic
                        options=dict(num_warps=warps, num_stages=stages))
     ptx = k.asm["ptx"]
     return {**resources(k.asm["cubin"]), "smem": k.metadata.shared, "wgmma": "wgmma" in ptx,
-            "mma": "mma.sync" in ptx, "cp_async": "cp.async" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
+            "mma": "mma.sync" in ptx, "cp_async": "cp.async" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+            "pending_a_writes": pending_a_writes(sass(k.asm["cubin"]))}
 
 
 def moe_signature(mx: bool, kind: str) -> dict:
@@ -222,7 +268,7 @@ def main() -> int:
     ap.add_argument("--match", default="", help="build only the variants whose label contains this text (e.g. g8)")
     args = ap.parse_args()
     failed = 0
-    print(f"{'kernel / variant':58} {'regs':>4} {'stack':>5} {'smem':>6} dot   loads")
+    print(f"{'kernel / variant':58} {'regs':>4} {'stack':>5} {'smem':>6} dot   loads    pending-A-writes")
     for label, fn, sig, consts, warps, stages in variants(args.quick):
         if args.match not in label:
             continue
@@ -235,7 +281,8 @@ def main() -> int:
             continue
         dot = "wgmma" if r["wgmma"] else "mma" if r["mma"] else "fma"
         print(f"{label:58} {r.get('regs', '?'):>4} {r.get('stack', '?'):>5} {r['smem']:>6} {dot:5} "
-              f"{'tma' if r['tma'] else 'cp.async' if r['cp_async'] else 'sync'}", flush=True)
+              f"{'tma' if r['tma'] else 'cp.async' if r['cp_async'] else 'sync':8} {r['pending_a_writes']}",
+              flush=True)
     return 1 if failed else 0
 
 

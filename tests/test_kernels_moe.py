@@ -410,16 +410,13 @@ def test_moe_ties_in_router_scores():
 # zeros there, the ordinary loads mask); clamps active. GROUP_M 3 over 16-row blocks (8 blocks: groups of 3, 3 and
 # a short last one of 2); a GROUP_M that skipped or repeated a tile would leave rows of the empty activation
 # buffer unwritten. TMA unfused (two copies per K step) and GU_FUSED (one [1, 2, BN, BK] copy, gate and up
-# stacked). MX_MODE 1, and 3 (the integer E4M3 conversion with the transposed product; the interpreter runs its
-# element-wise form, the GPU its PTX): tl.dot_scaled (MX_MODE 2) has no interpreter implementation.
+# stacked). MX_MODE 1: tl.dot_scaled (MX_MODE 2) has no interpreter implementation.
 @cpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("config", [dict(GROUP_M=3, BLOCK_M=16),
                                     dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=1),
-                                    dict(TMA=1, GU_FUSED=1, GROUP_M=2, BLOCK_N=64, BLOCK_K=64, MX_MODE=1),
-                                    dict(TMA=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=3),
-                                    dict(TMA=1, GU_FUSED=1, BLOCK_N=64, BLOCK_K=64, MX_MODE=3)],
-                         ids=["group3", "tma", "tma_gu_group2", "tma_int", "tma_gu_int"])
+                                    dict(TMA=1, GU_FUSED=1, GROUP_M=2, BLOCK_N=64, BLOCK_K=64, MX_MODE=1)],
+                         ids=["group3", "tma", "tma_gu_group2"])
 def test_moe_tile_order_and_tma(fmt, config):
     _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=51), torch.float32, fmt, config=config)
 
@@ -436,8 +433,8 @@ def _prefill_sweep_cases():
 def test_moe_prefill_sweep_tiles(config, fmt):
     # bench/moe.py's prefill variants of rounds 4 and 5 (PREFILL_ROUND4 / PREFILL_ROUND5, imported so that the
     # tested tiles are the swept ones) in the formats the sweep runs them, bf16 activations as the model runs: 64-,
-    # 128- and 256-row blocks, 128-wide N tiles, GROUP_M 8 (5 row blocks here: one short group), TMA, MX_MODE 3;
-    # odd H / I as above. The interpreter takes MX_MODE 1 where the GPU takes 2 (tl.dot_scaled); the sweep checks
+    # 128- and 256-row blocks, 128-wide N tiles, GROUP_M 8 (5 row blocks here: one short group), TMA, 128-wide down
+    # tiles; odd H / I as above. The interpreter takes MX_MODE 1 where the GPU takes 2 (tl.dot_scaled); the sweep checks
     # MX_MODE 2 against the fp32 oracle on the H200.
     _check_moe(MoECase(40, 96, 96, 64, 3, 2, gain=2.0, seed=52), torch.bfloat16, fmt, config=config)
 
@@ -468,7 +465,8 @@ def _e4m3_codes_times_scales(scale_bytes: list[int], device: str = "cpu"):
 
 @cpu_only
 def test_e4m3_integer_conversion_is_exact_for_every_code():
-    # MX_MODE 3's conversion (moe._e4m3_tile_bf16; under the interpreter its element-wise form with fp32
+    # The integer E4M3 conversion (moe._e4m3_tile_bf16, the PTX moe_prefill_ws runs; under the interpreter its
+    # element-wise form with fp32
     # products) for all 256 codes (NaN 0x7F / 0xFF, +-0, the subnormals) times scale bytes 10-255: exact products,
     # overflow to inf (247-254), +inf (255: 0 x inf is NaN). Bytes 0-9 make bf16 subnormals, which Triton 3.6's
     # interpreter flushes to zero on its own bf16 stores: those are checked compiled, on the GPU, below.
@@ -478,20 +476,21 @@ def test_e4m3_integer_conversion_is_exact_for_every_code():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 def test_gpu_e4m3_integer_conversion_is_exact_for_every_code_and_scale():
-    # The PTX of MX_MODE 3 (four codes per register, prmt / shifts / masks) for every code times every scale byte,
-    # roundings to bf16 subnormals and overflow to inf included.
+    # The integer conversion's PTX (four codes per register, prmt / shifts / masks) for every code times every
+    # scale byte, roundings to bf16 subnormals and overflow to inf included.
     _e4m3_codes_times_scales(list(range(256)), "cuda")
 
 
 def test_moe_tma_rejects_scale_gather_mode_and_unaligned_rows():
     case = MoECase(4, 64, 32, 32, 4, 2)
-    with pytest.raises(ValueError, match="TMA takes MX_MODE 1, 2 or 3"):
+    with pytest.raises(ValueError, match="TMA takes MX_MODE 1 or 2"):
         _check_moe(case, torch.float32, "mxfp8", config={"TMA": 1, "MX_MODE": 0})
     odd = MoECase(4, 34, 32, 32, 4, 2)  # fp32 rows of 34 values: 136 bytes, not a multiple of 16
     with pytest.raises(ValueError, match="TMA needs contiguous weight rows with 16-byte aligned"):
         _check_moe(odd, torch.float32, "bf16", config={"TMA": 1})
-    with pytest.raises(ValueError, match="MX_MODE 3 .* needs TMA 1"):
-        _check_moe(case, torch.float32, "mxfp8", config={"MX_MODE": 3})
+    for cfg in ({"MX_MODE": 3}, {"TMA": 1, "MX_MODE": 3}):  # the integer conversion raced in its pipelined loop
+        with pytest.raises(ValueError, match="MX_MODE must be 0, 1 or 2 .* raced"):
+            _check_moe(case, torch.bfloat16, "mxfp8", config=cfg)
 
 
 @cpu_only
@@ -594,10 +593,9 @@ def test_gpu_moe_gemv_pipeline_mini_dims(config):
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 @pytest.mark.parametrize("config,fmt", _prefill_sweep_cases())
 def test_gpu_moe_prefill_sweep_mini_dims(config, fmt):
-    # The prefill tiles of rounds 4 and 5 compiled: tl.dot_scaled (MX_MODE 2) and the PTX E4M3 conversion (MX_MODE
-    # 3) on TMA-loaded weight tiles, the grouped order over 1-D grids and the device-made descriptors exist only
-    # there. mini dims, 16 experts, 700 tokens x top-4
-    # (175 assignments per expert: 3 row blocks of 64 or 2 of 128 per expert, several groups of 8).
+    # The prefill tiles of rounds 4 and 5 compiled: tl.dot_scaled (MX_MODE 2) on TMA-loaded weight tiles, the
+    # grouped order over 1-D grids and the device-made descriptors exist only there. mini dims, 16 experts, 700
+    # tokens x top-4 (175 assignments per expert: 3 row blocks of 64 or 2 of 128 per expert, several groups of 8).
     case = MoECase(700, 6144, 3072, 3072, 16, 4, gain=0.02, seed=60)
     args = [a.cuda() for a in (case.mxfp8_args(torch.bfloat16) if fmt == "mxfp8" else case.bf16_args(torch.bfloat16))]
     scales = tuple(args[4::2]) if fmt == "mxfp8" else (None,) * 4

@@ -35,8 +35,8 @@ from . import moe_gemv
 from ._tma import descriptor_memory as _descriptor_memory  # noqa: F401  (the tests read it here)
 from ._tma import ensure_descriptor_allocator as _ensure_descriptor_allocator
 from .moe_routing import ExpertBlocks, group_by_expert, route
-from .mxfp8_linear import (_INTERPRETED, _e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8, dot_acc,
-                           mx_mode2_available, tile_dot, tile_scales, use_f32_dot, weight_dot)
+from .mxfp8_linear import (_INTERPRETED, _e4m3_value, _scale_value, cast, check_mx_mode, check_mxfp8,
+                           mx_mode2_available, tile_dot, use_f32_dot, weight_dot)
 
 OP = "m3::moe"
 
@@ -85,13 +85,13 @@ _E4M3_BF16_ASM = tl.constexpr("{ .reg .b32 f, a, t, n; and.b32 f, $2, 0x7F7F7F7F
 
 @triton.jit
 def _e4m3_tile_bf16(w, s):
-    """MX_MODE 3: an E4M3 tile [BN, BK] times its UE8M0 scales [BN, BK / 32] as bf16, by integer operations on the
-    bits instead of the conversion instructions ``tl.dot_scaled`` lowers to on sm_90 (per element an E4M3 -> f16
-    ``cvt`` for two, an f16 -> bf16 ``cvt``, then a bf16 multiply; the conversions run at a quarter of the integer
-    rate, and at 64-row blocks they take about 3x the cycles of the wgmma they feed). The sm_90 compile of the
-    64-row TMA gate-up has no conversion left in its K loop and 145 registers instead of 162, but about as many
-    integer instructions as the conversions it removes cost (a third of them for the NaN codes): whether it is
-    faster is bench/moe.py's question (PREFILL_ROUND5). Exact, every code included:
+    """The integer E4M3 conversion ("MX_MODE 3"): an E4M3 tile [BN, BK] times its UE8M0 scales [BN, BK / 32] as
+    bf16, by integer operations on the bits instead of the conversion instructions ``tl.dot_scaled`` lowers to on
+    sm_90 (per element an E4M3 -> f16 ``cvt`` for two, an f16 -> bf16 ``cvt``, then a bf16 multiply; the
+    conversions run at a quarter of the integer rate). The warp-specialised prefill (``moe_prefill_ws``) runs its
+    PTX (``_E4M3_BF16_ASM``) in a converter partition; the Triton tiles here no longer take it (``_check_tma``
+    says why), and the tests check this form, PTX included, against every code and scale. Exact, every code
+    included:
 
     * E4M3 (bias 7) and bf16 (bias 127) differ in exponent bias by 120 and E4M3's 3 mantissa bits fit bf16's 7, so
       sign << 15 | (exponent and mantissa) << 4 is the bf16 of the value times 2^-120, normal or subnormal (an
@@ -115,22 +115,6 @@ def _e4m3_tile_bf16(w, s):
         f = tl.where(b == 0, 0x0040, b << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         out = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * f[:, :, None], (BN, BK))
     return out
-
-
-@triton.jit
-def _tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K: tl.constexpr, MXFP8: tl.constexpr, MX_MODE: tl.constexpr,
-              F32: tl.constexpr, PREC: tl.constexpr):
-    """acc += x [BM, BK] @ w^T for a weight tile [BN, BK] already loaded (the TMA path): ``mxfp8_linear.tile_dot``
-    (bf16 weights, MX_MODE 1 / 2), and MX_MODE 3 (``_e4m3_tile_bf16``, bf16 activations); ``s_rows`` [BN] address
-    the rows' scales. MX_MODE 3 computes the transposed product (acc^T += w @ x^T) as ``tl.dot_scaled``'s lowering
-    does on sm_90: the converted weights are then the MMA's register operand and the block's rows its N, instead of
-    a round trip through shared memory."""
-    if MXFP8 and MX_MODE == 3:
-        w16 = _e4m3_tile_bf16(w, tile_scales(s_rows, k0, ss_k, r_ok, K, w.shape[1]))
-        acc = tl.trans(dot_acc(w16, tl.trans(x), tl.trans(acc), F32, PREC))
-    else:
-        acc = tile_dot(x, acc, w, s_rows, k0, ss_k, r_ok, K, MXFP8, MX_MODE, F32, PREC)
-    return acc
 
 
 @triton.jit
@@ -192,10 +176,10 @@ def _gate_up(
                 x = tl.load(x_ptr + tok[:, None].to(tl.int64) * sx_t + k[None, :],
                             mask=ok[:, None] & (k[None, :] < H), other=0.0)
             w = tl.reshape(desc.load([e, 0, pid_n * BLOCK_N, k0]), (G * BLOCK_N, BLOCK_K))
-            acc = _tile_dot(x, acc, w, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
+            acc = tile_dot(x, acc, w, s_r, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
             if not GU_FUSED:  # the up tile: a second copy and dot
                 wu = tl.reshape(desc.load([e, 1, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
-                acc_u = _tile_dot(x, acc_u, wu, s_r + I * ss_n, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
+                acc_u = tile_dot(x, acc_u, wu, s_r + I * ss_n, k0, ss_k, r_ok, H, MXFP8, MX_MODE, F32, PREC)
         if GU_FUSED:
             acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         else:
@@ -273,7 +257,7 @@ def _down(
                     other=0.0)
         if TMA:
             w = tl.reshape(desc.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K))
-            acc = _tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC)
+            acc = tile_dot(x, acc, w, s_rows, k0, ss_k, n_ok, I, MXFP8, MX_MODE, F32, PREC)
         else:
             acc = weight_dot(x, acc, w_rows, s_rows, k0, sw_k, ss_k, n_ok, I, BLOCK_K, MXFP8, MX_MODE, F32, PREC)
     y = cast(acc, dt).to(tl.float32)
@@ -361,8 +345,8 @@ PREFILL_MXFP8 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)
 # moe_h200_prefill_round6_16k.json): 128-wide N tiles for the down GEMM (BLOCK_N_DOWN) halve its time at 16k (15.2
 # -> 7.9 ms): 32.2 -> 25.5-26.6 ms (289 -> 350-365 TFLOP/s), output bit-equal to the tile without it (same K order).
 # No round-6 key (SCALES_AHEAD, MX_MODE 4, ACT_TMA, X_TMA) beat it (the first three, slower in every pairing, are
-# removed since); MX_MODE 3 with BLOCK_N_DOWN 128 FAILED its GPU test at mini dims (tests/test_moe_prefill_round6.py,
-# not diagnosed): not a default.
+# removed since); MX_MODE 3 with BLOCK_N_DOWN 128 FAILED its GPU test at mini dims: a register race in its
+# pipelined loop (``_check_tma``), refused since.
 PREFILL_MXFP8_LARGE = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, BLOCK_N_DOWN=128)
 PREFILL_BF16 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1)
 
@@ -428,32 +412,33 @@ def tma_unusable(weights: "list[_Weights]") -> str | None:
 
 def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
     """``cfg`` as the launch will run it. TMA reads each expert stack through a device-made tensor descriptor: the
-    MX_MODE 1 / 2 / 3 scale paths (``_tile_dot``), weights ``tma_unusable`` accepts, and on the GPU a global-memory
-    allocator for the descriptors. Weights TMA cannot read: with ``fallback`` (the launcher's own default, inside
-    a model step) the same tile without TMA; without it (a config the caller chose) a ValueError. MX_MODE 3 (the
-    integer E4M3 conversion) and ``X_TMA`` exist on the TMA path only."""
+    MX_MODE 1 / 2 scale paths (``mxfp8_linear.tile_dot``), weights ``tma_unusable`` accepts, and on the GPU a
+    global-memory allocator for the descriptors. Weights TMA cannot read: with ``fallback`` (the launcher's own
+    default, inside a model step) the same tile without TMA; without it (a config the caller chose) a ValueError.
+    ``X_TMA`` exists on the TMA path only.
+
+    MX_MODE 3 (the integer E4M3 conversion feeding the transposed product, the converted weights the wgmma's
+    register operand) is refused: its tiles gave wrong outputs on the H200, not in every run (kernel error inf /
+    42.1 at mini dims, docs/performance.md), and in the sm_90 SASS of their pipelined K loop (Triton 3.6) the next
+    K step's conversion writes registers that a wgmma still pending from the step before reads as its A operand
+    (1-12 such writes per loop in the 64- and 128-row-wide tiles; none in MX_MODE 2's). It lost to the defaults
+    where it ran (31.05 against 25.48 ms at 16k, 10.70 against 10.53 at 4k)."""
     mx = weights[0].mxfp8
-    if mx and cfg["MX_MODE"] not in (0, 1, 2, 3):
-        raise ValueError(f"moe: MX_MODE must be 0, 1, 2 or 3 with MXFP8 weights, got {cfg['MX_MODE']}")
+    if mx and cfg["MX_MODE"] not in (0, 1, 2):
+        raise ValueError(f"moe: MX_MODE must be 0, 1 or 2 with MXFP8 weights, got {cfg['MX_MODE']}"
+                         + (" (3, the integer conversion, raced in its pipelined loop on the H200)"
+                            if cfg["MX_MODE"] == 3 else ""))
     if not cfg.get("TMA"):
-        if mx and cfg["MX_MODE"] == 3:
-            raise ValueError("moe: MX_MODE 3 (integer E4M3 conversion) needs TMA 1")
         if cfg.get("X_TMA"):
             raise ValueError("moe: X_TMA needs TMA 1")
         return cfg
     if mx and cfg["MX_MODE"] == 0:
-        raise ValueError("moe: TMA takes MX_MODE 1, 2 or 3 with MXFP8 weights, got 0")
-    if mx and cfg["MX_MODE"] == 3 and (cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]) > 64:
-        # The down GEMM's MMA is then 128 weight rows over both warpgroups: its outputs were wrong on the H200 (inf,
-        # or off by 42, not in every run; tests/test_moe_prefill_round6.py's down-launch test narrows it down).
-        raise ValueError(f"moe: MX_MODE 3 takes down N tiles of at most 64, got "
-                         f"{cfg.get('BLOCK_N_DOWN') or cfg['BLOCK_N']} (wrong outputs on the H200)")
+        raise ValueError("moe: TMA takes MX_MODE 1 or 2 with MXFP8 weights, got 0")
     why = tma_unusable(weights)
     if why is not None:
         if not fallback:
             raise ValueError(f"moe: {why}")
-        return {**{k: v for k, v in cfg.items() if k != "X_TMA"}, "TMA": 0,
-                "MX_MODE": 1 if cfg["MX_MODE"] == 3 else cfg["MX_MODE"]}
+        return {**{k: v for k, v in cfg.items() if k != "X_TMA"}, "TMA": 0}
     if not triton.knobs.runtime.interpret:
         _ensure_descriptor_allocator()
     return cfg
