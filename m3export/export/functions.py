@@ -367,16 +367,28 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
     0 .. L-1 (L from shapes), masked past its position, in one batched ``[T, Hkv, G, L]`` product."""
     b = Builder("")
     ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes)
-    keys = ctx.gather("k_cache", "k_scale" if kv_fp8 else None)  # [T, L, Hkv, D]
-    values = ctx.gather("v_cache", "v_scale" if kv_fp8 else None)
+    # keys and values gathered head-major, [T, Hkv, L, D] (pool rows slot * Hkv + head, as the sparse body reads
+    # them): the products take them as they come (the scores' transpose of the last two axes fuses into the
+    # MatMul), where a [T, L, Hkv, D] gather needed a transposed copy of each per step
+    heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1))  # [1, Hkv, 1]
+    index = b.Add(b.Mul(b.Unsqueeze(ctx.slots, b.const([1])), b.const(sizes.kv_heads)), heads)  # [T, Hkv, L]
+
+    def gather(pool: str, scale: str | None) -> str:  # -> fp32 [T, Hkv, L, D]
+        def rows(p: str) -> str:
+            return b.Gather(_page_rows(b, p, 3), index, axis=0)
+
+        return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
+
+    keys = gather("k_cache", "k_scale" if kv_fp8 else None)
+    values = gather("v_cache", "v_scale" if kv_fp8 else None)
     hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), d, axis=0))  # [T, Hkv, G, D]
-    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 2, 3, 1]))  # [T, Hkv, G, L]
+    scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, L]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(b.Unsqueeze(ctx.visible, b.const([1, 2])), scores, b.const(-INF, np.float32)), axis=-1)
     # Values the token cannot see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
-    values = b.Where(b.Unsqueeze(ctx.visible, b.const([2, 3])), values, b.const(0.0, np.float32))
-    out = b.MatMul(probs, b.Transpose(values, perm=[0, 2, 1, 3]))  # [T, Hkv, G, Dv]
+    values = b.Where(b.Unsqueeze(ctx.visible, b.const([1, 3])), values, b.const(0.0, np.float32))
+    out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
