@@ -146,3 +146,16 @@ def test_decode_graph_step_matches_the_torch_backend(tiny_artifact):
         lengths = [n + 1 for n in lengths]
     assert ort_be.decode_steps == 3 and ort_be.general_steps == 1
     ort_be.close()
+
+
+def test_padded_table_width_is_within_a_quarter():
+    """Replayed decode steps pad their block tables to ``padded_table_width``: never narrower than the step's (a
+    sequence's pages would be cut), less than 25 % wider past 8 pages (the dense and indexer bodies read every
+    key of the width), exact up to 8, and 4 widths per doubling (each width is one captured graph)."""
+    from m3export.runtime.backends.onnxruntime_backend import padded_table_width
+
+    widths = [padded_table_width(w) for w in range(1, 4097)]
+    for w, p in zip(range(1, 4097), widths):
+        assert w <= p and (p == w if w <= 8 else p - w < w / 4), (w, p)
+    assert padded_table_width(65) == 80  # a 4k context in pages of 64 (the power of two read 128)
+    assert len({p for p in widths if 1024 < p <= 2048}) == 4

@@ -16,8 +16,8 @@ through the general graph. Both sessions bind one set of pools (``PagedSession.a
 the CUDA EP's provider option ``enable_cuda_graph=1`` (``--provider cuda:enable_cuda_graph=1``) decode steps are
 replayed as ONNX Runtime CUDA graphs: padded to a batch bucket as the torch backend's graphs are
 (``cuda_graph.step_shape`` and ``DecodeInputs``: padding sequences on a scratch page beyond the engine's, fixed
-input buffers refilled by one copy per step), the block-table width padded to a power of two of pages, one captured
-graph per (bucket, width) through ORT's ``gpu_graph_id`` (``PagedSession.run_replayed``). Only the decode session
+input buffers refilled by one copy per step), the block-table width padded to within 25 % (``padded_table_width``),
+one captured graph per (bucket, width) through ORT's ``gpu_graph_id`` (``PagedSession.run_replayed``). Only the decode session
 gets the option: ORT refuses it for a graph with control flow, so the general graph (MoE ``If`` / ``Scan``) runs as
 before. ``pad_decode`` runs the same padded inputs through the decode graph without capture (any EP: tests).
 MTP modules' one-token steps (the drafter's chain steps) go through ``mtp{k}.decode.onnx`` eagerly, never captured.
@@ -65,6 +65,17 @@ def provider_for(device: str | torch.device = "cpu", provider=None):
         raise BackendUnavailable(f"execution provider {chosen} keeps its tensors on {chosen.device}, not on "
                                  f"{device}: leave the device out or make them agree")
     return chosen
+
+
+def padded_table_width(width: int) -> int:
+    """The block-table width (pages) a replayed decode step of ``width`` pages is padded to: the next ``m * 2^e``
+    with ``m`` in 4..8, so less than 25 % past ``width`` (4 widths, so 4 captured graphs, per doubling; widths up
+    to 8 exact). A captured graph's dense attention and indexer bodies read every key of the width: the power of
+    two this replaces read up to 2x (a 4k context, 65 pages of 64, read 128 pages: 80 now)."""
+    if width <= 8:
+        return max(width, 1)
+    step = 1 << ((width - 1).bit_length() - 3)
+    return -(-width // step) * step
 
 
 def _check_signature(session, root: Path) -> None:
@@ -314,10 +325,9 @@ class OnnxRuntimeBackend(Backend):
         return self._run(self._main, batch, "hidden", input_ids=input_ids, logits_indices=logits_indices, **extra)
 
     def _table_width(self, width: int) -> int:
-        """The padded block-table width of a step whose tables are ``width`` pages: the next power of two, at most
-        the pool's pages (no sequence holds more). A captured graph's dense and indexer bodies read every key of
-        the width, so it tracks the step's contexts within 2x; one graph per width."""
-        return min(1 << max(width - 1, 0).bit_length(), self._num_pages)
+        """The padded block-table width of a step whose tables are ``width`` pages (``padded_table_width``), at most
+        the pool's pages (no sequence holds more); one captured graph per width."""
+        return min(padded_table_width(width), self._num_pages)
 
     def _padded_decode(self, input_ids, batch: Batch, logits_indices):
         """A decode step padded to its bucket (``cuda_graph.step_shape``) and table width in fixed buffers
