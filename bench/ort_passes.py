@@ -8,11 +8,11 @@ The artifact's decode graph of the batch's MoE form is loaded without its weight
 through ``OnnxRuntimeBackend`` (``pad_decode``: the padded inputs a replay gets, eagerly) in place of the
 backend's own decode session (``ort_kernels.swap_decode``: the weights load from the artifact's folder), on pools
 that hold the torch backend's random values; sequences sit at different positions (``--context`` minus 97 per
-sequence, closer for short contexts). Per batch and variant: the largest logit difference to the no-pass graph
-and to the torch backend, the rows that differ from the no-pass graph, and whether the greedy tokens agree. The
-RoPE pass is bit-exact by construction (its rewrite rounds where the traced nodes round), so any difference in its
-row is a kernel's doing; the RMSNorm pass moves a few fp32 ulps, which a routing near-tie can turn into another
-expert (a large difference in one row).
+sequence, closer for short contexts). The general step graph (``model.onnx``) runs the same step beside them.
+Per batch and variant: the largest logit difference to the no-pass graph and to the torch backend, the rows that
+differ from the no-pass graph, and whether the greedy tokens agree. The RoPE pass is bit-exact by construction
+(its rewrite rounds where the traced nodes round), so any difference in its row is a kernel's doing; the RMSNorm
+pass moves a few fp32 ulps, which a routing near-tie can turn into another expert (a large difference in one row).
 
   python bench/ort_passes.py --artifact art/mini-bf16 --json $OUT/ort_passes_h200.json      # H200 + onnxruntime-gpu
   python bench/ort_passes.py --artifact /tmp/art/tiny --provider cpu --context 40           # CPU: the script
@@ -206,6 +206,10 @@ def main() -> int:
             with torch.no_grad(), torch_router_inputs(torch_be.model) as torch_x:
                 lt, _ = torch_be.forward(ids.to(device), b.to(device), rows.to(device))
                 be.forward(ids, b, rows)  # opens this batch's MoE form
+                # the general step graph (model.onnx: per-assignment / Scan MoE, the general bodies) on the same
+                # step: which of the two ORT graphs parts from the torch backend
+                general, _ = be._run(be._main, b, "hidden", input_ids=ids, logits_indices=rows)
+                general = general.float().cpu()
                 form = moe_form(batch, cfg.num_experts_per_tok, cfg.num_local_experts)
                 form = form if form in be._decodes else "per-assignment"
                 record = art.manifest.flavours[be._decode_flavours[form]]["model"]
@@ -219,8 +223,14 @@ def main() -> int:
                     lx, _ = be.forward(ids, b, rows)
                     logits[name] = lx.float().cpu()
                     seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith(TAPPED)}
+            lt_host = lt.float().cpu()
             row = {"batch": batch, "contexts": b.positions.tolist(), "moe_form": form, "rewritten": rewritten,
-                   "logit_scale": float(lt.abs().max()), **compare(logits, lt.float().cpu()),
+                   "logit_scale": float(lt.abs().max()), **compare(logits, lt_host),
+                   "general_graph": {"row_diffs_vs_torch": (general - lt_host).abs().amax(-1).tolist(),
+                                     "row_diffs_vs_decode": (general - logits["none"]).abs().amax(-1).tolist(),
+                                     "greedy_same_as_torch": bool(torch.equal(general.argmax(-1), lt_host.argmax(-1))),
+                                     "greedy_same_as_decode": bool(torch.equal(general.argmax(-1),
+                                                                               logits["none"].argmax(-1)))},
                    "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok, torch_x)}
             res["rows"].append(row)
             write_results(res, args.json)
@@ -231,7 +241,11 @@ def main() -> int:
                       f"  vs torch {r['max_abs_diff_vs_torch']:9.3g}  greedy vs none "
                       f"{'same' if r['greedy_same_as_none'] else 'DIFFERENT'}, vs torch "
                       f"{'same' if r['greedy_same_as_torch'] else 'DIFFERENT'}")
-            print(f"  rows vs torch (no-pass graph): {[round(v, 3) for v in row['none']['row_diffs_vs_torch']]}")
+            gg = row["general_graph"]
+            print(f"  rows vs torch (no-pass decode graph): {[round(v, 3) for v in row['none']['row_diffs_vs_torch']]}")
+            print(f"  general graph: rows vs torch {[round(v, 3) for v in gg['row_diffs_vs_torch']]}, vs the decode "
+                  f"graph {[round(v, 3) for v in gg['row_diffs_vs_decode']]}; greedy vs torch "
+                  f"{'same' if gg['greedy_same_as_torch'] else 'DIFFERENT'}")
             for module, layer in row["routing"].items():
                 moved = {n: layer[n]["tokens_rerouted"] for n in VARIANTS if n != "none" and n in layer}
                 t = layer.get("torch", {})
