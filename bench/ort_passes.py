@@ -223,6 +223,9 @@ def main() -> int:
                     lx, _ = be.forward(ids, b, rows)
                     logits[name] = lx.float().cpu()
                     seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith(TAPPED)}
+                    if name == "none":  # the same graph on the step as the engine hands it: not padded
+                        unpadded, _ = be._run(be._decodes[form], b, "hidden", input_ids=ids, logits_indices=rows)
+                        unpadded = unpadded.float().cpu()
             lt_host = lt.float().cpu()
             row = {"batch": batch, "contexts": b.positions.tolist(), "moe_form": form, "rewritten": rewritten,
                    "logit_scale": float(lt.abs().max()), **compare(logits, lt_host),
@@ -231,6 +234,8 @@ def main() -> int:
                                      "greedy_same_as_torch": bool(torch.equal(general.argmax(-1), lt_host.argmax(-1))),
                                      "greedy_same_as_decode": bool(torch.equal(general.argmax(-1),
                                                                                logits["none"].argmax(-1)))},
+                   "unpadded_decode": {"row_diffs_vs_torch": (unpadded - lt_host).abs().amax(-1).tolist(),
+                                       "row_diffs_vs_padded": (unpadded - logits["none"]).abs().amax(-1).tolist()},
                    "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok, torch_x)}
             res["rows"].append(row)
             write_results(res, args.json)
@@ -246,6 +251,10 @@ def main() -> int:
             print(f"  general graph: rows vs torch {[round(v, 3) for v in gg['row_diffs_vs_torch']]}, vs the decode "
                   f"graph {[round(v, 3) for v in gg['row_diffs_vs_decode']]}; greedy vs torch "
                   f"{'same' if gg['greedy_same_as_torch'] else 'DIFFERENT'}")
+            up = row["unpadded_decode"]
+            print(f"  decode graph unpadded: rows vs torch {[round(v, 3) for v in up['row_diffs_vs_torch']]}, "
+                  f"vs padded "
+                  f"{[round(v, 3) for v in up['row_diffs_vs_padded']]}")
             for module, layer in row["routing"].items():
                 moved = {n: layer[n]["tokens_rerouted"] for n in VARIANTS if n != "none" and n in layer}
                 t = layer.get("torch", {})
