@@ -185,9 +185,12 @@ def _mini_run(args, cfg, t):
 def test_gpu_round5_mini_dims(mini, name):
     # bench/moe.py's round-5 decode variants compiled (PDL and the split counters race only on a device): one token
     # and four, against the float64 reference's bound; called twice and equal across calls; equal bit for bit to the
-    # same tile without the keys that change no product, sum order or rounding (GSUM stays: it reorders the sums).
+    # same tile without the keys that change neither the arithmetic nor the tiles' shapes (the shared expert's rows
+    # in the routed grid, PDL). Not without ACT_F32 or BLOCK_N_DOWN: with GSUM the compiled group sums may add in
+    # another order in another tile layout (...actf32_down16 FAILED on the H200 on 2026-12-01 11:10 UTC while the
+    # test also compared it with the tile without both; the other four passed), which the reference's bound covers.
     cfg = _bench_round5().DECODE_ROUND5[name]
-    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "PDL", "ACT_F32", "BLOCK_N_DOWN")}
+    base = {k: v for k, v in cfg.items() if k not in ("SHARED_GRID", "PDL")}
     for t in (1, 4):
         got = _mini_run(mini, cfg, t)
         args = [mini[0][:t], *mini[1:]]
