@@ -421,8 +421,9 @@ def _check_tma(cfg: dict, weights: "list[_Weights]", fallback: bool) -> dict:
     register operand) is refused: its tiles gave wrong outputs on the H200, not in every run (kernel error inf /
     42.1 at mini dims, docs/performance.md), and in the sm_90 SASS of their pipelined K loop (Triton 3.6) the next
     K step's conversion writes registers that a wgmma still pending from the step before reads as its A operand
-    (1-12 such writes per loop in the 64- and 128-row-wide tiles; none in MX_MODE 2's). It lost to the defaults
-    where it ran (31.05 against 25.48 ms at 16k, 10.70 against 10.53 at 4k)."""
+    (``scripts/compile_moe_kernels_sm90.py``'s ``pending_a_writes``; at 256-row blocks 1 in the 64-wide down tile,
+    4 in the 128-wide one, 12 in the fused gate-up; none in any MX_MODE 2 tile). It lost to the defaults where it
+    ran (31.05 against 25.48 ms at 16k, 10.70 against 10.53 at 4k)."""
     mx = weights[0].mxfp8
     if mx and cfg["MX_MODE"] not in (0, 1, 2):
         raise ValueError(f"moe: MX_MODE must be 0, 1 or 2 with MXFP8 weights, got {cfg['MX_MODE']}"
