@@ -82,9 +82,28 @@ DEFAULTS = {
     # default's 116 (0.51x its time); plain "union-t8-n128-w8-s2-waves2" 208. The union tile passed the two `mini`
     # GPU tests above in call 1 of 2026-12-01 05:55 UTC; this form of it must pass them too (the defaults' GPU
     # validation call, docs/performance.md). It replaced "flat-t1-n64-w4-s3-waves2".
+    # H200 sweep 2026-12-01 10:47 UTC (commit bf6c7d0, bench/results/attention_sweep_C3_prefill.json; eager call / the
+    # same replayed from a CUDA graph, TFLOP/s of the op's own work on prompt-like selections, every output within the
+    # bound): the 4-token union tile with the chooser bits and the rescale-every-tile step,
+    # "union_tma_lean_chosen_rescale-t4-n64-w4-s3-waves2" (one warpgroup, 167 registers, 80 KB: two programs per SM):
+    # 16k 270 / 277 and 64k 258 / 258, against "union_tma_lean-t8-n128-w8-s2-waves2" (the default then) 228 / 231 and
+    # 202 / 203; its 4-token union is 1.24 / 1.35x top-k at 16k / 64k where 8 tokens' is 1.43 / 1.66x. At 4k every
+    # form's kernel runs 237-248 in the graph while the eager call reaches 134-192: that launch is host-bound, not short
+    # of programs (the 8-token tile launches 2052 there, 15.5 per SM, the 4-token one 4100, and both kernels run at the
+    # same rate), so neither smaller tiles nor splitting the key walk lifts it. The chooser bits cost ~25 more tensor
+    # ops per launch (``union_choosers``; the tile lists are ~55 without them), which the short 4k launch pays in its
+    # eager time (1.51 ms against 1.26 for the same tile without them; 0.85 / 0.83 ms on the device), so launches of
+    # fewer than ``PREFILL_SHORT_TOKENS`` new tokens run ``SHORT_PREFILL`` (below). Checked on the H200 before the flip
+    # (2026-12-01 11:10 UTC, commit 013c513) with ``pytest --sparse-prefill NAME`` (tests/conftest.py;
+    # ``--sparse-prefill-fp32`` for fp32 activations):
+    #   timeout 200 python3 -m pytest -q -x -m gpu tests/test_kernels_attention_gpu.py -k "mini_dims and not
+    #       fused_norm" tests/test_kv_cache_fp8_gpu.py --sparse-prefill NAME
+    # 8 passed with this setting (mixed batches on pages of 128 and 64, an 8192-token chunk at 16k context, FP8 pools),
+    # 3 with SHORT_PREFILL's (without the FP8 file). The fp32 `mini` model tests above run ``FP32_PREFILL``. It replaced
+    # "union_tma_lean-t8-n128-w8-s2-waves2".
     "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat_tma_fused"),
-    "prefill": dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, waves=2, max_splits=None,
-                    loop="union_tma_lean"),
+    "prefill": dict(tile_tokens=4, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
+                    loop="union_tma_lean_chosen_rescale"),
 }
 _LOOPS = ("nested", "flat", "union")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
@@ -232,7 +251,7 @@ VARIANTS = {
         # lean_rescale 763 / 7 / 18, lean_chosen 673 / 5 / 14, lean_chosen_rescale 647 / 4 / 8 (241 registers).
         # (Its 8-token entries without host descriptors, "union_tma_lean_chosen(_rescale)-t8-n128-w8-s2-waves2", lost at
         # every measured shape, 16k 232 / 232 and 4k 96 / 123 TFLOP/s against the t8 rescale form's 240 / 134,
-        # 2026-12-01 07:36 UTC, and were removed.)
+        # 2026-12-01 07:36 UTC, and were removed; the 4-token form with the bits is the prefill default since.)
         "union_tma_host_lean_chosen_rescale-t8-n128-w8-s2-waves2": _prefill("union_tma_host_lean_chosen_rescale", 8,
                                                                              128, 8, 2),
     },
@@ -240,6 +259,13 @@ VARIANTS = {
 
 # The prefill setting fp32 activations run when the caller names none (``forward``).
 FP32_PREFILL = VARIANTS["prefill"]["union-t8-n128-w8-s2-waves2"]
+# 16-bit / FP8 prefill launches of fewer new tokens than this (T, a host int: no sync, CUDA-graph safe) run
+# SHORT_PREFILL when the caller names no prefill setting: the same 4-token tile without the chooser bits, whose device
+# ops a short launch's host time does not hide (H200, 4k prompt: eager 1.26 ms against 1.51, kernel 245 TFLOP/s
+# against 238; at 16k the bits win, 3.83 -> 3.71 ms eager, 266 -> 277 TFLOP/s; DEFAULTS' comment). 8192 lies between
+# the two measured sizes; the crossover itself is not measured.
+PREFILL_SHORT_TOKENS = 8192
+SHORT_PREFILL = VARIANTS["prefill"]["union_tma_lean_rescale-t4-n64-w4-s3-waves2"]
 
 
 def settings(config: dict | None, mode: str) -> dict:
@@ -679,10 +705,13 @@ def forward(
     g_pad = next_pow2(group)
     mode = "decode" if t < 2 * b else "prefill"
     cfg = settings(config, mode)
-    if mode == "prefill" and not (config and "prefill" in config) and q.element_size() > 2 and not interpreted(q):
-        # fp32 activations (tests, precision runs): the union tile as the `mini` fp32 GPU tests passed it (2026-12-01
-        # 05:55 UTC); the TMA lean default was measured in bf16 only, and its fp32 tiles compile with spills
-        cfg = dict(cfg, **FP32_PREFILL)
+    if mode == "prefill" and not (config and "prefill" in config):
+        if q.element_size() > 2 and not interpreted(q):
+            # fp32 activations (tests, precision runs): the union tile as the `mini` fp32 GPU tests passed it
+            # (2026-12-01 05:55 UTC); the TMA lean forms were measured in bf16 only, and their fp32 tiles spill
+            cfg = dict(cfg, **FP32_PREFILL)
+        elif t < PREFILL_SHORT_TOKENS:
+            cfg = dict(cfg, **SHORT_PREFILL)
     tokens = cfg.get("tile_tokens") or tokens_per_tile(t, b, g_pad)
     if tokens == 1:
         tseq = tstart = tend = qsl  # unused: the kernel finds each token's sequence itself
@@ -691,15 +720,12 @@ def forward(
         tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
     loop, tma, host, fused, lean = loop_form(cfg["loop"])
     uni = cnt = sel  # never read unless the loop is "union"
-    chosen = None
     if loop == "union":
         if tokens == 1:
             first = torch.arange(t, dtype=torch.int32, device=q.device)
             uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
         else:
             uni, cnt = tile_unions(sel, pos, tstart, tend, tokens, block_size)
-            if "chosen" in cfg["loop"].split("_") and loop == "union":
-                chosen = union_choosers(sel, pos, tstart, tend, tokens, block_size, uni)
     visits = tokens * topk
     splits = splits_for(q.device, slots * hkv, min(visits, cfg["max_splits"] or visits), cfg["waves"])
     splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
@@ -722,6 +748,9 @@ def forward(
         block_n, stages = fit_shared_memory(rows, block_n, block_d, block_dv, stages, q.element_size(),
                                             kc.element_size(), k_scale is not None, max_shared_memory(q.device))
     tma = tma and tma_usable(kc, block_n, block_size, block_d) and tma_usable(vc, block_n, block_size, block_dv)
+    chosen = None  # the chooser bits, where the step that reads them runs: the lean TMA union walk of 16-bit pools
+    if "chosen" in cfg["loop"].split("_") and loop == "union" and tokens > 1 and tma and lean and k_scale is None:
+        chosen = union_choosers(sel, pos, tstart, tend, tokens, block_size, uni)
     descs = {}
     if tma and host:
         descs = dict(k_desc=TensorDescriptor(kc, shape=[kc.shape[0] * page, hkv * d], strides=[kc.stride(1), 1],
@@ -743,7 +772,7 @@ def forward(
         TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
         LEAN=lean and k_scale is None, RESCALE="rescale" in cfg["loop"].split("_"), **descs,
-        cho_ptr=chosen, CHOSEN=chosen is not None and lean and k_scale is None,
+        cho_ptr=chosen, CHOSEN=chosen is not None,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts and not fused else out
