@@ -90,7 +90,7 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
                   num_warps=cfg["num_warps"])
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(ws._gemm_ws, sig, consts), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg["num_warps"], maxnreg=ws.MAXNREG))
+                          options=dict(num_warps=cfg["num_warps"], maxnreg=ws.maxnreg(cfg["num_warps"])))
 
 
 def _resources(cubin: bytes) -> dict:
@@ -129,9 +129,10 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(name, gate_up, routed):
     assert k.metadata.num_warps == cfg["num_warps"] + 8  # the workers' 5 warps take two more warpgroups
     regs = {int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert {ws.LOADER_REGS.value, ws.CONVERTER_REGS.value} <= regs
-    # Budget: the MMA warps' share while the partitions run, plus the workers', fits the SM's 64K registers.
-    mma_regs = min(r for r in regs if r > ws.CONVERTER_REGS.value)
-    assert 32 * (cfg["num_warps"] * mma_regs + 4 * ws.CONVERTER_REGS.value + 4 * ws.LOADER_REGS.value) <= 65536
+    # Triton splits the launch's cap (.maxnreg per thread over every thread) between the partitions: it must fit
+    # the SM's 64K registers for the program to run at all.
+    cap, threads = int(re.search(r"\.maxnreg (\d+)", ptx)[1]), int(re.search(r"\.reqntid (\d+)", ptx)[1])
+    assert threads == 32 * k.metadata.num_warps and cap * threads <= 65536
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
     # The converter loads each scale byte once (one per thread and 32-code group), not once per code.
     rows = 2 * cfg["BLOCK_N"] if gate_up else cfg["BLOCK_N_DOWN"]
@@ -141,12 +142,16 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(name, gate_up, routed):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
-def test_ws_launches_through_run_moe(monkeypatch):
+@pytest.mark.parametrize("name,persistent,bm,bm_shared", [
+    ("prefill_ws_bm256_down128_s4c2", 0, 256, 256), ("prefill_ws_bm256_down128_s4c2", 1, 256, 256),
+    ("prefill_ws_bm128_w8_shared256_s4c2", 0, 128, 256)])
+def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_shared):
     # The host side on the CPU (the kernels themselves need the device): run_moe with a WS config hands moe_prefill_ws
     # the blocks it routed and launches the four GEMMs with the row blocks of those blocks (BLOCK_M is the
-    # launcher's, not a key of the tile config it passes on), the gate-up launches N tiles of BLOCK_N over I and the
-    # down launches N tiles of BLOCK_N_DOWN over H, one program per tile, or one per SM with PERSISTENT. The kernel
-    # and the device checks are replaced by recorders (the combine then sums unwritten memory: shape only).
+    # launcher's, not a key of the tile config it passes on; BLOCK_M_SHARED the shared expert's), the gate-up
+    # launches N tiles of BLOCK_N over I and the down launches N tiles of BLOCK_N_DOWN over H, one program per
+    # tile, or one per SM with PERSISTENT. The kernel and the device checks are replaced by recorders (the combine
+    # then sums unwritten memory: shape only).
     from m3export.plugins.kernels import moe_prefill_ws as ws
 
     launches = []
@@ -159,22 +164,20 @@ def test_ws_launches_through_run_moe(monkeypatch):
 
     monkeypatch.setattr(ws, "_gemm_ws", Recorder())
     monkeypatch.setattr(ws, "check", lambda weights, dtype, cfg: None)
+    monkeypatch.setattr(ws, "_programs", lambda tiles, device, on: min(tiles, 3) if on else tiles)
     case = MoECase(300, 128, 64, 64, 4, 2, seed=75)
     args = case.mxfp8_args(torch.bfloat16)
-    for persistent in (0, 1):
-        launches.clear()
-        cfg = dict(PREFILL_WS["prefill_ws_bm256_down128_s4c2"], PERSISTENT=persistent)
-        if persistent:
-            monkeypatch.setattr(ws, "_programs", lambda tiles, device, on: min(tiles, 3) if on else tiles)
-        out = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
-        assert out.shape == (300, 128)
-        kinds = [(c["GATE_UP"], c["ROUTED"], c["BLOCK_M"], c["BLOCK_N"], c["N_OUT"], c["K"]) for _, _, c in launches]
-        assert kinds == [(True, True, 256, 64, 64, 128), (True, False, 256, 64, 64, 128),
-                         (False, True, 256, 128, 128, 64), (False, False, 256, 128, 128, 64)]
-        routed_blocks = launches[0][1]
-        assert routed_blocks == launches[2][1] >= 600 // 256 and launches[1][1] == launches[3][1] == 2  # 300 tokens
-        tiles = [num_m * -(-c["N_OUT"] // c["BLOCK_N"]) for _, num_m, c in launches]
-        assert [g for g, _, _ in launches] == ([min(n, 3) for n in tiles] if persistent else tiles)
+    cfg = dict(PREFILL_WS[name], PERSISTENT=persistent)
+    out = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
+    assert out.shape == (300, 128)
+    kinds = [(c["GATE_UP"], c["ROUTED"], c["BLOCK_M"], c["BLOCK_N"], c["N_OUT"], c["K"]) for _, _, c in launches]
+    assert kinds == [(True, True, bm, 64, 64, 128), (True, False, bm_shared, 64, 64, 128),
+                     (False, True, bm, 128, 128, 64), (False, False, bm_shared, 128, 128, 64)]
+    routed_blocks = launches[0][1]  # 600 assignments over 4 experts: at least 600 / bm blocks
+    assert routed_blocks == launches[2][1] >= 600 // bm
+    assert launches[1][1] == launches[3][1] == -(-300 // bm_shared)  # 300 tokens
+    tiles = [num_m * -(-c["N_OUT"] // c["BLOCK_N"]) for _, num_m, c in launches]
+    assert [g for g, _, _ in launches] == ([min(n, 3) for n in tiles] if persistent else tiles)
 
 
 def test_ws_refuses_what_it_cannot_run():

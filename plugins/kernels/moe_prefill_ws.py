@@ -45,11 +45,16 @@ WS_TILE = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
 CONVERTER_WARPS = 4
 LOADER_WARPS = gl.constexpr(1)
 # Registers per thread asked for the worker partitions (setmaxnreg); the MMA warps get what is left of the 64K
-# registers of the SM: the kernel is launched with MAXNREG x (num_warps + 8 warps) x 32 = 64K (8 MMA warps: 192
-# each while the partitions run, no spills at the tile above).
+# registers of the SM (8 MMA warps: 192 each while the partitions run, no spills at the tile above).
 CONVERTER_REGS = gl.constexpr(96)
 LOADER_REGS = gl.constexpr(24)
-MAXNREG = 128
+
+
+def maxnreg(num_warps: int) -> int:
+    """The launch's register cap per thread: the SM's 64K registers over every warp of one program (the MMA warps
+    and two worker warpgroups, the loader's warp counting as one), a multiple of 8. Triton splits it between the
+    partitions with setmaxnreg; one program per SM either way (shared memory)."""
+    return 65536 // (32 * (num_warps + 8)) // 8 * 8
 
 # ``moe._E4M3_BF16_ASM``'s bits: four E4M3 codes in one register ($2) to two registers of two bf16 each, the value
 # times 2^-120 (sign << 15 | exponent and mantissa << 4), NaN codes 0x7F / 0xFF with an all-ones exponent.
@@ -366,21 +371,23 @@ def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r
         num_rows, num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
         N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2),
-        CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"], maxnreg=MAXNREG,
+        CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"], maxnreg=maxnreg(cfg["num_warps"]),
     )
 
 
 def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, limit, top_k, cfg) -> None:
     """The four GEMMs of one MoE layer (routed gate-up, shared gate-up, routed down, shared down) into ``act``,
     ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; the row blocks are ``blocks``' (the shared
-    expert takes blocks of as many tokens). ``check`` first."""
+    expert takes blocks of as many tokens, or ``BLOCK_M_SHARED``: its 16k tokens pad nothing at 256 rows while the
+    routed experts' last blocks pad less at 128). ``check`` first."""
     routed13, routed2, shared13, shared2 = weights
     t, h = x.shape
     i, i_s = act.shape[1], act_s.shape[1]
-    bm = blocks.block_m
-    if bm > 256 or bm % 64:
-        raise ValueError(f"moe: WS row blocks must be a multiple of 64 up to 256 (one TMA box), got {bm}")
-    cfg = {**cfg, "BLOCK_M": bm}
+    bm, bm_s = blocks.block_m, cfg.get("BLOCK_M_SHARED") or blocks.block_m
+    for rows in (bm, bm_s):
+        if rows > 256 or rows % 64:
+            raise ValueError(f"moe: WS row blocks must be a multiple of 64 up to 256 (one TMA box), got {rows}")
+    cfg, shared_cfg = {**cfg, "BLOCK_M": bm}, {**cfg, "BLOCK_M": bm_s}
     bn, bn_down = cfg["BLOCK_N"], cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
     rows, block_expert = blocks.rows, blocks.block_expert
     # The routed rows in block order (padding rows copy the last assignment's token: computed, never stored).
@@ -390,9 +397,9 @@ def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, l
     route_w = route_w.contiguous()
     _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
             blocks.num_blocks, i, h, top_k, True, True, bn, cfg)
-    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, triton.cdiv(t, bm), i_s,
-            h, top_k, False, True, bn, cfg)
+    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, triton.cdiv(t, bm_s),
+            i_s, h, top_k, False, True, bn, shared_cfg)
     _launch(act, routed2, y, rows, block_expert, route_w, num_assignments, alpha, limit, y.stride(0), y.stride(1),
             blocks.num_blocks, h, i, top_k, True, False, bn_down, cfg)
-    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1), triton.cdiv(t, bm),
-            h, i_s, top_k, False, False, bn_down, cfg)
+    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1),
+            triton.cdiv(t, bm_s), h, i_s, top_k, False, False, bn_down, shared_cfg)
