@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,6 +71,66 @@ def step_batch(art, batch: int, context: int, device: str):
     segments = [Segment(list(range(s, s + n)), c, [t]) for s, n, c, t in zip(starts, need, contexts, tokens)]
     ids, b = build_batch(segments, page)
     return ids, b, sum(need)
+
+
+SELECTION = "block_selection."  # the decode graph's LightningIndexer outputs, made graph outputs here
+
+
+def tap_selections(tapped, kv_heads: int, topk: int):
+    """``tapped`` (``router_taps.TappedGraph``) with each ``m3`` LightningIndexer node's output, the blocks each
+    token chose per KV head ([T, Hkv, K] int32), also a graph output ``block_selection.<i>`` (i: the sparse
+    layer's rank in the graph) -> (model bytes, signature)."""
+    from dataclasses import replace
+
+    import onnx_graphsurgeon as gs
+
+    from m3export.export.manifest import TensorSig
+
+    graph = gs.import_onnx(onnx.load_from_string(tapped.model))
+    tokens = tapped.graph.inputs[[t.name for t in tapped.graph.inputs].index("input_ids")].shape[0]
+    sigs = []
+    for i, node in enumerate(n for n in graph.nodes if n.domain == "m3" and n.op == "LightningIndexer"):
+        out = gs.Variable(f"{SELECTION}{i}", dtype=np.int32, shape=[tokens, kv_heads, topk])
+        graph.nodes.append(gs.Node("Identity", name=f"tap_selection_{i}", inputs=[node.outputs[0]], outputs=[out]))
+        graph.outputs.append(out)
+        sigs.append(TensorSig(out.name, "int32", (tokens, kv_heads, topk)))
+    return gs.export_onnx(graph).SerializeToString(), replace(tapped.graph, outputs=(*tapped.graph.outputs, *sigs))
+
+
+@contextlib.contextmanager
+def torch_selections(model):
+    """A list filled, while the block runs, with each sparse attention layer's chosen blocks [T, Hkv, K] in
+    layer order (forward hooks on the attention modules, whose output's third item is the selection)."""
+    from m3export.model.attention import Attention
+
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(out[2].detach().clone())
+                                     if out[2] is not None else None)
+             for m in model.modules() if isinstance(m, Attention)]
+    try:
+        yield seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def selections(ort_outputs: dict, torch_sel: list, batch: int) -> list[dict]:
+    """Per sparse layer: the (token, KV head) whose chosen block sets differ between ORT's decode graph and the
+    torch backend, with the blocks only one of them chose (-1, an unused slot, left out)."""
+    out = []
+    for i, theirs in enumerate(torch_sel):
+        mine = ort_outputs.get(f"{SELECTION}{i}")
+        if mine is None:
+            break
+        differ = []
+        for t in range(batch):
+            for h in range(theirs.shape[1]):
+                a = set(mine[t, h].tolist()) - {-1}
+                c = set(theirs[t, h].tolist()) - {-1}
+                if a != c:
+                    differ.append({"token": t, "head": h, "ort_only": sorted(a - c), "torch_only": sorted(c - a)})
+        out.append({"layer": i, "differ": differ})
+    return out
 
 
 def capture_outputs(session) -> dict:
@@ -203,7 +264,8 @@ def main() -> int:
                     pool.normal_(0.0, 1.0, generator=g)
             fill_ort_pools(be, torch_be)
             rows = torch.arange(batch)
-            with torch.no_grad(), torch_router_inputs(torch_be.model) as torch_x:
+            with torch.no_grad(), torch_router_inputs(torch_be.model) as torch_x, \
+                    torch_selections(torch_be.model) as torch_sel:
                 lt, _ = torch_be.forward(ids.to(device), b.to(device), rows.to(device))
                 be.forward(ids, b, rows)  # opens this batch's MoE form
                 # the general step graph (model.onnx: per-assignment / Scan MoE, the general bodies) on the same
@@ -215,14 +277,16 @@ def main() -> int:
                 record = art.manifest.flavours[be._decode_flavours[form]]["model"]
                 # every MoE node's router input and chosen experts as extra outputs (the same nodes otherwise)
                 tapped = tap_router_inputs(art, "model", path=art.root / record["file"])
+                # and every sparse layer's block selection
+                source, signature = tap_selections(tapped, cfg.num_key_value_heads, cfg.index_topk_blocks)
                 logits, rewritten, seen = {}, {}, {}
                 for name, passes in VARIANTS.items():
-                    model, rewritten[name] = variant_bytes(tapped.model, passes)
-                    swap_decode(be, form, model=model, graph=tapped.graph)
+                    model, rewritten[name] = variant_bytes(source, passes)
+                    swap_decode(be, form, model=model, graph=signature)
                     outputs = capture_outputs(be._decodes[form])
                     lx, _ = be.forward(ids, b, rows)
                     logits[name] = lx.float().cpu()
-                    seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith(TAPPED)}
+                    seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith((*TAPPED, SELECTION))}
                     if name == "none":  # the same graph on the step as the engine hands it: not padded
                         unpadded, _ = be._run(be._decodes[form], b, "hidden", input_ids=ids, logits_indices=rows)
                         unpadded = unpadded.float().cpu()
@@ -236,7 +300,8 @@ def main() -> int:
                                                                                logits["none"].argmax(-1)))},
                    "unpadded_decode": {"row_diffs_vs_torch": (unpadded - lt_host).abs().amax(-1).tolist(),
                                        "row_diffs_vs_padded": (unpadded - logits["none"]).abs().amax(-1).tolist()},
-                   "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok, torch_x)}
+                   "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok, torch_x),
+                   "selections_vs_torch": selections(seen["none"], torch_sel, batch)}
             res["rows"].append(row)
             write_results(res, args.json)
             print(f"\nbatch {batch} ({form}), logits up to {row['logit_scale']:.3g}:")
@@ -255,6 +320,9 @@ def main() -> int:
             print(f"  decode graph unpadded: rows vs torch {[round(v, 3) for v in up['row_diffs_vs_torch']]}, "
                   f"vs padded "
                   f"{[round(v, 3) for v in up['row_diffs_vs_padded']]}")
+            for sel in row["selections_vs_torch"]:
+                print(f"  sparse layer {sel['layer']}: (token, head) choosing other blocks than torch: "
+                      f"{[(d['token'], d['head'], d['ort_only'], d['torch_only']) for d in sel['differ']][:6]}")
             for module, layer in row["routing"].items():
                 moved = {n: layer[n]["tokens_rerouted"] for n in VARIANTS if n != "none" and n in layer}
                 t = layer.get("torch", {})

@@ -1,7 +1,7 @@
 """bench/ort_passes.py on the CPU EP (tiny fp32 artifact): each pass rewrites the artifact's own decode graph (23
 norms, 14 rotations), the RoPE variant is bit-equal to the no-pass graph, the RMSNorm variant within its bound
 (``tests/test_ort_fused_norms_decode.py``'s), the torch backend agrees with all of them, and the router taps report
-each MoE layer's routing, unchanged by either pass here."""
+each MoE layer's routing, unchanged by either pass here, and the block selections equal the torch backend's."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_cpu_run_rewrites_and_compares_each_pass(tiny_artifact, tmp_path):  # no
         general = r["general_graph"]  # the general step graph on the same step: the same logits, within fp32 rounding
         assert general["greedy_same_as_torch"] and max(general["row_diffs_vs_torch"]) <= 1e-5 * r["logit_scale"]
         assert max(r["unpadded_decode"]["row_diffs_vs_padded"]) <= 1e-5 * r["logit_scale"]  # padding changes nothing
+        # the decode graph's block selections (tapped) against the torch backend's (hooks): three sparse layers,
+        # the same blocks for every token and KV head here
+        assert [(x["layer"], x["differ"]) for x in r["selections_vs_torch"]] == [(0, []), (1, []), (2, [])]
         # the router taps of the decode graph: one per MoE layer (the tiny model's 3), no token rerouted in fp32
         assert len(r["routing"]) == 3, r["routing"]
         for layer in r["routing"].values():
@@ -43,3 +46,18 @@ def test_cpu_run_rewrites_and_compares_each_pass(tiny_artifact, tmp_path):  # no
             # the torch backend's router inputs (hooks) within fp32 rounding of ORT's, the same experts chosen
             t = layer["torch"]
             assert t["tokens_rerouted"] == [] and t["max_abs_router_input_diff"] <= 1e-5 * t["router_input_scale"], t
+
+
+def test_selections_name_the_blocks_only_one_side_chose():
+    import torch
+
+    sys.path.insert(0, str(BENCH.parent))
+    import ort_passes
+
+    mine = torch.tensor([[[3, 1, -1], [0, 2, 5]], [[7, 8, 9], [1, 2, 3]]], dtype=torch.int32)  # [T, Hkv, K]
+    theirs = torch.tensor([[[1, 3, -1], [0, 2, 6]], [[9, 8, 7], [1, 2, 3]]], dtype=torch.int32)
+    got = ort_passes.selections({f"{ort_passes.SELECTION}0": mine}, [theirs], batch=2)
+    # order within a list and the unused slot (-1) do not count; token 0 head 1 chose 5 where torch chose 6
+    assert got == [{"layer": 0, "differ": [{"token": 0, "head": 1, "ort_only": [5], "torch_only": [6]}]}]
+    assert ort_passes.selections({f"{ort_passes.SELECTION}0": mine}, [theirs], batch=0) == [{"layer": 0,
+                                                                                             "differ": []}]
