@@ -4,7 +4,8 @@ the torch backend, on one decode step at batch 8 and 1 (issue 16: on the H200 th
 passes gave other greedy tokens than the torch backend at batch 8, first-step logits 0.95 apart, and the same
 tokens at batch 1; on the CPU EP and the tiny model the passes stay within their bounds).
 
-The artifact's decode graph of the batch's MoE form is loaded without its weights, rewritten by the pass(es) and run
+The decode graph of the batch's MoE form, made from the artifact's step graph without passes (``decode_model``: the
+artifact's own decode graph may carry them), is loaded without its weights, rewritten by the pass(es) and run
 through ``OnnxRuntimeBackend`` (``pad_decode``: the padded inputs a replay gets, eagerly) in place of the
 backend's own decode session (``ort_kernels.swap_decode``: the weights load from the artifact's folder), on pools
 that hold the torch backend's random values; sequences sit at different positions (``--context`` minus 97 per
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -235,7 +237,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from m3export.export.artifact import load_artifact
-    from m3export.export.decode_graph import moe_form
+    from m3export.export.decode_graph import decode_model, moe_form
+    from m3export.export.manifest import KV_FP8
     from m3export.export.router_taps import tap_router_inputs
     from m3export.plugins.onnxruntime.providers import parse_provider, require
     from m3export.runtime.backends import create_backend
@@ -274,9 +277,14 @@ def main() -> int:
                 general = general.float().cpu()
                 form = moe_form(batch, cfg.num_experts_per_tok, cfg.num_local_experts)
                 form = form if form in be._decodes else "per-assignment"
-                record = art.manifest.flavours[be._decode_flavours[form]]["model"]
-                # every MoE node's router input and chosen experts as extra outputs (the same nodes otherwise)
-                tapped = tap_router_inputs(art, "model", path=art.root / record["file"])
+                # the decode graph without passes, made from the step graph as the exporter makes it (the
+                # artifact's own may carry passes already), with every MoE node's router input and chosen experts
+                # as extra outputs (the same nodes otherwise)
+                plain = decode_model(onnx.load(str(art.path("model")), load_external_data=False),
+                                     art.manifest.kv_cache_dtype == KV_FP8, form)
+                with tempfile.TemporaryDirectory(prefix="ort_passes_") as tmp:
+                    onnx.save(plain, str(Path(tmp) / "model.decode.onnx"))
+                    tapped = tap_router_inputs(art, "model", path=Path(tmp) / "model.decode.onnx")
                 # and every sparse layer's block selection
                 source, signature = tap_selections(tapped, cfg.num_key_value_heads, cfg.index_topk_blocks)
                 logits, rewritten, seen = {}, {}, {}
