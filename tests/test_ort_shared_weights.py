@@ -33,7 +33,8 @@ def _gather_model(folder, rows: int = ROWS, cols: int = COLS, offset: int = 64) 
     graph = h.make_graph([h.make_node("Gather", ["table", "i"], ["g"]), h.make_node("Cast", ["g"], ["y"], to=TP.FLOAT)],
                          "gather", [h.make_tensor_value_info("i", TP.INT64, [2])],
                          [h.make_tensor_value_info("y", TP.FLOAT, [2, cols])], initializer=[init])
-    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)]), str(folder / "g.onnx"))
+    # IR version 10, as the exporter writes (onnxruntime-gpu 1.31 refuses the onnx package's newer default, 14)
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=10), str(folder / "g.onnx"))
     return table
 
 
