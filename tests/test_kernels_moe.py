@@ -25,6 +25,7 @@ from m3export.ops import moe as ref  # noqa: E402
 from m3export.ops import mxfp8  # noqa: E402
 from m3export.plugins.kernels import moe as moe_kernel  # noqa: E402
 from m3export.plugins.kernels import moe_mxfp8 as moe_mxfp8_kernel  # noqa: E402
+from m3export.plugins.kernels import moe_prefill_ws  # noqa: E402
 from m3export.plugins.kernels import moe_routing  # noqa: E402
 from m3export.plugins.kernels import mxfp8_linear as linear_kernel  # noqa: E402
 from m3export.plugins.kernels.moe import _e4m3_tile_bf16  # noqa: E402
@@ -306,7 +307,9 @@ def test_moe_default_config_buckets():
     # Prefill, bf16 activations (round 4): MXFP8 up to 256 assignments per expert and above, bf16 weights from
     # block_m_for's 128-row bucket (mean > 48); its 64-row bucket (16 < mean <= 48) keeps block_m_for's tiles.
     assert d(4096, 16384, 128, True) == moe_kernel.PREFILL_MXFP8 == d(8192, 32768, 128, True)
-    assert d(8193, 32772, 128, True) == moe_kernel.PREFILL_MXFP8_LARGE == d(16384, 65536, 128, True)
+    # Above 256 per expert: the warp-specialised GEMMs with bf16 activations, the 256-row Triton tile with fp16.
+    assert d(8193, 32772, 128, True) == moe_prefill_ws.WS_TILE == d(16384, 65536, 128, True)
+    assert d(16384, 65536, 128, True, torch.float16) == moe_kernel.PREFILL_MXFP8_LARGE
     assert d(4096, 16384, 128, False) == moe_kernel.PREFILL_BF16 == d(16384, 65536, 128, False)
     assert d(1024, 4096, 128, False) == {}  # 32 per expert
     # fp32 activations keep the tiles from before round 4 (the round-4 stages do not fit shared memory in fp32).

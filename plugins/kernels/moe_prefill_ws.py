@@ -20,10 +20,11 @@ of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The ac
 gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
 (``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
 
-Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants). MXFP8 weights
-that TMA can read (``moe.tma_unusable``) and bf16 activations only; Gluon kernels do not run under the Triton
-interpreter, so the CPU tests compile them for sm_90 (``tests/test_moe_prefill_ws.py``) and the GPU tests compare
-them with the reference.
+Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants): ``WS_TILE`` is
+the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), where it
+falls back to ``moe.PREFILL_MXFP8_LARGE`` if ``check`` refuses. MXFP8 weights that TMA can read
+(``moe.tma_unusable``) and bf16 activations only; Gluon kernels do not run under the Triton interpreter, so the CPU
+tests compile them for sm_90 (``tests/test_moe_prefill_ws.py``) and the GPU tests compare them with the reference.
 """
 
 from __future__ import annotations
