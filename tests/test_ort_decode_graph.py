@@ -10,6 +10,8 @@ graph wrote are compared with the general graph's."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import sys
 from pathlib import Path
 
@@ -128,11 +130,16 @@ def test_decode_graph_equals_general_graph_fp16(fp16_artifact, flavour):
     assert worst["out"] <= 4e-3 and worst["pools"] <= 4e-3, worst
 
 
+# the op types the passes remove or add (fused_norms.py, compact_rope.py): every other node is the general graph's
+REWRITTEN = {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Mul", "Add", "Sub", "Slice", "Concat", "Gather", "Constant",
+             "Shape", "CastLike", "Expand", "Neg", "SimplifiedLayerNormalization"}
+
+
 def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
     """Graph inspection: no If / Scan / Loop and no value-shaped op (NonZero, ...) in the decode graph or its bodies
-    (the general graph has the MoE's If and Scan); the same nodes, inputs and outputs as the general graph (the
-    RMSNorm / RoPE graph passes are off by default, ``write_decode_graphs``: the flavour records none; the passes'
-    own tests are tests/test_ort_fused_norms*.py)."""
+    (the general graph has the MoE's If and Scan); the same inputs and outputs as the general graph, and its nodes
+    but for the RMSNorm / RoPE graph passes' rewrites (on by default, ``write_decode_graphs``; the flavour records
+    them: the tiny model's 23 norms and 14 rotations; the passes' own tests are tests/test_ort_fused_norms*.py)."""
     art = load_artifact(tiny_artifact)
     general = onnx.load(str(art.path("model")), load_external_data=False)
     assert any("If" in p or "Scan" in p for p in problems(general))  # the inspection sees what it looks for
@@ -140,8 +147,12 @@ def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
         record = art.manifest.flavours[flavour]["model"]
         decoded = onnx.load(str(art.root / record["file"]), load_external_data=False)
         assert problems(decoded) == [] and record["source"] == "model.onnx"
-        assert record["graph_passes"] == {}
-        assert [n.op_type for n in decoded.graph.node] == [n.op_type for n in general.graph.node]  # the same nodes
+        assert record["graph_passes"] == {"rms_norm": 23, "rope": 14}
+        # the same nodes but for the rewrites: the traced norms' and rotations' ops gone, one fused norm each
+        ops, traced = [n.op_type for n in decoded.graph.node], [n.op_type for n in general.graph.node]
+        assert ops.count("SimplifiedLayerNormalization") == 23 and "Pow" in traced and "Pow" not in ops
+        kept = Counter(o for o in ops if o not in REWRITTEN)  # the passes re-sort the nodes: compare counts
+        assert kept == Counter(o for o in traced if o not in REWRITTEN), (kept, Counter(traced))
         assert [i.name for i in decoded.graph.input] == [i.name for i in general.graph.input]
         assert [o.name for o in decoded.graph.output] == [o.name for o in general.graph.output]
 
