@@ -200,3 +200,13 @@ def test_every_bf16_decode_node_has_a_cuda_kernel(tmp_path):
                         if types[i] not in allowed:
                             missing.append(f"{node.op_type} input {i}: {types[i]}")
             assert checked > 500 and not missing, (flavour, graph, checked, sorted(set(missing)))
+
+
+def test_moe_form_weighs_a_gathered_expert_at_its_measured_cost():
+    """``moe_form``: per-assignment while GATHER_COST (9, H200-measured) x T x top_k expert reads cost no more than
+    reading all E experts: the full model (128 experts, top 4) gathers up to 3 tokens' experts, `mini` (16, top
+    4) and the tiny model (8, top 2) never (at 3, the copy's bytes alone, `mini` gathered at batch 1: 2.5 ms)."""
+    from m3export.export.decode_graph import moe_form
+
+    assert [moe_form(t, 4, 128) for t in (1, 3, 4)] == ["per-assignment", "per-assignment", "all-experts"]
+    assert moe_form(1, 4, 16) == "all-experts" and moe_form(1, 2, 8) == "all-experts"

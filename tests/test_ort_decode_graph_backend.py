@@ -1,9 +1,9 @@
 """The onnxruntime backend's choice of graph (CPU EP): decode steps go through the decode-only graph
-(``model.decode.onnx``, or ``model.decode-all-experts.onnx`` once a step's expert assignments outnumber the
-experts: ``decode_graph.moe_form``), every other step through the general graph, on one set of pools; generation is token for
-token the general graph's alone, with the decode batch as is and padded to a bucket (``pad_decode``: the inputs a
-captured ORT CUDA graph replays, here run without capture); wrong requests are one clear error. The captured
-replay itself is the GPU test ``test_ort_cuda_graph_replay_equals_eager_decode``."""
+(``model.decode.onnx``, or ``model.decode-all-experts.onnx`` once gathering a step's experts costs more than
+reading them all: ``decode_graph.moe_form``), every other step through the general graph, on one set of pools;
+generation is token for token the general graph's alone, with the decode batch as is and padded to a bucket
+(``pad_decode``: the inputs a captured ORT CUDA graph replays, here run without capture); wrong requests are one
+clear error. The captured replay itself is the GPU test ``test_ort_cuda_graph_replay_equals_eager_decode``."""
 
 from __future__ import annotations
 
@@ -40,8 +40,18 @@ def _generate(backend, prompts, k: int = 0) -> list[list[int]]:
         eng.close()
 
 
+@pytest.fixture
+def both_moe_forms(monkeypatch):
+    """The tiny model (8 experts, top 2) takes the all-experts form at every batch (``decode_graph.GATHER_COST``);
+    at the cost of the copy's bytes alone (3) a lone sequence's step gathers its experts and batches of 2+ run
+    every expert, so that both decode graphs run."""
+    from m3export.export import decode_graph
+
+    monkeypatch.setattr(decode_graph, "GATHER_COST", 3)
+
+
 @pytest.mark.parametrize("mode", ["decode_graph", "pad_decode"])
-def test_decode_steps_take_the_decode_graph(tiny_artifact, mode):
+def test_decode_steps_take_the_decode_graph(tiny_artifact, mode, both_moe_forms):
     art = load_artifact(tiny_artifact)
     prompts = _prompts(5, seed=1)
     want = _generate(OnnxRuntimeBackend(art, "cpu", threads=1, decode_graph=False), prompts)
@@ -50,8 +60,7 @@ def test_decode_steps_take_the_decode_graph(tiny_artifact, mode):
     assert _generate(backend, prompts) == want
     assert backend.decode_steps + backend.padded_decode_steps >= 11  # 12 tokens: the first comes from a prefill
     assert backend.general_steps >= 1  # the prefills
-    # tiny: 8 experts, top 2: a lone sequence's step gathers its experts, batches of 2+ run every expert
-    assert set(backend._decodes) == {"per-assignment", "all-experts"}
+    assert set(backend._decodes) == {"per-assignment", "all-experts"}  # both_moe_forms
     if mode == "pad_decode":
         assert backend.padded_decode_steps >= 11 and backend.decode_steps == 0 and backend.replays == 0
         assert {b for b, _ in backend._inputs} <= set(backend.buckets)  # batches of 1..5 padded to 1, 2, 4, 8
@@ -90,7 +99,7 @@ def test_requests_the_backend_cannot_serve_are_clear_errors(tiny_artifact, mxfp8
     backend.close()
 
 
-def test_replay_path_binds_fixed_buffers_per_graph(tiny_artifact, monkeypatch):
+def test_replay_path_binds_fixed_buffers_per_graph(tiny_artifact, monkeypatch, both_moe_forms):
     """The replay path's bookkeeping on the CPU EP, which runs a ``gpu_graph_id`` run as an ordinary run: the
     backend's CUDA-graph path (``PagedSession.run_replayed``, one graph id per (MoE form, bucket, width), ids from
     1) generates the general graph's tokens, each id's inputs stay at the addresses it was first run with, and a

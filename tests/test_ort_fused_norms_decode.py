@@ -87,8 +87,8 @@ def _step(art, provider: str, batch_size: int, device: str, **kw) -> torch.Tenso
         for _ in range(3):
             logits, _ = be.forward(ids.to(where), batch, torch.arange(batch_size, device=where))
         assert be.padded_decode_steps == 3 and be.general_steps == 0
-        # tiny: 8 experts, top 2: batches of 2+ run every expert, a lone sequence its own two
-        assert ("all-experts" if batch_size > 1 else "per-assignment") in be._decodes
+        # tiny: 8 experts, top 2: every batch runs every expert (decode_graph.GATHER_COST)
+        assert "all-experts" in be._decodes
         return logits.float().cpu().clone()
     finally:
         be.close()

@@ -38,16 +38,24 @@ STATUS = ("decode steps only (every sequence one new token); no control flow, no
 
 
 # The decode MoE's two forms (``functions.DecodeSizes.moe``), one decode graph each: ``per-assignment`` gathers each
-# token's top_k expert weights (a copy read three times: gathered, written, multiplied), ``all-experts`` runs every
+# token's top_k expert weights (a copy: read, written, then read by the products), ``all-experts`` runs every
 # expert on every token from the weights where they lie (one pass over all of them, E / (T * top_k) times the
-# arithmetic): the first for the smallest batches, the second once 3 T top_k passes outweigh E (``moe_form``).
+# arithmetic): the first for the smallest batches of models with many experts, the second once GATHER_COST T top_k
+# expert reads outweigh E (``moe_form``).
 MOE_FORMS = ("per-assignment", "all-experts")
+# What one gathered expert costs in expert weights read in place. Measured on the H200 (ONNX Runtime 1.31.1's CUDA
+# Gather, `mini` bf16, 2026-12-01 11:13 UTC, bench/ort_kernels.py): ~210 us to copy an expert's 113 MB (~1.1 TB/s
+# for its read and write) and ~27 us to read the copy, against ~27 us per expert for the all-experts products
+# reading the weights in place (4.2 TB/s): ~9. (3, the copy's bytes alone, took the per-assignment form at batch 1
+# of `mini`, 16 experts and top 4, whose weight gathers were then 2.5 ms of a 6.1 ms step.)
+GATHER_COST = 9
 
 
 def moe_form(tokens: int, top_k: int, experts: int) -> str:
-    """The decode MoE form for a step of ``tokens`` tokens: per-assignment while 3 * tokens * top_k expert weights
-    (its gathered copy, written and read twice) cost no more than one pass over all ``experts``."""
-    return MOE_FORMS[0] if 3 * tokens * top_k <= experts else MOE_FORMS[1]
+    """The decode MoE form for a step of ``tokens`` tokens: per-assignment while GATHER_COST * tokens * top_k
+    expert weights cost no more than one pass over all ``experts`` (the full model, 128 experts and top 4: up to 3
+    tokens; `mini` and the tiny model: never)."""
+    return MOE_FORMS[0] if GATHER_COST * tokens * top_k <= experts else MOE_FORMS[1]
 
 
 def flavour_name(of: str | None = None, moe: str = MOE_FORMS[0]) -> str:
