@@ -373,24 +373,33 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
     heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1))  # [1, Hkv, 1]
     index = b.Add(b.Mul(b.Unsqueeze(ctx.slots, b.const([1])), b.const(sizes.kv_heads)), heads)  # [T, Hkv, L]
 
-    def gather(pool: str, scale: str | None) -> str:  # -> fp32 [T, Hkv, L, D]
-        def rows(p: str) -> str:
-            return b.Gather(_page_rows(b, p, 3), index, axis=0)
-
-        return b.Cast(rows(pool), to=F32) if scale is None else decode_rows(b, rows(pool), rows(scale))
+    def gather(pool: str, scale: str | None, hidden: str | None = None) -> str:  # -> fp32 [T, Hkv, L, D]
+        return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), index, axis=0),
+                            None if scale is None else b.Gather(_page_rows(b, scale, 3), index, axis=0), hidden)
 
     keys = gather("k_cache", "k_scale" if kv_fp8 else None)
-    values = gather("v_cache", "v_scale" if kv_fp8 else None)
+    # Values the token cannot see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
+    values = gather("v_cache", "v_scale" if kv_fp8 else None, b.Unsqueeze(ctx.visible, b.const([1, 3])))
     hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), d, axis=0))  # [T, Hkv, G, D]
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, L]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(b.Unsqueeze(ctx.visible, b.const([1, 2])), scores, b.const(-INF, np.float32)), axis=-1)
-    # Values the token cannot see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
-    values = b.Where(b.Unsqueeze(ctx.visible, b.const([1, 3])), values, b.const(0.0, np.float32))
     out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
+
+
+def _masked_rows(b: Builder, rows: str, scale_rows: str | None, keep: str | None) -> str:
+    """Gathered pool rows -> fp32 (uint8 E4M3 codes decoded with ``scale_rows``), zeroed where ``keep`` is false:
+    in the pool's own dtype before the widening cast (half the bytes of a zeroing after it, and the same values:
+    a 16-bit zero widens to +0)."""
+    if scale_rows is not None:
+        rows = decode_rows(b, rows, scale_rows)
+        return rows if keep is None else b.Where(keep, rows, b.const(0.0, np.float32))
+    if keep is not None:
+        rows = b.Where(keep, rows, b.CastLike(b.const(0.0, np.float32), rows))
+    return b.Cast(rows, to=F32)
 
 
 def sparse_paged_attention(kv_fp8: bool = False) -> FunctionProto:
@@ -522,10 +531,12 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
     def rows_of(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [T, Hkv, K * bs, *rest]
         return b.Gather(_page_rows(b, pool, 3), index, axis=0)
 
-    def gather(pool: str, scale: str) -> str:  # -> fp32 [T, Hkv, K * bs, D]
-        return decode_rows(b, rows_of(pool), rows_of(scale)) if kv_fp8 else b.Cast(rows_of(pool), to=F32)
+    def gather(pool: str, scale: str, keep: str | None = None) -> str:  # -> fp32 [T, Hkv, K * bs, D]
+        return _masked_rows(b, rows_of(pool), rows_of(scale) if kv_fp8 else None, keep)
 
-    keys, values = gather("k_cache", "k_scale"), gather("v_cache", "v_scale")
+    keys = gather("k_cache", "k_scale")
+    # values of slots no block fills are zeroed (they may hold anything, 0 * NaN leaks)
+    values = gather("v_cache", "v_scale", b.Unsqueeze(b.Reshape(stored, b.const([0, 0, -1])), b.const([3])))
     allowed = b.And(stored, b.LessOrEqual(keys_pos, b.Unsqueeze("positions", b.const([1, 2, 3]))))
     allowed = b.Reshape(allowed, b.const([0, 0, 1, -1]))  # [T, Hkv, 1, S]
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), b.Shape("k_cache", start=2, end=3), b.const([-1]),
@@ -533,8 +544,6 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, S]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
-    values = b.Where(b.Unsqueeze(b.Reshape(stored, b.const([0, 0, -1])), b.const([3])), values,
-                     b.const(0.0, np.float32))
     out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("SparsePagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
