@@ -317,8 +317,8 @@ def test_gpu_ws_each_gemm_next_to_the_triton_tiles():
 def test_gpu_ws_is_the_default_above_256_per_expert():
     # The op as the model calls it (m3::moe_mxfp8's launcher, no config): 2100 tokens x top-4 over 16 experts is 525
     # assignments per expert, above PREFILL_MXFP8's 256, so moe.default_config takes WS_TILE; against the float64
-    # reference with _close's bound, and next to the Triton tile it replaced on the same inputs (printed: the 16k
-    # bench found the two outputs equal, but nothing guarantees the same summation inside a wgmma of another shape).
+    # reference with _close's bound (the Triton tile it replaced is the bench's comparison: its four kernels take
+    # ~80 s to compile).
     from m3export.plugins.kernels import moe_mxfp8 as moe_mxfp8_kernel
     from m3export.plugins.kernels import moe_prefill_ws as ws
 
@@ -328,7 +328,3 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
     want, want64 = _references(2100, 16, 76)
     got = moe_mxfp8_kernel.forward(*args, *attrs)
     _close(got, want, want64)
-    large = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]),
-                               config=dict(moe_kernel.PREFILL_MXFP8_LARGE))
-    _close(large, want, want64)
-    print({"equal_to_PREFILL_MXFP8_LARGE": bool(torch.equal(got, large))})
