@@ -264,20 +264,11 @@ PREFILL_WS = {
     "prefill_ws_bm256_down128_s4c2_group16_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128,
                                                              BLOCK_K=64, GROUP_M=16, num_warps=8, STAGES=4,
                                                              CONV_STAGES=2, MX_MODE=3, WS=1, PERSISTENT=1),
-    # H200 call of 11:10 (bench/results/moe_h200_prefill_ws_16k.json): s4c2 22.76 ms = 409 TFLOP/s at 16k against
-    # the default's 25.38; the persistent forms 23.4-24.5. Its GEMMs run ~470-570 TFLOP/s on the rows they compute,
-    # but a routed expert's last 256-row block is half padding on average (512 assignments per expert: ~25 % of
-    # the routed rows). These take 128-row routed blocks (~12 % padding; each weight tile converted for half the
-    # rows, the converter's slack allows it): 8 MMA warps (one m64 slice per warpgroup) with the shared expert at
-    # 256 rows (its tokens pad nothing), and one MMA warpgroup (acc 128 x 128 in 256 registers, the converted tile
-    # read by one warpgroup) with 4 or 6 loaded slots (128 / 176 KB).
-    "prefill_ws_bm128_w8_shared256_s4c2": dict(BLOCK_M=128, BLOCK_M_SHARED=256, BLOCK_N=64, BLOCK_N_DOWN=128,
-                                               BLOCK_K=64, GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2,
-                                               MX_MODE=3, WS=1),
-    "prefill_ws_bm128_w4_s4c2": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
-                                     num_warps=4, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1),
-    "prefill_ws_bm128_w4_s6c2": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
-                                     num_warps=4, STAGES=6, CONV_STAGES=2, MX_MODE=3, WS=1),
+    # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
+    # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
+    # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:
+    # 8 MMA warps with the shared expert at 256 rows 28.55 ms, one MMA warpgroup with 4 / 6 loaded slots 29.68 /
+    # 29.81; removed with the launcher's per-shared-expert row blocks.
 }
 NAMES = {**PREVIOUS_DEFAULTS, **PIPELINE_SWEEP, **BYTES_SWEEP, **DECODE_ROUND5, **LINEAR_ROUND5, **LINEAR_ROUND6,
          **PREFILL_ROUND4, **PREFILL_ROUND5, **PREFILL_ROUND6, **PREFILL_WS}

@@ -112,7 +112,7 @@ BUILDS = [(name, kind) for name in PREFILL_WS for kind in ("gate_up", "down")] +
 
 
 def _kernel_key(name: str, kind: str) -> str:
-    """Variants that differ only in launch keys (PERSISTENT, BLOCK_M_SHARED) compile to the same kernel."""
+    """Variants that differ only in a launch key (PERSISTENT) compile to the same kernel."""
     cfg = PREFILL_WS[name]
     return "-".join([kind] + [str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M",
                                                      "STAGES", "CONV_STAGES", "num_warps")])
@@ -189,12 +189,11 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(sm90_builds, name, kind):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
 @pytest.mark.parametrize("name,persistent,bm,bm_shared", [
-    ("prefill_ws_bm256_down128_s4c2", 0, 256, 256), ("prefill_ws_bm256_down128_s4c2", 1, 256, 256),
-    ("prefill_ws_bm128_w8_shared256_s4c2", 0, 128, 256)])
+    ("prefill_ws_bm256_down128_s4c2", 0, 256, 256), ("prefill_ws_bm256_down128_s4c2", 1, 256, 256)])
 def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_shared):
     # The host side on the CPU (the kernels themselves need the device): run_moe with a WS config hands moe_prefill_ws
     # the blocks it routed and launches the four GEMMs with the row blocks of those blocks (BLOCK_M is the
-    # launcher's, not a key of the tile config it passes on; BLOCK_M_SHARED the shared expert's), the gate-up
+    # launcher's, not a key of the tile config it passes on; the shared expert's blocks as many tokens), the gate-up
     # launches N tiles of BLOCK_N over I and the down launches N tiles of BLOCK_N_DOWN over H, one program per
     # tile, or one per SM with PERSISTENT. The kernel and the device checks are replaced by recorders (the combine
     # then sums unwritten memory: shape only).

@@ -379,16 +379,14 @@ def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r
 def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, limit, top_k, cfg) -> None:
     """The four GEMMs of one MoE layer (routed gate-up, shared gate-up, routed down, shared down) into ``act``,
     ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; the row blocks are ``blocks``' (the shared
-    expert takes blocks of as many tokens, or ``BLOCK_M_SHARED``: its 16k tokens pad nothing at 256 rows while the
-    routed experts' last blocks pad less at 128). ``check`` first."""
+    expert takes blocks of as many tokens). ``check`` first."""
     routed13, routed2, shared13, shared2 = weights
     t, h = x.shape
     i, i_s = act.shape[1], act_s.shape[1]
-    bm, bm_s = blocks.block_m, cfg.get("BLOCK_M_SHARED") or blocks.block_m
-    for rows in (bm, bm_s):
-        if rows > 256 or rows % 64:
-            raise ValueError(f"moe: WS row blocks must be a multiple of 64 up to 256 (one TMA box), got {rows}")
-    cfg, shared_cfg = {**cfg, "BLOCK_M": bm}, {**cfg, "BLOCK_M": bm_s}
+    bm = blocks.block_m
+    if bm > 256 or bm % 64:
+        raise ValueError(f"moe: WS row blocks must be a multiple of 64 up to 256 (one TMA box), got {bm}")
+    cfg = {**cfg, "BLOCK_M": bm}
     bn, bn_down = cfg["BLOCK_N"], cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
     rows, block_expert = blocks.rows, blocks.block_expert
     # The routed rows in block order (padding rows copy the last assignment's token: computed, never stored).
@@ -398,9 +396,9 @@ def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, l
     route_w = route_w.contiguous()
     _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
             blocks.num_blocks, i, h, top_k, True, True, bn, cfg)
-    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, triton.cdiv(t, bm_s),
-            i_s, h, top_k, False, True, bn, shared_cfg)
+    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, triton.cdiv(t, bm), i_s,
+            h, top_k, False, True, bn, cfg)
     _launch(act, routed2, y, rows, block_expert, route_w, num_assignments, alpha, limit, y.stride(0), y.stride(1),
             blocks.num_blocks, h, i, top_k, True, False, bn_down, cfg)
-    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1),
-            triton.cdiv(t, bm_s), h, i_s, top_k, False, False, bn_down, shared_cfg)
+    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1), triton.cdiv(t, bm),
+            h, i_s, top_k, False, False, bn_down, cfg)
