@@ -115,8 +115,10 @@ def test_backend_sessions_share_one_copy_and_give_the_same_logits(tiny_artifact)
 @pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers() or not torch.cuda.is_available(),
                     reason="needs onnxruntime-gpu and a CUDA device")
 def test_second_cuda_session_allocates_no_second_copy(tmp_path):
-    """A 256 MiB table: a second session with the shared copy takes < 32 MiB of device memory more (ORT's arena
-    and workspace), one loading its own copy >= 256 MiB (the control: the measure sees a copy)."""
+    """A 256 MiB table: a second session with the shared copy takes less device memory than the table (what it
+    takes is the session's own CUDA workspace and arena: 150 MiB with onnxruntime-gpu 1.31.1 on the H200,
+    2026-12-01 12:05 UTC), and at least a table less than a session loading its own copy (658 MiB there), which
+    takes at least the table (the control: the measure sees a copy)."""
     rows, cols = 2 << 20, 64  # bf16: 256 MiB
     table = _gather_model(tmp_path, rows, cols)
     weights = SharedWeights("cuda:0")
@@ -138,8 +140,9 @@ def test_second_cuda_session_allocates_no_second_copy(tmp_path):
     own.run(None, {"i": i})
     own_cost = before - free()
     assert not weights.refused, weights.refused  # onnxruntime wrapped the device tensor (DLPack)
-    assert own_cost >= rows * cols * 2, own_cost  # the control: a session's own copy shows
-    assert shared_cost < 32 << 20, (shared_cost, own_cost)
+    nbytes = rows * cols * 2
+    assert own_cost >= nbytes, own_cost  # the control: a session's own copy shows
+    assert shared_cost < nbytes and own_cost - shared_cost >= nbytes, (shared_cost, own_cost)
     del first, second, own
     weights.close()
 
