@@ -290,11 +290,25 @@ def print_profile(name: str, prof: dict) -> None:
               f"({r['provider']})")
 
 
+def artifact_arguments(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--artifact`` / ``--provider``, the same in every ORT benchmark (``what``: the artifact it wants)."""
+    ap.add_argument("--artifact", required=True, help=f"exported artifact ({what})")
+    ap.add_argument("--provider", default="cuda", help="ONNX Runtime execution provider (default: %(default)s)")
+
+
+def open_artifact(artifact: str, provider_text: str):
+    """(provider, artifact): the EP parsed and required (one clear line where it is missing), the artifact loaded
+    without re-hashing its shards (a benchmark reads what ``verify`` checked)."""
+    from m3export.export.artifact import load_artifact
+    from m3export.plugins.onnxruntime.providers import parse_provider, require
+
+    return require(parse_provider(provider_text)), load_artifact(artifact, verify_checksums=False)
+
+
 def main() -> int:
     global SMOKE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifact", required=True, help="exported artifact (a bf16 `mini` one on the H200)")
-    ap.add_argument("--provider", default="cuda", help="ONNX Runtime execution provider (default: %(default)s)")
+    artifact_arguments(ap, "a bf16 `mini` one on the H200")
     ap.add_argument("--shapes", default="1x4096,1x32768,8x4096,8x32768", help="batch x context pairs")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "ort_gpu_h200.json"))
@@ -310,12 +324,9 @@ def main() -> int:
         ap.error(f"--variants: unknown {sorted(wanted - set(VARIANTS))}; choose among {', '.join(VARIANTS)}")
     SMOKE = args.smoke
 
-    from m3export.export.artifact import load_artifact
-    from m3export.plugins.onnxruntime.providers import parse_provider, require
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    provider = require(parse_provider("cpu" if SMOKE else args.provider))
-    art = load_artifact(args.artifact, verify_checksums=False)
+    provider, art = open_artifact(args.artifact, "cpu" if SMOKE else args.provider)
     ort_be = OnnxRuntimeBackend(art, provider, decode_graph=False)
     lowered_be, lowered_error = None, None
     if "ort-contrib" in art.manifest.flavours and "lowered" in wanted:

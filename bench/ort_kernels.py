@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import decode_batch  # noqa: E402  (bench/decode.py: the decode step's batch)
-from ort_gpu import timed_ms  # noqa: E402  (bench/ort_gpu.py)
+from ort_gpu import artifact_arguments, open_artifact, timed_ms  # noqa: E402  (bench/ort_gpu.py)
 from ort_step_host import node_origin  # noqa: E402  (bench/ort_step_host.py: graph level or an m3 op's body)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
@@ -422,8 +422,7 @@ def force_moe_form(be, form: str | None):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifact", required=True, help="exported artifact with decode graphs (`mini` bf16 on the H200)")
-    ap.add_argument("--provider", default="cuda", help="ONNX Runtime execution provider (default: %(default)s)")
+    artifact_arguments(ap, "with decode graphs, `mini` bf16 on the H200")
     ap.add_argument("--shapes", default="1x4096,8x4096", help="batch x context pairs (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per shape and way (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per shape (default: %(default)s)")
@@ -433,14 +432,12 @@ def main() -> int:
     ap.add_argument("--json", default=str(RESULTS / "ort_kernels_h200.json"))
     args = ap.parse_args()
 
-    from m3export.export.artifact import load_artifact
-    from m3export.plugins.onnxruntime.providers import Provider, parse_provider, require
+    from m3export.plugins.onnxruntime.providers import Provider
     from m3export.runtime.backends.onnxruntime_backend import CUDA_GRAPH, OnnxRuntimeBackend
 
-    provider = require(parse_provider(args.provider))
+    provider, art = open_artifact(args.artifact, args.provider)
     if provider.name not in ("CUDAExecutionProvider", "CPUExecutionProvider"):
         ap.error(f"--provider {args.provider}: the kernel profile reads CUDA activity (cuda) or ORT's nodes (cpu)")
-    art = load_artifact(args.artifact, verify_checksums=False)
     import onnxruntime
 
     res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "onnxruntime": onnxruntime.__version__,

@@ -32,7 +32,8 @@ import onnx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ort_gpu import fill_ort_pools, fresh_pools  # noqa: E402  (bench/ort_gpu.py: the torch backend's pools)
+from ort_gpu import (artifact_arguments, fill_ort_pools, fresh_pools,  # noqa: E402  (bench/ort_gpu.py)
+                     open_artifact)
 from ort_kernels import swap_decode  # noqa: E402  (bench/ort_kernels.py)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
@@ -229,24 +230,20 @@ def compare(logits: dict[str, torch.Tensor], torch_logits: torch.Tensor) -> dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifact", required=True, help="exported artifact with decode graphs (`mini` bf16 on the H200)")
-    ap.add_argument("--provider", default="cuda", help="ONNX Runtime execution provider (default: %(default)s)")
+    artifact_arguments(ap, "with decode graphs, `mini` bf16 on the H200")
     ap.add_argument("--batches", default="8,1", help="batch sizes (default: %(default)s)")
     ap.add_argument("--context", type=int, default=4096, help="the first sequence's position (default: %(default)s)")
     ap.add_argument("--json", default=str(RESULTS / "ort_passes_h200.json"))
     args = ap.parse_args()
 
-    from m3export.export.artifact import load_artifact
     from m3export.export.decode_graph import decode_model, moe_form
     from m3export.export.manifest import KV_FP8
     from m3export.export.router_taps import tap_router_inputs
-    from m3export.plugins.onnxruntime.providers import parse_provider, require
     from m3export.runtime.backends import create_backend
     from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
     from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    provider = require(parse_provider(args.provider))
-    art = load_artifact(args.artifact, verify_checksums=False)
+    provider, art = open_artifact(args.artifact, args.provider)
     device = provider.device
     cfg, page = art.config, art.page_size
     res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "provider": str(provider), "rows": []}
