@@ -429,6 +429,9 @@ def main() -> int:
     ap.add_argument("--all-experts-shapes", default="",
                     help="shapes profiled again with every decode step through the all-experts MoE form (the "
                          "backend picks per-assignment for small batches, decode_graph.moe_form)")
+    ap.add_argument("--flavour", default=None,
+                    help="the artifact flavour whose graphs run, e.g. ort-contrib (its decode graph's MoE on "
+                         "com.microsoft.MoE); default: the plain graphs")
     ap.add_argument("--json", default=str(RESULTS / "ort_kernels_h200.json"))
     args = ap.parse_args()
 
@@ -440,7 +443,10 @@ def main() -> int:
         ap.error(f"--provider {args.provider}: the kernel profile reads CUDA activity (cuda) or ORT's nodes (cpu)")
     import onnxruntime
 
-    res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "onnxruntime": onnxruntime.__version__,
+    if args.flavour is not None and args.flavour not in art.manifest.flavours:
+        ap.error(f"--flavour {args.flavour}: not in {art.root} (it has {sorted(art.manifest.flavours)})")
+    flavour = {} if args.flavour is None else {"flavour": args.flavour}
+    res = {"artifact": str(art.root), "dtype": art.manifest.dtype, "flavour": args.flavour, "onnxruntime": onnxruntime.__version__,
            "provider": str(provider), "device": torch.cuda.get_device_name() if provider.device != "cpu" else "cpu",
            "rows": []}
     rows, kernels, status = {}, {}, 0
@@ -458,7 +464,7 @@ def main() -> int:
         nonlocal status
         label = form or "by batch"
         free = device_free()
-        be = force_moe_form(OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True), form)
+        be = force_moe_form(OnnxRuntimeBackend(art, provider, decode_graph=True, pad_decode=True, **flavour), form)
         try:
             with tempfile.TemporaryDirectory(prefix="ort_kernels_") as tmp:
                 for batch, context in shapes:
@@ -476,8 +482,8 @@ def main() -> int:
         if not cuda:
             return
         free = device_free()
-        be = force_moe_form(OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"})),
-                            form)
+        be = force_moe_form(OnnxRuntimeBackend(art, Provider(provider.name, {**provider.options, CUDA_GRAPH: "1"}),
+                                               **flavour), form)
         try:
             for batch, context in shapes:
                 try:

@@ -108,7 +108,8 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
   # DECODE_STEPS: which steps, in that order (default: tests,passes,shared,export,bench,runtime); `shared`: the
   # sessions' one copy of the weights on the device (plugins/onnxruntime/shared_weights.py); `kernels` (after
   # `export`) is bench/ort_kernels.py: where the GPU time of a decode-graph step goes, kernel by kernel, eager and
-  # replayed (ort_kernels_h200.json); `passes` runs the RMSNorm / RoPE graph passes' GPU tests (tiny artifacts:
+  # replayed (ort_kernels_h200.json); `kernels_lowered` the same for the ort-contrib flavour's decode graph (its MoE on
+  # com.microsoft.MoE; ort_kernels_lowered_h200.json); `passes` runs the RMSNorm / RoPE graph passes' GPU tests (tiny artifacts:
   # each pass alone at batch 8 / 7 / 1, eager and replayed; what ORT's CUDA optimiser made of each pass, written to
   # optimized_ops_<dtype>.json); `passes_mini` (after `export`) is bench/ort_passes.py: the same passes applied to
   # the `mini` artifact's own decode graph, each against the no-pass graph and the torch backend at batch 8 and 1
@@ -130,6 +131,10 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
           --provider "$PROVIDER" --shapes "${KERNEL_SHAPES:-1x4096,8x4096}" \
           --all-experts-shapes "${KERNEL_ALL_EXPERTS_SHAPES-1x4096}" --steps "${KERNEL_STEPS:-5}" \
           --json "$OUT/ort_kernels_h200.json" ;;
+      kernels_lowered) step kernel_profile_lowered "${KERNELS_LIMIT:-240}" python3 bench/ort_kernels.py \
+          --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" --flavour ort-contrib \
+          --shapes "${KERNEL_LOWERED_SHAPES:-1x4096}" --steps "${KERNEL_STEPS:-5}" \
+          --json "$OUT/ort_kernels_lowered_h200.json" ;;
       passes_mini) step passes_mini 150 python3 bench/ort_passes.py --artifact /tmp/ortgpu-art/big \
           --provider "$PROVIDER" --json "$OUT/ort_passes_h200.json" ;;
       bench) step bench_decode 240 python3 bench/ort_gpu.py --artifact /tmp/ortgpu-art/big --provider "$PROVIDER" \
@@ -137,7 +142,7 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
           ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} --json "$OUT/ort_gpu_decode_h200.json" ;;
       runtime) step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
           --tb=short tests/test_runtime_onnxruntime.py ;;
-      *) echo "DECODE_STEPS: unknown step $s (tests, passes, shared, export, kernels, passes_mini, bench, runtime)" \
+      *) echo "DECODE_STEPS: unknown step $s (tests, passes, shared, export, kernels, kernels_lowered, passes_mini, bench, runtime)" \
              | tee -a "$OUT/summary.txt"
          status=1 ;;
     esac

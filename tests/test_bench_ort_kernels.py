@@ -144,3 +144,9 @@ def test_every_launch_call_is_a_launch():
         assert ort_kernels.LAUNCHES.match(name), name
     for name in ("cudaStreamSynchronize", "cudaEventRecord", "cudaStreamWaitEvent", "cudaGetDevice"):
         assert not ort_kernels.LAUNCHES.match(name), name
+
+
+def test_a_flavour_the_artifact_lacks_is_one_line(tiny_artifact):  # noqa: F811
+    run = subprocess.run([sys.executable, str(BENCH), "--artifact", str(tiny_artifact), "--provider", "cpu",
+                          "--flavour", "ort-contrib"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--flavour ort-contrib: not in" in run.stderr, run.stderr[-2000:]
