@@ -264,6 +264,11 @@ PREFILL_WS = {
     "prefill_ws_bm256_down128_s4c2_group16_persistent": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128,
                                                              BLOCK_K=64, GROUP_M=16, num_warps=8, STAGES=4,
                                                              CONV_STAGES=2, MX_MODE=3, WS=1, PERSISTENT=1),
+    # HALF_TAIL: a routed row block whose second half is padding (each expert's last block at most half full) runs
+    # as a 128-row wgmma on the first half of its slot, the loader copying those 128 activation rows only; ~25 % of
+    # the routed rows are padding at 16k (512 assignments per expert in 256-row blocks). Not yet measured.
+    "prefill_ws_bm256_down128_s4c2_half": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
+                                               num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1),
     # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
     # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
     # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:

@@ -79,13 +79,15 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
 
     bn = cfg["BLOCK_N"] if gate_up else cfg["BLOCK_N_DOWN"]
     n_out, k = (I, H) if gate_up else (H, I)
+    half = bool(cfg.get("HALF_TAIL")) and routed
     sig = {"a_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
+           "a_half_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"] // (2 if half else 1), cfg["BLOCK_K"]]),
            "w_desc": desc(torch.uint8, gl.uint8, [bn, cfg["BLOCK_K"]]), "s_ptr": "*u8", "out_ptr": "*bf16",
            "rows_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", "num_rows": "i32",
            "num_m": "i32", "alpha": "fp32", "limit": "fp32", "ss_e": "i32", "ss_n": "i32", "so_r": "i32",
            "so_s": "i32"}
     consts = dict(N_OUT=n_out, K=k, W_E=2 * I if gate_up else H, TOP_K=TOP_K, ROUTED=routed, GATE_UP=gate_up,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                  HALF_TAIL=half, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                   STAGES=cfg["STAGES"], CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS,
                   num_warps=cfg["num_warps"])
     sig.update({name: "constexpr" for name in consts})
@@ -115,7 +117,8 @@ def _kernel_key(name: str, kind: str) -> str:
     """Variants that differ only in a launch key (PERSISTENT) compile to the same kernel."""
     cfg = PREFILL_WS[name]
     return "-".join([kind] + [str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M",
-                                                     "STAGES", "CONV_STAGES", "num_warps")])
+                                                     "STAGES", "CONV_STAGES", "num_warps")]
+                    + [str(cfg.get("HALF_TAIL", 0))])
 
 
 def build_all(out: str) -> None:
@@ -189,7 +192,8 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(sm90_builds, name, kind):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
 @pytest.mark.parametrize("name,persistent,bm,bm_shared", [
-    ("prefill_ws_bm256_down128_s4c2", 0, 256, 256), ("prefill_ws_bm256_down128_s4c2", 1, 256, 256)])
+    ("prefill_ws_bm256_down128_s4c2", 0, 256, 256), ("prefill_ws_bm256_down128_s4c2", 1, 256, 256),
+    ("prefill_ws_bm256_down128_s4c2_half", 0, 256, 256)])
 def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_shared):
     # The host side on the CPU (the kernels themselves need the device): run_moe with a WS config hands moe_prefill_ws
     # the blocks it routed and launches the four GEMMs with the row blocks of those blocks (BLOCK_M is the
@@ -199,12 +203,13 @@ def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_share
     # then sums unwritten memory: shape only).
     from m3export.plugins.kernels import moe_prefill_ws as ws
 
-    launches = []
+    launches, halves = [], []
 
     class Recorder:
         def __getitem__(self, grid):
             def record(*args, **consts):
-                launches.append((grid[0], args[8], consts))  # args[8]: num_m, the row blocks
+                launches.append((grid[0], args[9], consts))  # args[9]: num_m, the row blocks
+                halves.append(list(args[1].block_shape))  # the HALF_TAIL descriptor's box
             return record
 
     monkeypatch.setattr(ws, "_gemm_ws", Recorder())
@@ -221,6 +226,11 @@ def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_share
     routed_blocks = launches[0][1]  # 600 assignments over 4 experts: at least 600 / bm blocks
     assert routed_blocks == launches[2][1] >= 600 // bm
     assert launches[1][1] == launches[3][1] == -(-300 // bm_shared)  # 300 tokens
+    # HALF_TAIL for the routed launches only, their second descriptor's box half the row block (otherwise the
+    # kernel never reads it: the first descriptor again).
+    half = bool(PREFILL_WS[name].get("HALF_TAIL"))
+    assert [c["HALF_TAIL"] for _, _, c in launches] == [half, False, half, False]
+    assert [h[0] for h in halves] == [bm // 2 if half else bm, bm_shared, bm // 2 if half else bm, bm_shared]
     tiles = [num_m * -(-c["N_OUT"] // c["BLOCK_N"]) for _, num_m, c in launches]
     assert [g for g, _, _ in launches] == ([min(n, 3) for n in tiles] if persistent else tiles)
 
@@ -327,3 +337,33 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
     want, want64 = _references(2100, 16, 76)
     got = moe_mxfp8_kernel.forward(*args, *attrs)
     _close(got, want, want64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+@pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128), (1280, 16)],
+                         ids=["700tok_16exp", "4096tok_128exp", "1280tok_16exp_tails"])
+def test_gpu_ws_half_tail_same_bits_as_default(tokens, experts):
+    # HALF_TAIL runs a routed block whose rows from 128 on are padding as a 128-row wgmma on the first half of its
+    # slot: every stored element sums the same K steps of the same bf16 operands in the same order as in the 256-row
+    # wgmma (a row's products do not depend on the rows beside it), so the layer's output is WS_TILE's bit for bit.
+    # 700 / 16: one block per expert, those with <= 128 assignments halved; 4096 / 128: 128 per expert on average,
+    # about half the experts halved; 1280 / 16: 320 per expert, a full block and a tail of ~64 rows for most, checked
+    # below (the premise), and against the float64 reference with _close's bound.
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+    from m3export.plugins.kernels.moe_routing import route
+
+    args = list(_mini_case(tokens, experts, 72))
+    attrs = (TOP_K, SCALING, ALPHA, LIMIT)
+    bm = ws.WS_TILE["BLOCK_M"]
+    ids, _ = route(args[0], args[1], args[2], TOP_K)
+    tail = torch.bincount(ids.reshape(-1).long(), minlength=experts) % bm
+    halved = int(((tail > 0) & (tail <= bm // 2)).sum())
+    print(f"{halved} of {experts} experts' last blocks at most half full")
+    assert halved >= (experts // 4 if tokens == 1280 else 1), tail.tolist()
+    base = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=dict(ws.WS_TILE))
+    got = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]),
+                             config=dict(ws.WS_TILE, HALF_TAIL=1))
+    assert torch.equal(got, base), float((got.float() - base.float()).abs().max())
+    if tokens == 1280:
+        _close(got, *_references(tokens, experts, 72))

@@ -20,6 +20,11 @@ of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The ac
 gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
 (``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
 
+``HALF_TAIL`` (a config key, off in ``WS_TILE`` until measured): a routed row block whose rows from BLOCK_M / 2 on
+are padding (each expert's last block, at most half full; ~25 % of the routed rows are padding at 512 assignments
+per expert in 256-row blocks) runs as a BLOCK_M / 2-row wgmma on the first half of its activation slot, the loader
+copying those rows only (a second descriptor with the half box); the converter's work is the same.
+
 Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants): ``WS_TILE`` is
 the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), where it
 falls back to ``moe.PREFILL_MXFP8_LARGE`` if ``check`` refuses. MXFP8 weights that TMA can read
@@ -86,18 +91,34 @@ def _expert(block_expert_ptr, pid_m, ROUTED: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr, num_m, first_tile,
-            tile_step, num_tiles, W_E: gl.constexpr, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
-            GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
-            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _half(rows_ptr, pid_m, num_rows, BM: gl.constexpr):
+    """Whether routed row block ``pid_m`` runs as its first BM / 2 rows only (``HALF_TAIL``): its row BM / 2 is
+    padding. An expert's rows fill its blocks from the front and padding (row id ``num_rows``) only ends its last
+    block, so that one load tells that every row from BM / 2 on is padding (computed, never stored). The same value
+    in the loader and the MMA partition (the same load), so both take the same branch; the converter converts the
+    whole weight tile either way. Callers ask only under ``HALF_TAIL and ROUTED`` (a compile-time branch: a jit
+    function's result is a run-time value), so that without the key the kernel is the one without the branches."""
+    return gl.load(rows_ptr + pid_m * BM + BM // 2) >= num_rows
+
+
+@gluon.jit
+def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
+            rows_ptr, num_rows, num_m, first_tile, tile_step, num_tiles, W_E: gl.constexpr, N_OUT: gl.constexpr,
+            N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr,
+            K_STEPS: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+            STAGES: gl.constexpr):
     """One warp: per K step of each of the program's tiles, wait for the slot to be free, then TMA the G weight
-    chunks (gate-up: the gate rows, then the up rows N_OUT further) and the activation tile into it. The weights
-    first: the converter needs them before the MMA needs the activations."""
+    chunks (gate-up: the gate rows, then the up rows N_OUT further) and the activation tile into it (a half-tail
+    block, ``_half``: its first BM / 2 rows into the slot's first half, by ``a_half_desc``). The weights first: the
+    converter needs them before the MMA needs the activations."""
     it = 0  # K steps issued over the program's tiles: the ring position
     for tile in range(first_tile, num_tiles, tile_step):
         pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
         e = _expert(block_expert_ptr, pid_m, ROUTED)
         if e >= 0:
+            half = pid_m < 0  # read only with HALF_TAIL (then _half's)
+            if HALF_TAIL and ROUTED:
+                half = _half(rows_ptr, pid_m, num_rows, BM)
             w_row = e * W_E + pid_n * BN
             for k in range(0, K_STEPS, 1):
                 s = (it + k) % STAGES
@@ -108,9 +129,21 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, 
                     tma.async_copy_global_to_shared(w_desc, [w_row + g * N_OUT, k * BK], w_ready.index(s),
                                                     w_bufs.index(s).slice(g * BN, BN))
                 mbarrier.wait(a_empty.index(s), free)
-                mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, k * BK], a_ready.index(s), a_bufs.index(s))
+                if HALF_TAIL and ROUTED:
+                    if half:
+                        _load_a(a_half_desc, a_bufs.index(s).slice(0, BM // 2), a_ready.index(s), pid_m * BM, k * BK)
+                    else:
+                        _load_a(a_desc, a_bufs.index(s), a_ready.index(s), pid_m * BM, k * BK)
+                else:
+                    _load_a(a_desc, a_bufs.index(s), a_ready.index(s), pid_m * BM, k * BK)
             it += K_STEPS
+
+
+@gluon.jit
+def _load_a(desc, slot, ready, row, col):
+    """The activation tile at (row, col) into ``slot`` (desc's box), ``ready`` expecting its bytes."""
+    mbarrier.expect(ready, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], ready, slot)
 
 
 @gluon.jit
@@ -177,39 +210,74 @@ def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, 
 
 
 @gluon.jit
+def _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha,
+           limit, so_r, so_s, p_first, n_first, N_OUT: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
+           GATE_UP: gl.constexpr, K_STEPS: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
+           STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """One tile's products (``_k_loop``) and epilogue on its first ROWS rows from block-order row ``p_first``."""
+    acc = _k_loop(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, K_STEPS, ROWS, NW, STAGES, CONV_STAGES,
+                  WARPS)
+    _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, p_first, n_first, N_OUT,
+              TOP_K, ROUTED, GATE_UP, ROWS, BN)
+
+
+@gluon.jit
+def _k_loop(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, K_STEPS: gl.constexpr, ROWS: gl.constexpr,
+            NW: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """acc [ROWS, NW] = the first ROWS rows of each step's activation slot @ converted^T over the K steps, one wgmma
+    in flight (a step's slots go back to the loader and the converter once the next step's wgmma is issued and the
+    previous one has retired; the last step's after the final wait). Each output element sums the same K steps in
+    the same order whatever ROWS is, so a half-tail block's rows are the full block's bits."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, NW, 16])
+    acc = gl.zeros([ROWS, NW], gl.float32, acc_layout)
+    for k in range(0, K_STEPS, 1):
+        s = (it + k) % STAGES
+        c = (it + k) % CONV_STAGES
+        mbarrier.wait(a_ready.index(s), ((it + k) // STAGES) & 1)
+        mbarrier.wait(c_ready.index(c), ((it + k) // CONV_STAGES) & 1)
+        a = a_bufs.index(s)
+        if ROWS < a_bufs.shape[1]:
+            a = a.slice(0, ROWS)
+        acc = warpgroup_mma(a, c_bufs.index(c).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if k > 0:
+            mbarrier.arrive(a_empty.index((it + k - 1) % STAGES), count=1)
+            mbarrier.arrive(c_empty.index((it + k - 1) % CONV_STAGES), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(a_empty.index((it + K_STEPS - 1) % STAGES), count=1)
+    mbarrier.arrive(c_empty.index((it + K_STEPS - 1) % CONV_STAGES), count=1)
+    return acc
+
+
+@gluon.jit
 def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
          num_tiles, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr,
          N_TILES: gl.constexpr, GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
-         GATE_UP: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
-         STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+         GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr,
+         BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The default partition, per tile: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW] over the K
-    steps, one wgmma in flight (a step's slots go back to the loader and the converter once the next step's wgmma
-    is issued and the previous one has retired; the last step's after the final wait), then the epilogue, which
-    overlaps the workers' first steps of the next tile."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                          instr_shape=[16, NW, 16])
+    steps (``_k_loop``; a half-tail block, ``_half``: [BM / 2, NW] on the slot's first half), then the epilogue,
+    which overlaps the workers' first steps of the next tile."""
     it = 0
     for tile in range(first_tile, num_tiles, tile_step):
         pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
         e = _expert(block_expert_ptr, pid_m, ROUTED)
         if e >= 0:
-            acc = gl.zeros([BM, NW], gl.float32, acc_layout)
-            for k in range(0, K_STEPS, 1):
-                s = (it + k) % STAGES
-                c = (it + k) % CONV_STAGES
-                mbarrier.wait(a_ready.index(s), ((it + k) // STAGES) & 1)
-                mbarrier.wait(c_ready.index(c), ((it + k) // CONV_STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(s), c_bufs.index(c).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if k > 0:
-                    mbarrier.arrive(a_empty.index((it + k - 1) % STAGES), count=1)
-                    mbarrier.arrive(c_empty.index((it + k - 1) % CONV_STAGES), count=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if HALF_TAIL and ROUTED:
+                if _half(rows_ptr, pid_m, num_rows, BM):
+                    _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
+                           num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
+                           K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS)
+                else:
+                    _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
+                           num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
+                           K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
+            else:
+                _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
+                       num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
+                       K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
             it += K_STEPS
-            mbarrier.arrive(a_empty.index((it - 1) % STAGES), count=1)
-            mbarrier.arrive(c_empty.index((it - 1) % CONV_STAGES), count=1)
-            _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, pid_m, pid_n * BN,
-                      N_OUT, TOP_K, ROUTED, GATE_UP, BM, BN)
 
 
 def _kernel_name(spec) -> str:
@@ -220,10 +288,10 @@ def _kernel_name(spec) -> str:
 
 @gluon.jit(repr=_kernel_name)
 def _gemm_ws(
-    a_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, num_m, alpha, limit,
+    a_desc, a_half_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, num_m, alpha, limit,
     ss_e, ss_n, so_r, so_s,
     N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
-    GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -236,6 +304,8 @@ def _gemm_ws(
     # The MMA partition hands a step's slots back one step late (after the next wgmma is issued), so a ring of one
     # slot would wait on itself.
     gl.static_assert(STAGES >= 2 and CONV_STAGES >= 2, "WS rings need at least 2 slots each")
+    # A half-tail block's accumulator [BLOCK_M / 2, NW] still spans every MMA warp (16 rows each).
+    gl.static_assert(not HALF_TAIL or BLOCK_M // 2 >= 16 * num_warps, "HALF_TAIL needs BLOCK_M >= 32 x num_warps")
     G: gl.constexpr = 2 if GATE_UP else 1
     NW: gl.constexpr = G * BLOCK_N
     K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -267,10 +337,11 @@ def _gemm_ws(
     gl.warp_specialize([
         (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
                 num_tiles, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
-                GROUP_M, TOP_K, ROUTED, GATE_UP, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr, num_m,
-                   first_tile, tile_step, num_tiles, W_E, N_OUT, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_M,
-                   BLOCK_N, BLOCK_K, STAGES)),
+                GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES,
+                num_warps)),
+        (_loader, (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
+                   block_expert_ptr, rows_ptr, num_rows, num_m, first_tile, tile_step, num_tiles, W_E, N_OUT,
+                   N_TILES, GROUP_M, ROUTED, HALF_TAIL, K_STEPS, G, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
                       first_tile, tile_step, num_tiles, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N,
                       BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
@@ -278,13 +349,13 @@ def _gemm_ws(
 
 
 @gluon.jit
-def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, pid_m, n_first,
+def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, p_first, n_first,
               N_OUT: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """``moe._gate_up``'s and ``moe._down``'s epilogues on the accumulator: the GEMM output rounded to bf16 as the
     reference rounds it; gate-up: SwiGLU-OAI (gate clamp, up clamp, alpha, + 1), the activation row p of the
     block order stored; down: times the assignment's routing weight, stored in its token's slot (the shared
-    expert's slot TOP_K)."""
+    expert's slot TOP_K). The accumulator holds BLOCK_M rows of the block order from ``p_first`` on."""
     if GATE_UP:
         g, u = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
         layout: gl.constexpr = g.type.layout
@@ -294,7 +365,7 @@ def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r,
     else:
         layout: gl.constexpr = acc.type.layout
         val = acc.to(gl.bfloat16).to(gl.float32)
-    p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    p = p_first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     n = n_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     if ROUTED:
         a = gl.load(rows_ptr + p)
@@ -366,11 +437,20 @@ def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
 def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, num_m, n_out, k, top_k,
             routed, gate_up, bn, cfg):
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    half_tail = bool(cfg.get("HALF_TAIL")) and routed
     grid = _programs(num_m * triton.cdiv(n_out, bn), a.device, bool(cfg.get("PERSISTENT")))
+    a_desc = _descriptor(a, [bm, bk])
+    # HALF_TAIL's copy of a block's first bm / 2 rows lands in the first half of a slot laid out for a_desc's box:
+    # the same swizzle (the row count does not enter it); without the key the kernel never reads it.
+    a_half = _descriptor(a, [bm // 2, bk]) if half_tail else a_desc
+    if a_half.layout != a_desc.layout:
+        raise ValueError(f"moe: WS HALF_TAIL: a {bm // 2}-row box is laid out as {a_half.layout}, the slot as "
+                         f"{a_desc.layout}")
     _gemm_ws[(grid,)](
-        _descriptor(a, [bm, bk]), _descriptor(_stacked_rows(w.w), [bn, bk]), w.s, out, rows, block_expert, route_w,
+        a_desc, a_half, _descriptor(_stacked_rows(w.w), [bn, bk]), w.s, out, rows, block_expert, route_w,
         num_rows, num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
-        N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, BLOCK_M=bm, BLOCK_N=bn,
+        N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, HALF_TAIL=half_tail,
+        BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2),
         CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"], maxnreg=maxnreg(cfg["num_warps"]),
     )
