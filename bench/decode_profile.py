@@ -285,6 +285,19 @@ def host_ops(events, ranges) -> list[list[Kernel]]:
     return [sorted(s, key=lambda k: k.start) for s in steps]
 
 
+def fill_pool(pool: torch.Tensor, g: torch.Generator, fp8: bool) -> None:
+    """Random contents for a cache pool: N(0, 1) values in a 16/32-bit pool or as E4M3 codes in an FP8 one; an
+    FP8 cache's scale pools (fp32) get positive scales, so every row reads as finite values."""
+    if pool.dtype == torch.float8_e4m3fn:
+        pool.copy_(torch.randn(pool.shape, device=pool.device, generator=g).to(torch.float8_e4m3fn))
+    elif pool.dtype.is_floating_point:
+        pool.normal_(0.0, 1.0, generator=g)
+        if fp8:  # the fp32 pools of an FP8 cache are its row scales
+            pool.abs_().add_(0.5)
+    else:
+        raise ValueError(f"decode_profile: cache pool of dtype {pool.dtype} has no filler")
+
+
 def profile_shape(model, cfg, b: int, ctx: int, args, device: str, elt: int, bw: float) -> dict:
     """Profile ``args.steps`` steady decode steps of batch ``b`` at context ``ctx``; returns one JSON row."""
     from decode import decode_batch, step_bytes_by_family, touched_experts
@@ -294,11 +307,14 @@ def profile_shape(model, cfg, b: int, ctx: int, args, device: str, elt: int, bw:
     cuda = device == "cuda"
     g = torch.Generator(device=device).manual_seed(1000 * b + ctx)
     batch, pages = decode_batch(b, ctx, args.page_size, device)
-    be = GraphedTorchBackend(model, use_graphs=cuda, max_model_len=ctx + 1)
+    from m3export.ops.kv_fp8 import resolve_cache_dtype
+
+    cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, model.lm_head.weight.dtype)
+    be = GraphedTorchBackend(model, cache_dtype, use_graphs=cuda, max_model_len=ctx + 1)
     be.allocate(pages, args.page_size)
     for layer in be._caches:
         for pool in layer:
-            pool.normal_(0.0, 1.0, generator=g)
+            fill_pool(pool, g, cache_dtype == torch.float8_e4m3fn)
     ids = torch.randint(0, cfg.vocab_size, (b,), device=device, generator=g)
     rows = torch.arange(b, device=device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -388,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1x4096,8x32768", help="batch x context pairs")
     ap.add_argument("--steps", type=int, default=5, help="profiled steady steps per shape")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default="auto",
+                    help="K/V and index-key pools: the model dtype (auto), bf16, or fp8 (E4M3 codes with per-row "
+                         "fp32 scales, as `--kv-cache-dtype fp8` of the engine) (default: %(default)s)")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured copy bandwidth)")
     ap.add_argument("--json", default=None, help="default bench/results/decode_profile_{h200,cpu}.json")
     args = ap.parse_args(argv)
@@ -414,10 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         bw = args.bandwidth or float("nan")
         decode.SMOKE = True
     elt = torch.empty((), dtype=dtype).element_size()
+    if args.kv_cache_dtype == "fp8":  # bytes per cached element: the E4M3 code and its row's fp32 scale, shared
+        elt = 1 + 4 / cfg.head_dim  # by head_dim (index keys: index_head_dim, the same 128 in every preset)
     model = decode.build_model(cfg, args.weights == "mxfp8", args.device, dtype)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (logic check)", "torch": torch.__version__,
            "preset": "mini" if cuda else "tiny", "experts": cfg.num_local_experts, "weights": args.weights,
-           "page_size": args.page_size, "bandwidth_TBps": bw / 1e12, "families": list(FAMILIES), "rows": []}
+           "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "bandwidth_TBps": bw / 1e12, "families": list(FAMILIES), "rows": []}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     for b, ctx in shapes:
         res["rows"].append(profile_shape(model, cfg, b, ctx, args, args.device, elt, bw))

@@ -155,3 +155,21 @@ def test_cpu_run_writes_a_profile_per_shape(tmp_path):
         assert fams["indexer scan"]["launches"] == 3 and fams["dense attention"]["launches"] == 1
         assert fams["linear"]["kernels"]["m3::mxfp8_linear"] > 0 and fams["lm_head"]["launches"] == 1
         assert sum(f["bytes"] or 0 for f in fams.values()) == r["bytes_needed"]
+
+
+def test_fp8_cache_profile_counts_a_byte_and_a_scale_per_cached_element(tmp_path):
+    """``--kv-cache-dtype fp8``: E4M3 pools (with fp32 row scales) filled and run; the cache families' bytes are
+    those of one code plus a 4-byte scale per head_dim elements, not the model dtype's."""
+    out, out16 = tmp_path / "dp8.json", tmp_path / "dp16.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for path, kind in ((out, "fp8"), (out16, "auto")):
+        run = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "--device", "cpu", "--shapes", "1x40",
+                              "--steps", "1", "--kv-cache-dtype", kind, "--json", str(path)], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    r8, r16 = (json.loads(p.read_text()) for p in (out, out16))
+    assert r8["kv_cache_dtype"] == "fp8" and r16["kv_cache_dtype"] == "auto"
+    f8, f16 = r8["rows"][0]["families"], r16["rows"][0]["families"]
+    head_dim = 32  # the tiny preset's head_dim and index_head_dim; its model dtype is fp32 (4 bytes)
+    assert f8["indexer scan"]["bytes"] == pytest.approx(f16["indexer scan"]["bytes"] * (1 + 4 / head_dim) / 4)
+    assert f8["lm_head"]["bytes"] == f16["lm_head"]["bytes"]
