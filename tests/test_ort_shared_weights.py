@@ -169,3 +169,44 @@ def test_onnxruntime_folds_no_copy_of_a_weight(tiny_artifact, tmp_path, flavour)
     folded = [(i.name, list(i.dims)) for i in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False)
               .graph.initializer if i.name not in ours and math.prod(i.dims) > 1024]
     assert not folded, folded
+
+
+def test_weights_the_session_folds_are_left_to_it(tmp_path):
+    """A weight that only constant nodes read (here a ``Transpose``, as the lowered MoE's gate / up interleave) is
+    not shared: ONNX Runtime folds those nodes at load only from initializers the session loaded itself (over a
+    shared device buffer the lowered decode graph ran its three ``w13`` interleaves on every step). A weight read
+    both by such a node and as it lies stays shared; the outputs are the unshared session's."""
+    from m3export.plugins.onnxruntime.shared_weights import folded_by_the_session
+
+    gen = torch.Generator().manual_seed(0)
+    tables = {name: torch.randn(8, 4, generator=gen) for name in ("relaid", "read", "both")}
+    blob, inits = b"", []
+    for name, t in tables.items():
+        init = onnx.TensorProto(name=name, data_type=TP.FLOAT, dims=[8, 4], data_location=TP.EXTERNAL)
+        for k, v in (("location", "w.bin"), ("offset", str(len(blob))), ("length", str(t.numel() * 4))):
+            init.external_data.add(key=k, value=v)
+        blob += t.numpy().tobytes()
+        inits.append(init)
+    (tmp_path / "w.bin").write_bytes(blob)
+    nodes = [h.make_node("Transpose", ["relaid"], ["rt"], perm=[1, 0]), h.make_node("MatMul", ["x", "rt"], ["a"]),
+             h.make_node("Gather", ["read", "i"], ["b"]),
+             h.make_node("Transpose", ["both"], ["bt"], perm=[1, 0]), h.make_node("MatMul", ["x", "bt"], ["c"]),
+             h.make_node("Gather", ["both", "i"], ["d"])]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.FLOAT, [2, 4]),
+                                      h.make_tensor_value_info("i", TP.INT64, [2])],
+                         [h.make_tensor_value_info(n, TP.FLOAT, None) for n in "abcd"], initializer=inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=10)
+    onnx.save(model, str(tmp_path / "g.onnx"))
+    assert folded_by_the_session(model) == {"relaid"}
+    weights = SharedWeights("cpu")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    assert sorted(weights.add_to(options, onnx.load(str(tmp_path / "g.onnx"), load_external_data=False),
+                                 tmp_path)) == ["both", "read"]
+    feeds = {"x": torch.randn(2, 4, generator=gen).numpy(), "i": np.array([3, 5])}
+    shared = ort.InferenceSession(str(tmp_path / "g.onnx"), sess_options=options, providers=["CPUExecutionProvider"])
+    own = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
+    for s, o in zip(shared.run(None, feeds), own.run(None, feeds)):
+        assert np.array_equal(s, o)
+    del shared
+    weights.close()

@@ -211,30 +211,52 @@ class DecodeContext:
     shapes only, never from the step's values (``max(positions) + 1`` is a device -> host copy on a GPU provider,
     and a captured CUDA graph would freeze it); keys past a sequence's own are masked as in the general body, so the
     result is the same whatever the table width (the engine's tables are as wide as the step's longest sequence, a
-    CUDA-graph runtime's as its bucket). ``slots`` [B, L] (0 past a sequence's length), ``visible`` [T, L]."""
+    CUDA-graph runtime's as its bucket). ``slots`` [B, L], ``visible`` [T, L].
+
+    Slots past a sequence's length point at the token's own row (``own_slots``: the row this step wrote, at its
+    position), not at pool row 0: every row a decode body gathers is then a row of the sequence's context, never
+    an unwritten one (which may hold anything, NaN included), so a value row that no probability weighs adds an
+    exact zero (finite x 0) and the bodies need no zeroing pass over the gathered values (``[T, Hkv, L, D]``: one
+    more read and write of the context per layer and step). On a decode step a key is visible exactly when it is
+    inside the sequence (``position = seq_len - 1``)."""
 
     def __init__(self, b: Builder, block_tables: str, seq_lens: str, positions: str, sizes: DecodeSizes):
         self.b = b
         page = b.const(sizes.page_size)
         self.length = b.Mul(_dim(b, block_tables, 1), page)  # shape arithmetic, on the host
-        self.key_pos, self.slots, self.visible = _contexts(b, block_tables, seq_lens, positions, self.length, page)
+        self.own = own_slots(b, block_tables, positions, sizes.page_size)  # [T, 1]
+        self.key_pos, self.slots, self.visible = _contexts(b, block_tables, seq_lens, positions, self.length, page,
+                                                           outside=self.own)
 
     def gather(self, pool: str, scale: str | None = None) -> str:
         """pool [pages, page, *rest] -> fp32 [B, L, *rest] (``SequenceLayout.gather``)."""
         return _gather_slots(self.b, self.slots, pool, scale)
 
 
-def _contexts(b: Builder, block_tables: str, seq_lens: str, positions: str, length: str, page: str
-              ) -> tuple[str, str, str]:
+def _contexts(b: Builder, block_tables: str, seq_lens: str, positions: str, length: str, page: str,
+              outside: str | None = None) -> tuple[str, str, str]:
     """Keys 0 .. ``length``-1 of every sequence (``page``: the page size as a value) -> key positions [L], pool
-    slots [B, L] and which keys each token sees [T, L]. Slots past a sequence's length point at slot 0 (their
-    pages may hold anything, even ids outside the pool) and are masked per token later."""
+    slots [B, L] and which keys each token sees [T, L]. Slots past a sequence's length (their pages may hold
+    anything, even ids outside the pool) point at slot 0, or at ``outside`` [B, 1] (a decode step: each sequence's
+    own row, ``own_slots``), and are masked per token later."""
     key_pos = b.Range(b.const(0), length, b.const(1))  # [L]
     pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(key_pos, page), axis=1)  # [B, L]
     inside = b.Less(b.Unsqueeze(key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
-    slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(key_pos, page)), b.const(0))  # [B, L]
+    slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(key_pos, page)),
+                    b.const(0) if outside is None else outside)  # [B, L]
     visible = b.LessOrEqual(b.Unsqueeze(key_pos, b.const([0])), b.Unsqueeze(positions, b.const([1])))  # [T, L]
     return key_pos, slots, visible
+
+
+def own_slots(b: Builder, block_tables: str, positions: str, page_size: int) -> str:
+    """[T, 1] int64: the pool slot of each token's own position (``block_tables[t, p // page] * page + p % page``,
+    token t of a decode step being sequence t): the row the step's cache write filled before any reader runs, so
+    it always holds a value of the sequence (a CUDA-graph runtime's padding rows decode at position 0 of a scratch
+    page, so theirs is that page's first row)."""
+    page = b.const(page_size)
+    pos = b.Unsqueeze(positions, b.const([1]))  # [T, 1]
+    page_id = b.GatherElements(b.Cast(block_tables, to=I64), b.Div(pos, page), axis=1)  # [T, 1]
+    return b.Add(b.Mul(page_id, page), b.Mod(pos, page))
 
 
 def _gather_slots(b: Builder, slots: str, pool: str, scale: str | None) -> str:
@@ -364,7 +386,8 @@ def paged_attention(kv_fp8: bool = False) -> FunctionProto:
 
 def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> FunctionProto:
     """``paged_attention`` for decode steps only (``DecodeContext``): token t attends to its own sequence's keys
-    0 .. L-1 (L from shapes), masked past its position, in one batched ``[T, Hkv, G, L]`` product."""
+    0 .. L-1 (L from shapes), masked past its position, in one batched ``[T, Hkv, G, L]`` product; the
+    probability-weighted sum of the values in ``page_size`` partial sums (``_partial_value_sums``)."""
     b = Builder("")
     ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes)
     # keys and values gathered head-major, [T, Hkv, L, D] (pool rows slot * Hkv + head, as the sparse body reads
@@ -372,22 +395,43 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
     # MatMul), where a [T, L, Hkv, D] gather needed a transposed copy of each per step
     heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1))  # [1, Hkv, 1]
     index = b.Add(b.Mul(b.Unsqueeze(ctx.slots, b.const([1])), b.const(sizes.kv_heads)), heads)  # [T, Hkv, L]
+    chunks = sizes.page_size  # L = width x page size: always a whole number of chunks of `width` keys
+    # the values' rows as [T, Hkv, chunks, L / chunks] (a view of the same index)
+    value_index = b.Reshape(index, b.const([0, 0, chunks, -1]))
 
-    def gather(pool: str, scale: str | None, hidden: str | None = None) -> str:  # -> fp32 [T, Hkv, L, D]
-        return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), index, axis=0),
-                            None if scale is None else b.Gather(_page_rows(b, scale, 3), index, axis=0), hidden)
+    def gather(pool: str, scale: str | None, rows: str) -> str:  # -> fp32 [*rows' shape, D]
+        return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), rows, axis=0),
+                            None if scale is None else b.Gather(_page_rows(b, scale, 3), rows, axis=0), None)
 
-    keys = gather("k_cache", "k_scale" if kv_fp8 else None)
-    # Values the token cannot see are zeroed: their slots may hold anything (even NaN), 0 * NaN leaks.
-    values = gather("v_cache", "v_scale" if kv_fp8 else None, b.Unsqueeze(ctx.visible, b.const([1, 3])))
+    keys = gather("k_cache", "k_scale" if kv_fp8 else None, index)  # [T, Hkv, L, D]
+    # no zeroing of the values: every slot is a row of the sequence (``DecodeContext``), and the keys a token does
+    # not see get probability exactly 0 (softmax of -inf), so their rows add exact zeros
+    values = gather("v_cache", "v_scale" if kv_fp8 else None, value_index)  # [T, Hkv, chunks, L / chunks, Dv]
     hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), d, axis=0))  # [T, Hkv, G, D]
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, L]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(b.Unsqueeze(ctx.visible, b.const([1, 2])), scores, b.const(-INF, np.float32)), axis=-1)
-    out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
+    out = _partial_value_sums(b, probs, values, b.const([chunks]))  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
+
+
+def _partial_value_sums(b: Builder, probs: str, values: str, chunks: str) -> str:
+    """``probs @ values`` for probs [T, Hkv, G, S] and values [T, Hkv, C, S / C, Dv] (C = ``chunks``, an int64
+    [1]): the sum over the S keys as C partial sums of S / C consecutive keys each (one batched
+    product, ``[T, Hkv, C, G, Dv]``), then their sum in fp32, in chunk order.
+
+    Why: one ``[G, S] @ [S, Dv]`` product per (token, KV head) is a GEMM of M = G (16), N = Dv (128) and a long K
+    = S: cuBLAS gives it one thread block per batch entry, 4 at batch 1 of M3's 4 KV heads, each reading S x Dv
+    values alone (H200, `mini` bf16, 2026-12-01 11:13 UTC, ``bench/ort_kernels.py``: 133 us for the dense layer's
+    4k keys, 67 us for each sparse layer's 2048: the fp32 values at ~60 GB/s; at 32k keys ~1 ms), where the
+    chunks give it C x as many. The same products and the same fp32 accumulation; only the summation grouping
+    differs from one product over S (a few fp32 ulps). The probabilities' layout change is one transposed copy of
+    ``[T, Hkv, G, S]`` (the values, G x larger per key, are gathered in the chunked layout directly)."""
+    per_chunk = b.Reshape(probs, b.Concat(b.const([0, 0, 0]), chunks, b.const([-1]), axis=0))
+    per_chunk = b.Transpose(per_chunk, perm=[0, 1, 3, 2, 4])  # [T, Hkv, C, G, S / C]
+    return b.ReduceSum(b.MatMul(per_chunk, values), b.const([2]), keepdims=0)  # [T, Hkv, G, Dv]
 
 
 def _masked_rows(b: Builder, rows: str, scale_rows: str | None, keep: str | None) -> str:
@@ -495,7 +539,9 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
     so no size depends on the step's values (the general body's union width N is data-dependent: a device -> host
     copy per layer on a GPU provider). A block listed twice counts once (the op's contract), and the token's
     blocks are laid out in ascending id order, unused slots last, as the general body lays out a lone token's
-    union: the same keys in the same order, so the sums run in the same order.
+    union: the same keys in the same order, so the scores' sums run in the same order; the values' weighted sum
+    runs as one partial sum per selected block, then their sum (``_partial_value_sums``: the same products, another
+    summation grouping).
     """
     b = Builder("")
     bs = b.attr(Ref("block_size", INT))
@@ -523,20 +569,22 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
     # shape, would have to be copied to the device)
     flat = b.Reshape(b.Div(keys_pos, page), b.const([0, -1]))  # [T, Hkv * K * bs]
     pages = b.Reshape(b.GatherElements(b.Cast("block_tables", to=I64), flat, axis=1), b.Shape(keys_pos))
-    slots = b.Where(stored, b.Add(b.Mul(pages, page), b.Mod(keys_pos, page)), b.const(0))  # [T, Hkv, K, bs]
+    # slots no block fills (unused list slots, keys past the sequence's length) read the token's own row, which the
+    # step wrote (``own_slots``): never an unwritten row (it may hold anything, 0 * NaN leaks), so the values need
+    # no zeroing pass; their keys are masked, their probabilities exactly 0
+    own = b.Unsqueeze(own_slots(b, "block_tables", "positions", sizes.page_size), b.const([2, 3]))  # [T, 1, 1, 1]
+    slots = b.Where(stored, b.Add(b.Mul(pages, page), b.Mod(keys_pos, page)), own)  # [T, Hkv, K, bs]
     hkv = b.const(sizes.kv_heads)
     heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1, 1))  # [1, Hkv, 1, 1]
-    index = b.Reshape(b.Add(b.Mul(slots, hkv), heads), b.const([0, 0, -1]))  # [T, Hkv, K * bs]
+    blocks = b.Add(b.Mul(slots, hkv), heads)  # [T, Hkv, K, bs]: pool rows, per selected block
+    index = b.Reshape(blocks, b.const([0, 0, -1]))  # [T, Hkv, K * bs]
 
-    def rows_of(pool: str) -> str:  # [pages, page, Hkv, *rest] -> [T, Hkv, K * bs, *rest]
-        return b.Gather(_page_rows(b, pool, 3), index, axis=0)
+    def gather(pool: str, scale: str, rows: str) -> str:  # -> fp32 [*rows' shape, D]
+        scales = b.Gather(_page_rows(b, scale, 3), rows, axis=0) if kv_fp8 else None
+        return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), rows, axis=0), scales, None)
 
-    def gather(pool: str, scale: str, keep: str | None = None) -> str:  # -> fp32 [T, Hkv, K * bs, D]
-        return _masked_rows(b, rows_of(pool), rows_of(scale) if kv_fp8 else None, keep)
-
-    keys = gather("k_cache", "k_scale")
-    # values of slots no block fills are zeroed (they may hold anything, 0 * NaN leaks)
-    values = gather("v_cache", "v_scale", b.Unsqueeze(b.Reshape(stored, b.const([0, 0, -1])), b.const([3])))
+    keys = gather("k_cache", "k_scale", index)  # [T, Hkv, K * bs, D]
+    values = gather("v_cache", "v_scale", blocks)  # [T, Hkv, K, bs, Dv]: one partial sum per block
     allowed = b.And(stored, b.LessOrEqual(keys_pos, b.Unsqueeze("positions", b.const([1, 2, 3]))))
     allowed = b.Reshape(allowed, b.const([0, 0, 1, -1]))  # [T, Hkv, 1, S]
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), b.Shape("k_cache", start=2, end=3), b.const([-1]),
@@ -544,7 +592,7 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, S]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
-    out = b.MatMul(probs, values)  # [T, Hkv, G, Dv]
+    out = _partial_value_sums(b, probs, values, k)  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("SparsePagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 

@@ -714,10 +714,11 @@ def _onnx_type(dtype: torch.dtype) -> int:
 
 
 def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.dtype,
-             kv_fp8: bool = False, providers: list | None = None) -> torch.Tensor:
+             kv_fp8: bool = False, providers: list | None = None, decode=None) -> torch.Tensor:
     """Build, shape-infer, check and run a one-node model of ``m3::op`` in ONNX Runtime on the CPU (``kv_fp8``:
     the body reading uint8 E4M3 pools with their scale pools, given as the trailing inputs; ``providers``: ORT's
-    session providers instead, e.g. the CUDA EP for the GPU tests)."""
+    session providers instead, e.g. the CUDA EP for the GPU tests; ``decode``: the decode-only body built with
+    these ``functions.DecodeSizes``, for decode steps only)."""
     import onnx
     import onnxruntime as ort
     from onnx import helper
@@ -735,7 +736,7 @@ def run_onnx(op: str, inputs: list[torch.Tensor], attrs: dict, out_dtype: torch.
          for n, t in zip(names, inputs, strict=True)],
         [helper.make_tensor_value_info(out_name, _onnx_type(out_dtype), None)],
     )
-    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[body(op, kv_fp8)])
+    model = helper.make_model(graph, opset_imports=opset_imports(), functions=[body(op, kv_fp8, decode)])
     model.ir_version = 10
     inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     out_type = inferred.graph.output[0].type.tensor_type

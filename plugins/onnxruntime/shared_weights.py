@@ -13,6 +13,13 @@ then uses that buffer in place wherever the session plans the initializer on the
 CPU) it warns and loads its own copy, so the result is the same either way. Kernels that pre-pack a weight (the CPU
 EP's MatMul) keep a packed copy per session; the CUDA EP's kernels read the weights as they are.
 
+Not shared: a weight the graph only feeds to constant nodes (``folded_by_the_session``: a re-layout such as the
+lowered MoE's gate / up interleave of ``w13``, a norm gain's ``1 + w``). ONNX Runtime folds such nodes at load into
+a constant of the session's own, from the initializer it loaded itself; over a shared device buffer it did not,
+and the nodes ran on every step (H200, 2026-12-01 13:37 UTC, `mini` bf16: the lowered decode graph's three
+``w13`` interleaves, a ``Transpose`` of every expert's gate / up weights, 647 us each per step, 1.94 ms of a
+5.3 ms step). The session then holds the folded result only (the original, read by nothing else, is dropped).
+
 The tensors stay alive as long as this object (and every session given them: each holds the ``OrtValue``s, whose
 DLPack capsules keep the torch memory): close the sessions first, then drop it.
 """
@@ -44,6 +51,29 @@ def ortvalue_over(t: torch.Tensor):
     return onnxruntime.OrtValue(value)
 
 
+# ops whose output ONNX Runtime never constant-folds (non-deterministic)
+_NOT_FOLDED = ("RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial")
+
+
+def folded_by_the_session(model) -> set[str]:
+    """The initializers of ``model`` (an ``onnx.ModelProto``) whose every reader in the main graph is a node that
+    reads constants only (initializers, ``Constant`` nodes, or such nodes' outputs): ONNX Runtime folds those nodes
+    at load into constants of its own, and only from initializers the session loaded itself."""
+    initializers = {i.name for i in model.graph.initializer}
+    constant = set(initializers)
+    readers: dict[str, list[bool]] = {}  # initializer -> for each reading node, whether it folds
+    for node in model.graph.node:  # topologically sorted (ONNX)
+        inputs = [i for i in node.input if i]
+        folds = (node.op_type not in _NOT_FOLDED and not any(a.type in (a.GRAPH, a.GRAPHS) for a in node.attribute)
+                 and (node.op_type == "Constant" or (bool(inputs) and all(i in constant for i in inputs))))
+        if folds:
+            constant.update(node.output)
+        for i in inputs:
+            if i in initializers:
+                readers.setdefault(i, []).append(folds)
+    return {name for name, folds in readers.items() if all(folds)}
+
+
 class SharedWeights:
     """The external initializers of an artifact's graphs, one tensor each in ``device`` memory, added to every
     session's options (``add_to``)."""
@@ -65,10 +95,12 @@ class SharedWeights:
     def add_to(self, options, model, folder: Path) -> list[str]:
         """``options.add_initializer`` for each external initializer of ``model`` (an ``onnx.ModelProto``, loaded
         without its external data) whose data lies in ``folder``; each read once per (file, offset, length, type,
-        dims). -> the names added."""
+        dims), but for the initializers the session folds (``folded_by_the_session``: it loads those itself). -> the
+        names added."""
         added = []
+        folded = folded_by_the_session(model)
         for init in model.graph.initializer:
-            if init.data_location != _EXTERNAL or init.data_type not in BY_ONNX:
+            if init.data_location != _EXTERNAL or init.data_type not in BY_ONNX or init.name in folded:
                 continue
             ext = {e.key: e.value for e in init.external_data}
             if "location" not in ext:
