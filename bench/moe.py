@@ -242,8 +242,8 @@ PREFILL_ROUND6 = {
 }
 # Issue 12: the MXFP8 prefill GEMMs as warp-specialised Gluon kernels (plugins/kernels/moe_prefill_ws.py: a loader
 # warp for the TMA copies, a converter warpgroup for E4M3 -> bf16 into shared memory, 8 MMA warps for the wgmma and
-# the epilogue), bf16 activations only, swept by name. The first is moe_prefill_ws.WS_TILE (4 loaded + 2 converted
-# slots, 192 KB); the second trades a loaded slot for a converted one (3 + 3, 168 KB).
+# the epilogue), bf16 activations only, swept by name. The first was moe_prefill_ws.WS_TILE (4 loaded + 2 converted
+# slots, 192 KB) before HALF_TAIL (below); the second trades a loaded slot for a converted one (3 + 3, 168 KB).
 PREFILL_WS = {
     "prefill_ws_bm256_down128_s4c2": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
                                           num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1),
@@ -266,9 +266,19 @@ PREFILL_WS = {
                                                              CONV_STAGES=2, MX_MODE=3, WS=1, PERSISTENT=1),
     # HALF_TAIL: a routed row block whose second half is padding (each expert's last block at most half full) runs
     # as a 128-row wgmma on the first half of its slot, the loader copying those 128 activation rows only; ~25 % of
-    # the routed rows are padding at 16k (512 assignments per expert in 256-row blocks). Not yet measured.
+    # the routed rows are padding at 16k (512 assignments per expert in 256-row blocks). H200 2026-12-01 13:46 UTC
+    # (bench/results/moe_h200_prefill_ws_half.json): 22.15 against s4c2's 23.15 ms, the same bits; WS_TILE since.
     "prefill_ws_bm256_down128_s4c2_half": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
                                                num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1),
+    # SHARED_TILES: the shared expert's tiles as more tiles of the routed gate-up launch, and of the routed down
+    # launch (two launches instead of four: one launch tail each instead of two). Alone and with HALF_TAIL; not yet
+    # measured.
+    "prefill_ws_bm256_down128_s4c2_shared": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
+                                                 num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1,
+                                                 SHARED_TILES=1),
+    "prefill_ws_bm256_down128_s4c2_half_shared": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                      GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
+                                                      WS=1, HALF_TAIL=1, SHARED_TILES=1),
     # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
     # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
     # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:

@@ -20,10 +20,13 @@ of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The ac
 gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
 (``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
 
-``HALF_TAIL`` (a config key, off in ``WS_TILE`` until measured): a routed row block whose rows from BLOCK_M / 2 on
+``HALF_TAIL`` (a config key, on in ``WS_TILE``): a routed row block whose rows from BLOCK_M / 2 on
 are padding (each expert's last block, at most half full; ~25 % of the routed rows are padding at 512 assignments
 per expert in 256-row blocks) runs as a BLOCK_M / 2-row wgmma on the first half of its activation slot, the loader
 copying those rows only (a second descriptor with the half box); the converter's work is the same.
+``SHARED_TILES`` (a config key, off in ``WS_TILE`` until measured): the shared expert's tiles run as more tiles of
+the routed gate-up launch and of the routed down launch (its own descriptors, scales and output; its I must equal
+the routed I, as in every preset, else its own launches), two launches instead of four and so two launch tails.
 
 Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants): ``WS_TILE`` is
 the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), where it
@@ -46,8 +49,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # wgmma, 64-wide K steps): rings of 4 loaded and 2 converted slots, 8 MMA warps (two warpgroups of 128 rows).
 # Shared memory: 4 x (32 KB activations + 8 KB E4M3) + 2 x 16 KB bf16 = 192 KB of the H200's 227.
 # MX_MODE 3 names the conversion's semantics (``moe.check_mx_mode`` accepts it whatever scale bytes were loaded).
+# HALF_TAIL since the H200 call of 2026-12-01 13:46 UTC (snapshot 16f43db, 16k tokens: 22.15 against 23.15 ms,
+# output bit-equal; routed gate-up 10.57 -> 9.97 ms, routed down 5.39 -> 5.27).
 WS_TILE = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8, num_warps=8, STAGES=4,
-               CONV_STAGES=2, MX_MODE=3, WS=1)
+               CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1)
 CONVERTER_WARPS = 4
 LOADER_WARPS = gl.constexpr(1)
 # Registers per thread asked for the worker partitions (setmaxnreg); the MMA warps get what is left of the 64K
@@ -102,41 +107,78 @@ def _half(rows_ptr, pid_m, num_rows, BM: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
-            rows_ptr, num_rows, num_m, first_tile, tile_step, num_tiles, W_E: gl.constexpr, N_OUT: gl.constexpr,
-            N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr,
-            K_STEPS: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-            STAGES: gl.constexpr):
+def _loader(a_desc, a_half_desc, w_desc, as_desc, ws_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
+            block_expert_ptr, rows_ptr, num_rows, num_m, num_m_s, first_tile, tile_step, W_E: gl.constexpr,
+            N_OUT: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr,
+            HALF_TAIL: gl.constexpr, SHARED_TILES: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
+            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """One warp: per K step of each of the program's tiles, wait for the slot to be free, then TMA the G weight
     chunks (gate-up: the gate rows, then the up rows N_OUT further) and the activation tile into it (a half-tail
     block, ``_half``: its first BM / 2 rows into the slot's first half, by ``a_half_desc``). The weights first: the
-    converter needs them before the MMA needs the activations."""
+    converter needs them before the MMA needs the activations. ``SHARED_TILES``: the shared expert's tiles (tokens
+    by ``as_desc``, weights by ``ws_desc``) after the routed ones."""
+    num_tiles = num_m * N_TILES
+    end = num_tiles
+    if SHARED_TILES:
+        end = num_tiles + num_m_s * N_TILES
     it = 0  # K steps issued over the program's tiles: the ring position
-    for tile in range(first_tile, num_tiles, tile_step):
-        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
-        e = _expert(block_expert_ptr, pid_m, ROUTED)
-        if e >= 0:
-            half = pid_m < 0  # read only with HALF_TAIL (then _half's)
-            if HALF_TAIL and ROUTED:
-                half = _half(rows_ptr, pid_m, num_rows, BM)
-            w_row = e * W_E + pid_n * BN
-            for k in range(0, K_STEPS, 1):
-                s = (it + k) % STAGES
-                free = (((it + k) // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase -1
-                mbarrier.wait(w_empty.index(s), free)
-                mbarrier.expect(w_ready.index(s), G * BN * BK)
-                for g in gl.static_range(G):
-                    tma.async_copy_global_to_shared(w_desc, [w_row + g * N_OUT, k * BK], w_ready.index(s),
-                                                    w_bufs.index(s).slice(g * BN, BN))
-                mbarrier.wait(a_empty.index(s), free)
-                if HALF_TAIL and ROUTED:
-                    if half:
-                        _load_a(a_half_desc, a_bufs.index(s).slice(0, BM // 2), a_ready.index(s), pid_m * BM, k * BK)
-                    else:
-                        _load_a(a_desc, a_bufs.index(s), a_ready.index(s), pid_m * BM, k * BK)
-                else:
-                    _load_a(a_desc, a_bufs.index(s), a_ready.index(s), pid_m * BM, k * BK)
-            it += K_STEPS
+    for tile in range(first_tile, end, tile_step):
+        if SHARED_TILES:
+            if tile >= num_tiles:
+                pid_m, pid_n = _tile(tile - num_tiles, num_m_s, GROUP_M, N_TILES)
+                _load_tile(as_desc, as_desc, ws_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it,
+                           pid_m * BM, pid_n * BN, pid_m < 0, False, N_OUT, K_STEPS, G, BM, BN, BK, STAGES)
+                it += K_STEPS
+            else:
+                it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
+                                  block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES,
+                                  GROUP_M, ROUTED, HALF_TAIL, K_STEPS, G, BM, BN, BK, STAGES)
+        else:
+            it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
+                              block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES, GROUP_M,
+                              ROUTED, HALF_TAIL, K_STEPS, G, BM, BN, BK, STAGES)
+
+
+@gluon.jit
+def _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
+                 rows_ptr, num_rows, num_m, tile, it, W_E: gl.constexpr, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
+                 GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr,
+                 G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The loader's work for tile ``tile`` of the launch's own row blocks (routed, or the shared expert's in its
+    own launch); the ring position after it."""
+    pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+    e = _expert(block_expert_ptr, pid_m, ROUTED)
+    if e >= 0:
+        half = pid_m < 0  # read only with HALF_TAIL (then _half's)
+        if HALF_TAIL and ROUTED:
+            half = _half(rows_ptr, pid_m, num_rows, BM)
+        _load_tile(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it, pid_m * BM,
+                   e * W_E + pid_n * BN, half, HALF_TAIL and ROUTED, N_OUT, K_STEPS, G, BM, BN, BK, STAGES)
+        it += K_STEPS
+    return it
+
+
+@gluon.jit
+def _load_tile(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it, a_row, w_row,
+               half, HALF: gl.constexpr, N_OUT: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
+               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One tile's K steps: activation rows from ``a_row``, weight rows from ``w_row`` (gate-up: and N_OUT below)."""
+    for k in range(0, K_STEPS, 1):
+        s = (it + k) % STAGES
+        free = (((it + k) // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase -1
+        mbarrier.wait(w_empty.index(s), free)
+        mbarrier.expect(w_ready.index(s), G * BN * BK)
+        for g in gl.static_range(G):
+            tma.async_copy_global_to_shared(w_desc, [w_row + g * N_OUT, k * BK], w_ready.index(s),
+                                            w_bufs.index(s).slice(g * BN, BN))
+        mbarrier.wait(a_empty.index(s), free)
+        if HALF:
+            if half:
+                _load_a(a_half_desc, a_bufs.index(s).slice(0, BM // 2), a_ready.index(s), a_row, k * BK)
+            else:
+                _load_a(a_desc, a_bufs.index(s), a_ready.index(s), a_row, k * BK)
+        else:
+            _load_a(a_desc, a_bufs.index(s), a_ready.index(s), a_row, k * BK)
 
 
 @gluon.jit
@@ -166,14 +208,58 @@ def _e4m3_bf16(codes, factor):
 
 
 @gluon.jit
-def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
-               first_tile, tile_step, num_tiles, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr,
-               GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
-               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr,
-               WARPS: gl.constexpr):
+def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, s_s_ptr, ss_n_s,
+               block_expert_ptr, num_m, num_m_s, first_tile, tile_step, N_OUT: gl.constexpr, K: gl.constexpr,
+               N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr, SHARED_TILES: gl.constexpr,
+               K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+               CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """One warpgroup: per K step, the E4M3 tile of the load ring and its scales (plain loads, issued before the
-    wait on the tile) to the bf16 tile of the converted ring. Each thread holds runs of 32 codes along K (one
-    scale group): the tile is seen as [rows, BK / 32, 32] and each thread loads its group's scale byte once."""
+    wait on the tile) to the bf16 tile of the converted ring (``_convert_tile``); ``SHARED_TILES``: the shared
+    expert's tiles (its scales at ``s_s_ptr``) after the routed ones."""
+    num_tiles = num_m * N_TILES
+    end = num_tiles
+    if SHARED_TILES:
+        end = num_tiles + num_m_s * N_TILES
+    it = 0
+    for tile in range(first_tile, end, tile_step):
+        if SHARED_TILES:
+            if tile >= num_tiles:
+                pid_m, pid_n = _tile(tile - num_tiles, num_m_s, GROUP_M, N_TILES)
+                _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_s_ptr, ss_n_s, pid_n, it, N_OUT,
+                              K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS)
+                it += K_STEPS
+            else:
+                it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n,
+                                     block_expert_ptr, num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS,
+                                     G, BN, BK, STAGES, CONV_STAGES, WARPS)
+        else:
+            it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n,
+                                 block_expert_ptr, num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G,
+                                 BN, BK, STAGES, CONV_STAGES, WARPS)
+
+
+@gluon.jit
+def _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
+                    tile, it, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr,
+                    ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
+                    BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The converter's work for tile ``tile`` of the launch's own row blocks; the ring position after it."""
+    pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+    e = _expert(block_expert_ptr, pid_m, ROUTED)
+    if e >= 0:
+        _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr + e.to(gl.int64) * ss_e, ss_n, pid_n,
+                      it, N_OUT, K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS)
+        it += K_STEPS
+    return it
+
+
+@gluon.jit
+def _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_base, ss_n, pid_n, it, N_OUT: gl.constexpr,
+                  K: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                  STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """One tile's K steps of conversion, the expert's scales [W_E, K / 32] at ``s_base``. Each thread holds runs of
+    32 codes along K (one scale group): the tile is seen as [rows, BK / 32, 32] and each thread loads its group's
+    scale byte once."""
     NW: gl.constexpr = G * BN
     GROUPS: gl.constexpr = BK // 32
     flat: gl.constexpr = gl.BlockedLayout([1, 32], [32 // GROUPS, GROUPS], [WARPS, 1], [1, 0])
@@ -181,32 +267,25 @@ def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, 
     s_layout: gl.constexpr = gl.SliceLayout(2, grouped)
     j = gl.arange(0, NW, layout=gl.SliceLayout(1, s_layout))
     grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, s_layout))
-    it = 0
-    for tile in range(first_tile, num_tiles, tile_step):
-        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
-        e = _expert(block_expert_ptr, pid_m, ROUTED)
-        if e >= 0:
-            n = pid_n * BN + j % BN  # the output column (gate-up: gate / up row) of tile row j
-            row = e.to(gl.int64) * ss_e + (n + (j // BN) * N_OUT).to(gl.int64) * ss_n
-            row_ok = n < N_OUT
-            for k in range(0, K_STEPS, 1):
-                s = (it + k) % STAGES
-                c = (it + k) % CONV_STAGES
-                kg = k * GROUPS + grp
-                sc = gl.load(s_ptr + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :],
-                             other=0)
-                factor = gl.expand_dims(_scale_factor(sc), 2)
-                mbarrier.wait(w_ready.index(s), ((it + k) // STAGES) & 1)
-                codes = w_bufs.index(s).load(flat)
-                fence_async_shared()  # the read is ordered before the loader's next copy into this slot
-                mbarrier.arrive(w_empty.index(s), count=1)
-                codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
-                vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
-                mbarrier.wait(c_empty.index(c), (((it + k) // CONV_STAGES) & 1) ^ 1)
-                c_bufs.index(c).store(vals)
-                fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) reading it
-                mbarrier.arrive(c_ready.index(c), count=1)
-            it += K_STEPS
+    n = pid_n * BN + j % BN  # the output column (gate-up: gate / up row) of tile row j
+    row = (n + (j // BN) * N_OUT).to(gl.int64) * ss_n
+    row_ok = n < N_OUT
+    for k in range(0, K_STEPS, 1):
+        s = (it + k) % STAGES
+        c = (it + k) % CONV_STAGES
+        kg = k * GROUPS + grp
+        sc = gl.load(s_base + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
+        factor = gl.expand_dims(_scale_factor(sc), 2)
+        mbarrier.wait(w_ready.index(s), ((it + k) // STAGES) & 1)
+        codes = w_bufs.index(s).load(flat)
+        fence_async_shared()  # the read is ordered before the loader's next copy into this slot
+        mbarrier.arrive(w_empty.index(s), count=1)
+        codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
+        vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
+        mbarrier.wait(c_empty.index(c), (((it + k) // CONV_STAGES) & 1) ^ 1)
+        c_bufs.index(c).store(vals)
+        fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) reading it
+        mbarrier.arrive(c_ready.index(c), count=1)
 
 
 @gluon.jit
@@ -251,56 +330,96 @@ def _k_loop(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, K_STEPS: gl.
 
 
 @gluon.jit
-def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
-         num_tiles, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr,
-         N_TILES: gl.constexpr, GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
-         GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr,
-         BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, num_m_s, first_tile, tile_step,
+         out_ptr, out_s_ptr, rows_ptr, route_w_ptr, num_rows, num_rows_s, alpha, limit, so_r, so_r_s, so_s,
+         N_OUT: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr, TOP_K: gl.constexpr,
+         ROUTED: gl.constexpr, GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, SHARED_TILES: gl.constexpr,
+         K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr,
+         CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The default partition, per tile: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW] over the K
     steps (``_k_loop``; a half-tail block, ``_half``: [BM / 2, NW] on the slot's first half), then the epilogue,
-    which overlaps the workers' first steps of the next tile."""
+    which overlaps the workers' first steps of the next tile. ``SHARED_TILES``: the shared expert's tiles after the
+    routed ones, their epilogue the shared launch's (``ROUTED`` off: token rows, ``out_s_ptr``, ``num_rows_s``)."""
+    num_tiles = num_m * N_TILES
+    end = num_tiles
+    if SHARED_TILES:
+        end = num_tiles + num_m_s * N_TILES
     it = 0
-    for tile in range(first_tile, num_tiles, tile_step):
-        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
-        e = _expert(block_expert_ptr, pid_m, ROUTED)
-        if e >= 0:
-            if HALF_TAIL and ROUTED:
-                if _half(rows_ptr, pid_m, num_rows, BM):
-                    _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
-                           num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
-                           K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS)
-                else:
-                    _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
-                           num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
-                           K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
+    for tile in range(first_tile, end, tile_step):
+        if SHARED_TILES:
+            if tile >= num_tiles:
+                pid_m, pid_n = _tile(tile - num_tiles, num_m_s, GROUP_M, N_TILES)
+                _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_s_ptr, rows_ptr, route_w_ptr,
+                       num_rows_s, alpha, limit, so_r_s, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, False, GATE_UP,
+                       K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
+                it += K_STEPS
+            else:
+                it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it,
+                                 out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
+                                 GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES,
+                                 CONV_STAGES, WARPS)
+        else:
+            it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it,
+                             out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
+                             GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES, CONV_STAGES,
+                             WARPS)
+
+
+@gluon.jit
+def _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it, out_ptr,
+                rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
+                GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
+                HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
+                STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """The MMA partition's work for tile ``tile`` of the launch's own row blocks; the ring position after it."""
+    pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+    e = _expert(block_expert_ptr, pid_m, ROUTED)
+    if e >= 0:
+        if HALF_TAIL and ROUTED:
+            if _half(rows_ptr, pid_m, num_rows, BM):
+                _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
+                       num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
+                       K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS)
             else:
                 _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
                        num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
                        K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
-            it += K_STEPS
+        else:
+            _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr, num_rows,
+                   alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP, K_STEPS, BM, BN,
+                   NW, STAGES, CONV_STAGES, WARPS)
+        it += K_STEPS
+    return it
 
 
 def _kernel_name(spec) -> str:
-    """The compiled kernel's name, so that profiles tell the four launches apart (one source function)."""
+    """The compiled kernel's name, so that profiles tell the launches apart (one source function)."""
     c = spec.constants
-    return f"moe_ws_{'gate_up' if c['GATE_UP'] else 'down'}{'' if c['ROUTED'] else '_shared'}"
+    kind = "" if c["ROUTED"] else "_shared"
+    return f"moe_ws_{'gate_up' if c['GATE_UP'] else 'down'}{'_with_shared' if c['SHARED_TILES'] else kind}"
 
 
 @gluon.jit(repr=_kernel_name)
 def _gemm_ws(
-    a_desc, a_half_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, num_m, alpha, limit,
-    ss_e, ss_n, so_r, so_s,
+    a_desc, a_half_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, num_m, alpha,
+    limit, ss_e, ss_n, so_r, so_s, as_desc, ws_desc, s_s_ptr, out_s_ptr, num_rows_s, num_m_s, ss_n_s, so_r_s,
     N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
-    GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr,
-    num_warps: gl.constexpr,
+    GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, SHARED_TILES: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of (row block: one expert's rows, or BLOCK_M tokens for the shared expert) x BLOCK_N output columns,
     ``num_m`` row blocks; program p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the grid covers
     them all, persistent with a smaller grid). GATE_UP: out = act [rows, I] (SwiGLU-OAI of the gate and up tiles),
     W_E = 2I rows per expert, the up chunk N_OUT rows below the gate chunk. Down: out = y [T, TOP_K + 1, H] (so_r
     / so_s its token / slot strides), W_E = H. The weights are seen as one [E * W_E, K] matrix (``w_desc``), their
-    scales as [E, W_E, K / 32]."""
+    scales as [E, W_E, K / 32].
+
+    SHARED_TILES (a routed launch): ``num_m_s`` row blocks of the shared expert follow the routed tiles in the same
+    launch, with the shared launch's operands (tokens ``as_desc``, weights ``ws_desc``, scales ``s_s_ptr`` with row
+    stride ``ss_n_s``; output ``out_s_ptr`` with row stride ``so_r_s``, ``num_rows_s`` tokens) and the same N_OUT
+    and K (the shared expert's I equals the routed one's); one launch tail instead of two. Without it the ``*_s``
+    arguments are not read."""
     # The MMA partition hands a step's slots back one step late (after the next wgmma is issued), so a ring of one
     # slot would wait on itself.
     gl.static_assert(STAGES >= 2 and CONV_STAGES >= 2, "WS rings need at least 2 slots each")
@@ -331,20 +450,20 @@ def _gemm_ws(
         mbarrier.init(c_empty.index(i), count=1)
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before first use
 
+    gl.static_assert(not SHARED_TILES or ROUTED, "SHARED_TILES adds the shared expert's tiles to a routed launch")
     first_tile = gl.program_id(0)
     tile_step = gl.num_programs(0)
-    num_tiles = num_m * N_TILES
     gl.warp_specialize([
-        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
-                num_tiles, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
-                GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES,
-                num_warps)),
-        (_loader, (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
-                   block_expert_ptr, rows_ptr, num_rows, num_m, first_tile, tile_step, num_tiles, W_E, N_OUT,
-                   N_TILES, GROUP_M, ROUTED, HALF_TAIL, K_STEPS, G, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
-                      first_tile, tile_step, num_tiles, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N,
-                      BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
+        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, num_m_s, first_tile,
+                tile_step, out_ptr, out_s_ptr, rows_ptr, route_w_ptr, num_rows, num_rows_s, alpha, limit, so_r,
+                so_r_s, so_s, N_OUT, N_TILES, GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, SHARED_TILES, K_STEPS,
+                BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps)),
+        (_loader, (a_desc, a_half_desc, w_desc, as_desc, ws_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
+                   block_expert_ptr, rows_ptr, num_rows, num_m, num_m_s, first_tile, tile_step, W_E, N_OUT, N_TILES,
+                   GROUP_M, ROUTED, HALF_TAIL, SHARED_TILES, K_STEPS, G, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, s_s_ptr, ss_n_s,
+                      block_expert_ptr, num_m, num_m_s, first_tile, tile_step, N_OUT, K, N_TILES, GROUP_M, ROUTED,
+                      SHARED_TILES, K_STEPS, G, BLOCK_N, BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
     ], [LOADER_WARPS, CONV_WARPS], [LOADER_REGS, CONVERTER_REGS])
 
 
@@ -435,31 +554,42 @@ def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
 
 
 def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, num_m, n_out, k, top_k,
-            routed, gate_up, bn, cfg):
+            routed, gate_up, bn, cfg, shared=None):
+    """One ``_gemm_ws`` launch; ``shared`` = (activations, weights, output, rows, row blocks, output row stride) of
+    the shared expert's GEMM of the same N_OUT and K, run as more tiles of this routed launch (SHARED_TILES)."""
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     half_tail = bool(cfg.get("HALF_TAIL")) and routed
-    grid = _programs(num_m * triton.cdiv(n_out, bn), a.device, bool(cfg.get("PERSISTENT")))
     a_desc = _descriptor(a, [bm, bk])
+    w_desc = _descriptor(_stacked_rows(w.w), [bn, bk])
     # HALF_TAIL's copy of a block's first bm / 2 rows lands in the first half of a slot laid out for a_desc's box:
     # the same swizzle (the row count does not enter it); without the key the kernel never reads it.
     a_half = _descriptor(a, [bm // 2, bk]) if half_tail else a_desc
     if a_half.layout != a_desc.layout:
         raise ValueError(f"moe: WS HALF_TAIL: a {bm // 2}-row box is laid out as {a_half.layout}, the slot as "
                          f"{a_desc.layout}")
+    tiles = num_m * triton.cdiv(n_out, bn)
+    if shared is not None:
+        a_s, w_s, out_s, rows_s, m_s, so_r_s = shared
+        as_desc, ws_desc, s_s = _descriptor(a_s, [bm, bk]), _descriptor(_stacked_rows(w_s.w), [bn, bk]), w_s.s
+        tiles += m_s * triton.cdiv(n_out, bn)
+    else:  # not read
+        as_desc, ws_desc, s_s, out_s, rows_s, m_s, so_r_s = a_desc, w_desc, w.s, out, num_rows, 0, so_r
+    grid = _programs(tiles, a.device, bool(cfg.get("PERSISTENT")))
     _gemm_ws[(grid,)](
-        a_desc, a_half, _descriptor(_stacked_rows(w.w), [bn, bk]), w.s, out, rows, block_expert, route_w,
-        num_rows, num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
+        a_desc, a_half, w_desc, w.s, out, rows, block_expert, route_w, num_rows, num_m, alpha, limit, w.s.stride(0),
+        w.s.stride(1), so_r, so_s, as_desc, ws_desc, s_s, out_s, rows_s, m_s, s_s.stride(1), so_r_s,
         N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, HALF_TAIL=half_tail,
-        BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2),
-        CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"], maxnreg=maxnreg(cfg["num_warps"]),
+        SHARED_TILES=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
+        STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS,
+        num_warps=cfg["num_warps"], maxnreg=maxnreg(cfg["num_warps"]),
     )
 
 
 def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, limit, top_k, cfg) -> None:
     """The four GEMMs of one MoE layer (routed gate-up, shared gate-up, routed down, shared down) into ``act``,
     ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; the row blocks are ``blocks``' (the shared
-    expert takes blocks of as many tokens). ``check`` first."""
+    expert takes blocks of as many tokens). With ``SHARED_TILES`` (and the shared expert's I equal to the routed
+    one's) two launches: each shared GEMM's tiles after its routed GEMM's. ``check`` first."""
     routed13, routed2, shared13, shared2 = weights
     t, h = x.shape
     i, i_s = act.shape[1], act_s.shape[1]
@@ -474,11 +604,20 @@ def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, l
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:  # TMA's alignment (shared)
         x = x.clone(memory_format=torch.contiguous_format)
     route_w = route_w.contiguous()
+    m_s = triton.cdiv(t, bm)
+    if cfg.get("SHARED_TILES") and i_s == i:
+        _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
+                blocks.num_blocks, i, h, top_k, True, True, bn, cfg,
+                shared=(x, shared13, act_s, t, m_s, act_s.stride(0)))
+        _launch(act, routed2, y, rows, block_expert, route_w, num_assignments, alpha, limit, y.stride(0), y.stride(1),
+                blocks.num_blocks, h, i, top_k, True, False, bn_down, cfg,
+                shared=(act_s, shared2, y, t, m_s, y.stride(0)))
+        return
     _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
             blocks.num_blocks, i, h, top_k, True, True, bn, cfg)
-    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, triton.cdiv(t, bm), i_s,
-            h, top_k, False, True, bn, cfg)
+    _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, m_s, i_s, h, top_k,
+            False, True, bn, cfg)
     _launch(act, routed2, y, rows, block_expert, route_w, num_assignments, alpha, limit, y.stride(0), y.stride(1),
             blocks.num_blocks, h, i, top_k, True, False, bn_down, cfg)
-    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1), triton.cdiv(t, bm),
-            h, i_s, top_k, False, False, bn_down, cfg)
+    _launch(act_s, shared2, y, act_s, act_s, route_w, t, alpha, limit, y.stride(0), y.stride(1), m_s, h, i_s,
+            top_k, False, False, bn_down, cfg)
