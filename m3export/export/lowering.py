@@ -5,9 +5,11 @@ each graph lowered as ``<graph>.ort.onnx`` beside it, recorded in the manifest's
 that the lowered graph matches the reference (block selections and greedy tokens exactly, logits within the
 bound verify uses); until then every lowering here is **unverified on GPU**. What each one does:
 
-* ``MoE`` (bf16 / fp16 / fp32 experts) -> ``com.microsoft.MoE`` twice: the routed experts (SwiGLU with M3's
+* ``MoE`` (bf16 / fp16 / fp32 experts) -> ``com.microsoft.MoE`` for the routed experts (SwiGLU with M3's
   alpha, beta = 1 (the ``up + 1``), limit; gate/up rows interleaved by a Reshape/Transpose of ``w13`` that ORT
-  folds at load) and the shared expert as a one-expert MoE. ORT's MoE softmaxes ``router_probs`` over its top-k,
+  folds at load into a copy of the session's own: the onnxruntime backend does not share such a weight,
+  ``shared_weights.folded_by_the_session``), the shared expert as the ``m3`` body computes it (two ``Gemm``, the
+  body's SwiGLU nodes: ``_shared_expert``). ORT's MoE softmaxes ``router_probs`` over its top-k,
   so M3's routing is passed as ``log(s)`` at the ``top_k`` experts chosen in fp32 by ``s + bias`` (the selection
   stays fp32: rounding it to 16 bits flips choices) and -10000 elsewhere: the weights come out as
   ``s / sum(s)`` over the chosen experts, as M3's. ``routed_scaling_factor`` is a separate Mul. Checked here on
@@ -131,13 +133,28 @@ def _lower_moe(graph, node) -> None:
                   swiglu_limit=float(a["swiglu_limit"]), swiglu_fusion=1, normalize_routing_weights=1)
     routed = e("MoE", x, e("CastLike", probs, x), _interleave(e, w13), None, w2, domain=MS, k=int(a["top_k"]),
                **swiglu)
-    # the shared expert: a one-expert MoE (any router value gives it weight 1)
-    single = e("CastLike", e("ConstantOfShape", e("Concat", e("Shape", x, end=1), e.const([1]), axis=0)), x)
-    shared = e("MoE", x, single, _interleave(e, e("Unsqueeze", s13, e.const([0]))), None,
-               e("Unsqueeze", s2, e.const([0])), domain=MS, k=1, **swiglu)
+    shared = _shared_expert(e, x, s13, s2, float(a["swiglu_alpha"]), float(a["swiglu_limit"]))
     scaled = e("Mul", routed, e("CastLike", e.const(float(a["routed_scaling_factor"]), np.float32), x))
     graph.nodes.append(e.gs.Node("Add", f"{e.prefix}/out", {}, [scaled, shared], [y]))
     node.outputs.clear()
+
+
+def _shared_expert(e: _Emit, x, s13, s2, alpha: float, limit: float):
+    """The shared expert as the ``m3::MoE`` body computes it (``functions._linear`` / ``_swiglu``: two ``Gemm`` on
+    the weights as they lie, the clamp in fp32 on exact casts), node for node, so its output is the plain graph's
+    bit for bit. Not a one-expert ``com.microsoft.MoE``: on the H200 that ran 54.5 us per layer at batch 1 (its
+    routing, permutation and grouped GEMM for one expert) where the two GEMMs read the same 113 MB in ~33 us
+    (2026-12-01 13:37 UTC, `mini` bf16), and its weights needed the same per-session interleave as the routed
+    experts' (``_interleave``)."""
+    f32 = onnx.TensorProto.FLOAT
+    gate_up = e("Gemm", x, s13, transB=1)
+    gate, up = e("Split", gate_up, axis=-1, num_outputs=2, n_out=2)
+    bound = e("Cast", e("CastLike", e.const(limit, np.float32), gate_up), to=f32)  # gate_up's rounding of it
+    gate = e("CastLike", e("Clip", e("Cast", gate, to=f32), None, bound), gate_up)
+    up = e("CastLike", e("Clip", e("Cast", up, to=f32), e("Neg", bound), bound), gate_up)
+    sig = e("Mul", gate, e("Sigmoid", e("Mul", gate, e("CastLike", e.const(alpha, np.float32), gate_up))))
+    act = e("Mul", e("Add", up, e("CastLike", e.const(1.0, np.float32), gate_up)), sig)
+    return e("Gemm", act, s2, transB=1)
 
 
 def _is_float32(dtype) -> bool:
