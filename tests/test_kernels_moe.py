@@ -140,6 +140,102 @@ def test_grouping_pads_each_expert_and_keeps_token_order():
     assert blocks.num_blocks == moe_routing.max_blocks(n, 6, 2)
 
 
+def _group_by_expert_reference(ids: torch.Tensor, num_experts: int, block_m: int):
+    """The permutation in torch ops (the launcher's before ``_group``): a stable sort of the flat ids, each
+    expert's run padded to a multiple of block_m, blocks tagged by a search of the padded ends."""
+    flat = ids.reshape(-1).long()
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
+    order = torch.sort(flat, stable=True).indices
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    padded_end = torch.cumsum(padded, 0)
+    expert = flat[order]
+    dest = (padded_end - padded)[expert] + torch.arange(n) - start[expert]
+    nb = moe_routing.max_blocks(n, num_experts, block_m)
+    rows = torch.full((nb * block_m,), n, dtype=torch.int64).scatter_(0, dest, order)
+    block_expert = torch.searchsorted(padded_end, torch.arange(nb) * block_m, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return rows.to(torch.int32), block_expert.to(torch.int32)
+
+
+def _ids(kind: str, t: int, top_k: int, e: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":  # distinct experts per token, as routing picks them
+        return torch.rand(t, e, generator=g).argsort(dim=1)[:, :top_k].to(torch.int32)
+    if kind == "one":  # every assignment to expert e - 1 (top_k 1) or to the last top_k experts
+        return (torch.arange(e - top_k, e, dtype=torch.int32)[None, :]).expand(t, top_k).contiguous()
+    if kind == "sparse":  # three experts in use (top_k <= 3), the others have zero assignments
+        used = torch.tensor([1, e // 2, e - 1], dtype=torch.int32)
+        return used[torch.rand(t, 3, generator=g).argsort(dim=1)[:, :top_k]]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind,t,top_k,e,bm", [
+    ("random", 37, 4, 10, 16),  # E not a power of two, n not a multiple of block_m
+    ("random", 16, 4, 8, 16),  # n an exact multiple of block_m, every expert used
+    ("random", 3, 1, 7, 64),  # n < block_m, most experts empty
+    ("random", 300, 4, 128, 16),  # the release's 128 experts; several chunks of ids (n = 1200)
+    ("random", 100, 2, 33, 256),
+    ("random", 2100, 1, 5, 64),  # n > one chunk of 2048 ids, top_k 1
+    ("one", 40, 1, 6, 16),
+    ("one", 64, 4, 6, 64),
+    ("one", 300, 1, 3, 256),  # one expert, two blocks of 256
+    ("sparse", 50, 3, 12, 16),
+    ("random", 0, 4, 8, 16),  # no assignments: one block, all padding
+])
+@cpu_only
+def test_grouping_kernel_equals_the_stable_sort(kind, t, top_k, e, bm):
+    ids = _ids(kind, t, top_k, e) if t else torch.zeros((0, top_k), dtype=torch.int32)
+    blocks = moe_routing.group_by_expert(ids, e, bm)
+    rows, block_expert = _group_by_expert_reference(ids, e, bm)
+    assert blocks.rows.dtype == torch.int32 and blocks.block_expert.dtype == torch.int32
+    assert torch.equal(blocks.rows, rows)
+    assert torch.equal(blocks.block_expert, block_expert)
+    assert (blocks.block_m, blocks.num_assignments) == (bm, ids.numel())
+
+
+@pytest.mark.parametrize("top_k,bm", [(1, 16), (4, 64)])
+@cpu_only
+def test_grouping_kernel_skips_the_not_ours_expert(top_k, bm):
+    # run_moe's expert parallelism: ids of other ranks' experts become expert e (one past the owned ones); their
+    # rows keep their place in the permutation and their blocks are tagged -1.
+    e_all, first, e = 12, 4, 5
+    ids = _ids("random", 45, top_k, e_all, seed=3)
+    local = ids.long() - first
+    ids = torch.where((local >= 0) & (local < e), local, e).to(ids.dtype)
+    blocks = moe_routing.group_by_expert(ids, e + 1, bm, skip=e)
+    rows, block_expert = _group_by_expert_reference(ids, e + 1, bm)
+    assert torch.equal(blocks.rows, rows)
+    assert (block_expert == e).any()
+    assert torch.equal(blocks.block_expert, torch.where(block_expert == e, -1, block_expert))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+def test_gpu_grouping_kernel_at_prefill_sizes():
+    # The compiled kernel (tl.histogram's warp-ballot lowering, the chunked scans) at the bench's prefill sizes,
+    # bit-equal to the stable sort; then captured in a CUDA graph and replayed on other ids of the same shape.
+    for kind, t, top_k, e, bm in [("random", 16384, 4, 128, 64), ("random", 16384, 4, 128, 256),
+                                  ("random", 4096, 4, 128, 128), ("random", 1, 4, 128, 16),
+                                  ("one", 16384, 4, 128, 64), ("sparse", 5000, 3, 200, 64), ("random", 3000, 1, 7, 16)]:
+        ids = _ids(kind, t, top_k, e, seed=t)
+        blocks = moe_routing.group_by_expert(ids.cuda(), e, bm)
+        rows, block_expert = _group_by_expert_reference(ids, e, bm)
+        assert torch.equal(blocks.rows.cpu(), rows), (kind, t, top_k, e, bm)
+        assert torch.equal(blocks.block_expert.cpu(), block_expert), (kind, t, top_k, e, bm)
+    ids = _ids("random", 2048, 4, 128, seed=1).cuda()
+    moe_routing.group_by_expert(ids, 128, 64)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blocks = moe_routing.group_by_expert(ids, 128, 64)
+    for kind in ("random", "one"):  # another routing, then every assignment on the last four experts
+        ids.copy_(_ids(kind, 2048, 4, 128, seed=2).cuda())
+        graph.replay()
+        rows, block_expert = _group_by_expert_reference(ids.cpu(), 128, 64)
+        assert torch.equal(blocks.rows.cpu(), rows) and torch.equal(blocks.block_expert.cpu(), block_expert)
+
+
 @pytest.mark.parametrize("n,e,bm", [(1, 128, 16), (4, 128, 16), (256, 128, 16), (16384, 128, 64), (3, 2, 128)])
 def test_block_bound_covers_the_worst_routing(n, e, bm):
     # Worst case for padding: as many experts in use as possible, each with one row more than a multiple of bm.

@@ -24,8 +24,6 @@ in expert order; this sums them in fp32 (more accurate by a few roundings in bf1
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -566,9 +564,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
     if owned is None:
         blocks: ExpertBlocks = group_by_expert(ids, e, bm)
     else:
-        blocks = group_by_expert(ids, e + 1, bm)
-        blocks = dataclasses.replace(blocks, block_expert=torch.where(blocks.block_expert == e, -1,
-                                                                      blocks.block_expert))
+        blocks = group_by_expert(ids, e + 1, bm, skip=e)
     mode2 = mx_mode2_available(x.dtype)
     if scales[0] is None:  # bf16 weights: the MXFP8 path is irrelevant; one compiled variant per tile
         config = {**(config or {}), "MX_MODE": 0}
