@@ -279,6 +279,15 @@ PREFILL_WS = {
     "prefill_ws_bm256_down128_s4c2_half_shared": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
                                                       GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
                                                       WS=1, HALF_TAIL=1, SHARED_TILES=1),
+    # VALID_GATHER: the routed rows gathered into block order only where an assignment is (moe_prefill_ws.gather_rows;
+    # index_select also copies the padding positions, ~1/3 of them at 16k); the same kernels. Not yet measured.
+    "prefill_ws_bm256_down128_s4c2_half_vgather": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                       GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
+                                                       WS=1, HALF_TAIL=1, VALID_GATHER=1),
+    "prefill_ws_bm256_down128_s4c2_half_shared_vgather": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                              GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2,
+                                                              MX_MODE=3, WS=1, HALF_TAIL=1, SHARED_TILES=1,
+                                                              VALID_GATHER=1),
     # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
     # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
     # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:

@@ -284,6 +284,32 @@ def test_ws_shared_tiles_join_the_routed_launches(monkeypatch, i_shared):
     assert launches[0][1][23] == act_s.stride(0) and launches[1][1][23] == y.stride(0)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,bm", [(300, 4, 2, 256), (37, 16, 4, 64), (1, 8, 1, 128)])
+def test_ws_valid_gather_copies_the_assignments_only(tokens, experts, top_k, bm):
+    # VALID_GATHER: every block-order position holding an assignment gets its token's row (the rows index_select
+    # gives it), and no padding position is written (each expert's last block's tail, the blocks past the last in
+    # use): the kernel on an output filled with NaN leaves those NaN.
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+    from m3export.plugins.kernels.moe_routing import group_by_expert
+
+    g = torch.Generator().manual_seed(tokens)
+    h = 1100  # not a multiple of the kernel's 1024-wide column blocks
+    x = torch.randn(tokens, h, generator=g).bfloat16()
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g, dtype=torch.int32)
+    blocks = group_by_expert(ids, experts, bm)
+    n = tokens * top_k
+    valid = blocks.rows < n
+    assert (~valid).any()  # the premise: padding positions exist
+    want = ws.gather_rows(x, blocks.rows, n, top_k, valid_only=False)
+    got = ws.gather_rows(x, blocks.rows, n, top_k, valid_only=True)
+    assert torch.equal(got[valid], want[valid])
+    assert torch.equal(got[valid], x[blocks.rows[valid].long() // top_k])
+    out = torch.full((blocks.rows.numel(), h), float("nan"), dtype=x.dtype)
+    ws._gather_rows[(blocks.rows.numel() // 8, 2)](x, blocks.rows, out, n, x.stride(0), out.stride(0), h, TOP_K=top_k,
+                                                   ROWS=8, BLOCK_H=1024)
+    assert torch.equal(out[valid], want[valid]) and out[~valid].isnan().all()
+
+
 def test_ws_refuses_what_it_cannot_run():
     # Under the interpreter (CPU CI) the WS config is refused before any launch, with the reason; on a device the
     # format checks name the tensor.
@@ -390,16 +416,18 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
-@pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(SHARED_TILES=1), dict(HALF_TAIL=1, SHARED_TILES=1)],
-                         ids=["half", "shared", "half_shared"])
+@pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(SHARED_TILES=1), dict(VALID_GATHER=1),
+                                  dict(HALF_TAIL=1, SHARED_TILES=1, VALID_GATHER=1)],
+                         ids=["half", "shared", "vgather", "half_shared_vgather"])
 @pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128), (1280, 16)],
                          ids=["700tok_16exp", "4096tok_128exp", "1280tok_16exp_tails"])
 def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     # HALF_TAIL runs a routed block whose rows from 128 on are padding as a 128-row wgmma on the first half of its
     # slot: every stored element sums the same K steps of the same bf16 operands in the same order as in the 256-row
     # wgmma (a row's products do not depend on the rows beside it). SHARED_TILES runs the shared expert's tiles, each
-    # the same tile as in its own launch, inside the routed launches. So the layer's output is the same bits as
-    # WS_TILE's without either key.
+    # the same tile as in its own launch, inside the routed launches. VALID_GATHER leaves the padding positions of
+    # the gathered rows unwritten: they feed padding rows only. So the layer's output is the same bits as WS_TILE's
+    # without the keys.
     # 700 / 16: one block per expert, those with <= 128 assignments halved; 4096 / 128: 128 per expert on average,
     # about half the experts halved; 1280 / 16: 320 per expert, a full block and a tail of ~64 rows for most, checked
     # below (the premise), and against the float64 reference with _close's bound.
@@ -414,7 +442,7 @@ def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     halved = int(((tail > 0) & (tail <= bm // 2)).sum())
     print(f"{halved} of {experts} experts' last blocks at most half full")
     assert halved >= (experts // 4 if tokens == 1280 else 1), tail.tolist()
-    tile = {k: v for k, v in ws.WS_TILE.items() if k not in ("HALF_TAIL", "SHARED_TILES")}
+    tile = {k: v for k, v in ws.WS_TILE.items() if k not in ("HALF_TAIL", "SHARED_TILES", "VALID_GATHER")}
     base = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=tile)
     got = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=dict(tile, **keys))
     assert torch.equal(got, base), float((got.float() - base.float()).abs().max())

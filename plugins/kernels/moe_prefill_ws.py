@@ -18,7 +18,8 @@ that meet through shared-memory rings guarded by mbarriers:
 Gate and up weight rows of one tile come as two copies stacked in one slot (gate rows, then up rows), so one wgmma
 of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The activation tile of the routed
 gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
-(``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
+(``gather_rows``: ``x.index_select`` as ``moe``'s ``X_TMA``, or with ``VALID_GATHER`` the rows holding an assignment
+only); the down GEMM's activations are already in block order.
 
 ``HALF_TAIL`` (a config key, on in ``WS_TILE``): a routed row block whose rows from BLOCK_M / 2 on
 are padding (each expert's last block, at most half full; ~25 % of the routed rows are padding at 512 assignments
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -506,6 +508,39 @@ def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r,
     gl.store(dst, val.to(gl.bfloat16), mask=ok[:, None] & (n < N_OUT)[None, :])
 
 
+@triton.jit
+def _gather_rows(x_ptr, rows_ptr, out_ptr, num_rows, sx, so, H, TOP_K: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    """out[p] = x[rows[p] // TOP_K] for the block-order positions p that hold an assignment (rows[p] < num_rows);
+    padding positions, each expert's last block's and the blocks past the last in use, are not written."""
+    p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    a = tl.load(rows_ptr + p)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (a < num_rows)[:, None] & (h < H)[None, :]
+    v = tl.load(x_ptr + (a // TOP_K).to(tl.int64)[:, None] * sx + h[None, :], mask=ok)
+    tl.store(out_ptr + p.to(tl.int64)[:, None] * so + h[None, :], v, mask=ok)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int, top_k: int, valid_only: bool) -> torch.Tensor:
+    """The routed token rows in block order, ``[rows.numel(), H]``, for the gate-up activation tiles (a Hopper TMA
+    cannot gather rows). ``valid_only`` (config key ``VALID_GATHER``): only positions holding an assignment are
+    copied (``_gather_rows``); the others (each expert's last block's padding and the blocks past the last in use,
+    ~1/3 of the positions at 16k tokens x top-4 over 128 experts in 256-row blocks: ``max_blocks`` sizes for the
+    worst routing) keep whatever the allocation held: their products are computed on, never stored, and a row's
+    products do not depend on the rows beside it. Otherwise ``index_select`` copies every position, padding as the
+    last assignment's token."""
+    if not valid_only:
+        return x.index_select(0, rows.clamp(max=num_rows - 1) // top_k)
+    out = torch.empty((rows.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+    rows_per, block_h = 8, 1024
+    if rows.numel() % rows_per:
+        raise ValueError(f"moe: WS VALID_GATHER takes row blocks of a multiple of {rows_per} rows")
+    _gather_rows[(rows.numel() // rows_per, triton.cdiv(x.shape[1], block_h))](
+        x, rows, out, num_rows, x.stride(0), out.stride(0), x.shape[1], TOP_K=top_k, ROWS=rows_per, BLOCK_H=block_h,
+        num_warps=4)
+    return out
+
+
 def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
     """A host-made TMA descriptor over the 2-D ``t`` with its default swizzled shared-memory layout."""
     dtype = {torch.bfloat16: gl.bfloat16, torch.uint8: gl.uint8}[t.dtype]
@@ -599,10 +634,9 @@ def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, l
     cfg = {**cfg, "BLOCK_M": bm}
     bn, bn_down = cfg["BLOCK_N"], cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
     rows, block_expert = blocks.rows, blocks.block_expert
-    # The routed rows in block order (padding rows copy the last assignment's token: computed, never stored).
-    x_blocks = x.index_select(0, rows.clamp(max=num_assignments - 1) // top_k)
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:  # TMA's alignment (shared)
         x = x.clone(memory_format=torch.contiguous_format)
+    x_blocks = gather_rows(x, rows, num_assignments, top_k, bool(cfg.get("VALID_GATHER")))
     route_w = route_w.contiguous()
     m_s = triton.cdiv(t, bm)
     if cfg.get("SHARED_TILES") and i_s == i:
