@@ -132,14 +132,15 @@ def test_decode_graph_equals_general_graph_fp16(fp16_artifact, flavour):
 
 # the op types the passes remove or add (fused_norms.py, compact_rope.py): every other node is the general graph's
 REWRITTEN = {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Mul", "Add", "Sub", "Slice", "Concat", "Gather", "Constant",
-             "Shape", "CastLike", "Expand", "Neg", "SimplifiedLayerNormalization"}
+             "Shape", "CastLike", "Expand", "Neg", "SimplifiedLayerNormalization", "Unsqueeze"}
 
 
 def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
     """Graph inspection: no If / Scan / Loop and no value-shaped op (NonZero, ...) in the decode graph or its bodies
     (the general graph has the MoE's If and Scan); the same inputs and outputs as the general graph, and its nodes
-    but for the RoPE graph pass's rewrites (on by default, the norm pass off, ``write_decode_graphs``; the flavour
-    records them: the tiny model's 14 rotations; the passes' own tests are tests/test_ort_fused_norms*.py)."""
+    but for the RoPE and cache-scatter graph passes' rewrites (on by default, the norm pass off,
+    ``write_decode_graphs``; the flavour records them: the tiny model's 14 rotations and 11 cache writes; the passes'
+    own tests are tests/test_ort_fused_norms*.py and tests/test_element_scatters.py)."""
     art = load_artifact(tiny_artifact)
     general = onnx.load(str(art.path("model")), load_external_data=False)
     assert any("If" in p or "Scan" in p for p in problems(general))  # the inspection sees what it looks for
@@ -147,7 +148,7 @@ def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
         record = art.manifest.flavours[flavour]["model"]
         decoded = onnx.load(str(art.root / record["file"]), load_external_data=False)
         assert problems(decoded) == [] and record["source"] == "model.onnx"
-        assert record["graph_passes"] == {"rope": 14}
+        assert record["graph_passes"] == {"rope": 14, "cache_scatter": 11}  # 4 layers' K, V, 3 index-key writes
         # the same nodes but for the rewrites: the traced rotations' ops gone, the traced norms kept (no fused norm)
         ops, traced = [n.op_type for n in decoded.graph.node], [n.op_type for n in general.graph.node]
         assert "SimplifiedLayerNormalization" not in ops and ops.count("Pow") == traced.count("Pow") > 0

@@ -26,6 +26,8 @@ ort = pytest.importorskip("onnxruntime")
 
 PASSES = {"none": {"fuse_norms": False, "compact_rope": False}, "rms_norm": {"fuse_norms": True, "compact_rope": False},
           "rope": {"fuse_norms": False, "compact_rope": True}, "both": {"fuse_norms": True, "compact_rope": True}}
+for _kw in PASSES.values():  # these two passes alone (the cache-scatter pass: tests/test_element_scatters.py)
+    _kw["scatter_elements"] = False
 CONTEXTS = (21, 9, 37, 14, 30, 5, 26, 42)  # a different position for every sequence
 POOL_PAGES = 96
 

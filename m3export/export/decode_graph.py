@@ -27,6 +27,7 @@ from ..ops import DOMAIN
 from .flavour_files import write_flavour_graphs
 from .functions import DecodeSizes, functions_for
 from .compact_rope import PASS as COMPACT_ROPE, compact_ropes
+from .element_scatters import PASS as ELEMENT_SCATTERS, element_scatters
 from .fused_norms import PASS as FUSED_NORMS, fuse_rms_norms
 
 FLAVOUR = "decode"
@@ -126,13 +127,16 @@ def graphs_with_decode_form(graphs: dict) -> list[str]:
 
 
 def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of: dict | None = None,
-                        moe: str = MOE_FORMS[0], fuse_norms: bool = False, compact_rope: bool = True) -> dict:
+                        moe: str = MOE_FORMS[0], fuse_norms: bool = False, compact_rope: bool = True,
+                        scatter_elements: bool = True) -> dict:
     """Write ``<graph>.decode.onnx`` beside ``model.onnx`` and each ``mtp{k}.onnx`` in ``directory`` through the
     flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file); ``of``: a
     flavour's record (e.g. ``ort-contrib``'s), whose graphs ``<graph>.ort.onnx`` get ``<graph>.ort.decode.onnx``;
     ``moe`` all-experts: ``<graph>.decode-all-experts.onnx``; ``fuse_norms``: each RMSNorm as one
     ``SimplifiedLayerNormalization`` node (``fused_norms.py``); ``compact_rope``: each RoPE as four nodes
-    (``compact_rope.py``). The RoPE pass is on by default and the norm pass off. The RoPE pass is bit-exact on
+    (``compact_rope.py``); ``scatter_elements``: each cache write indexed per element (``element_scatters.py``: one
+    CUDA thread per element, not per row; the same bytes written). The RoPE and scatter passes are on by default
+    and the norm pass off. The RoPE pass is bit-exact on
     ORT's CUDA kernels (H200 2026-12-01 11:13 UTC). The fused norm moves the logits by up to 0.068 (two bf16 ulps;
     logits up to 5.1), and twice at the ORT benchmark's own seed (07:42 and 12:05 UTC, `mini` bf16, batch 8 / 4k) the
     graph with it gave greedy tokens different from the torch backend's (first-step logits 0.95 apart), where the
@@ -156,6 +160,8 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
             decoded, passes[FUSED_NORMS] = fuse_rms_norms(decoded)
         if compact_rope:  # and each RoPE four nodes, bit-exact (``compact_rope.py``)
             decoded, passes[COMPACT_ROPE] = compact_ropes(decoded)
+        if scatter_elements:  # each cache write one thread per element (``element_scatters.py``), the same bytes
+            decoded, passes[ELEMENT_SCATTERS] = element_scatters(decoded)
         return decoded, {"status": STATUS, "moe": moe, "graph_passes": passes}
 
     def file_of(name: str) -> str:
