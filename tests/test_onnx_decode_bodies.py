@@ -3,8 +3,8 @@ bodies of ``model.decode.onnx``) on decode steps, one ``m3`` node at a time on O
 the float64 reference and against the general body on the same inputs.
 
 What they do differently and must not change the result of: the probability-weighted value sum runs as partial
-sums over chunks of the keys (``_partial_value_sums``: page-size chunks of the dense context, one per selected
-block), and the slots past a sequence's length read the token's own row instead of pool row 0 (``own_slots``), so
+sums over chunks of the keys (``_partial_value_sums``: 256-key chunks of the dense context, its length rounded up
+to whole chunks past the table, one per selected block), and the slots past a sequence's length read the token's own row instead of pool row 0 (``own_slots``), so
 the values are not zeroed. The batches are the conformance suite's adversarial kind: every page no sequence owns
 is NaN (page 0 included), the rows past each sequence's length in its last page are NaN, the tables are padded with
 page ids outside the pool and are wider than the longest sequence (as a CUDA-graph runtime pads them); a NaN row
@@ -44,7 +44,7 @@ def _case(op: str, selection: str = "indexer"):
 
 @pytest.mark.parametrize("op,selection", [("PagedAttention", ""), ("SparsePagedAttention", "indexer"),
                                           ("SparsePagedAttention", "random")])
-@pytest.mark.parametrize("extra", [0, 5])
+@pytest.mark.parametrize("extra", [0, 7])  # 377 pages (dense chunks: 7 pages past the table), 384 (none past it)
 def test_decode_attention_body_matches_the_reference_and_the_general_body(op, selection, extra):
     inputs, attrs = _case(op, selection)
     sizes = DecodeSizes(page_size=PAGE, kv_heads=HEADS["hkv"])

@@ -220,13 +220,26 @@ class DecodeContext:
     more read and write of the context per layer and step). On a decode step a key is visible exactly when it is
     inside the sequence (``position = seq_len - 1``)."""
 
-    def __init__(self, b: Builder, block_tables: str, seq_lens: str, positions: str, sizes: DecodeSizes):
+    def __init__(self, b: Builder, block_tables: str, seq_lens: str, positions: str, sizes: DecodeSizes,
+                 chunk_pages: int | None = None):
+        """``chunk_pages``: L rounded up to a whole number of chunks of that many pages (the keys past the table
+        are past every sequence's length: the token's own row, masked)."""
         self.b = b
         page = b.const(sizes.page_size)
-        self.length = b.Mul(_dim(b, block_tables, 1), page)  # shape arithmetic, on the host
+        width = _dim(b, block_tables, 1)
+        table_keys = b.Mul(width, page)  # shape arithmetic, on the host
+        page_of = None
+        if chunk_pages is None:
+            self.length = table_keys
+        else:
+            m = b.const(chunk_pages)
+            self.length = b.Mul(b.Mul(b.Div(b.Add(width, b.Sub(m, b.const(1))), m), m), page)
+            # each key's column of the table: j // page inside it, 0 past it (a valid column, its slot replaced)
+            page_of = b.Concat(b.Div(b.Range(b.const(0), table_keys, b.const(1)), page),
+                               b.Mul(b.Range(table_keys, self.length, b.const(1)), b.const(0)), axis=0)
         self.own = own_slots(b, block_tables, positions, sizes.page_size)  # [T, 1]
         self.key_pos, self.slots, self.visible = _contexts(b, block_tables, seq_lens, positions, self.length, page,
-                                                           outside=self.own)
+                                                           outside=self.own, page_of=page_of)
 
     def gather(self, pool: str, scale: str | None = None) -> str:
         """pool [pages, page, *rest] -> fp32 [B, L, *rest] (``SequenceLayout.gather``)."""
@@ -234,13 +247,15 @@ class DecodeContext:
 
 
 def _contexts(b: Builder, block_tables: str, seq_lens: str, positions: str, length: str, page: str,
-              outside: str | None = None) -> tuple[str, str, str]:
+              outside: str | None = None, page_of: str | None = None) -> tuple[str, str, str]:
     """Keys 0 .. ``length``-1 of every sequence (``page``: the page size as a value) -> key positions [L], pool
     slots [B, L] and which keys each token sees [T, L]. Slots past a sequence's length (their pages may hold
     anything, even ids outside the pool) point at slot 0, or at ``outside`` [B, 1] (a decode step: each sequence's
-    own row, ``own_slots``), and are masked per token later."""
+    own row, ``own_slots``), and are masked per token later. ``page_of``: each key's table column [L], where
+    ``length`` runs past the table (default ``key_pos // page``)."""
     key_pos = b.Range(b.const(0), length, b.const(1))  # [L]
-    pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(key_pos, page), axis=1)  # [B, L]
+    pages = b.Gather(b.Cast(block_tables, to=I64), b.Div(key_pos, page) if page_of is None else page_of,
+                     axis=1)  # [B, L]
     inside = b.Less(b.Unsqueeze(key_pos, b.const([0])), b.Unsqueeze(b.Cast(seq_lens, to=I64), b.const([1])))
     slots = b.Where(inside, b.Add(b.Mul(pages, page), b.Mod(key_pos, page)),
                     b.const(0) if outside is None else outside)  # [B, L]
@@ -384,20 +399,27 @@ def paged_attention(kv_fp8: bool = False) -> FunctionProto:
     return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
 
+# Keys per partial product of the dense decode body's value sum (``_partial_value_sums``), rounded to whole pages:
+# one cuBLAS thread block per (token, KV head, chunk), each reading 256 x Dv fp32 values
+VALUE_CHUNK_KEYS = 256
+
+
 def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> FunctionProto:
     """``paged_attention`` for decode steps only (``DecodeContext``): token t attends to its own sequence's keys
     0 .. L-1 (L from shapes), masked past its position, in one batched ``[T, Hkv, G, L]`` product; the
-    probability-weighted sum of the values in ``page_size`` partial sums (``_partial_value_sums``)."""
+    probability-weighted sum of the values in partial sums over chunks of ``VALUE_CHUNK_KEYS`` keys
+    (``_partial_value_sums``), L rounded up to whole chunks (the keys past the table: masked, the token's own row)."""
     b = Builder("")
-    ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes)
+    chunk_pages = max(1, VALUE_CHUNK_KEYS // sizes.page_size)
+    chunk = chunk_pages * sizes.page_size
+    ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes, chunk_pages=chunk_pages)
     # keys and values gathered head-major, [T, Hkv, L, D] (pool rows slot * Hkv + head, as the sparse body reads
     # them): the products take them as they come (the scores' transpose of the last two axes fuses into the
     # MatMul), where a [T, L, Hkv, D] gather needed a transposed copy of each per step
     heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1))  # [1, Hkv, 1]
     index = b.Add(b.Mul(b.Unsqueeze(ctx.slots, b.const([1])), b.const(sizes.kv_heads)), heads)  # [T, Hkv, L]
-    chunks = sizes.page_size  # L = width x page size: always a whole number of chunks of `width` keys
-    # the values' rows as [T, Hkv, chunks, L / chunks] (a view of the same index)
-    value_index = b.Reshape(index, b.const([0, 0, chunks, -1]))
+    # the values' rows as [T, Hkv, L / chunk, chunk] (a view of the same index; L a whole number of chunks)
+    value_index = b.Reshape(index, b.const([0, 0, -1, chunk]))
 
     def gather(pool: str, scale: str | None, rows: str) -> str:  # -> fp32 [*rows' shape, D]
         return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), rows, axis=0),
@@ -406,21 +428,21 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
     keys = gather("k_cache", "k_scale" if kv_fp8 else None, index)  # [T, Hkv, L, D]
     # no zeroing of the values: every slot is a row of the sequence (``DecodeContext``), and the keys a token does
     # not see get probability exactly 0 (softmax of -inf), so their rows add exact zeros
-    values = gather("v_cache", "v_scale" if kv_fp8 else None, value_index)  # [T, Hkv, chunks, L / chunks, Dv]
+    values = gather("v_cache", "v_scale" if kv_fp8 else None, value_index)  # [T, Hkv, L / chunk, chunk, Dv]
     hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), d, axis=0))  # [T, Hkv, G, D]
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, L]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(b.Unsqueeze(ctx.visible, b.const([1, 2])), scores, b.const(-INF, np.float32)), axis=-1)
-    out = _partial_value_sums(b, probs, values, b.const([chunks]))  # [T, Hkv, G, Dv]
+    out = _partial_value_sums(b, probs, values, b.const([-1, chunk]))  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("PagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
 
 def _partial_value_sums(b: Builder, probs: str, values: str, chunks: str) -> str:
-    """``probs @ values`` for probs [T, Hkv, G, S] and values [T, Hkv, C, S / C, Dv] (C = ``chunks``, an int64
-    [1]): the sum over the S keys as C partial sums of S / C consecutive keys each (one batched
-    product, ``[T, Hkv, C, G, Dv]``), then their sum in fp32, in chunk order.
+    """``probs @ values`` for probs [T, Hkv, G, S] and values [T, Hkv, C, S / C, Dv] (``chunks``: int64 [2], (C,
+    S / C) with one of them -1): the sum over the S keys as C partial sums of S / C consecutive keys each (one
+    batched product, ``[T, Hkv, C, G, Dv]``), then their sum in fp32, in chunk order.
 
     Why: one ``[G, S] @ [S, Dv]`` product per (token, KV head) is a GEMM of M = G (16), N = Dv (128) and a long K
     = S: cuBLAS gives it one thread block per batch entry, 4 at batch 1 of M3's 4 KV heads, each reading S x Dv
@@ -429,7 +451,7 @@ def _partial_value_sums(b: Builder, probs: str, values: str, chunks: str) -> str
     chunks give it C x as many. The same products and the same fp32 accumulation; only the summation grouping
     differs from one product over S (a few fp32 ulps). The probabilities' layout change is one transposed copy of
     ``[T, Hkv, G, S]`` (the values, G x larger per key, are gathered in the chunked layout directly)."""
-    per_chunk = b.Reshape(probs, b.Concat(b.const([0, 0, 0]), chunks, b.const([-1]), axis=0))
+    per_chunk = b.Reshape(probs, b.Concat(b.const([0, 0, 0]), chunks, axis=0))
     per_chunk = b.Transpose(per_chunk, perm=[0, 1, 3, 2, 4])  # [T, Hkv, C, G, S / C]
     return b.ReduceSum(b.MatMul(per_chunk, values), b.const([2]), keepdims=0)  # [T, Hkv, G, Dv]
 
@@ -592,7 +614,7 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, S]
     scores = b.Mul(scores, b.attr(Ref("scale", FLOAT)))
     probs = b.Softmax(b.Where(allowed, scores, b.const(-INF, np.float32)), axis=-1)
-    out = _partial_value_sums(b, probs, values, k)  # [T, Hkv, G, Dv]
+    out = _partial_value_sums(b, probs, values, b.Concat(k, b.const([-1]), axis=0))  # [T, Hkv, G, Dv]
     out = b.Reshape(out, b.Concat(b.const([0, -1]), b.Shape("v_cache", start=3), axis=0))
     return _function("SparsePagedAttention", b, [b.CastLike(out, "q")], kv_fp8)
 
