@@ -82,7 +82,7 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool, shared_tiles: bool = F
     half = bool(cfg.get("HALF_TAIL")) and routed
     sig = {"a_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
            "a_half_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"] // (2 if half else 1), cfg["BLOCK_K"]]),
-           "w_desc": desc(torch.uint8, gl.uint8, [bn, cfg["BLOCK_K"]]), "s_ptr": "*u8", "out_ptr": "*bf16",
+           "w_desc": desc(torch.uint8, gl.uint8, [bn // cfg.get("WG_N", 1) if gate_up else bn, cfg["BLOCK_K"]]), "s_ptr": "*u8", "out_ptr": "*bf16",
            "rows_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", "num_rows": "i32",
            "num_m": "i32", "alpha": "fp32", "limit": "fp32", "ss_e": "i32", "ss_n": "i32", "so_r": "i32",
            "so_s": "i32"}
@@ -92,6 +92,7 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool, shared_tiles: bool = F
     consts = dict(N_OUT=n_out, K=k, W_E=2 * I if gate_up else H, TOP_K=TOP_K, ROUTED=routed, GATE_UP=gate_up,
                   HALF_TAIL=half, SHARED_TILES=shared_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                   STAGES=cfg["STAGES"], CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS,
+                  WG_N=cfg.get("WG_N", 1),
                   num_warps=cfg["num_warps"])
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(ws._gemm_ws, sig, consts), target=GPUTarget("cuda", 90, 32),
@@ -121,7 +122,7 @@ def _kernel_key(name: str, kind: str) -> str:
     cfg = PREFILL_WS[name]
     return "-".join([kind] + [str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M",
                                                      "STAGES", "CONV_STAGES", "num_warps")]
-                    + [str(cfg.get("HALF_TAIL", 0)), str(cfg.get("SHARED_TILES", 0))])
+                    + [str(cfg.get("HALF_TAIL", 0)), str(cfg.get("SHARED_TILES", 0)), str(cfg.get("WG_N", 1))])
 
 
 def build_all(out: str) -> None:
@@ -310,6 +311,39 @@ def test_ws_valid_gather_copies_the_assignments_only(tokens, experts, top_k, bm)
     assert torch.equal(out[valid], want[valid]) and out[~valid].isnan().all()
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
+def test_ws_wg_n_launches_and_refusals(monkeypatch):
+    # WG_N 2: the launches pass WG_N and their weight descriptor's box is one warpgroup's chunk (gate-up: BLOCK_N / 2
+    # rows, gate and up loaded as separate chunks; down: BLOCK_N_DOWN rows), the row blocks BLOCK_M's 128. check
+    # refuses tiles whose wgmma N per warpgroup would pass 128 (the ptxas limit at 128 registers per thread).
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def record(*args, **consts):
+                launches.append((args, consts))
+            return record
+
+    monkeypatch.setattr(ws, "_gemm_ws", Recorder())
+    monkeypatch.setattr(ws, "check", lambda weights, dtype, cfg: None)
+    case = MoECase(300, 256, 128, 128, 4, 2, seed=77)
+    args = case.mxfp8_args(torch.bfloat16)
+    cfg = dict(PREFILL_WS["prefill_ws_bm128_n256_wgn2_half"])
+    moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
+    assert [(c["WG_N"], c["BLOCK_M"], c["GATE_UP"], a[2].block_shape) for a, c in launches] == [
+        (2, 128, True, [64, 64]), (2, 128, True, [64, 64]), (2, 128, False, [256, 64]), (2, 128, False, [256, 64])]
+    assert [a[1].block_shape for a, c in launches] == [[64, 64], [128, 64], [64, 64], [128, 64]]  # HALF_TAIL's box
+    # check's tile checks alone: no weights, and the interpreter's refusal (which comes first) switched off.
+    monkeypatch.undo()
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    ws.check([], torch.bfloat16, cfg)
+    for bad in (dict(WG_N=1, BLOCK_N=128), dict(WG_N=2, BLOCK_N=128, BLOCK_N_DOWN=320), dict(WG_N=3)):
+        with pytest.raises(ValueError, match="must be (at most 128|a multiple of 64)"):
+            ws.check([], torch.bfloat16, dict(cfg, **bad))
+
+
 def test_ws_refuses_what_it_cannot_run():
     # Under the interpreter (CPU CI) the WS config is refused before any launch, with the reason; on a device the
     # format checks name the tensor.
@@ -417,8 +451,9 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 @pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(SHARED_TILES=1), dict(VALID_GATHER=1),
-                                  dict(HALF_TAIL=1, SHARED_TILES=1, VALID_GATHER=1)],
-                         ids=["half", "shared", "vgather", "half_shared_vgather"])
+                                  dict(HALF_TAIL=1, SHARED_TILES=1, VALID_GATHER=1),
+                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2, HALF_TAIL=1, VALID_GATHER=1)],
+                         ids=["half", "shared", "vgather", "half_shared_vgather", "bm128_wgn2_half_vgather"])
 @pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128), (1280, 16)],
                          ids=["700tok_16exp", "4096tok_128exp", "1280tok_16exp_tails"])
 def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
@@ -427,7 +462,8 @@ def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     # wgmma (a row's products do not depend on the rows beside it). SHARED_TILES runs the shared expert's tiles, each
     # the same tile as in its own launch, inside the routed launches. VALID_GATHER leaves the padding positions of
     # the gathered rows unwritten: they feed padding rows only. So the layer's output is the same bits as WS_TILE's
-    # without the keys.
+    # without the keys. WG_N 2 with 128-row blocks and 256-wide tiles issues the same m64n128k16 wgmmas over the
+    # same K steps for each output element (another tile shape, the same sums): the same bits too.
     # 700 / 16: one block per expert, those with <= 128 assignments halved; 4096 / 128: 128 per expert on average,
     # about half the experts halved; 1280 / 16: 320 per expert, a full block and a tail of ~64 rows for most, checked
     # below (the premise), and against the float64 reference with _close's bound.
