@@ -117,7 +117,7 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
   for s in $(echo "${DECODE_STEPS:-tests,passes,shared,export,bench,runtime}" | tr , ' '); do
     case "$s" in
       tests) step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
-          --tb=short --durations=3 tests/test_ort_decode_graph_gpu.py ;;
+          --tb=short --durations=3 tests/test_ort_decode_graph_gpu.py tests/test_onnx_decode_bodies.py ;;
       passes)
         step "gpu_tests test_ort_fused_norms_decode" "${PASSES_LIMIT:-200}" python3 -m pytest -v -p no:cacheprovider \
             -m gpu -rfs --tb=short --durations=5 tests/test_ort_fused_norms_decode.py

@@ -61,6 +61,23 @@ def test_decode_attention_body_matches_the_reference_and_the_general_body(op, se
     assert (got - general).abs().max() <= 1e-6, float((got - general).abs().max())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers(),
+                    reason="needs onnxruntime-gpu and a CUDA device")
+@pytest.mark.parametrize("op,selection", [("PagedAttention", ""), ("SparsePagedAttention", "indexer"),
+                                          ("SparsePagedAttention", "random")])
+def test_decode_attention_body_on_the_cuda_ep(op, selection):
+    """The same bodies on ONNX Runtime's CUDA kernels (fp32, TF32 off: ``providers.EXACT_FP32``): finite, and
+    within the float64 bound of the CPU test (cuBLAS sums in another order: still a few fp32 ulps)."""
+    inputs, attrs = _case(op, selection)
+    sizes = DecodeSizes(page_size=PAGE, kv_heads=HEADS["hkv"])
+    got = conf.run_onnx(op, _widened(inputs, 7), attrs, torch.float32, decode=sizes,
+                        providers=[("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]).double()
+    want = conf.reference_function(op)(*conf.upcast(inputs), *attrs.values())
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 2e-6, float((got - want).abs().max())
+
+
 def test_decode_bodies_zero_no_values_and_sum_in_chunks():
     """The structure the H200 numbers depend on (no timing here): neither decode attention body has a ``Where``
     over the gathered values (a pass over the context per layer and step) and each sums the values in partial
