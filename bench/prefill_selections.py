@@ -96,7 +96,7 @@ def overlap_stats(sel: torch.Tensor, positions: torch.Tensor, query_start_loc: t
     each token needs). Tokens within the sequences' first top-k blocks, where every visible block is selected, are
     left out; None where nothing is left."""
     from m3export.plugins.kernels._batch import query_tiles
-    from m3export.plugins.kernels.sparse_paged_attention import tile_unions
+    from m3export.plugins.kernels._tile_plan import tile_unions
 
     t, _, k = sel.shape
     sel = sel.to(torch.int32)

@@ -23,6 +23,7 @@ import torch
 
 from m3export.plugins.kernels import _batch
 from m3export.plugins.kernels import sparse_paged_attention as spa
+from m3export.plugins.kernels import _tile_plan
 
 # M3's per-layer dims (`mini` and the full model): 64 query heads over 4 KV heads of 128, blocks of 128, top-16.
 HQ, HKV, D, BS, TOPK = 64, 4, 128, 128, 16
@@ -158,13 +159,19 @@ def model_launch(q_dtype: str, kv_dtype: str, page: int, config: dict, mode: str
 
             return launch
 
+    class Skip:  # the plan launch before it (_tile_plan): its buffers are only passed on, never read here
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
     kernel, spa._sparse_paged_attention = spa._sparse_paged_attention, Recorder()
+    plan, _tile_plan._tile_plan = _tile_plan._tile_plan, Skip()
     try:
         spa.forward(q, kc, vc, bt, qsl, sl, pos, sel, BS, D**-0.5, *scales, config={mode: config})
     except _Launched:
         pass
     finally:
         spa._sparse_paged_attention = kernel
+        _tile_plan._tile_plan = plan
     return got
 
 

@@ -27,6 +27,7 @@ from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
 from m3export.plugins.kernels import _batch  # noqa: E402
 from m3export.plugins.kernels import lightning_indexer as LI  # noqa: E402
 from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
+from m3export.plugins.kernels._tile_plan import tile_plan, tile_unions  # noqa: E402
 
 # Blocks of 32 keys read in tiles of 16 (block_n forced to 16 below): two key tiles per block, so the "flat" and
 # "union" loops step through (visit, key tile) pairs, as they do on the GPU (blocks of 128, tiles of 64).
@@ -186,12 +187,17 @@ def test_key_tiles_inside_pages_match_reference(mode, cfg, page):
 
 def test_tile_unions_are_each_tiles_distinct_usable_blocks():
     """Against a set per (tile, KV head) built in Python: ids >= 0 and not after the selecting token's own block,
-    each once, ascending; the count; padding after."""
+    each once, ascending; the count; padding after. The torch definition and the launch's kernel (``tile_plan``, its
+    tiles from the sequences' starts, DEVICE) alike."""
     gen = torch.Generator().manual_seed(4)
     positions = torch.tensor([3, 4, 5, 6, 7, 20, 21])  # blocks of 4: own blocks 0, 1, 1, 1, 1, 5, 5
     sel = torch.randint(-1, 7, (7, 2, 3), generator=gen, dtype=torch.int32)
     start, end, tokens = torch.tensor([0, 4, 5, 7]), torch.tensor([4, 5, 7, 7]), 4  # the last tile is unused
-    union, count = SPA.tile_unions(sel, positions, start.int(), end.int(), tokens, 4)
+    union, count = tile_unions(sel, positions, start.int(), end.int(), tokens, 4)
+    qsl = torch.tensor([0, 4, 5, 7], dtype=torch.int32, device=DEVICE)  # three sequences: tiles [0, 4), [4, 5), [5, 7)
+    *_, slots, k_union, k_count, _ = tile_plan(qsl, sel.to(DEVICE), positions.to(DEVICE), 7, tokens, 4, union=True,
+                                               chosen=False)
+    assert slots == 4 and torch.equal(k_union.cpu(), union) and torch.equal(k_count.cpu(), count)
     assert union.shape == (4, 2, tokens * 3) and count.shape == (4, 2)
     for s in range(4):
         for h in range(2):

@@ -26,6 +26,7 @@ from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E40
 from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
 from m3export.plugins.kernels import _batch  # noqa: E402
 from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
+from m3export.plugins.kernels._tile_plan import tile_plan, tile_unions, union_choosers  # noqa: E402
 
 # (context lengths, new tokens, index block): decode with one-token sequences; decode between sequences without new
 # tokens (the counted sequence search must skip them as the binary search does); prefill mixing decode-like,
@@ -195,13 +196,17 @@ def test_rescale_and_chosen_bits_give_the_lean_steps_bits(launches):
 def test_union_choosers_are_the_tokens_that_chose_each_union_block():
     """Against sets built in Python per (tile, KV head, union entry): bit i iff token i of the tile selected the
     block and may see it (id >= 0, not after its own block; repeats count once); padding entries and tokens past
-    the tile's end have none."""
+    the tile's end have none. The torch definition and the launch's kernel (``tile_plan``, DEVICE) alike."""
     gen = torch.Generator().manual_seed(5)
     positions = torch.tensor([3, 4, 5, 6, 7, 20, 21])  # blocks of 4: own blocks 0, 1, 1, 1, 1, 5, 5
     sel = torch.randint(-1, 7, (7, 2, 3), generator=gen, dtype=torch.int32)
     start, end, tokens = torch.tensor([0, 4, 5, 7]).int(), torch.tensor([4, 5, 7, 7]).int(), 4
-    union, count = SPA.tile_unions(sel, positions, start, end, tokens, 4)
-    bits = SPA.union_choosers(sel, positions, start, end, tokens, 4, union)
+    union, count = tile_unions(sel, positions, start, end, tokens, 4)
+    bits = union_choosers(sel, positions, start, end, tokens, 4, union)
+    qsl = torch.tensor([0, 4, 5, 7], dtype=torch.int32, device=DEVICE)  # three sequences: tiles [0, 4), [4, 5), [5, 7)
+    *_, k_union, _, k_bits = tile_plan(qsl, sel.to(DEVICE), positions.to(DEVICE), 7, tokens, 4, union=True,
+                                       chosen=True)
+    assert torch.equal(k_union.cpu(), union) and torch.equal(k_bits.cpu(), bits)
     assert bits.shape == union.shape and bits.dtype == torch.int32
     for s in range(4):
         for h in range(2):

@@ -15,13 +15,14 @@ config=...)`` overrides entries of it (how ``bench/attention.py --sweep`` times 
 loop forms besides the default "nested" walk (an inner loop over one block's key tiles, so the compiler's software
 pipelining overlaps loads within a block only): "flat" walks (visit, key tile) pairs in one loop and masks the loads
 of skipped visits instead of branching around them, so the next block's loads can be in flight while this one is
-computed (``num_stages``); "union" (tiles of several tokens) first computes, with device tensor ops, each tile's
-sorted list of distinct usable blocks (``tile_unions``) so that the kernel visits exactly those, once each, with no
-per-visit de-duplication. A union tile computes every row against every block of the union, so its
-work over the op's is (union / top-k): on selections like a real prompt's (``bench/prefill_selections.py``) 1.3 /
-1.6 / 2.0 for 4 / 8 / 16 tokens. Every form computes the same allowed set; only the summation order of the online
-softmax differs (the blocks' order). In prefill, where a key tile lies inside one page (it divides the page and the
-block), its page id is one scalar load instead of one per key.
+computed (``num_stages``); "union" (tiles of several tokens) first computes each tile's sorted list of distinct
+usable blocks (``_tile_plan``: one small launch before this kernel, which also makes the tile lists and the
+"_chosen" bits) so that the kernel visits exactly those, once each, with no per-visit de-duplication. A union tile
+computes every row against every block of the union, so its work over the op's is (union / top-k): on selections
+like a real prompt's (``bench/prefill_selections.py``) 1.3 / 1.6 / 2.0 for 4 / 8 / 16 tokens. Every form computes the
+same allowed set; only the summation order of the online softmax differs (the blocks' order). In prefill, where a
+key tile lies inside one page (it divides the page and the block), its page id is one scalar load instead of one per
+key.
 
 Two modifiers of a loop form (``loop_form``). "_fused": the split-K merge in the same launch
 (``_splitk.finish_rows_fused``): every split stores its partial and takes a ticket on a per-(tile, KV head) counter;
@@ -45,8 +46,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
-                     query_tiles, sequence_of, splits_for, ticket_counters, tokens_per_tile)
+                     sequence_of, splits_for, ticket_counters, tokens_per_tile)
 from ._splitk import LOG2E, Partials, attend_tile, attend_tile_lean, finish_rows, finish_rows_fused
+from ._tile_plan import tile_plan
 from ._tma import ensure_descriptor_allocator
 from .paged_attention import _check, scale_pools
 
@@ -113,7 +115,7 @@ _LOOPS = ("nested", "flat", "union")
 # walks, 16-bit / fp32 pools): each key tile's online-softmax step with less vector work (``attend_tile_lean``);
 # "rescale" (after "lean"): that step rescales the accumulator at every tile (no per-tile any-row test: a CTA barrier);
 # "chosen" (union walk, after "lean"): which tokens of the tile chose each union block, as bits made with the union
-# (``union_choosers``), so that a key tile's rows that want it and whether all do are one scalar load, not a compare of
+# (``_tile_plan``), so that a key tile's rows that want it and whether all do are one scalar load, not a compare of
 # every row's selection and two reductions across the program's warps per tile.
 _MODIFIERS = ("tma", "host", "fused", "lean", "chosen", "rescale")
 
@@ -263,7 +265,9 @@ FP32_PREFILL = VARIANTS["prefill"]["union-t8-n128-w8-s2-waves2"]
 # SHORT_PREFILL when the caller names no prefill setting: the same 4-token tile without the chooser bits, whose device
 # ops a short launch's host time does not hide (H200, 4k prompt: eager 1.26 ms against 1.51, kernel 245 TFLOP/s
 # against 238; at 16k the bits win, 3.83 -> 3.71 ms eager, 266 -> 277 TFLOP/s; DEFAULTS' comment). 8192 lies between
-# the two measured sizes; the crossover itself is not measured.
+# the two measured sizes; the crossover itself is not measured. Those 1.51 ms held the bits' ~25 torch ops on top of the
+# tile lists' ~55; both are one launch now (``_tile_plan``: 5 / 6 host tensor ops per launch without / with the bits,
+# tests/test_sparse_attention_tile_plan.py), so this split is to be measured again (not yet measured).
 PREFILL_SHORT_TOKENS = 8192
 SHORT_PREFILL = VARIANTS["prefill"]["union_tma_lean_rescale-t4-n64-w4-s3-waves2"]
 
@@ -334,58 +338,6 @@ def fit_shared_memory(rows: int, block_n: int, block_d: int, block_dv: int, stag
     raise ValueError(f"sparse_paged_attention: a tile of {rows} query rows x {block_d} dims needs "
                      f"{shared_memory_bound(rows, 16, block_d, block_dv, 1, q_bytes, kv_bytes, fp8)} bytes of "
                      f"shared memory with 16-key tiles in one stage; the device has {limit}")
-
-
-def _tile_selections(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
-                     tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each tile's tokens' selections, [slots, Hkv, tokens, K] int32 (a token past the tile's end reads token 0's),
-    and which entries the token may use (a real token's id >= 0, not after its own block)."""
-    t = sel.shape[0]
-    tok = tile_start.long()[:, None] + torch.arange(tokens, device=sel.device)  # [slots, tokens]
-    real = tok < tile_end.long()[:, None]
-    tok = torch.where(real, tok, 0).clamp(max=max(t - 1, 0))
-    ids = sel[tok]  # [slots, tokens, Hkv, K]
-    own = (positions[tok] // block_size)[:, :, None, None]
-    ok = real[:, :, None, None] & (ids >= 0) & (ids <= own)
-    return ids.permute(0, 2, 1, 3), ok.permute(0, 2, 1, 3)
-
-
-def tile_unions(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
-                tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every (query tile, KV head): the distinct blocks some token of the tile selected and may see (id >= 0,
-    not after that token's own block), ascending, then padding; and how many there are.
-
-    sel [T, Hkv, K] int32, tiles [slots] -> (union [slots, Hkv, tokens * K] int32, count [slots, Hkv] int32).
-    Device tensor ops on shapes alone (two sorts of tokens * K ids per tile): no sync, CUDA-graph safe."""
-    slots, (hkv, k) = tile_start.shape[0], sel.shape[1:]
-    big = torch.iinfo(torch.int32).max
-    ids, ok = _tile_selections(sel, positions, tile_start, tile_end, tokens, block_size)
-    ids = torch.where(ok, ids, big).reshape(slots, hkv, tokens * k)
-    ids = torch.sort(ids, dim=-1).values
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
-    ids = torch.sort(torch.where(repeat, big, ids), dim=-1).values
-    count = (ids != big).sum(-1, dtype=torch.int32)
-    return ids.to(torch.int32).contiguous(), count.contiguous()
-
-
-def union_choosers(sel: torch.Tensor, positions: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
-                   tokens: int, block_size: int, union: torch.Tensor) -> torch.Tensor:
-    """For every entry of ``tile_unions``' union: bit i set iff token i of the tile selected that block and may see it
-    (id <= its own block); int32 [slots, Hkv, tokens * K] (tokens <= 31). The union walk's rows that want a block,
-    and whether all real tokens do, from one load (loop modifier "_chosen"). Device tensor ops on shapes alone: each
-    selection entry's place in the sorted union by a batched binary search, then one scatter."""
-    if tokens > 31:
-        raise ValueError(f"sparse_paged_attention: '_chosen' keeps a tile's tokens as int32 bits: {tokens} tokens")
-    slots, (hkv, k), width = tile_start.shape[0], sel.shape[1:], union.shape[-1]
-    ids, ok = _tile_selections(sel, positions, tile_start, tile_end, tokens, block_size)
-    at = torch.searchsorted(union.reshape(slots * hkv, width), ids.reshape(slots * hkv, tokens * k))
-    at = at.view(slots, hkv, tokens, k)
-    at = torch.where(ok, at, width)  # not usable by that token: the spare column
-    seen = torch.zeros(slots, hkv, tokens, width + 1, dtype=torch.uint8, device=sel.device)
-    seen.scatter_(-1, at, 1)
-    weights = (1 << torch.arange(tokens, dtype=torch.int32, device=sel.device)).view(1, 1, tokens, 1)
-    return (seen[..., :width] * weights).sum(2, dtype=torch.int32).contiguous()
 
 
 @triton.jit
@@ -713,25 +665,7 @@ def forward(
         elif t < PREFILL_SHORT_TOKENS:
             cfg = dict(cfg, **SHORT_PREFILL)
     tokens = cfg.get("tile_tokens") or tokens_per_tile(t, b, g_pad)
-    if tokens == 1:
-        tseq = tstart = tend = qsl  # unused: the kernel finds each token's sequence itself
-        slots = t
-    else:
-        tseq, tstart, tend, slots = query_tiles(qsl, t, tokens)
     loop, tma, host, fused, lean = loop_form(cfg["loop"])
-    uni = cnt = sel  # never read unless the loop is "union"
-    if loop == "union":
-        if tokens == 1:
-            first = torch.arange(t, dtype=torch.int32, device=q.device)
-            uni, cnt = tile_unions(sel, pos, first, first + 1, 1, block_size)
-        else:
-            uni, cnt = tile_unions(sel, pos, tstart, tend, tokens, block_size)
-    visits = tokens * topk
-    splits = splits_for(q.device, slots * hkv, min(visits, cfg["max_splits"] or visits), cfg["waves"])
-    splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
-    parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
-    scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
-    ticks = ticket_counters(q.device, slots * hkv) if fused else None
     ks, vs = scale_pools(k_scale, v_scale, kc)
     # rows of a program: tile tokens x the KV head's query heads, at least the 16 a tensor-core dot needs.
     # TILE_IN_PAGE (one page id per key tile) in prefill only: compiled for sm_90 at mini dims it takes the prefill
@@ -748,9 +682,23 @@ def forward(
         block_n, stages = fit_shared_memory(rows, block_n, block_d, block_dv, stages, q.element_size(),
                                             kc.element_size(), k_scale is not None, max_shared_memory(q.device))
     tma = tma and tma_usable(kc, block_n, block_size, block_d) and tma_usable(vc, block_n, block_size, block_dv)
-    chosen = None  # the chooser bits, where the step that reads them runs: the lean TMA union walk of 16-bit pools
-    if "chosen" in cfg["loop"].split("_") and loop == "union" and tokens > 1 and tma and lean and k_scale is None:
-        chosen = union_choosers(sel, pos, tstart, tend, tokens, block_size, uni)
+    # the chooser bits where the step that reads them runs: the lean TMA union walk of 16-bit pools
+    chosen = "chosen" in cfg["loop"].split("_") and loop == "union" and tokens > 1 and tma and lean and k_scale is None
+    # tiles of several tokens: each one's sequence and token range, for the union walk each (tile, KV head)'s
+    # distinct usable blocks and their count, and the chooser bits, all from one launch (_tile_plan). A one-token
+    # program finds its sequence itself: its tile lists are placeholders the kernel never reads.
+    tseq, tstart, tend, slots, uni, cnt, cho = tile_plan(qsl, sel, pos, t, tokens, block_size, union=loop == "union",
+                                                         chosen=chosen)
+    if tokens == 1:
+        tseq = tstart = tend = qsl
+    if uni is None:  # never read unless the loop is "union"
+        uni = cnt = sel
+    visits = tokens * topk
+    splits = splits_for(q.device, slots * hkv, min(visits, cfg["max_splits"] or visits), cfg["waves"])
+    splits = cdiv(visits, cdiv(visits, splits))  # no split left without visits (5 splits of 16 -> 4 of 4)
+    parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
+    scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
+    ticks = ticket_counters(q.device, slots * hkv) if fused else None
     descs = {}
     if tma and host:
         descs = dict(k_desc=TensorDescriptor(kc, shape=[kc.shape[0] * page, hkv * d], strides=[kc.stride(1), 1],
@@ -772,7 +720,7 @@ def forward(
         TMA=(2 if loop == "union" or (loop == "flat" and tokens == 1) else 1) if tma else 0, FUSED=fused, tick_ptr=ticks, kv_rows=kc.shape[0] * page,
         SEQS_PAD=next_pow2(b) if fused and tokens == 1 and b <= _COUNTED_SEQS else 0,
         LEAN=lean and k_scale is None, RESCALE="rescale" in cfg["loop"].split("_"), **descs,
-        cho_ptr=chosen, CHOSEN=chosen is not None,
+        cho_ptr=cho, CHOSEN=chosen,
         num_warps=cfg["num_warps"], num_stages=stages,
     )
     return parts.merge_into(out) if parts and not fused else out
