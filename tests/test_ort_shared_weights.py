@@ -179,7 +179,7 @@ def test_weights_the_session_folds_are_left_to_it(tmp_path):
     from m3export.plugins.onnxruntime.shared_weights import folded_by_the_session
 
     gen = torch.Generator().manual_seed(0)
-    tables = {name: torch.randn(8, 4, generator=gen) for name in ("relaid", "read", "both")}
+    tables = {name: torch.randn(8, 4, generator=gen) for name in ("relaid", "read", "both", "in_body", "body_read")}
     blob, inits = b"", []
     for name, t in tables.items():
         init = onnx.TensorProto(name=name, data_type=TP.FLOAT, dims=[8, 4], data_location=TP.EXTERNAL)
@@ -191,18 +191,26 @@ def test_weights_the_session_folds_are_left_to_it(tmp_path):
     nodes = [h.make_node("Transpose", ["relaid"], ["rt"], perm=[1, 0]), h.make_node("MatMul", ["x", "rt"], ["a"]),
              h.make_node("Gather", ["read", "i"], ["b"]),
              h.make_node("Transpose", ["both"], ["bt"], perm=[1, 0]), h.make_node("MatMul", ["x", "bt"], ["c"]),
-             h.make_node("Gather", ["both", "i"], ["d"])]
+             h.make_node("Gather", ["both", "i"], ["d"]),
+             # a model-local function (as the m3 bodies): its weight transposed inside (folds once inlined), and
+             # another read as it lies
+             h.make_node("F", ["in_body", "body_read", "x"], ["e"], domain="t")]
+    body = h.make_function("t", "F", ["w", "v", "x"], ["y"],
+                           [h.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), h.make_node("MatMul", ["x", "wt"],
+                                                                                            ["xw"]),
+                            h.make_node("MatMul", ["xw", "v"], ["y"])], [h.make_opsetid("", 20)])
     graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.FLOAT, [2, 4]),
                                       h.make_tensor_value_info("i", TP.INT64, [2])],
-                         [h.make_tensor_value_info(n, TP.FLOAT, None) for n in "abcd"], initializer=inits)
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=10)
+                         [h.make_tensor_value_info(n, TP.FLOAT, None) for n in "abcde"], initializer=inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("t", 1)], ir_version=10,
+                         functions=[body])
     onnx.save(model, str(tmp_path / "g.onnx"))
-    assert folded_by_the_session(model) == {"relaid"}
+    assert folded_by_the_session(model) == {"relaid", "in_body"}
     weights = SharedWeights("cpu")
     options = ort.SessionOptions()
     options.log_severity_level = 3
     assert sorted(weights.add_to(options, onnx.load(str(tmp_path / "g.onnx"), load_external_data=False),
-                                 tmp_path)) == ["both", "read"]
+                                 tmp_path)) == ["body_read", "both", "read"]
     feeds = {"x": torch.randn(2, 4, generator=gen).numpy(), "i": np.array([3, 5])}
     shared = ort.InferenceSession(str(tmp_path / "g.onnx"), sess_options=options, providers=["CPUExecutionProvider"])
     own = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])

@@ -55,23 +55,59 @@ def ortvalue_over(t: torch.Tensor):
 _NOT_FOLDED = ("RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial")
 
 
-def folded_by_the_session(model) -> set[str]:
-    """The initializers of ``model`` (an ``onnx.ModelProto``) whose every reader in the main graph is a node that
-    reads constants only (initializers, ``Constant`` nodes, or such nodes' outputs): ONNX Runtime folds those nodes
-    at load into constants of its own, and only from initializers the session loaded itself."""
-    initializers = {i.name for i in model.graph.initializer}
-    constant = set(initializers)
-    readers: dict[str, list[bool]] = {}  # initializer -> for each reading node, whether it folds
-    for node in model.graph.node:  # topologically sorted (ONNX)
-        inputs = [i for i in node.input if i]
-        folds = (node.op_type not in _NOT_FOLDED and not any(a.type in (a.GRAPH, a.GRAPHS) for a in node.attribute)
-                 and (node.op_type == "Constant" or (bool(inputs) and all(i in constant for i in inputs))))
+def _folds(node, constant: set[str]) -> bool:
+    """Whether ONNX Runtime folds ``node`` given the ``constant`` values: it reads constants only."""
+    inputs = [i for i in node.input if i]
+    return (node.op_type not in _NOT_FOLDED and not any(a.type in (a.GRAPH, a.GRAPHS) for a in node.attribute)
+            and (node.op_type == "Constant" or (bool(inputs) and all(i in constant for i in inputs))))
+
+
+def _read_by_folded_nodes_only(nodes, name: str, constant: set[str], functions: dict) -> bool | None:
+    """Whether every reader of ``name`` among ``nodes`` (topologically sorted) folds, a call of a model-local
+    function counting as its body's readers of the matching formal input (ONNX Runtime inlines the body before it
+    folds); None where nothing reads it. ``constant`` is updated with what folds."""
+    reads: list[bool] = []
+    for node in nodes:
+        folds = _folds(node, constant)
         if folds:
             constant.update(node.output)
-        for i in inputs:
-            if i in initializers:
-                readers.setdefault(i, []).append(folds)
-    return {name for name, folds in readers.items() if all(folds)}
+        if _in_subgraphs(node, name):  # read by an If / Scan / Loop body (from the outer scope): not folded
+            reads.append(False)
+        if name not in node.input:
+            continue
+        body = functions.get((node.domain, node.op_type))
+        if folds or body is None:
+            reads.append(folds)
+            continue
+        for formal, actual in zip(body.input, node.input):
+            if actual == name:  # only this input is known constant inside (conservative for the others)
+                inner = _read_by_folded_nodes_only(body.node, formal, {formal}, functions)
+                reads.append(inner is True)
+    return None if not reads else all(reads)
+
+
+def _in_subgraphs(node, name: str) -> bool:
+    """Whether a graph attribute of ``node`` (an If branch, a Scan / Loop body, nested) reads ``name``."""
+    for a in node.attribute:
+        for g in ([a.g] if a.type == a.GRAPH else list(a.graphs) if a.type == a.GRAPHS else []):
+            for inner in g.node:
+                if name in inner.input or _in_subgraphs(inner, name):
+                    return True
+    return False
+
+
+def folded_by_the_session(model) -> set[str]:
+    """The initializers of ``model`` (an ``onnx.ModelProto``) whose every reader is a node that reads constants
+    only (initializers, ``Constant`` nodes, or such nodes' outputs), in the main graph or in the body of a
+    model-local function it is passed to (e.g. the MoE body's fp32 transposed router weight): ONNX Runtime folds
+    those nodes at load into constants of its own, and only from initializers the session loaded itself."""
+    functions = {(f.domain, f.name): f for f in model.functions}
+    initializers = [i.name for i in model.graph.initializer]
+    folded = set()
+    for name in initializers:
+        if _read_by_folded_nodes_only(model.graph.node, name, set(initializers), functions):
+            folded.add(name)
+    return folded
 
 
 class SharedWeights:
