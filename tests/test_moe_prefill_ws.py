@@ -82,7 +82,8 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool, shared_tiles: bool = F
     half = bool(cfg.get("HALF_TAIL")) and routed
     sig = {"a_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
            "a_half_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"] // (2 if half else 1), cfg["BLOCK_K"]]),
-           "w_desc": desc(torch.uint8, gl.uint8, [bn // cfg.get("WG_N", 1) if gate_up else bn, cfg["BLOCK_K"]]), "s_ptr": "*u8", "out_ptr": "*bf16",
+           "w_desc": desc(torch.uint8, gl.uint8, [bn // cfg.get("WG_N", 1) if gate_up else bn, cfg["BLOCK_K"]]),
+           "s_ptr": "*u8", "out_ptr": "*bf16",
            "rows_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", "num_rows": "i32",
            "num_m": "i32", "alpha": "fp32", "limit": "fp32", "ss_e": "i32", "ss_n": "i32", "so_r": "i32",
            "so_s": "i32"}
@@ -90,9 +91,9 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool, shared_tiles: bool = F
     sig.update({"as_desc": sig["a_desc"], "ws_desc": sig["w_desc"], "s_s_ptr": "*u8", "out_s_ptr": "*bf16",
                 "num_rows_s": "i32", "num_m_s": "i32", "ss_n_s": "i32", "so_r_s": "i32"})
     consts = dict(N_OUT=n_out, K=k, W_E=2 * I if gate_up else H, TOP_K=TOP_K, ROUTED=routed, GATE_UP=gate_up,
-                  HALF_TAIL=half, SHARED_TILES=shared_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                  STAGES=cfg["STAGES"], CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS,
-                  WG_N=cfg.get("WG_N", 1),
+                  HALF_TAIL=half, SHARED_TILES=shared_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+                  BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
+                  CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS, WG_N=cfg.get("WG_N", 1),
                   num_warps=cfg["num_warps"])
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(ws._gemm_ws, sig, consts), target=GPUTarget("cuda", 90, 32),
@@ -452,7 +453,8 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
 @pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(SHARED_TILES=1), dict(VALID_GATHER=1),
                                   dict(HALF_TAIL=1, SHARED_TILES=1, VALID_GATHER=1),
-                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2, HALF_TAIL=1, VALID_GATHER=1)],
+                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2, HALF_TAIL=1,
+                                       VALID_GATHER=1)],
                          ids=["half", "shared", "vgather", "half_shared_vgather", "bm128_wgn2_half_vgather"])
 @pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128), (1280, 16)],
                          ids=["700tok_16exp", "4096tok_128exp", "1280tok_16exp_tails"])
