@@ -300,6 +300,10 @@ PREFILL_WS = {
     "prefill_ws_bm128_n256_wgn2_half_group16_vgather": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64,
                                                             GROUP_M=16, num_warps=8, STAGES=4, CONV_STAGES=2,
                                                             MX_MODE=3, WS=1, WG_N=2, HALF_TAIL=1, VALID_GATHER=1),
+    # ... with 5 loaded slots (5 x 32 + 2 x 32 KB = 224 KB of the 227).
+    "prefill_ws_bm128_n256_wgn2_half_s5c2_vgather": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64,
+                                                         GROUP_M=8, num_warps=8, STAGES=5, CONV_STAGES=2, MX_MODE=3,
+                                                         WS=1, WG_N=2, HALF_TAIL=1, VALID_GATHER=1),
     # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
     # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
     # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:
