@@ -1,7 +1,8 @@
 """The sparse attention prefill's per-launch plan in one Triton launch: query tiles, tile unions, chooser bits.
 
 Not a kernel module (it is not in ``KERNEL_MODULES``): ``sparse_paged_attention.forward`` runs it before its own
-kernel. A prefill launch of tiles of several tokens needs (a) each tile's sequence and token range (what
+kernel, and the dense attention and indexer launchers of tiles of several tokens take their tile lists from it
+(``tile_lists``). A prefill launch of tiles of several tokens needs (a) each tile's sequence and token range (what
 ``_batch.query_tiles`` computes), and for the "union" walk (b) each (tile, KV head)'s sorted distinct usable blocks
 and their count (``tile_unions``) and for its "_chosen" step (c) which tokens of the tile chose each of those blocks
 (``union_choosers``). As torch op chains these were ~70 (~110 with the bits) small device ops dispatched from Python
@@ -9,8 +10,9 @@ per launch: on the H200 a 4k-token prompt's launch spent ~0.25 ms of host time o
 (issue 11, ``docs/performance.md``), and inside a CUDA graph they were as many tiny kernels. ``_tile_plan`` computes
 all three with one program per (tile, KV head), sized from shapes alone (no host sync, CUDA-graph safe).
 
-The torch chains stay here as the definition the kernel is tested against, bit for bit (``tile_unions``,
-``union_choosers``; ``bench/prefill_selections.py`` also counts union sizes with them); no launch runs them.
+The torch chains stay as the definitions the kernel is tested against, bit for bit (``tile_unions``,
+``union_choosers`` here, ``_batch.query_tiles``; ``bench/prefill_selections.py`` also counts union sizes with them);
+no launch runs them.
 """
 
 from __future__ import annotations
@@ -140,6 +142,20 @@ def tile_plan(query_start_loc: torch.Tensor, sel: torch.Tensor, positions: torch
             SEQ_BLOCK=min(_SEQ_BLOCK, next_pow2(max(2, b))), PER_TOKEN=tokens == 1, TILES=tokens > 1, UNION=union,
             CHOSEN=chosen, num_warps=4 if e_pad >= 128 else (2 if e_pad >= 64 else 1))
     return (*tiles, slots, uni, cnt, cho)
+
+
+def tile_lists(query_start_loc: torch.Tensor, num_tokens: int, tokens: int):
+    """``_batch.query_tiles``' answer (seq, start, end, slots) from one launch of ``_tile_plan`` (tile lists only)
+    instead of its ~15 torch ops: what the dense attention and indexer launchers of tiles of several tokens use."""
+    b = query_start_loc.shape[0] - 1
+    slots = cdiv(num_tokens + b * (tokens - 1), tokens)
+    seq, start, end = torch.empty((3, slots), dtype=torch.int32, device=query_start_loc.device).unbind(0)
+    if slots:
+        _tile_plan[(slots, 1)](
+            query_start_loc, b, seq, 0, 0, seq, seq, start, end, seq, seq, seq, BS=1, K=1, K_PAD=2, TOKENS=tokens,
+            E_PAD=2, SEQ_BLOCK=min(_SEQ_BLOCK, next_pow2(max(2, b))), PER_TOKEN=False, TILES=True, UNION=False,
+            CHOSEN=False, num_warps=1)
+    return seq, start, end, slots
 
 
 # ------------------------------------------------------------------------------------ the torch definitions

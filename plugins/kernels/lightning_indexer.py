@@ -30,8 +30,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, num_sms,
-                     query_tiles, sequence_of, splits_for, ticket_counters, tokens_per_tile)
+                     sequence_of, splits_for, ticket_counters, tokens_per_tile)
 from ._fp8 import widen
+from ._tile_plan import tile_lists
 from ._tma import ensure_descriptor_allocator
 
 OP = "m3::lightning_indexer"
@@ -413,7 +414,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         seq = start = end = qsl  # unused: the kernel finds each token's sequence itself
         slots = t
     else:
-        seq, start, end, slots = query_tiles(qsl, t, tokens)
+        seq, start, end, slots = tile_lists(qsl, t, tokens)  # one launch (_tile_plan)
     if cfg["loads"] != "gather" and kc.element_size() > 2 and not interpreted(index_q):
         # fp32 pools: 128 fp32 keys per bulk-copied tile in the TMA default's stages asked for 288 KB of shared memory
         # (the H200 has 227 KB; the `mini` fp32 greedy test, 2026-12-01 07:45 UTC): compiled, they run the gather

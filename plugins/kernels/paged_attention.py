@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, next_pow2, query_tiles, sequence_of,
-                     splits_for, tokens_per_tile)
+from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, next_pow2, sequence_of, splits_for,
+                     tokens_per_tile)
 from ._splitk import LOG2E, Partials, attend_tile, finish_rows
+from ._tile_plan import tile_lists
 
 OP = "m3::paged_attention"
 
@@ -152,7 +153,7 @@ def forward(
         seq = start = end = qsl  # unused: the kernel finds each token's sequence itself
         slots = t
     else:
-        seq, start, end, slots = query_tiles(qsl, t, tokens)
+        seq, start, end, slots = tile_lists(qsl, t, tokens)  # one launch (_tile_plan)
     most = min(_MAX_SPLITS, cdiv(bt.shape[1] * page, _BLOCK_N))
     splits = splits_for(q.device, slots * hkv, most)
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
