@@ -270,24 +270,9 @@ PREFILL_WS = {
     # (bench/results/moe_h200_prefill_ws_half.json): 22.15 against s4c2's 23.15 ms, the same bits; WS_TILE since.
     "prefill_ws_bm256_down128_s4c2_half": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
                                                num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1),
-    # SHARED_TILES: the shared expert's tiles as more tiles of the routed gate-up launch, and of the routed down
-    # launch (two launches instead of four: one launch tail each instead of two). Alone and with HALF_TAIL; not yet
-    # measured.
-    "prefill_ws_bm256_down128_s4c2_shared": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
-                                                 num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1,
-                                                 SHARED_TILES=1),
-    "prefill_ws_bm256_down128_s4c2_half_shared": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
-                                                      GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
-                                                      WS=1, HALF_TAIL=1, SHARED_TILES=1),
-    # VALID_GATHER: the routed rows gathered into block order only where an assignment is (moe_prefill_ws.gather_rows;
-    # index_select also copies the padding positions, ~1/3 of them at 16k); the same kernels. Not yet measured.
-    "prefill_ws_bm256_down128_s4c2_half_vgather": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
-                                                       GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
-                                                       WS=1, HALF_TAIL=1, VALID_GATHER=1),
-    "prefill_ws_bm256_down128_s4c2_half_shared_vgather": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
-                                                              GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2,
-                                                              MX_MODE=3, WS=1, HALF_TAIL=1, SHARED_TILES=1,
-                                                              VALID_GATHER=1),
+    # Removed after the H200 call of 2026-12-01 ~14:05 UTC (snapshot e89db03, 16k, the default 22.47 ms): the shared
+    # expert's tiles as more tiles of the routed launches (SHARED_TILES) 22.59, the routed rows gathered only where
+    # an assignment is (VALID_GATHER) 22.65, both 22.70; outputs the same bits.
     # WG_N 2: 128-row blocks, 256-wide tiles (gate-up 128 gate + 128 up columns, down 256 columns of H), the two MMA
     # warpgroups side by side along N (each a 128 x 128 accumulator, its gate and up columns loaded together): the
     # same FLOPs per K step as the 256 x 128 tile for 32 KB of tiles instead of 40 (the activation tile is 80 % of
@@ -297,13 +282,13 @@ PREFILL_WS = {
     "prefill_ws_bm128_n256_wgn2_half": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64, GROUP_M=8,
                                             num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, WG_N=2,
                                             HALF_TAIL=1),
-    "prefill_ws_bm128_n256_wgn2_half_group16_vgather": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64,
-                                                            GROUP_M=16, num_warps=8, STAGES=4, CONV_STAGES=2,
-                                                            MX_MODE=3, WS=1, WG_N=2, HALF_TAIL=1, VALID_GATHER=1),
+    "prefill_ws_bm128_n256_wgn2_half_group16": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64,
+                                                    GROUP_M=16, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
+                                                    WS=1, WG_N=2, HALF_TAIL=1),
     # ... with 5 loaded slots (5 x 32 + 2 x 32 KB = 224 KB of the 227).
-    "prefill_ws_bm128_n256_wgn2_half_s5c2_vgather": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64,
-                                                         GROUP_M=8, num_warps=8, STAGES=5, CONV_STAGES=2, MX_MODE=3,
-                                                         WS=1, WG_N=2, HALF_TAIL=1, VALID_GATHER=1),
+    "prefill_ws_bm128_n256_wgn2_half_s5c2": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64, GROUP_M=8,
+                                                 num_warps=8, STAGES=5, CONV_STAGES=2, MX_MODE=3, WS=1, WG_N=2,
+                                                 HALF_TAIL=1),
     # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
     # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
     # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:

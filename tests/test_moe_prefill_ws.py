@@ -62,7 +62,7 @@ def _references(tokens: int, experts: int, seed: int):
     return ref.moe_mxfp8_reference(*args, *attrs), ref.moe_mxfp8_reference(*_as64(args), *attrs)
 
 
-def _compile_sm90(cfg: dict, gate_up: bool, routed: bool, shared_tiles: bool = False):
+def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
     """``_gemm_ws`` compiled for sm_90 as ``moe_prefill_ws._launch`` specialises it at the mini dims."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -87,11 +87,8 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool, shared_tiles: bool = F
            "rows_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", "num_rows": "i32",
            "num_m": "i32", "alpha": "fp32", "limit": "fp32", "ss_e": "i32", "ss_n": "i32", "so_r": "i32",
            "so_s": "i32"}
-    # The shared expert's operands (SHARED_TILES; otherwise the routed ones again, not read).
-    sig.update({"as_desc": sig["a_desc"], "ws_desc": sig["w_desc"], "s_s_ptr": "*u8", "out_s_ptr": "*bf16",
-                "num_rows_s": "i32", "num_m_s": "i32", "ss_n_s": "i32", "so_r_s": "i32"})
     consts = dict(N_OUT=n_out, K=k, W_E=2 * I if gate_up else H, TOP_K=TOP_K, ROUTED=routed, GATE_UP=gate_up,
-                  HALF_TAIL=half, SHARED_TILES=shared_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+                  HALF_TAIL=half, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
                   BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
                   CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS, WG_N=cfg.get("WG_N", 1),
                   num_warps=cfg["num_warps"])
@@ -123,7 +120,7 @@ def _kernel_key(name: str, kind: str) -> str:
     cfg = PREFILL_WS[name]
     return "-".join([kind] + [str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M",
                                                      "STAGES", "CONV_STAGES", "num_warps")]
-                    + [str(cfg.get("HALF_TAIL", 0)), str(cfg.get("SHARED_TILES", 0)), str(cfg.get("WG_N", 1))])
+                    + [str(cfg.get("HALF_TAIL", 0)), str(cfg.get("WG_N", 1))])
 
 
 def build_all(out: str) -> None:
@@ -135,8 +132,7 @@ def build_all(out: str) -> None:
         key = _kernel_key(name, kind)
         if key in done:
             continue
-        k = _compile_sm90(PREFILL_WS[name], *KINDS[kind], shared_tiles=bool(PREFILL_WS[name].get("SHARED_TILES"))
-                          and kind != "shared_gate_up")
+        k = _compile_sm90(PREFILL_WS[name], *KINDS[kind])
         for ext in ("ptx", "ttgir"):
             Path(out, f"{key}.{ext}").write_text(k.asm[ext])
         Path(out, f"{key}.cubin").write_bytes(k.asm["cubin"])
@@ -189,11 +185,9 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(sm90_builds, name, kind):
     cap, threads = int(re.search(r"\.maxnreg (\d+)", ptx)[1]), int(re.search(r"\.reqntid (\d+)", ptx)[1])
     assert threads == 32 * meta[key]["num_warps"] and cap * threads <= 65536
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "mbarrier.try_wait" in ptx
-    # The converter loads each scale byte once (one per thread and 32-code group), not once per code; SHARED_TILES
-    # has the conversion twice (the routed and the shared expert's tiles, each with its own scales).
+    # The converter loads each scale byte once (one per thread and 32-code group), not once per code.
     rows = 2 * cfg["BLOCK_N"] if kind != "down" else cfg["BLOCK_N_DOWN"]
-    copies = 2 if cfg.get("SHARED_TILES") and kind != "shared_gate_up" else 1
-    assert ptx.count("ld.global.b8") == copies * rows * cfg["BLOCK_K"] // 32 // (32 * ws.CONVERTER_WARPS)
+    assert ptx.count("ld.global.b8") == rows * cfg["BLOCK_K"] // 32 // (32 * ws.CONVERTER_WARPS)
     res = _resources((out / f"{key}.cubin").read_bytes())
     assert res["stack"] == 0 and res["local"] == 0, res
 
@@ -241,75 +235,6 @@ def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_share
     assert [h[0] for h in halves] == [bm // 2 if half else bm, bm_shared, bm // 2 if half else bm, bm_shared]
     tiles = [num_m * -(-c["N_OUT"] // c["BLOCK_N"]) for _, num_m, c in launches]
     assert [g for g, _, _ in launches] == ([min(n, 3) for n in tiles] if persistent else tiles)
-    assert not any(c["SHARED_TILES"] for _, _, c in launches)
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
-@pytest.mark.parametrize("i_shared", [64, 32])
-def test_ws_shared_tiles_join_the_routed_launches(monkeypatch, i_shared):
-    # SHARED_TILES: two launches, the routed gate-up then the routed down, each with the shared expert's row blocks
-    # (300 tokens: 2 of 256) as more tiles after the routed ones (the grid counts both) and the shared GEMM's own
-    # operands: tokens x and its gate-up weights, then its activations act_s and its down weights. A shared expert
-    # whose I differs from the routed one's (32 against 64) takes its own launches as without the key.
-    from m3export.plugins.kernels import moe_prefill_ws as ws
-
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def record(*args, **consts):
-                launches.append((grid[0], args, consts))
-            return record
-
-    monkeypatch.setattr(ws, "_gemm_ws", Recorder())
-    monkeypatch.setattr(ws, "check", lambda weights, dtype, cfg: None)
-    case = MoECase(300, 128, 64, i_shared, 4, 2, seed=75)
-    args = case.mxfp8_args(torch.bfloat16)
-    cfg = dict(PREFILL_WS["prefill_ws_bm256_down128_s4c2_shared"])
-    out = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
-    assert out.shape == (300, 128)
-    if i_shared != 64:
-        assert [(c["ROUTED"], c["SHARED_TILES"]) for _, _, c in launches] == [(True, False), (False, False)] * 2
-        return
-    assert [(c["GATE_UP"], c["ROUTED"], c["SHARED_TILES"], c["N_OUT"], c["K"]) for _, _, c in launches] == [
-        (True, True, True, 64, 128), (False, True, True, 128, 64)]
-    for (grid, a, c), shared_w, shared_s in zip(launches, (args[7], args[9]), (args[8], args[10])):
-        num_m, num_rows_s, num_m_s = a[9], a[20], a[21]
-        assert (num_rows_s, num_m_s) == (300, 2)
-        assert grid == (num_m + num_m_s) * -(-c["N_OUT"] // c["BLOCK_N"])
-        assert a[16].block_shape == [256, 64] and a[17].block_shape == [c["BLOCK_N"], 64]
-        assert a[17].base.data_ptr() == shared_w.data_ptr() and a[17].base.numel() == shared_w.numel()
-        assert a[18].data_ptr() == shared_s.data_ptr() and a[22] == shared_s.stride(-2)
-    x, act_s, y = args[0], launches[0][1][19], launches[1][1][19]
-    assert launches[0][1][16].base.data_ptr() == x.data_ptr() and act_s.shape == (300, 64)
-    assert launches[1][1][16].base.data_ptr() == act_s.data_ptr() and y.shape == (300, 3, 128)
-    assert launches[0][1][23] == act_s.stride(0) and launches[1][1][23] == y.stride(0)
-
-
-@pytest.mark.parametrize("tokens,experts,top_k,bm", [(300, 4, 2, 256), (37, 16, 4, 64), (1, 8, 1, 128)])
-def test_ws_valid_gather_copies_the_assignments_only(tokens, experts, top_k, bm):
-    # VALID_GATHER: every block-order position holding an assignment gets its token's row (the rows index_select
-    # gives it), and no padding position is written (each expert's last block's tail, the blocks past the last in
-    # use): the kernel on an output filled with NaN leaves those NaN.
-    from m3export.plugins.kernels import moe_prefill_ws as ws
-    from m3export.plugins.kernels.moe_routing import group_by_expert
-
-    g = torch.Generator().manual_seed(tokens)
-    h = 1100  # not a multiple of the kernel's 1024-wide column blocks
-    x = torch.randn(tokens, h, generator=g).bfloat16()
-    ids = torch.randint(0, experts, (tokens, top_k), generator=g, dtype=torch.int32)
-    blocks = group_by_expert(ids, experts, bm)
-    n = tokens * top_k
-    valid = blocks.rows < n
-    assert (~valid).any()  # the premise: padding positions exist
-    want = ws.gather_rows(x, blocks.rows, n, top_k, valid_only=False)
-    got = ws.gather_rows(x, blocks.rows, n, top_k, valid_only=True)
-    assert torch.equal(got[valid], want[valid])
-    assert torch.equal(got[valid], x[blocks.rows[valid].long() // top_k])
-    out = torch.full((blocks.rows.numel(), h), float("nan"), dtype=x.dtype)
-    ws._gather_rows[(blocks.rows.numel() // 8, 2)](x, blocks.rows, out, n, x.stride(0), out.stride(0), h, TOP_K=top_k,
-                                                   ROWS=8, BLOCK_H=1024)
-    assert torch.equal(out[valid], want[valid]) and out[~valid].isnan().all()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
@@ -451,21 +376,18 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
-@pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(SHARED_TILES=1), dict(VALID_GATHER=1),
-                                  dict(HALF_TAIL=1, SHARED_TILES=1, VALID_GATHER=1),
-                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2, HALF_TAIL=1,
-                                       VALID_GATHER=1)],
-                         ids=["half", "shared", "vgather", "half_shared_vgather", "bm128_wgn2_half_vgather"])
+@pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2),
+                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2, HALF_TAIL=1)],
+                         ids=["half", "bm128_wgn2", "bm128_wgn2_half"])
 @pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128), (1280, 16)],
                          ids=["700tok_16exp", "4096tok_128exp", "1280tok_16exp_tails"])
 def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     # HALF_TAIL runs a routed block whose rows from 128 on are padding as a 128-row wgmma on the first half of its
     # slot: every stored element sums the same K steps of the same bf16 operands in the same order as in the 256-row
-    # wgmma (a row's products do not depend on the rows beside it). SHARED_TILES runs the shared expert's tiles, each
-    # the same tile as in its own launch, inside the routed launches. VALID_GATHER leaves the padding positions of
-    # the gathered rows unwritten: they feed padding rows only. So the layer's output is the same bits as WS_TILE's
-    # without the keys. WG_N 2 with 128-row blocks and 256-wide tiles issues the same m64n128k16 wgmmas over the
-    # same K steps for each output element (another tile shape, the same sums): the same bits too.
+    # wgmma (a row's products do not depend on the rows beside it). WG_N 2 with 128-row blocks and 256-wide tiles
+    # issues the same m64n128k16 wgmmas over the same K steps for each output element (another tile shape, the same
+    # sums; with HALF_TAIL its at most half full blocks on 64 rows). So the layer's output is the same bits as
+    # WS_TILE's without the keys.
     # 700 / 16: one block per expert, those with <= 128 assignments halved; 4096 / 128: 128 per expert on average,
     # about half the experts halved; 1280 / 16: 320 per expert, a full block and a tail of ~64 rows for most, checked
     # below (the premise), and against the float64 reference with _close's bound.
@@ -480,7 +402,7 @@ def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     halved = int(((tail > 0) & (tail <= bm // 2)).sum())
     print(f"{halved} of {experts} experts' last blocks at most half full")
     assert halved >= (experts // 4 if tokens == 1280 else 1), tail.tolist()
-    tile = {k: v for k, v in ws.WS_TILE.items() if k not in ("HALF_TAIL", "SHARED_TILES", "VALID_GATHER")}
+    tile = {k: v for k, v in ws.WS_TILE.items() if k != "HALF_TAIL"}
     base = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=tile)
     got = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=dict(tile, **keys))
     assert torch.equal(got, base), float((got.float() - base.float()).abs().max())

@@ -18,16 +18,14 @@ that meet through shared-memory rings guarded by mbarriers:
 Gate and up weight rows of one tile come as two copies stacked in one slot (gate rows, then up rows), so one wgmma
 of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The activation tile of the routed
 gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
-(``gather_rows``: ``x.index_select`` as ``moe``'s ``X_TMA``, or with ``VALID_GATHER`` the rows holding an assignment
-only); the down GEMM's activations are already in block order.
+(``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
 
 ``HALF_TAIL`` (a config key, on in ``WS_TILE``): a routed row block whose rows from BLOCK_M / 2 on
 are padding (each expert's last block, at most half full; ~25 % of the routed rows are padding at 512 assignments
 per expert in 256-row blocks) runs as a BLOCK_M / 2-row wgmma on the first half of its activation slot, the loader
 copying those rows only (a second descriptor with the half box); the converter's work is the same.
-``SHARED_TILES`` (a config key, off in ``WS_TILE`` until measured): the shared expert's tiles run as more tiles of
-the routed gate-up launch and of the routed down launch (its own descriptors, scales and output; its I must equal
-the routed I, as in every preset, else its own launches), two launches instead of four and so two launch tails.
+(Removed after the H200 call of 2026-12-01 ~14:05 UTC, 16k tokens, the default 22.47 ms: the shared expert's tiles
+as more tiles of the routed launches, 22.59; the routed rows gathered only where an assignment is, 22.65.)
 
 ``WG_N`` 2 (a config key): the two MMA warpgroups side by side along N instead of M, each with a [BLOCK_M, NW / 2]
 accumulator, so that 128-row blocks take 256-wide tiles (gate-up: 128 gate + 128 up columns, each warpgroup's
@@ -46,7 +44,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -115,36 +112,20 @@ def _half(rows_ptr, pid_m, num_rows, BM: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, a_half_desc, w_desc, as_desc, ws_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
-            block_expert_ptr, rows_ptr, num_rows, num_m, num_m_s, first_tile, tile_step, W_E: gl.constexpr,
-            N_OUT: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr,
-            HALF_TAIL: gl.constexpr, SHARED_TILES: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
-            BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
+            rows_ptr, num_rows, num_m, first_tile, tile_step, W_E: gl.constexpr, N_OUT: gl.constexpr,
+            N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr,
+            K_STEPS: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
+            BK: gl.constexpr, STAGES: gl.constexpr):
     """One warp: per K step of each of the program's tiles, wait for the slot to be free, then TMA the G weight
     chunks (gate-up: the gate rows, then the up rows N_OUT further) and the activation tile into it (a half-tail
     block, ``_half``: its first BM / 2 rows into the slot's first half, by ``a_half_desc``). The weights first: the
-    converter needs them before the MMA needs the activations. ``SHARED_TILES``: the shared expert's tiles (tokens
-    by ``as_desc``, weights by ``ws_desc``) after the routed ones."""
-    num_tiles = num_m * N_TILES
-    end = num_tiles
-    if SHARED_TILES:
-        end = num_tiles + num_m_s * N_TILES
+    converter needs them before the MMA needs the activations."""
     it = 0  # K steps issued over the program's tiles: the ring position
-    for tile in range(first_tile, end, tile_step):
-        if SHARED_TILES:
-            if tile >= num_tiles:
-                pid_m, pid_n = _tile(tile - num_tiles, num_m_s, GROUP_M, N_TILES)
-                _load_tile(as_desc, as_desc, ws_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it,
-                           pid_m * BM, pid_n * BN, pid_m < 0, False, N_OUT, K_STEPS, G, BM, BN, SUB, BK, STAGES)
-                it += K_STEPS
-            else:
-                it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
-                                  block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES,
-                                  GROUP_M, ROUTED, HALF_TAIL, K_STEPS, G, BM, BN, SUB, BK, STAGES)
-        else:
-            it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
-                              block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES, GROUP_M,
-                              ROUTED, HALF_TAIL, K_STEPS, G, BM, BN, SUB, BK, STAGES)
+    for tile in range(first_tile, num_m * N_TILES, tile_step):
+        it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
+                          block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES, GROUP_M, ROUTED,
+                          HALF_TAIL, K_STEPS, G, BM, BN, SUB, BK, STAGES)
 
 
 @gluon.jit
@@ -153,8 +134,7 @@ def _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, 
                  GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr,
                  G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr):
-    """The loader's work for tile ``tile`` of the launch's own row blocks (routed, or the shared expert's in its
-    own launch); the ring position after it."""
+    """The loader's work for tile ``tile``; the ring position after it."""
     pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
     e = _expert(block_expert_ptr, pid_m, ROUTED)
     if e >= 0:
@@ -219,34 +199,18 @@ def _e4m3_bf16(codes, factor):
 
 
 @gluon.jit
-def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, s_s_ptr, ss_n_s,
-               block_expert_ptr, num_m, num_m_s, first_tile, tile_step, N_OUT: gl.constexpr, K: gl.constexpr,
-               N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr, SHARED_TILES: gl.constexpr,
-               K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, BK: gl.constexpr,
-               STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
+               first_tile, tile_step, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr,
+               GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
+               SUB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr,
+               WARPS: gl.constexpr):
     """One warpgroup: per K step, the E4M3 tile of the load ring and its scales (plain loads, issued before the
-    wait on the tile) to the bf16 tile of the converted ring (``_convert_tile``); ``SHARED_TILES``: the shared
-    expert's tiles (its scales at ``s_s_ptr``) after the routed ones."""
-    num_tiles = num_m * N_TILES
-    end = num_tiles
-    if SHARED_TILES:
-        end = num_tiles + num_m_s * N_TILES
+    wait on the tile) to the bf16 tile of the converted ring (``_convert_tile``)."""
     it = 0
-    for tile in range(first_tile, end, tile_step):
-        if SHARED_TILES:
-            if tile >= num_tiles:
-                pid_m, pid_n = _tile(tile - num_tiles, num_m_s, GROUP_M, N_TILES)
-                _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_s_ptr, ss_n_s, pid_n, it, N_OUT,
-                              K, K_STEPS, G, BN, SUB, BK, STAGES, CONV_STAGES, WARPS)
-                it += K_STEPS
-            else:
-                it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n,
-                                     block_expert_ptr, num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS,
-                                     G, BN, SUB, BK, STAGES, CONV_STAGES, WARPS)
-        else:
-            it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n,
-                                 block_expert_ptr, num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G,
-                                 BN, SUB, BK, STAGES, CONV_STAGES, WARPS)
+    for tile in range(first_tile, num_m * N_TILES, tile_step):
+        it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr,
+                             num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BN, SUB, BK, STAGES,
+                             CONV_STAGES, WARPS)
 
 
 @gluon.jit
@@ -255,7 +219,7 @@ def _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, s
                     ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
                     SUB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr,
                     WARPS: gl.constexpr):
-    """The converter's work for tile ``tile`` of the launch's own row blocks; the ring position after it."""
+    """The converter's work for tile ``tile``; the ring position after it."""
     pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
     e = _expert(block_expert_ptr, pid_m, ROUTED)
     if e >= 0:
@@ -356,40 +320,20 @@ def _k_loop(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, K_STEPS: gl.
 
 
 @gluon.jit
-def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, num_m_s, first_tile, tile_step,
-         out_ptr, out_s_ptr, rows_ptr, route_w_ptr, num_rows, num_rows_s, alpha, limit, so_r, so_r_s, so_s,
-         N_OUT: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr, TOP_K: gl.constexpr,
-         ROUTED: gl.constexpr, GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, SHARED_TILES: gl.constexpr,
-         K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, STAGES: gl.constexpr,
-         CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, WG_N: gl.constexpr,
-           SUB: gl.constexpr):
+def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step, out_ptr,
+         rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
+         GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
+         HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
+         STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, WG_N: gl.constexpr,
+         SUB: gl.constexpr):
     """The default partition, per tile: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW] over the K
     steps (``_k_loop``; a half-tail block, ``_half``: [BM / 2, NW] on the slot's first half), then the epilogue,
-    which overlaps the workers' first steps of the next tile. ``SHARED_TILES``: the shared expert's tiles after the
-    routed ones, their epilogue the shared launch's (``ROUTED`` off: token rows, ``out_s_ptr``, ``num_rows_s``)."""
-    num_tiles = num_m * N_TILES
-    end = num_tiles
-    if SHARED_TILES:
-        end = num_tiles + num_m_s * N_TILES
+    which overlaps the workers' first steps of the next tile."""
     it = 0
-    for tile in range(first_tile, end, tile_step):
-        if SHARED_TILES:
-            if tile >= num_tiles:
-                pid_m, pid_n = _tile(tile - num_tiles, num_m_s, GROUP_M, N_TILES)
-                _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_s_ptr, rows_ptr, route_w_ptr,
-                       num_rows_s, alpha, limit, so_r_s, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, False, GATE_UP,
-                       K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS, WG_N, SUB)
-                it += K_STEPS
-            else:
-                it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it,
-                                 out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
-                                 GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES,
-                                 CONV_STAGES, WARPS, WG_N, SUB)
-        else:
-            it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it,
-                             out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES,
-                             GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES, CONV_STAGES,
-                             WARPS, WG_N, SUB)
+    for tile in range(first_tile, num_m * N_TILES, tile_step):
+        it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it, out_ptr,
+                         rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES, GROUP_M, TOP_K,
+                         ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS, WG_N, SUB)
 
 
 @gluon.jit
@@ -399,7 +343,7 @@ def _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert
                 HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
                 STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, WG_N: gl.constexpr,
            SUB: gl.constexpr):
-    """The MMA partition's work for tile ``tile`` of the launch's own row blocks; the ring position after it."""
+    """The MMA partition's work for tile ``tile``; the ring position after it."""
     pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
     e = _expert(block_expert_ptr, pid_m, ROUTED)
     if e >= 0:
@@ -423,16 +367,15 @@ def _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert
 def _kernel_name(spec) -> str:
     """The compiled kernel's name, so that profiles tell the launches apart (one source function)."""
     c = spec.constants
-    kind = "" if c["ROUTED"] else "_shared"
-    return f"moe_ws_{'gate_up' if c['GATE_UP'] else 'down'}{'_with_shared' if c['SHARED_TILES'] else kind}"
+    return f"moe_ws_{'gate_up' if c['GATE_UP'] else 'down'}{'' if c['ROUTED'] else '_shared'}"
 
 
 @gluon.jit(repr=_kernel_name)
 def _gemm_ws(
     a_desc, a_half_desc, w_desc, s_ptr, out_ptr, rows_ptr, block_expert_ptr, route_w_ptr, num_rows, num_m, alpha,
-    limit, ss_e, ss_n, so_r, so_s, as_desc, ws_desc, s_s_ptr, out_s_ptr, num_rows_s, num_m_s, ss_n_s, so_r_s,
+    limit, ss_e, ss_n, so_r, so_s,
     N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
-    GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, SHARED_TILES: gl.constexpr, BLOCK_M: gl.constexpr,
+    GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr, WG_N: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -441,13 +384,7 @@ def _gemm_ws(
     them all, persistent with a smaller grid). GATE_UP: out = act [rows, I] (SwiGLU-OAI of the gate and up tiles),
     W_E = 2I rows per expert, the up chunk N_OUT rows below the gate chunk. Down: out = y [T, TOP_K + 1, H] (so_r
     / so_s its token / slot strides), W_E = H. The weights are seen as one [E * W_E, K] matrix (``w_desc``), their
-    scales as [E, W_E, K / 32].
-
-    SHARED_TILES (a routed launch): ``num_m_s`` row blocks of the shared expert follow the routed tiles in the same
-    launch, with the shared launch's operands (tokens ``as_desc``, weights ``ws_desc``, scales ``s_s_ptr`` with row
-    stride ``ss_n_s``; output ``out_s_ptr`` with row stride ``so_r_s``, ``num_rows_s`` tokens) and the same N_OUT
-    and K (the shared expert's I equals the routed one's); one launch tail instead of two. Without it the ``*_s``
-    arguments are not read."""
+    scales as [E, W_E, K / 32]."""
     # The MMA partition hands a step's slots back one step late (after the next wgmma is issued), so a ring of one
     # slot would wait on itself.
     gl.static_assert(STAGES >= 2 and CONV_STAGES >= 2, "WS rings need at least 2 slots each")
@@ -484,20 +421,19 @@ def _gemm_ws(
         mbarrier.init(c_empty.index(i), count=1)
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before first use
 
-    gl.static_assert(not SHARED_TILES or ROUTED, "SHARED_TILES adds the shared expert's tiles to a routed launch")
     first_tile = gl.program_id(0)
     tile_step = gl.num_programs(0)
     gl.warp_specialize([
-        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, num_m_s, first_tile,
-                tile_step, out_ptr, out_s_ptr, rows_ptr, route_w_ptr, num_rows, num_rows_s, alpha, limit, so_r,
-                so_r_s, so_s, N_OUT, N_TILES, GROUP_M, TOP_K, ROUTED, GATE_UP, HALF_TAIL, SHARED_TILES, K_STEPS,
-                BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps, WG_N, SUB)),
-        (_loader, (a_desc, a_half_desc, w_desc, as_desc, ws_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
-                   block_expert_ptr, rows_ptr, num_rows, num_m, num_m_s, first_tile, tile_step, W_E, N_OUT, N_TILES,
-                   GROUP_M, ROUTED, HALF_TAIL, SHARED_TILES, K_STEPS, G, BLOCK_M, BLOCK_N, SUB, BLOCK_K, STAGES)),
-        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, s_s_ptr, ss_n_s,
-                      block_expert_ptr, num_m, num_m_s, first_tile, tile_step, N_OUT, K, N_TILES, GROUP_M, ROUTED,
-                      SHARED_TILES, K_STEPS, G, BLOCK_N, SUB, BLOCK_K, STAGES, CONV_STAGES, CONV_WARPS)),
+        (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
+                out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES, GROUP_M, TOP_K,
+                ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps, WG_N,
+                SUB)),
+        (_loader, (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
+                   rows_ptr, num_rows, num_m, first_tile, tile_step, W_E, N_OUT, N_TILES, GROUP_M, ROUTED, HALF_TAIL,
+                   K_STEPS, G, BLOCK_M, BLOCK_N, SUB, BLOCK_K, STAGES)),
+        (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
+                      first_tile, tile_step, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N, SUB, BLOCK_K,
+                      STAGES, CONV_STAGES, CONV_WARPS)),
     ], [LOADER_WARPS, CONV_WARPS], [LOADER_REGS, CONVERTER_REGS])
 
 
@@ -542,39 +478,6 @@ def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r,
             slot = a * 0 + TOP_K
         dst = out_ptr + tok.to(gl.int64)[:, None] * so_r + (slot * so_s)[:, None] + n[None, :]
     gl.store(dst, val.to(gl.bfloat16), mask=ok[:, None] & (n < N_OUT)[None, :])
-
-
-@triton.jit
-def _gather_rows(x_ptr, rows_ptr, out_ptr, num_rows, sx, so, H, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
-    """out[p] = x[rows[p] // TOP_K] for the block-order positions p that hold an assignment (rows[p] < num_rows);
-    padding positions, each expert's last block's and the blocks past the last in use, are not written."""
-    p = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    a = tl.load(rows_ptr + p)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = (a < num_rows)[:, None] & (h < H)[None, :]
-    v = tl.load(x_ptr + (a // TOP_K).to(tl.int64)[:, None] * sx + h[None, :], mask=ok)
-    tl.store(out_ptr + p.to(tl.int64)[:, None] * so + h[None, :], v, mask=ok)
-
-
-def gather_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int, top_k: int, valid_only: bool) -> torch.Tensor:
-    """The routed token rows in block order, ``[rows.numel(), H]``, for the gate-up activation tiles (a Hopper TMA
-    cannot gather rows). ``valid_only`` (config key ``VALID_GATHER``): only positions holding an assignment are
-    copied (``_gather_rows``); the others (each expert's last block's padding and the blocks past the last in use,
-    ~1/3 of the positions at 16k tokens x top-4 over 128 experts in 256-row blocks: ``max_blocks`` sizes for the
-    worst routing) keep whatever the allocation held: their products are computed on, never stored, and a row's
-    products do not depend on the rows beside it. Otherwise ``index_select`` copies every position, padding as the
-    last assignment's token."""
-    if not valid_only:
-        return x.index_select(0, rows.clamp(max=num_rows - 1) // top_k)
-    out = torch.empty((rows.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    rows_per, block_h = 8, 1024
-    if rows.numel() % rows_per:
-        raise ValueError(f"moe: WS VALID_GATHER takes row blocks of a multiple of {rows_per} rows")
-    _gather_rows[(rows.numel() // rows_per, triton.cdiv(x.shape[1], block_h))](
-        x, rows, out, num_rows, x.stride(0), out.stride(0), x.shape[1], TOP_K=top_k, ROWS=rows_per, BLOCK_H=block_h,
-        num_warps=4)
-    return out
 
 
 def _descriptor(t: torch.Tensor, block: list) -> TensorDescriptor:
@@ -631,44 +534,33 @@ def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
 
 
 def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, num_m, n_out, k, top_k,
-            routed, gate_up, bn, cfg, shared=None):
-    """One ``_gemm_ws`` launch; ``shared`` = (activations, weights, output, rows, row blocks, output row stride) of
-    the shared expert's GEMM of the same N_OUT and K, run as more tiles of this routed launch (SHARED_TILES)."""
+            routed, gate_up, bn, cfg):
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     half_tail = bool(cfg.get("HALF_TAIL")) and routed
     wg_n = cfg.get("WG_N", 1)
     sub = bn // wg_n if gate_up else bn  # the weight descriptor's box rows (_gemm_ws's SUB)
     a_desc = _descriptor(a, [bm, bk])
-    w_desc = _descriptor(_stacked_rows(w.w), [sub, bk])
     # HALF_TAIL's copy of a block's first bm / 2 rows lands in the first half of a slot laid out for a_desc's box:
     # the same swizzle (the row count does not enter it); without the key the kernel never reads it.
     a_half = _descriptor(a, [bm // 2, bk]) if half_tail else a_desc
     if a_half.layout != a_desc.layout:
         raise ValueError(f"moe: WS HALF_TAIL: a {bm // 2}-row box is laid out as {a_half.layout}, the slot as "
                          f"{a_desc.layout}")
-    tiles = num_m * triton.cdiv(n_out, bn)
-    if shared is not None:
-        a_s, w_s, out_s, rows_s, m_s, so_r_s = shared
-        as_desc, ws_desc, s_s = _descriptor(a_s, [bm, bk]), _descriptor(_stacked_rows(w_s.w), [sub, bk]), w_s.s
-        tiles += m_s * triton.cdiv(n_out, bn)
-    else:  # not read
-        as_desc, ws_desc, s_s, out_s, rows_s, m_s, so_r_s = a_desc, w_desc, w.s, out, num_rows, 0, so_r
-    grid = _programs(tiles, a.device, bool(cfg.get("PERSISTENT")))
+    grid = _programs(num_m * triton.cdiv(n_out, bn), a.device, bool(cfg.get("PERSISTENT")))
     _gemm_ws[(grid,)](
-        a_desc, a_half, w_desc, w.s, out, rows, block_expert, route_w, num_rows, num_m, alpha, limit, w.s.stride(0),
-        w.s.stride(1), so_r, so_s, as_desc, ws_desc, s_s, out_s, rows_s, m_s, s_s.stride(1), so_r_s,
+        a_desc, a_half, _descriptor(_stacked_rows(w.w), [sub, bk]), w.s, out, rows, block_expert, route_w, num_rows,
+        num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
         N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, HALF_TAIL=half_tail,
-        SHARED_TILES=shared is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
-        STAGES=cfg.get("STAGES", 4), CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS, WG_N=wg_n,
-        num_warps=cfg["num_warps"], maxnreg=maxnreg(cfg["num_warps"]),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4),
+        CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS, WG_N=wg_n, num_warps=cfg["num_warps"],
+        maxnreg=maxnreg(cfg["num_warps"]),
     )
 
 
 def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, limit, top_k, cfg) -> None:
     """The four GEMMs of one MoE layer (routed gate-up, shared gate-up, routed down, shared down) into ``act``,
     ``act_s`` and ``y`` as ``moe.run_moe``'s Triton launches fill them; the row blocks are ``blocks``' (the shared
-    expert takes blocks of as many tokens). With ``SHARED_TILES`` (and the shared expert's I equal to the routed
-    one's) two launches: each shared GEMM's tiles after its routed GEMM's. ``check`` first."""
+    expert takes blocks of as many tokens). ``check`` first."""
     routed13, routed2, shared13, shared2 = weights
     t, h = x.shape
     i, i_s = act.shape[1], act_s.shape[1]
@@ -678,19 +570,12 @@ def launch(x, weights, act, act_s, y, blocks, route_w, num_assignments, alpha, l
     cfg = {**cfg, "BLOCK_M": bm}
     bn, bn_down = cfg["BLOCK_N"], cfg.get("BLOCK_N_DOWN") or cfg["BLOCK_N"]
     rows, block_expert = blocks.rows, blocks.block_expert
+    # The routed rows in block order (padding rows copy the last assignment's token: computed, never stored).
+    x_blocks = x.index_select(0, rows.clamp(max=num_assignments - 1) // top_k)
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:  # TMA's alignment (shared)
         x = x.clone(memory_format=torch.contiguous_format)
-    x_blocks = gather_rows(x, rows, num_assignments, top_k, bool(cfg.get("VALID_GATHER")))
     route_w = route_w.contiguous()
     m_s = triton.cdiv(t, bm)
-    if cfg.get("SHARED_TILES") and i_s == i:
-        _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
-                blocks.num_blocks, i, h, top_k, True, True, bn, cfg,
-                shared=(x, shared13, act_s, t, m_s, act_s.stride(0)))
-        _launch(act, routed2, y, rows, block_expert, route_w, num_assignments, alpha, limit, y.stride(0), y.stride(1),
-                blocks.num_blocks, h, i, top_k, True, False, bn_down, cfg,
-                shared=(act_s, shared2, y, t, m_s, y.stride(0)))
-        return
     _launch(x_blocks, routed13, act, rows, block_expert, route_w, num_assignments, alpha, limit, act.stride(0), 0,
             blocks.num_blocks, i, h, top_k, True, True, bn, cfg)
     _launch(x, shared13, act_s, act_s, act_s, route_w, t, alpha, limit, act_s.stride(0), 0, m_s, i_s, h, top_k,
