@@ -386,23 +386,22 @@ def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     # slot: every stored element sums the same K steps of the same bf16 operands in the same order as in the 256-row
     # wgmma (a row's products do not depend on the rows beside it). WG_N 2 with 128-row blocks and 256-wide tiles
     # issues the same m64n128k16 wgmmas over the same K steps for each output element (another tile shape, the same
-    # sums; with HALF_TAIL its at most half full blocks on 64 rows). So the layer's output is the same bits as
-    # WS_TILE's without the keys.
+    # sums; with HALF_TAIL its at most half full blocks on 64 rows). So the layer's output is the same bits as the
+    # 256-row tile's without the keys.
     # 700 / 16: one block per expert, those with <= 128 assignments halved; 4096 / 128: 128 per expert on average,
     # about half the experts halved; 1280 / 16: 320 per expert, a full block and a tail of ~64 rows for most, checked
     # below (the premise), and against the float64 reference with _close's bound.
-    from m3export.plugins.kernels import moe_prefill_ws as ws
     from m3export.plugins.kernels.moe_routing import route
 
     args = list(_mini_case(tokens, experts, 72))
     attrs = (TOP_K, SCALING, ALPHA, LIMIT)
-    bm = ws.WS_TILE["BLOCK_M"]
+    tile = dict(PREFILL_WS["prefill_ws_bm256_down128_s4c2"])  # 256-row blocks, no keys: WS_TILE before HALF_TAIL
+    bm = tile["BLOCK_M"]
     ids, _ = route(args[0], args[1], args[2], TOP_K)
     tail = torch.bincount(ids.reshape(-1).long(), minlength=experts) % bm
     halved = int(((tail > 0) & (tail <= bm // 2)).sum())
     print(f"{halved} of {experts} experts' last blocks at most half full")
     assert halved >= (experts // 4 if tokens == 1280 else 1), tail.tolist()
-    tile = {k: v for k, v in ws.WS_TILE.items() if k != "HALF_TAIL"}
     base = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=tile)
     got = moe_kernel.run_moe(*args[:3], *args[3::2], *attrs, scales=tuple(args[4::2]), config=dict(tile, **keys))
     assert torch.equal(got, base), float((got.float() - base.float()).abs().max())
