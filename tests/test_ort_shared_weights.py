@@ -218,3 +218,18 @@ def test_weights_the_session_folds_are_left_to_it(tmp_path):
         assert np.array_equal(s, o)
     del shared
     weights.close()
+
+
+def test_sessions_lift_onnxruntimes_constant_folding_limit(tiny_artifact):  # noqa: F811
+    """ONNX Runtime folds no constant node whose output passes 1 GiB by default, so a `mini` layer's 1.2 GB w13
+    interleave (the lowered MoE) ran every step; every ``PagedSession`` lifts the limit (``session.FOLD_LIMIT``)."""
+    from m3export.export.artifact import load_artifact
+    from m3export.plugins.onnxruntime.session import FOLD_LIMIT, PagedSession
+
+    art = load_artifact(tiny_artifact, verify_checksums=False)
+    session = PagedSession.from_artifact(art, threads=1)
+    try:
+        assert session._session.get_session_options().get_session_config_entry(FOLD_LIMIT[0]) == FOLD_LIMIT[1]
+        assert int(FOLD_LIMIT[1]) >= 1 << 36  # past any one weight of the full model
+    finally:
+        session.close()

@@ -51,6 +51,12 @@ from .providers import Provider, parse_provider, require
 from .streams import SharedStream, run_options
 
 CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option for ONNX Runtime's CUDA graphs (``run_replayed``)
+# ONNX Runtime folds no constant node whose output passes this many bytes (its default is 1 GiB: "Skipping constant
+# folding for Reshape node ... estimated output size (1207959552 bytes) exceeds the limit (1073741824 bytes)",
+# onnxruntime 1.31.1). Such a node then runs on every step instead: the lowered MoE's gate / up interleave of a `mini`
+# layer's w13 (16 experts x 6144 x 6144 bf16 = 1.2 GB) was a 657 us Transpose per layer and step on the H200
+# (2026-12-01 14:05 UTC). Every session lifts the limit: a fold costs its output's memory once, per session.
+FOLD_LIMIT = ("optimization.constant_folding_max_output_size_in_bytes", str(1 << 40))
 
 if TYPE_CHECKING:
     from m3export.export.manifest import GraphInfo
@@ -114,6 +120,7 @@ class PagedSession:
                 options.intra_op_num_threads = threads
         elif threads is not None:
             raise ValueError("give session options or threads, not both")
+        options.add_session_config_entry(*FOLD_LIMIT)
         if model is not None:  # bytes have no folder of their own to resolve external data locations against
             options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                              str(Path(path).parent))
