@@ -418,8 +418,8 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
     # MatMul), where a [T, L, Hkv, D] gather needed a transposed copy of each per step
     heads = b.const(np.arange(sizes.kv_heads).reshape(1, -1, 1))  # [1, Hkv, 1]
     index = b.Add(b.Mul(b.Unsqueeze(ctx.slots, b.const([1])), b.const(sizes.kv_heads)), heads)  # [T, Hkv, L]
-    # the values' rows as [T, Hkv, L / chunk, chunk] (a view of the same index; L a whole number of chunks)
-    value_index = b.Reshape(index, b.const([0, 0, -1, chunk]))
+    # the values' rows as [L / chunk, T, Hkv, chunk] (chunk-major: ``_partial_value_sums``; L whole chunks)
+    value_index = b.Transpose(b.Reshape(index, b.const([0, 0, -1, chunk])), perm=[2, 0, 1, 3])
 
     def gather(pool: str, scale: str | None, rows: str) -> str:  # -> fp32 [*rows' shape, D]
         return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), rows, axis=0),
@@ -428,7 +428,7 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
     keys = gather("k_cache", "k_scale" if kv_fp8 else None, index)  # [T, Hkv, L, D]
     # no zeroing of the values: every slot is a row of the sequence (``DecodeContext``), and the keys a token does
     # not see get probability exactly 0 (softmax of -inf), so their rows add exact zeros
-    values = gather("v_cache", "v_scale" if kv_fp8 else None, value_index)  # [T, Hkv, L / chunk, chunk, Dv]
+    values = gather("v_cache", "v_scale" if kv_fp8 else None, value_index)  # [L / chunk, T, Hkv, chunk, Dv]
     hkv, d = b.Shape("k_cache", start=2, end=3), b.Shape("q", start=2)
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), hkv, b.const([-1]), d, axis=0))  # [T, Hkv, G, D]
     scores = b.MatMul(q, b.Transpose(keys, perm=[0, 1, 3, 2]))  # [T, Hkv, G, L]
@@ -440,9 +440,12 @@ def paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Function
 
 
 def _partial_value_sums(b: Builder, probs: str, values: str, chunks: str) -> str:
-    """``probs @ values`` for probs [T, Hkv, G, S] and values [T, Hkv, C, S / C, Dv] (``chunks``: int64 [2], (C,
+    """``probs @ values`` for probs [T, Hkv, G, S] and values [C, T, Hkv, S / C, Dv] (``chunks``: int64 [2], (C,
     S / C) with one of them -1): the sum over the S keys as C partial sums of S / C consecutive keys each (one
-    batched product, ``[T, Hkv, C, G, Dv]``), then their sum in fp32, in chunk order.
+    batched product, ``[C, T, Hkv, G, Dv]``), then their sum in fp32, in chunk order. The chunk axis leads, so
+    the sum reduces a leading axis (ONNX Runtime's CUDA ``ReduceSum`` has one-kernel paths for leading or trailing
+    axes; a middle one went through cuDNN, several kernels: 26.5 us a step for the three sparse layers' at batch 1
+    on the H200, 14:05 UTC).
 
     Why: one ``[G, S] @ [S, Dv]`` product per (token, KV head) is a GEMM of M = G (16), N = Dv (128) and a long K
     = S: cuBLAS gives it one thread block per batch entry, 4 at batch 1 of M3's 4 KV heads, each reading S x Dv
@@ -452,8 +455,8 @@ def _partial_value_sums(b: Builder, probs: str, values: str, chunks: str) -> str
     differs from one product over S (a few fp32 ulps). The probabilities' layout change is one transposed copy of
     ``[T, Hkv, G, S]`` (the values, G x larger per key, are gathered in the chunked layout directly)."""
     per_chunk = b.Reshape(probs, b.Concat(b.const([0, 0, 0]), chunks, axis=0))
-    per_chunk = b.Transpose(per_chunk, perm=[0, 1, 3, 2, 4])  # [T, Hkv, C, G, S / C]
-    return b.ReduceSum(b.MatMul(per_chunk, values), b.const([2]), keepdims=0)  # [T, Hkv, G, Dv]
+    per_chunk = b.Transpose(per_chunk, perm=[3, 0, 1, 2, 4])  # [C, T, Hkv, G, S / C]
+    return b.ReduceSum(b.MatMul(per_chunk, values), b.const([0]), keepdims=0)  # [T, Hkv, G, Dv]
 
 
 def _masked_rows(b: Builder, rows: str, scale_rows: str | None, keep: str | None) -> str:
@@ -606,7 +609,8 @@ def sparse_paged_attention_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> F
         return _masked_rows(b, b.Gather(_page_rows(b, pool, 3), rows, axis=0), scales, None)
 
     keys = gather("k_cache", "k_scale", index)  # [T, Hkv, K * bs, D]
-    values = gather("v_cache", "v_scale", blocks)  # [T, Hkv, K, bs, Dv]: one partial sum per block
+    # [K, T, Hkv, bs, Dv]: one partial sum per block, chunk-major (``_partial_value_sums``)
+    values = gather("v_cache", "v_scale", b.Transpose(blocks, perm=[2, 0, 1, 3]))
     allowed = b.And(stored, b.LessOrEqual(keys_pos, b.Unsqueeze("positions", b.const([1, 2, 3]))))
     allowed = b.Reshape(allowed, b.const([0, 0, 1, -1]))  # [T, Hkv, 1, S]
     q = b.Reshape(b.Cast("q", to=F32), b.Concat(b.const([0]), b.Shape("k_cache", start=2, end=3), b.const([-1]),
