@@ -273,22 +273,10 @@ PREFILL_WS = {
     # Removed after the H200 call of 2026-12-01 ~14:05 UTC (snapshot e89db03, 16k, the default 22.47 ms): the shared
     # expert's tiles as more tiles of the routed launches (SHARED_TILES) 22.59, the routed rows gathered only where
     # an assignment is (VALID_GATHER) 22.65, both 22.70; outputs the same bits.
-    # WG_N 2: 128-row blocks, 256-wide tiles (gate-up 128 gate + 128 up columns, down 256 columns of H), the two MMA
-    # warpgroups side by side along N (each a 128 x 128 accumulator, its gate and up columns loaded together): the
-    # same FLOPs per K step as the 256 x 128 tile for 32 KB of tiles instead of 40 (the activation tile is 80 % of
-    # the 256-row tile's bytes), each weight tile converted per 128 rows instead of 256. The 128-row variants that
-    # lost before (28.6-29.8 ms) had 128-wide tiles: 24 KB for half the FLOPs. With HALF_TAIL a block at most half
-    # full runs 64 rows. Shared memory as WS_TILE's (4 x (16 + 16 KB) + 2 x 32 KB). Not yet measured.
-    "prefill_ws_bm128_n256_wgn2_half": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64, GROUP_M=8,
-                                            num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, WG_N=2,
-                                            HALF_TAIL=1),
-    "prefill_ws_bm128_n256_wgn2_half_group16": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64,
-                                                    GROUP_M=16, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
-                                                    WS=1, WG_N=2, HALF_TAIL=1),
-    # ... with 5 loaded slots (5 x 32 + 2 x 32 KB = 224 KB of the 227).
-    "prefill_ws_bm128_n256_wgn2_half_s5c2": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, BLOCK_K=64, GROUP_M=8,
-                                                 num_warps=8, STAGES=5, CONV_STAGES=2, MX_MODE=3, WS=1, WG_N=2,
-                                                 HALF_TAIL=1),
+    # Removed after the H200 call of 2026-12-01 14:20 UTC (snapshot ea7f650, 16k, the default 22.47 ms): 128-row
+    # blocks with 256-wide tiles, the two MMA warpgroups side by side along N (WG_N 2: the 256 x 128 tile's FLOPs per
+    # K step for 32 KB of loaded tiles instead of 40, each weight tile converted for 128 rows instead of 256), with
+    # HALF_TAIL 28.04 ms, with 5 loaded slots 28.36, GROUP_M 16 28.40; outputs the same bits.
     # H200 calls of 11:10 and 12:05 (bench/results/moe_h200_prefill_ws_16k.json, ..._16k_final.json): s4c2 22.76 /
     # 23.02 ms = 409 / 404 TFLOP/s at 16k against the Triton default's 25.38; the persistent forms 23.4-24.5. 128-row
     # routed blocks (less padding in each expert's last block, each weight tile converted for half the rows) lost:

@@ -82,7 +82,7 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
     half = bool(cfg.get("HALF_TAIL")) and routed
     sig = {"a_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
            "a_half_desc": desc(torch.bfloat16, gl.bfloat16, [cfg["BLOCK_M"] // (2 if half else 1), cfg["BLOCK_K"]]),
-           "w_desc": desc(torch.uint8, gl.uint8, [bn // cfg.get("WG_N", 1) if gate_up else bn, cfg["BLOCK_K"]]),
+           "w_desc": desc(torch.uint8, gl.uint8, [bn, cfg["BLOCK_K"]]),
            "s_ptr": "*u8", "out_ptr": "*bf16",
            "rows_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", "num_rows": "i32",
            "num_m": "i32", "alpha": "fp32", "limit": "fp32", "ss_e": "i32", "ss_n": "i32", "so_r": "i32",
@@ -90,7 +90,7 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
     consts = dict(N_OUT=n_out, K=k, W_E=2 * I if gate_up else H, TOP_K=TOP_K, ROUTED=routed, GATE_UP=gate_up,
                   HALF_TAIL=half, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
                   BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
-                  CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS, WG_N=cfg.get("WG_N", 1),
+                  CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS,
                   num_warps=cfg["num_warps"])
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(ws._gemm_ws, sig, consts), target=GPUTarget("cuda", 90, 32),
@@ -120,7 +120,7 @@ def _kernel_key(name: str, kind: str) -> str:
     cfg = PREFILL_WS[name]
     return "-".join([kind] + [str(cfg[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_N_DOWN", "BLOCK_K", "GROUP_M",
                                                      "STAGES", "CONV_STAGES", "num_warps")]
-                    + [str(cfg.get("HALF_TAIL", 0)), str(cfg.get("WG_N", 1))])
+                    + [str(cfg.get("HALF_TAIL", 0))])
 
 
 def build_all(out: str) -> None:
@@ -237,37 +237,17 @@ def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_share
     assert [g for g, _, _ in launches] == ([min(n, 3) for n in tiles] if persistent else tiles)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
-def test_ws_wg_n_launches_and_refusals(monkeypatch):
-    # WG_N 2: the launches pass WG_N and their weight descriptor's box is one warpgroup's chunk (gate-up: BLOCK_N / 2
-    # rows, gate and up loaded as separate chunks; down: BLOCK_N_DOWN rows), the row blocks BLOCK_M's 128. check
-    # refuses tiles whose wgmma N per warpgroup would pass 128 (the ptxas limit at 128 registers per thread).
+def test_ws_check_refuses_wider_wgmmas(monkeypatch):
+    # check refuses tiles whose wgmma N would pass 128 (gate-up: 2 x BLOCK_N; down: BLOCK_N_DOWN): ptxas cannot fit a
+    # wider one's accumulator in the launch's 128 registers per thread. Its tile checks alone: no weights, and the
+    # interpreter's refusal (which comes first) switched off.
     from m3export.plugins.kernels import moe_prefill_ws as ws
 
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def record(*args, **consts):
-                launches.append((args, consts))
-            return record
-
-    monkeypatch.setattr(ws, "_gemm_ws", Recorder())
-    monkeypatch.setattr(ws, "check", lambda weights, dtype, cfg: None)
-    case = MoECase(300, 256, 128, 128, 4, 2, seed=77)
-    args = case.mxfp8_args(torch.bfloat16)
-    cfg = dict(PREFILL_WS["prefill_ws_bm128_n256_wgn2_half"])
-    moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
-    assert [(c["WG_N"], c["BLOCK_M"], c["GATE_UP"], a[2].block_shape) for a, c in launches] == [
-        (2, 128, True, [64, 64]), (2, 128, True, [64, 64]), (2, 128, False, [256, 64]), (2, 128, False, [256, 64])]
-    assert [a[1].block_shape for a, c in launches] == [[64, 64], [128, 64], [64, 64], [128, 64]]  # HALF_TAIL's box
-    # check's tile checks alone: no weights, and the interpreter's refusal (which comes first) switched off.
-    monkeypatch.undo()
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    ws.check([], torch.bfloat16, cfg)
-    for bad in (dict(WG_N=1, BLOCK_N=128), dict(WG_N=2, BLOCK_N=128, BLOCK_N_DOWN=320), dict(WG_N=3)):
-        with pytest.raises(ValueError, match="must be (at most 128|a multiple of 64)"):
-            ws.check([], torch.bfloat16, dict(cfg, **bad))
+    ws.check([], torch.bfloat16, dict(ws.WS_TILE))
+    for bad in (dict(BLOCK_N=128), dict(BLOCK_N_DOWN=256), dict(BLOCK_M=320)):
+        with pytest.raises(ValueError, match="must be a multiple of 64 up to"):
+            ws.check([], torch.bfloat16, dict(ws.WS_TILE, **bad))
 
 
 def test_ws_refuses_what_it_cannot_run():
@@ -376,18 +356,14 @@ def test_gpu_ws_is_the_default_above_256_per_expert():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
-@pytest.mark.parametrize("keys", [dict(HALF_TAIL=1), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2),
-                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_DOWN=256, WG_N=2, HALF_TAIL=1)],
-                         ids=["half", "bm128_wgn2", "bm128_wgn2_half"])
+@pytest.mark.parametrize("keys", [dict(HALF_TAIL=1)], ids=["half"])
 @pytest.mark.parametrize("tokens,experts", [(700, 16), (4096, 128), (1280, 16)],
                          ids=["700tok_16exp", "4096tok_128exp", "1280tok_16exp_tails"])
 def test_gpu_ws_keys_same_bits_as_default(keys, tokens, experts):
     # HALF_TAIL runs a routed block whose rows from 128 on are padding as a 128-row wgmma on the first half of its
     # slot: every stored element sums the same K steps of the same bf16 operands in the same order as in the 256-row
-    # wgmma (a row's products do not depend on the rows beside it). WG_N 2 with 128-row blocks and 256-wide tiles
-    # issues the same m64n128k16 wgmmas over the same K steps for each output element (another tile shape, the same
-    # sums; with HALF_TAIL its at most half full blocks on 64 rows). So the layer's output is the same bits as the
-    # 256-row tile's without the keys.
+    # wgmma (a row's products do not depend on the rows beside it). So the layer's output is the same bits as the
+    # 256-row tile's without the key.
     # 700 / 16: one block per expert, those with <= 128 assignments halved; 4096 / 128: 128 per expert on average,
     # about half the experts halved; 1280 / 16: 320 per expert, a full block and a tail of ~64 rows for most, checked
     # below (the premise), and against the float64 reference with _close's bound.

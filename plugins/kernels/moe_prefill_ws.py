@@ -20,18 +20,16 @@ of N = 2 x BLOCK_N covers both; the epilogue splits the accumulator back. The ac
 gate-up GEMM needs its token rows in block order (a Hopper TMA cannot gather rows): the launcher gathers them once
 (``x.index_select``, as ``moe``'s ``X_TMA``); the down GEMM's activations are already in block order.
 
-``HALF_TAIL`` (a config key, on in ``WS_TILE``): a routed row block whose rows from BLOCK_M / 2 on
-are padding (each expert's last block, at most half full; ~25 % of the routed rows are padding at 512 assignments
-per expert in 256-row blocks) runs as a BLOCK_M / 2-row wgmma on the first half of its activation slot, the loader
-copying those rows only (a second descriptor with the half box); the converter's work is the same.
-(Removed after the H200 call of 2026-12-01 ~14:05 UTC, 16k tokens, the default 22.47 ms: the shared expert's tiles
-as more tiles of the routed launches, 22.59; the routed rows gathered only where an assignment is, 22.65.)
+``HALF_TAIL`` (a config key, on in ``WS_TILE``): a routed row block whose rows from BLOCK_M / 2 on are padding
+(each expert's last block, at most half full; ~25 % of the routed rows are padding at 512 assignments per expert
+in 256-row blocks) runs as a BLOCK_M / 2-row wgmma on the first half of its activation slot, the loader copying
+those rows only (a second descriptor with the half box); the converter's work is the same.
 
-``WG_N`` 2 (a config key): the two MMA warpgroups side by side along N instead of M, each with a [BLOCK_M, NW / 2]
-accumulator, so that 128-row blocks take 256-wide tiles (gate-up: 128 gate + 128 up columns, each warpgroup's
-gate and up columns loaded as neighbouring chunks of SUB rows so that its epilogue pairs them in registers; down:
-256 columns of H). Per K step the same FLOPs as the 256 x 128 tile for 32 KB of loaded tiles instead of 40; one
-wgmma's N stays 128 (a wider one needs more than the launch's 128 registers per thread: ptxas refuses it).
+Tried on the H200 on 2026-12-01 against this default (22.47 ms at 16k tokens, ``docs/performance.md``), every output
+the same bits, and removed as slower: the shared expert's tiles as more tiles of the routed launches (22.59 ms); the
+routed rows gathered only where an assignment is (22.65); 128-row blocks with 256-wide tiles, the two MMA
+warpgroups side by side along N (28.04-28.40: fewer bytes loaded per K step, each weight tile converted for 128
+rows instead of 256).
 
 Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants): ``WS_TILE`` is
 the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), where it
@@ -115,8 +113,8 @@ def _half(rows_ptr, pid_m, num_rows, BM: gl.constexpr):
 def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
             rows_ptr, num_rows, num_m, first_tile, tile_step, W_E: gl.constexpr, N_OUT: gl.constexpr,
             N_TILES: gl.constexpr, GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr,
-            K_STEPS: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-            BK: gl.constexpr, STAGES: gl.constexpr):
+            K_STEPS: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+            STAGES: gl.constexpr):
     """One warp: per K step of each of the program's tiles, wait for the slot to be free, then TMA the G weight
     chunks (gate-up: the gate rows, then the up rows N_OUT further) and the activation tile into it (a half-tail
     block, ``_half``: its first BM / 2 rows into the slot's first half, by ``a_half_desc``). The weights first: the
@@ -125,15 +123,14 @@ def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_rea
     for tile in range(first_tile, num_m * N_TILES, tile_step):
         it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
                           block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES, GROUP_M, ROUTED,
-                          HALF_TAIL, K_STEPS, G, BM, BN, SUB, BK, STAGES)
+                          HALF_TAIL, K_STEPS, G, BM, BN, BK, STAGES)
 
 
 @gluon.jit
 def _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
                  rows_ptr, num_rows, num_m, tile, it, W_E: gl.constexpr, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
                  GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr,
-                 G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, BK: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
     """The loader's work for tile ``tile``; the ring position after it."""
     pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
     e = _expert(block_expert_ptr, pid_m, ROUTED)
@@ -142,7 +139,7 @@ def _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, 
         if HALF_TAIL and ROUTED:
             half = _half(rows_ptr, pid_m, num_rows, BM)
         _load_tile(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it, pid_m * BM,
-                   e * W_E + pid_n * BN, half, HALF_TAIL and ROUTED, N_OUT, K_STEPS, G, BM, BN, SUB, BK, STAGES)
+                   e * W_E + pid_n * BN, half, HALF_TAIL and ROUTED, N_OUT, K_STEPS, G, BM, BN, BK, STAGES)
         it += K_STEPS
     return it
 
@@ -150,18 +147,16 @@ def _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, 
 @gluon.jit
 def _load_tile(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it, a_row, w_row,
                half, HALF: gl.constexpr, N_OUT: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr,
-               BM: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """One tile's K steps: activation rows from ``a_row``, weight rows from ``w_row`` (gate-up: and N_OUT below),
-    in chunks of SUB rows: the slot holds, per SUB columns of the tile, the G chunks (gate, up) one after the other
-    (SUB = BN: all gate rows, then all up rows; ``WG_N``'s SUB = BN / 2: each MMA warpgroup's columns together)."""
+               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One tile's K steps: activation rows from ``a_row``, weight rows from ``w_row`` (gate-up: and N_OUT below)."""
     for k in range(0, K_STEPS, 1):
         s = (it + k) % STAGES
         free = (((it + k) // STAGES) & 1) ^ 1  # a fresh barrier counts as having completed phase -1
         mbarrier.wait(w_empty.index(s), free)
         mbarrier.expect(w_ready.index(s), G * BN * BK)
-        for q in gl.static_range(G * (BN // SUB)):  # chunk q: columns (q // G) * SUB.., of gate (0) or up (1)
-            tma.async_copy_global_to_shared(w_desc, [w_row + (q % G) * N_OUT + (q // G) * SUB, k * BK],
-                                            w_ready.index(s), w_bufs.index(s).slice(q * SUB, SUB))
+        for g in gl.static_range(G):
+            tma.async_copy_global_to_shared(w_desc, [w_row + g * N_OUT, k * BK], w_ready.index(s),
+                                            w_bufs.index(s).slice(g * BN, BN))
         mbarrier.wait(a_empty.index(s), free)
         if HALF:
             if half:
@@ -202,14 +197,13 @@ def _e4m3_bf16(codes, factor):
 def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
                first_tile, tile_step, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr,
                GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
-               SUB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr,
-               WARPS: gl.constexpr):
+               BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """One warpgroup: per K step, the E4M3 tile of the load ring and its scales (plain loads, issued before the
     wait on the tile) to the bf16 tile of the converted ring (``_convert_tile``)."""
     it = 0
     for tile in range(first_tile, num_m * N_TILES, tile_step):
         it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr,
-                             num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BN, SUB, BK, STAGES,
+                             num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BN, BK, STAGES,
                              CONV_STAGES, WARPS)
 
 
@@ -217,61 +211,49 @@ def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, 
 def _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
                     tile, it, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr,
                     ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
-                    SUB: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr,
-                    WARPS: gl.constexpr):
+                    BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The converter's work for tile ``tile``; the ring position after it."""
     pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
     e = _expert(block_expert_ptr, pid_m, ROUTED)
     if e >= 0:
         _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr + e.to(gl.int64) * ss_e, ss_n, pid_n,
-                      it, N_OUT, K, K_STEPS, G, BN, SUB, BK, STAGES, CONV_STAGES, WARPS)
+                      it, N_OUT, K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS)
         it += K_STEPS
     return it
 
 
 @gluon.jit
 def _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_base, ss_n, pid_n, it, N_OUT: gl.constexpr,
-                  K: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, SUB: gl.constexpr,
-                  BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+                  K: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                  STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """One tile's K steps of conversion, the expert's scales [W_E, K / 32] at ``s_base``. Each thread holds runs of
     32 codes along K (one scale group): the tile is seen as [rows, BK / 32, 32] and each thread loads its group's
-    scale byte once. Tiles of more than 128 weight rows go in chunks of 128 rows (the registers of one chunk:
-    the converter has 96 per thread)."""
+    scale byte once."""
     NW: gl.constexpr = G * BN
-    CHUNK: gl.constexpr = 128 if NW > 128 else NW
     GROUPS: gl.constexpr = BK // 32
     flat: gl.constexpr = gl.BlockedLayout([1, 32], [32 // GROUPS, GROUPS], [WARPS, 1], [1, 0])
     grouped: gl.constexpr = gl.BlockedLayout([1, 1, 32], [32 // GROUPS, GROUPS, 1], [WARPS, 1, 1], [2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(2, grouped)
+    j = gl.arange(0, NW, layout=gl.SliceLayout(1, s_layout))
     grp = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, s_layout))
+    n = pid_n * BN + j % BN  # the output column (gate-up: gate / up row) of tile row j
+    row = (n + (j // BN) * N_OUT).to(gl.int64) * ss_n
+    row_ok = n < N_OUT
     for k in range(0, K_STEPS, 1):
         s = (it + k) % STAGES
         c = (it + k) % CONV_STAGES
         kg = k * GROUPS + grp
-        for r in gl.static_range(NW // CHUNK):
-            j = r * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, s_layout))
-            n = pid_n * BN + (j // (G * SUB)) * SUB + j % SUB  # tile row j's output column (_load_tile's chunks)
-            row = (n + ((j // SUB) % G) * N_OUT).to(gl.int64) * ss_n  # its gate / up row
-            sc = gl.load(s_base + row[:, None] + kg[None, :], mask=(n < N_OUT)[:, None] & (kg < K // 32)[None, :],
-                         other=0)  # issued before the wait on the tile
-            factor = gl.expand_dims(_scale_factor(sc), 2)
-            if r == 0:
-                mbarrier.wait(w_ready.index(s), ((it + k) // STAGES) & 1)
-            w_tile = w_bufs.index(s)
-            c_tile = c_bufs.index(c)
-            if NW > CHUNK:
-                w_tile = w_tile.slice(r * CHUNK, CHUNK)
-                c_tile = c_tile.slice(r * CHUNK, CHUNK)
-            codes = w_tile.load(flat)
-            if r == NW // CHUNK - 1:
-                fence_async_shared()  # the reads are ordered before the loader's next copy into this slot
-                mbarrier.arrive(w_empty.index(s), count=1)
-            codes = gl.convert_layout(gl.reshape(codes, [CHUNK, GROUPS, 32]), grouped, assert_trivial=True)
-            vals = gl.reshape(_e4m3_bf16(codes, factor), [CHUNK, BK])
-            if r == 0:
-                mbarrier.wait(c_empty.index(c), (((it + k) // CONV_STAGES) & 1) ^ 1)
-            c_tile.store(vals)
-        fence_async_shared()  # the generic-proxy stores are visible to the wgmma (async proxy) reading them
+        sc = gl.load(s_base + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
+        factor = gl.expand_dims(_scale_factor(sc), 2)
+        mbarrier.wait(w_ready.index(s), ((it + k) // STAGES) & 1)
+        codes = w_bufs.index(s).load(flat)
+        fence_async_shared()  # the read is ordered before the loader's next copy into this slot
+        mbarrier.arrive(w_empty.index(s), count=1)
+        codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
+        vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
+        mbarrier.wait(c_empty.index(c), (((it + k) // CONV_STAGES) & 1) ^ 1)
+        c_bufs.index(c).store(vals)
+        fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) reading it
         mbarrier.arrive(c_ready.index(c), count=1)
 
 
@@ -279,26 +261,23 @@ def _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_base, ss
 def _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha,
            limit, so_r, so_s, p_first, n_first, N_OUT: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
            GATE_UP: gl.constexpr, K_STEPS: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
-           STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, WG_N: gl.constexpr,
-           SUB: gl.constexpr):
+           STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """One tile's products (``_k_loop``) and epilogue on its first ROWS rows from block-order row ``p_first``."""
     acc = _k_loop(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, K_STEPS, ROWS, NW, STAGES, CONV_STAGES,
-                  WARPS, WG_N)
+                  WARPS)
     _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, p_first, n_first, N_OUT,
-              TOP_K, ROUTED, GATE_UP, ROWS, BN, SUB)
+              TOP_K, ROUTED, GATE_UP, ROWS, BN)
 
 
 @gluon.jit
 def _k_loop(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, K_STEPS: gl.constexpr, ROWS: gl.constexpr,
-            NW: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr,
-            WG_N: gl.constexpr):
+            NW: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """acc [ROWS, NW] = the first ROWS rows of each step's activation slot @ converted^T over the K steps, one wgmma
     in flight (a step's slots go back to the loader and the converter once the next step's wgmma is issued and the
     previous one has retired; the last step's after the final wait). Each output element sums the same K steps in
     the same order whatever ROWS is, so a half-tail block's rows are the full block's bits."""
-    # WG_N warpgroups side by side along N (each NW / WG_N columns of all ROWS rows), the rest along M.
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS // WG_N, WG_N],
-                                                          instr_shape=[16, NW // WG_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, NW, 16])
     acc = gl.zeros([ROWS, NW], gl.float32, acc_layout)
     for k in range(0, K_STEPS, 1):
         s = (it + k) % STAGES
@@ -324,8 +303,7 @@ def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, n
          rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
          GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
          HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
-         STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, WG_N: gl.constexpr,
-         SUB: gl.constexpr):
+         STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The default partition, per tile: acc [BM, NW] += activations [BM, BK] @ converted^T [BK, NW] over the K
     steps (``_k_loop``; a half-tail block, ``_half``: [BM / 2, NW] on the slot's first half), then the epilogue,
     which overlaps the workers' first steps of the next tile."""
@@ -333,7 +311,7 @@ def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, n
     for tile in range(first_tile, num_m * N_TILES, tile_step):
         it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it, out_ptr,
                          rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES, GROUP_M, TOP_K,
-                         ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS, WG_N, SUB)
+                         ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
 
 
 @gluon.jit
@@ -341,8 +319,7 @@ def _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert
                 rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
                 GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
                 HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
-                STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, WG_N: gl.constexpr,
-           SUB: gl.constexpr):
+                STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
     """The MMA partition's work for tile ``tile``; the ring position after it."""
     pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
     e = _expert(block_expert_ptr, pid_m, ROUTED)
@@ -351,15 +328,15 @@ def _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert
             if _half(rows_ptr, pid_m, num_rows, BM):
                 _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
                        num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
-                       K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS, WG_N, SUB)
+                       K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS)
             else:
                 _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
                        num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
-                       K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS, WG_N, SUB)
+                       K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
         else:
             _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr, num_rows,
                    alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP, K_STEPS, BM, BN,
-                   NW, STAGES, CONV_STAGES, WARPS, WG_N, SUB)
+                   NW, STAGES, CONV_STAGES, WARPS)
         it += K_STEPS
     return it
 
@@ -377,7 +354,7 @@ def _gemm_ws(
     N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
     GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr, WG_N: gl.constexpr, num_warps: gl.constexpr,
+    CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of (row block: one expert's rows, or BLOCK_M tokens for the shared expert) x BLOCK_N output columns,
     ``num_m`` row blocks; program p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the grid covers
@@ -389,18 +366,12 @@ def _gemm_ws(
     # slot would wait on itself.
     gl.static_assert(STAGES >= 2 and CONV_STAGES >= 2, "WS rings need at least 2 slots each")
     # A half-tail block's accumulator [BLOCK_M / 2, NW] still spans every MMA warp (16 rows each).
-    gl.static_assert(not HALF_TAIL or BLOCK_M // 2 >= 16 * (num_warps // WG_N),
-                     "HALF_TAIL needs BLOCK_M >= 32 x the MMA warps along M")
+    gl.static_assert(not HALF_TAIL or BLOCK_M // 2 >= 16 * num_warps, "HALF_TAIL needs BLOCK_M >= 32 x num_warps")
     G: gl.constexpr = 2 if GATE_UP else 1
     NW: gl.constexpr = G * BLOCK_N
-    # WG_N: the MMA warpgroups side by side along N; gate-up then loads each one's gate and up columns together
-    # (SUB columns of each), so that the epilogue pairs them in registers.
-    SUB: gl.constexpr = BLOCK_N // WG_N if GATE_UP else BLOCK_N
-    gl.static_assert(NW // WG_N <= 128, "one wgmma N of at most 128 (its accumulator within the launch's 128 "
-                     "registers per thread)")
     K_STEPS: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     N_TILES: gl.constexpr = (N_OUT + BLOCK_N - 1) // BLOCK_N
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_K], gl.uint8)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.uint8)
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NW, BLOCK_K], gl.bfloat16)
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, BLOCK_K], w_layout)
@@ -426,13 +397,12 @@ def _gemm_ws(
     gl.warp_specialize([
         (_mma, (a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, first_tile, tile_step,
                 out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES, GROUP_M, TOP_K,
-                ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps, WG_N,
-                SUB)),
+                ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BLOCK_M, BLOCK_N, NW, STAGES, CONV_STAGES, num_warps)),
         (_loader, (a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
                    rows_ptr, num_rows, num_m, first_tile, tile_step, W_E, N_OUT, N_TILES, GROUP_M, ROUTED, HALF_TAIL,
-                   K_STEPS, G, BLOCK_M, BLOCK_N, SUB, BLOCK_K, STAGES)),
+                   K_STEPS, G, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
-                      first_tile, tile_step, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N, SUB, BLOCK_K,
+                      first_tile, tile_step, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N, BLOCK_K,
                       STAGES, CONV_STAGES, CONV_WARPS)),
     ], [LOADER_WARPS, CONV_WARPS], [LOADER_REGS, CONVERTER_REGS])
 
@@ -440,17 +410,13 @@ def _gemm_ws(
 @gluon.jit
 def _epilogue(acc, out_ptr, rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, p_first, n_first,
               N_OUT: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SUB: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """``moe._gate_up``'s and ``moe._down``'s epilogues on the accumulator: the GEMM output rounded to bf16 as the
     reference rounds it; gate-up: SwiGLU-OAI (gate clamp, up clamp, alpha, + 1), the activation row p of the
     block order stored; down: times the assignment's routing weight, stored in its token's slot (the shared
     expert's slot TOP_K). The accumulator holds BLOCK_M rows of the block order from ``p_first`` on."""
     if GATE_UP:
-        if SUB == BLOCK_N:  # gate columns, then up columns
-            g, u = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
-        else:  # per SUB columns of the tile, SUB gate then SUB up columns (``_load_tile``)
-            gu = gl.permute(gl.reshape(acc, [BLOCK_M, BLOCK_N // SUB, 2, SUB]), [0, 1, 3, 2])
-            g, u = gl.split(gl.reshape(gu, [BLOCK_M, BLOCK_N, 2]))
+        g, u = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
         layout: gl.constexpr = g.type.layout
         gate = gl.minimum(g.to(gl.bfloat16).to(gl.float32), limit)
         up = gl.minimum(gl.maximum(u.to(gl.bfloat16).to(gl.float32), -limit), limit)
@@ -513,16 +479,12 @@ def check(weights: list, dtype: torch.dtype, cfg: dict) -> None:
         if w.w.stride(0) != w.w.shape[1] * w.w.stride(1) or w.s.stride(-1) != 1:
             raise ValueError(f"moe: WS {name} must be one contiguous stack of rows with scales contiguous along K, "
                              f"got strides {w.w.stride()} / scale strides {w.s.stride()}")
-    for key, most in (("BLOCK_M", 256), ("BLOCK_N", 128), ("BLOCK_N_DOWN", 256), ("BLOCK_K", 64)):
-        if cfg.get(key, 64) > most or cfg.get(key, 64) % 64:  # one TMA box; a wgmma's N (2 x BLOCK_N in gate-up)
-            raise ValueError(f"moe: WS {key} must be a multiple of 64 up to {most} (one TMA box, one wgmma N), got "
-                             f"{cfg[key]}")
-    wg_n = cfg.get("WG_N", 1)
-    bn = cfg.get("BLOCK_N", 64)
-    if wg_n not in (1, 2) or (2 * bn // wg_n) > 128 or (cfg.get("BLOCK_N_DOWN") or bn) // wg_n > 128 or bn % wg_n:
-        raise ValueError(f"moe: WS WG_N {wg_n} with BLOCK_N {bn} / BLOCK_N_DOWN {cfg.get('BLOCK_N_DOWN')}: each MMA "
-                         "warpgroup's wgmma N (2 x BLOCK_N / WG_N in gate-up, BLOCK_N_DOWN / WG_N in down) must be at "
-                         "most 128 (its accumulator registers), WG_N 1 or 2")
+    # One TMA box; one wgmma's N: 2 x BLOCK_N in gate-up, BLOCK_N_DOWN in down, at most 128 (a wider wgmma needs more
+    # than the launch's 128 registers per thread: ptxas refuses it).
+    for key, most in (("BLOCK_M", 256), ("BLOCK_N", 64), ("BLOCK_N_DOWN", 128), ("BLOCK_K", 64)):
+        if cfg.get(key, 64) > most or cfg.get(key, 64) % 64:
+            raise ValueError(f"moe: WS {key} must be a multiple of 64 up to {most} (one TMA box, one wgmma N of at "
+                             f"most 128), got {cfg[key]}")
 
 
 def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
@@ -537,8 +499,6 @@ def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r
             routed, gate_up, bn, cfg):
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
     half_tail = bool(cfg.get("HALF_TAIL")) and routed
-    wg_n = cfg.get("WG_N", 1)
-    sub = bn // wg_n if gate_up else bn  # the weight descriptor's box rows (_gemm_ws's SUB)
     a_desc = _descriptor(a, [bm, bk])
     # HALF_TAIL's copy of a block's first bm / 2 rows lands in the first half of a slot laid out for a_desc's box:
     # the same swizzle (the row count does not enter it); without the key the kernel never reads it.
@@ -548,11 +508,11 @@ def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r
                          f"{a_desc.layout}")
     grid = _programs(num_m * triton.cdiv(n_out, bn), a.device, bool(cfg.get("PERSISTENT")))
     _gemm_ws[(grid,)](
-        a_desc, a_half, _descriptor(_stacked_rows(w.w), [sub, bk]), w.s, out, rows, block_expert, route_w, num_rows,
+        a_desc, a_half, _descriptor(_stacked_rows(w.w), [bn, bk]), w.s, out, rows, block_expert, route_w, num_rows,
         num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
         N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, HALF_TAIL=half_tail,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4),
-        CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS, WG_N=wg_n, num_warps=cfg["num_warps"],
+        CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"],
         maxnreg=maxnreg(cfg["num_warps"]),
     )
 
