@@ -195,6 +195,18 @@ def test_grouping_kernel_equals_the_stable_sort(kind, t, top_k, e, bm):
     assert (blocks.block_m, blocks.num_assignments) == (bm, ids.numel())
 
 
+@cpu_only
+def test_grouping_kernel_splits_of_several_chunks(monkeypatch):
+    # 5 chunks of 2048 ids in 2 splits of 3 and 2 chunks: each split's ranks start after the expert's count in the
+    # chunks before it (the default splits only exceed one chunk each above 16k ids, too slow to interpret).
+    monkeypatch.setattr(moe_routing, "GROUP_SPLITS", 2)
+    for kind, top_k in (("random", 1), ("sparse", 3)):
+        ids = _ids(kind, 9000 // top_k, top_k, 12, seed=5)
+        blocks = moe_routing.group_by_expert(ids, 12, 64)
+        rows, block_expert = _group_by_expert_reference(ids, 12, 64)
+        assert torch.equal(blocks.rows, rows) and torch.equal(blocks.block_expert, block_expert)
+
+
 @pytest.mark.parametrize("top_k,bm", [(1, 16), (4, 64)])
 @cpu_only
 def test_grouping_kernel_skips_the_not_ours_expert(top_k, bm):

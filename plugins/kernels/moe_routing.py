@@ -20,8 +20,8 @@ two differ by at most twice that: the routing can differ only where two experts'
 the reference's own result on another device (another summation order) does as well. Every expert's logit is
 summed in the same order, so experts with identical router rows tie exactly, as in the reference.
 
-Permutation (``group_by_expert``): one launch of ``_group`` (one program per expert, plus one for the unused tail)
-that counts, pads, ranks and tags without a sort. It replaced ~30 torch ops (a stable radix sort, scans, scatters,
+Permutation (``group_by_expert``): two launches, per-chunk expert counts (``_chunk_counts``) and ``_group`` (a
+program per expert and split of the ids, plus one for the unused tail) that pads, ranks and tags without a sort. It replaced ~30 torch ops (a stable radix sort, scans, scatters,
 ``searchsorted``: ~45 device kernels in a prefill) whose ~0.1 ms of device work took ~1.3 ms of an eager prefill
 call, each dispatched from Python in turn (H200, 16k tokens x top-4, 128 experts).
 """
@@ -161,70 +161,95 @@ def max_blocks(num_assignments: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _group(ids_ptr, rows_ptr, block_expert_ptr, n, E, num_blocks, SKIP, BLOCK_M: tl.constexpr,
-           PAD: tl.constexpr, BLOCK_N: tl.constexpr, BINS: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Program ``e < E``: expert e's padded run of ``rows`` and its entries of ``block_expert``; program E: the rows
-    and blocks past the last expert's run (padding ``n``, expert -1).
+def _chunk_counts(ids_ptr, counts_ptr, n, BLOCK_N: tl.constexpr, BINS: tl.constexpr):
+    """counts[c, :] = assignments per expert among ids ``[c * BLOCK_N, (c + 1) * BLOCK_N)`` (``tl.histogram``)."""
+    c = tl.program_id(0)
+    i = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.histogram(tl.load(ids_ptr + i, mask=i < n, other=0).to(tl.int32), BINS, mask=i < n)
+    tl.store(counts_ptr + c * BINS + tl.arange(0, BINS), h)
 
-    Every program first counts all n assignments per expert (``tl.histogram`` over chunks of ``BLOCK_N`` ids, read
-    from L2 after the first program: 256 KB at 16k tokens x top-4), so the padded starts need no second launch
-    and no host sync. Program e then scans the ids again in order and ranks its own assignments by a prefix count
-    within the chunk (``tl.cumsum``) plus those of earlier chunks: increasing flat index, the stable sort's order.
+
+@triton.jit
+def _group(ids_ptr, counts_ptr, rows_ptr, block_expert_ptr, n, E, num_blocks, num_chunks, chunks_per_split, SKIP,
+           BLOCK_M: tl.constexpr, PAD: tl.constexpr, BLOCK_N: tl.constexpr, BINS: tl.constexpr,
+           ROWS_C: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program (e < E, s): expert e's assignments among chunks ``[s * chunks_per_split, (s + 1) * ...)`` of the
+    ids, at e's padded start plus e's count in earlier chunks; split 0 also writes e's padding and its
+    ``block_expert`` entries. Program (E, 0): the rows and blocks past the last expert's run (padding ``n``,
+    expert -1).
+
+    Every program sums the chunk counts (``_chunk_counts``; 16 KB at 16k tokens x top-4, from L2) for the padded
+    starts, then ranks its own assignments chunk by chunk by a prefix count (``tl.cumsum``): increasing flat
+    index within an expert, the stable sort's order.
     """
     pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_N)
-    counts = tl.zeros((BINS,), dtype=tl.int32)
-    for start in range(0, n, BLOCK_N):
-        i = start + offs
-        counts += tl.histogram(tl.load(ids_ptr + i, mask=i < n, other=0).to(tl.int32), BINS, mask=i < n)
+    sid = tl.program_id(1)
     bins = tl.arange(0, BINS)
+    c_lo = sid * chunks_per_split
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    before = tl.zeros((BINS,), dtype=tl.int32)  # per expert, in chunks before this split
+    for c0 in range(0, num_chunks, ROWS_C):
+        c = c0 + tl.arange(0, ROWS_C)
+        tile = tl.load(counts_ptr + c[:, None] * BINS + bins[None, :], mask=(c < num_chunks)[:, None], other=0)
+        counts += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where((c < c_lo)[:, None], tile, 0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     first = tl.sum(tl.where(bins < pid, padded, 0), axis=0)  # padded start of this expert's run (program E: end)
-    rows_end = num_blocks * BLOCK_M
-    pad_offs = tl.arange(0, PAD)  # PAD = next_pow2(BLOCK_M)
-    b_offs = tl.arange(0, BLOCK_B)
+    offs = tl.arange(0, BLOCK_N)
     if pid < E:
-        own = tl.sum(tl.where(bins == pid, counts, 0), axis=0)
-        last = first + tl.sum(tl.where(bins == pid, padded, 0), axis=0)
-        done = first
-        for start in range(0, n, BLOCK_N):
-            i = start + offs
+        done = first + tl.sum(tl.where(bins == pid, before, 0), axis=0)
+        for c in range(c_lo, tl.minimum(c_lo + chunks_per_split, num_chunks)):
+            i = c * BLOCK_N + offs
             hit = (tl.load(ids_ptr + i, mask=i < n, other=0).to(tl.int32) == pid) & (i < n)
             rank = tl.cumsum(hit.to(tl.int32), axis=0)
             tl.store(rows_ptr + done + rank - 1, i, mask=hit)
             done += tl.sum(hit.to(tl.int32), axis=0)
-        p = first + own + pad_offs  # this expert's last block's padding (fewer than BLOCK_M rows)
-        tl.store(rows_ptr + p, n, mask=p < last)
-        tag = tl.where(pid == SKIP, -1, pid)
-        for b0 in range(first // BLOCK_M, last // BLOCK_M, BLOCK_B):
-            b = b0 + b_offs
-            tl.store(block_expert_ptr + b, tl.zeros((BLOCK_B,), dtype=tl.int32) + tag, mask=b < last // BLOCK_M)
-    else:
+        if sid == 0:
+            own = tl.sum(tl.where(bins == pid, counts, 0), axis=0)
+            last = first + tl.sum(tl.where(bins == pid, padded, 0), axis=0)
+            p = first + own + tl.arange(0, PAD)  # this expert's last block's padding (fewer than BLOCK_M rows)
+            tl.store(rows_ptr + p, n, mask=p < last)
+            tag = tl.where(pid == SKIP, -1, pid)
+            for b0 in range(first // BLOCK_M, last // BLOCK_M, BLOCK_B):
+                b = b0 + tl.arange(0, BLOCK_B)
+                tl.store(block_expert_ptr + b, tl.zeros((BLOCK_B,), dtype=tl.int32) + tag, mask=b < last // BLOCK_M)
+    elif sid == 0:
+        rows_end = num_blocks * BLOCK_M
         for r0 in range(first, rows_end, BLOCK_N):
             r = r0 + offs
             tl.store(rows_ptr + r, tl.zeros((BLOCK_N,), dtype=tl.int32) + n, mask=r < rows_end)
         for b0 in range(first // BLOCK_M, num_blocks, BLOCK_B):
-            b = b0 + b_offs
+            b = b0 + tl.arange(0, BLOCK_B)
             tl.store(block_expert_ptr + b, tl.full((BLOCK_B,), -1, dtype=tl.int32), mask=b < num_blocks)
 
 
+GROUP_SPLITS = 8  # id-range splits per expert in ``_group``: 1032 programs at 128 experts, ~8 per SM
+
+
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, skip: int | None = None) -> ExpertBlocks:
-    """Stable sort of the assignments by expert, each expert's run padded to a multiple of ``block_m``: one launch
-    of ``_group`` (``num_experts + 1`` programs) into uninitialised outputs, every entry written once.
+    """Stable sort of the assignments by expert, each expert's run padded to a multiple of ``block_m``: two
+    launches, ``_chunk_counts`` (one program per chunk of ids) then ``_group`` (a program per expert and split of
+    the ids, plus one for the unused tail), into uninitialised outputs, every entry written once.
 
     ``skip``: an expert whose blocks are tagged -1 in ``block_expert`` (their programs return at once) while its
     rows keep their place: expert parallelism's "not ours" expert (``moe.run_moe``). ``ids`` must lie in
     ``[0, num_experts)``; the result is that of the stable ``torch.sort`` of the flat ids (``tests``' reference)."""
     flat = ids.reshape(-1)
     n = flat.numel()
+    device = flat.device
     nb = max_blocks(n, num_experts, block_m)
-    rows = torch.empty(nb * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(nb, dtype=torch.int32, device=flat.device)
-    # One program per SM at the release's 128 experts, so 8 warps each for latency hiding; chunks of up to 2048
-    # ids (8 per thread), at least 256 (one per thread: no histogram input replicated across threads). Bins: a
-    # power of two >= 32 (tl.histogram's warp-ballot lowering gives each lane bins / 32 of them).
+    # Chunks of up to 2048 ids (8 per thread at 8 warps), at least 256 (one per thread: no histogram input
+    # replicated across threads). Bins: a power of two >= 32 (tl.histogram's warp-ballot lowering gives each lane
+    # bins / 32 of them).
     block_n = min(2048, max(256, next_pow2(n)))
-    _group[(num_experts + 1,)](flat, rows, block_expert, n, num_experts, nb, -1 if skip is None else skip,
-                               BLOCK_M=block_m, PAD=next_pow2(block_m), BLOCK_N=block_n,
-                               BINS=max(32, next_pow2(num_experts)), BLOCK_B=128, num_warps=8)
+    bins = max(32, next_pow2(num_experts))
+    num_chunks = max(1, cdiv(n, block_n))
+    per_split = cdiv(num_chunks, GROUP_SPLITS)
+    counts = torch.empty((num_chunks, bins), dtype=torch.int32, device=device)
+    rows = torch.empty(nb * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=device)
+    _chunk_counts[(num_chunks,)](flat, counts, n, BLOCK_N=block_n, BINS=bins, num_warps=8)
+    _group[(num_experts + 1, cdiv(num_chunks, per_split))](
+        flat, counts, rows, block_expert, n, num_experts, nb, num_chunks, per_split, -1 if skip is None else skip,
+        BLOCK_M=block_m, PAD=next_pow2(block_m), BLOCK_N=block_n, BINS=bins, ROWS_C=32, BLOCK_B=128, num_warps=8)
     return ExpertBlocks(rows, block_expert, block_m, n)
