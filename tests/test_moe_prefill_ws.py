@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from bench.moe import NAMES, PREFILL_WS
-from tests.test_kernels_moe import ALPHA, INTERPRETED, LIMIT, SCALING, MoECase, _as64, _close
+from tests.test_kernels_moe import (ALPHA, INTERPRETED, LIMIT, SCALING, MoECase, _as64, _close, _off_alignment,
+                                    cpu_only)
 from m3export.ops import moe as ref
 from m3export.plugins.kernels import moe as moe_kernel
 
@@ -261,6 +262,82 @@ def test_ws_refuses_what_it_cannot_run():
             moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
         return
     pytest.skip("the refusals under the interpreter; the device checks are the gpu tests'")
+
+
+def _stacks(act: torch.dtype, fmt: str, aligned: bool = True):
+    """MoECase(300 tokens, top-2 over 2 experts: 300 assignments per expert, above PREFILL_MXFP8's 256) as run_moe's
+    arguments and its four weight stacks; not ``aligned``: w2 one element off a 16-byte boundary (TMA cannot read
+    it)."""
+    case = MoECase(300, 64, 64, 64, 2, 2, seed=76)
+    args = list(case.bf16_args(act) if fmt == "bf16" else case.mxfp8_args(act))
+    if not aligned:
+        w2 = 4 if fmt == "bf16" else 5
+        args[w2] = _off_alignment(args[w2])
+    weights = args[3:] if fmt == "bf16" else args[3::2]
+    scales = (None,) * 4 if fmt == "bf16" else tuple(args[4::2])
+    return case, args[:3], weights, scales, [moe_kernel._Weights(w, s) for w, s in zip(weights, scales)]
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["interpreter", "device"])
+def test_ws_default_asks_why_not_once(monkeypatch, device):
+    # moe.default_config, given the launcher's weight stacks, takes WS_TILE only where moe_prefill_ws.why_not has
+    # no reason, else PREFILL_MXFP8_LARGE (the one fallback); without weights, the choice by shapes. "device": the
+    # interpreter's refusal switched off (no kernel runs here: default_config only asks why_not).
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", not device)
+    asked = []
+    why_not = ws.why_not
+    monkeypatch.setattr(ws, "why_not", lambda *a: asked.append(a) or why_not(*a))
+    d = moe_kernel.default_config
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    for aligned in (True, False):
+        stacks = _stacks(bf16, "mxfp8", aligned)[-1]
+        asked.clear()
+        want = ws.WS_TILE if device and aligned else moe_kernel.PREFILL_MXFP8_LARGE
+        assert d(300, 600, 2, True, bf16, stacks) == want and len(asked) == 1, (aligned, asked)
+        reason = why_not(stacks, bf16, ws.WS_TILE)
+        assert (reason is None) == (device and aligned), reason
+        assert d(300, 600, 2, True, bf16) == ws.WS_TILE  # no weights: by shapes
+        # Not asked where WS is not the shape's choice: fp16 / fp32 activations, bf16 weights, fewer assignments.
+        asked.clear()
+        assert d(300, 600, 2, True, f16, stacks) == moe_kernel.PREFILL_MXFP8_LARGE
+        assert d(300, 600, 2, True, f32, stacks) == {"BLOCK_M": 128, "BLOCK_N": 128}
+        assert d(300, 600, 2, False, bf16, _stacks(bf16, "bf16", aligned)[-1]) == moe_kernel.PREFILL_BF16
+        assert d(80, 160, 3, True, bf16, stacks) == moe_kernel.PREFILL_MXFP8
+        assert asked == []
+
+
+@cpu_only
+@pytest.mark.parametrize("aligned", [True, False], ids=["tma", "no_tma"])
+def test_ws_fallback_runs_the_large_triton_tile(monkeypatch, aligned):
+    # Under the interpreter the launcher's default at 300 assignments per expert (WS_TILE by shape) runs
+    # PREFILL_MXFP8_LARGE's Triton tiles, whole: its 256-row blocks, the MX_MODE of moe.gemm_config (1 here: never
+    # WS_TILE's label 3, whose Triton tiles are refused), no WS key; without TMA where w2 cannot be read by it.
+    # Explicit configs still raise: WS_TILE with the interpreter's reason, WS_TILE with WS 0 (the refused Triton
+    # MX_MODE 3 tiles) with that refusal. The kernels are replaced by recorders (the combine returns its output).
+    from m3export.plugins.kernels import moe_prefill_ws as ws
+
+    launched = []
+    # (kind, routed: blocks given, BLOCK_M, the tile config) of each Triton launch
+    monkeypatch.setattr(moe_kernel, "_launch_gate_up", lambda *a: launched.append(("gate_up", a[3] is not None,
+                                                                                   *a[10:12])))
+    monkeypatch.setattr(moe_kernel, "_launch_down", lambda *a: launched.append(("down", a[3] is not None, *a[9:11])))
+    monkeypatch.setattr(moe_kernel, "_combine_launch", lambda y, out, *a: out)
+    monkeypatch.setattr(ws, "launch", lambda *a: launched.append("ws"))
+    case, head, weights, scales, _ = _stacks(torch.bfloat16, "mxfp8", aligned)
+    moe_kernel.run_moe(*head, *weights, *case.attrs(), scales=scales)
+    large = {k: v for k, v in moe_kernel.PREFILL_MXFP8_LARGE.items() if k != "BLOCK_M"}
+    assert len(launched) == 4 and "ws" not in launched
+    for kind, routed, bm, cfg in launched:
+        want = moe_kernel.gemm_config(bm, mx_mode2=False) | large | {"TMA": int(aligned)}
+        assert cfg == want and cfg["MX_MODE"] == 1 and "WS" not in cfg, (kind, routed, cfg)
+        assert bm == (moe_kernel.PREFILL_MXFP8_LARGE["BLOCK_M"] if routed else 128), (kind, routed, bm)
+    with pytest.raises(ValueError, match="Gluon kernels do not run under the Triton interpreter"):
+        moe_kernel.run_moe(*head, *weights, *case.attrs(), scales=scales, config=dict(ws.WS_TILE))
+    with pytest.raises(ValueError, match="got 3 .3, the integer conversion, raced"):
+        moe_kernel.run_moe(*head, *weights, *case.attrs(), scales=scales, config=dict(ws.WS_TILE, WS=0))
+    assert len(launched) == 4
 
 
 @pytest.mark.gpu

@@ -350,7 +350,7 @@ PREFILL_BF16 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1)
 
 
 def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
-                   dtype: torch.dtype = torch.bfloat16) -> dict:
+                   dtype: torch.dtype = torch.bfloat16, weights: "list[_Weights] | None" = None) -> dict:
     """The launcher's choice when the caller gives no ``config``, per batch bucket, weight format and activation
     dtype: the winners of the H200 sweeps (round 2, 2026-11-30 22:12 UTC, commit b0036a9; one token: round 3,
     2026-12-01 00:35 UTC, commit bd355ce; prefill: round 4, 2026-12-01 03:40 UTC, commit a2ec016; 128 experts, H
@@ -368,7 +368,8 @@ def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
       expert; the split between the two is not measured); above it with bf16 activations the warp-specialised
       Gluon GEMMs of ``moe_prefill_ws`` (``WS_TILE``: the same 256-row tiles, the E4M3 conversion on its own warps;
       H200 2026-12-01 11:10 UTC, 16k tokens: 22.76 against 25.38 ms, outputs bit-equal), ``PREFILL_MXFP8_LARGE``
-      where they cannot run (``moe_prefill_ws.check``: no CUDA device, weights TMA cannot read). bf16 weights:
+      where they cannot run: ``weights`` given (the launcher's four stacks), where ``moe_prefill_ws.why_not`` gives
+      a reason (no CUDA device, weights TMA cannot read); without ``weights`` the choice by shapes. bf16 weights:
       ``PREFILL_BF16`` (128 x 128 tiles, TMA) from ``block_m_for``'s 128-row bucket (mean > 48; measured at 128
       and 512 per expert); between 16 and 48 per expert (not measured) its 64-row blocks.
     * fp32 activations (tests, precision runs; none measured) keep the prefill tiles from before round 4: the
@@ -389,10 +390,11 @@ def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
         return {"GU_FUSED": 1}
     if mean <= 256:
         return dict(PREFILL_MXFP8) if wide else {"BLOCK_M": 64, "GU_FUSED": 1}
-    if dtype == torch.bfloat16:  # the warp-specialised Gluon GEMMs; run_moe falls back where they cannot run
-        from .moe_prefill_ws import WS_TILE
+    if dtype == torch.bfloat16:  # the warp-specialised Gluon GEMMs where they can run
+        from .moe_prefill_ws import WS_TILE, why_not
 
-        return dict(WS_TILE)
+        if weights is None or why_not(weights, dtype, WS_TILE) is None:
+            return dict(WS_TILE)
     return dict(PREFILL_MXFP8_LARGE) if wide else {"BLOCK_M": 128, "BLOCK_N": 128}
 
 
@@ -545,9 +547,12 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         return out
     ids, route_w = route(x, router_weight, bias, top_k)
     n = t * top_k
+    routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
+    shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
+    weights = [routed13, routed2, shared13, shared2]
     defaulted = config is None
     if config is None:
-        config = default_config(t, n, e, scales[0] is not None, x.dtype)
+        config = default_config(t, n, e, scales[0] is not None, x.dtype, weights)
         if owned is not None and config.get("GEMV"):  # the GEMV path computes every expert: grouped tiles instead
             config = {}
     if owned is not None:
@@ -556,9 +561,7 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
         local = ids.long() - owned[0]
         ids = torch.where((local >= 0) & (local < e), local, e).to(ids.dtype)  # not ours: expert e, skipped
     if (config or {}).get("GEMV"):  # the CUDA-core decode path (moe_gemv.py): no permutation, no padding
-        y = moe_gemv.launch(x, ids, route_w, _Weights(w13, scales[0]), _Weights(w2, scales[1]),
-                            _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3]), top_k,
-                            float(swiglu_alpha), float(swiglu_limit), config)
+        y = moe_gemv.launch(x, ids, route_w, *weights, top_k, float(swiglu_alpha), float(swiglu_limit), config)
         return _combine_launch(y, out, routed_scaling_factor, h, top_k)
     bm = (config or {}).get("BLOCK_M") or block_m_for(n, e)
     if owned is None:
@@ -578,22 +581,13 @@ def run_moe(x, router_weight, bias, w13, w2, shared_w13, shared_w2, top_k, route
                          "not fp16")
     dev, dt = x.device, x.dtype
 
-    routed13, routed2 = _Weights(w13, scales[0]), _Weights(w2, scales[1])
-    shared13, shared2 = _Weights(shared_w13, scales[2]), _Weights(shared_w2, scales[3])
-    weights = [routed13, routed2, shared13, shared2]
     ws = cfg.get("WS")  # the warp-specialised Gluon GEMMs (moe_prefill_ws.py)
     if ws:
         from . import moe_prefill_ws
 
-        try:
+        if not defaulted:  # default_config asked moe_prefill_ws.why_not already
             moe_prefill_ws.check(weights, dt, cfg)
-        except ValueError:
-            if not defaulted:
-                raise
-            ws = None  # the launcher's own default where they cannot run: the Triton tile they replaced
-            large = {k: v for k, v in PREFILL_MXFP8_LARGE.items() if k != "BLOCK_M"}
-            cfg, shared_cfg = gemm_config(bm, mode2) | large, gemm_config(shared_bm, mode2) | large
-    if not ws:
+    else:
         cfg, shared_cfg = (_check_tma(c, weights, fallback=defaulted) for c in (cfg, shared_cfg))
     act = torch.empty((blocks.rows.shape[0], i), dtype=dt, device=dev)
     act_s = torch.empty((t, i_s), dtype=dt, device=dev)

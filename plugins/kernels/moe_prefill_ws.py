@@ -32,10 +32,17 @@ warpgroups side by side along N (28.04-28.40: fewer bytes loaded per K step, eac
 rows instead of 256).
 
 Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants): ``WS_TILE`` is
-the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), where it
-falls back to ``moe.PREFILL_MXFP8_LARGE`` if ``check`` refuses. MXFP8 weights that TMA can read
+the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), which
+takes ``moe.PREFILL_MXFP8_LARGE`` instead where ``why_not`` gives a reason. MXFP8 weights that TMA can read
 (``moe.tma_unusable``) and bf16 activations only; Gluon kernels do not run under the Triton interpreter, so the CPU
 tests compile them for sm_90 (``tests/test_moe_prefill_ws.py``) and the GPU tests compare them with the reference.
+
+A WS config's ``MX_MODE`` 3 is a label of the conversion's semantics, not a Triton path: the integer E4M3 conversion
+times the exact power-of-two scale (UE8M0 byte 0 is 2^-127, as the reference), so ``moe.check_mx_mode`` accepts it
+whatever scale bytes were loaded (``MX_MODE`` 2, ``tl.dot_scaled``, reads byte 0 as 0) and ``moe.run_moe`` refuses
+it with fp16 activations (bf16 tiles). The Triton tiles of ``MX_MODE`` 3 stay refused (``moe._check_tma``): a WS
+config reaches them only with ``WS`` 0 given by the caller, which raises, and the launcher's own fallback is
+``moe.PREFILL_MXFP8_LARGE`` chosen whole by ``moe.default_config`` (``MX_MODE`` from ``moe.gemm_config``: 1 or 2).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # The tile the H200 runs (the 16k winner's shape, ``moe.PREFILL_MXFP8_LARGE``: 256-row blocks, 128 weight rows per
 # wgmma, 64-wide K steps): rings of 4 loaded and 2 converted slots, 8 MMA warps (two warpgroups of 128 rows).
 # Shared memory: 4 x (32 KB activations + 8 KB E4M3) + 2 x 16 KB bf16 = 192 KB of the H200's 227.
-# MX_MODE 3 names the conversion's semantics (``moe.check_mx_mode`` accepts it whatever scale bytes were loaded).
+# MX_MODE 3 labels the conversion's semantics (the module docstring): not the refused Triton MX_MODE 3 tiles.
 # HALF_TAIL since the H200 call of 2026-12-01 13:46 UTC (snapshot 16f43db, 16k tokens: 22.15 against 23.15 ms,
 # output bit-equal; routed gate-up 10.57 -> 9.97 ms, routed down 5.39 -> 5.27).
 WS_TILE = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8, num_warps=8, STAGES=4,
@@ -121,27 +128,16 @@ def _loader(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_rea
     converter needs them before the MMA needs the activations."""
     it = 0  # K steps issued over the program's tiles: the ring position
     for tile in range(first_tile, num_m * N_TILES, tile_step):
-        it = _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty,
-                          block_expert_ptr, rows_ptr, num_rows, num_m, tile, it, W_E, N_OUT, N_TILES, GROUP_M, ROUTED,
-                          HALF_TAIL, K_STEPS, G, BM, BN, BK, STAGES)
-
-
-@gluon.jit
-def _load_blocks(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, block_expert_ptr,
-                 rows_ptr, num_rows, num_m, tile, it, W_E: gl.constexpr, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
-                 GROUP_M: gl.constexpr, ROUTED: gl.constexpr, HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr,
-                 G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
-    """The loader's work for tile ``tile``; the ring position after it."""
-    pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
-    e = _expert(block_expert_ptr, pid_m, ROUTED)
-    if e >= 0:
-        half = pid_m < 0  # read only with HALF_TAIL (then _half's)
-        if HALF_TAIL and ROUTED:
-            half = _half(rows_ptr, pid_m, num_rows, BM)
-        _load_tile(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it, pid_m * BM,
-                   e * W_E + pid_n * BN, half, HALF_TAIL and ROUTED, N_OUT, K_STEPS, G, BM, BN, BK, STAGES)
-        it += K_STEPS
-    return it
+        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+        e = _expert(block_expert_ptr, pid_m, ROUTED)
+        if e >= 0:
+            half = pid_m < 0  # read only with HALF_TAIL (then _half's)
+            if HALF_TAIL and ROUTED:
+                half = _half(rows_ptr, pid_m, num_rows, BM)
+            _load_tile(a_desc, a_half_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, it,
+                       pid_m * BM, e * W_E + pid_n * BN, half, HALF_TAIL and ROUTED, N_OUT, K_STEPS, G, BM, BN, BK,
+                       STAGES)
+            it += K_STEPS
 
 
 @gluon.jit
@@ -202,24 +198,12 @@ def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, 
     wait on the tile) to the bf16 tile of the converted ring (``_convert_tile``)."""
     it = 0
     for tile in range(first_tile, num_m * N_TILES, tile_step):
-        it = _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr,
-                             num_m, tile, it, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BN, BK, STAGES,
-                             CONV_STAGES, WARPS)
-
-
-@gluon.jit
-def _convert_blocks(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
-                    tile, it, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr, GROUP_M: gl.constexpr,
-                    ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
-                    BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """The converter's work for tile ``tile``; the ring position after it."""
-    pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
-    e = _expert(block_expert_ptr, pid_m, ROUTED)
-    if e >= 0:
-        _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr + e.to(gl.int64) * ss_e, ss_n, pid_n,
-                      it, N_OUT, K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS)
-        it += K_STEPS
-    return it
+        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+        e = _expert(block_expert_ptr, pid_m, ROUTED)
+        if e >= 0:
+            _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr + e.to(gl.int64) * ss_e, ss_n,
+                          pid_n, it, N_OUT, K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS)
+            it += K_STEPS
 
 
 @gluon.jit
@@ -309,36 +293,23 @@ def _mma(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, n
     which overlaps the workers' first steps of the next tile."""
     it = 0
     for tile in range(first_tile, num_m * N_TILES, tile_step):
-        it = _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it, out_ptr,
-                         rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT, N_TILES, GROUP_M, TOP_K,
-                         ROUTED, GATE_UP, HALF_TAIL, K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
-
-
-@gluon.jit
-def _mma_blocks(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, block_expert_ptr, num_m, tile, it, out_ptr,
-                rows_ptr, route_w_ptr, num_rows, alpha, limit, so_r, so_s, N_OUT: gl.constexpr, N_TILES: gl.constexpr,
-                GROUP_M: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr, GATE_UP: gl.constexpr,
-                HALF_TAIL: gl.constexpr, K_STEPS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr,
-                STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """The MMA partition's work for tile ``tile``; the ring position after it."""
-    pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
-    e = _expert(block_expert_ptr, pid_m, ROUTED)
-    if e >= 0:
-        if HALF_TAIL and ROUTED:
-            if _half(rows_ptr, pid_m, num_rows, BM):
-                _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
-                       num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
-                       K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS)
+        pid_m, pid_n = _tile(tile, num_m, GROUP_M, N_TILES)
+        e = _expert(block_expert_ptr, pid_m, ROUTED)
+        if e >= 0:
+            if HALF_TAIL and ROUTED:
+                if _half(rows_ptr, pid_m, num_rows, BM):
+                    _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
+                           num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
+                           K_STEPS, BM // 2, BN, NW, STAGES, CONV_STAGES, WARPS)
+                else:
+                    _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
+                           num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
+                           K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
             else:
                 _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr,
                        num_rows, alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP,
                        K_STEPS, BM, BN, NW, STAGES, CONV_STAGES, WARPS)
-        else:
-            _block(a_bufs, c_bufs, a_ready, a_empty, c_ready, c_empty, it, out_ptr, rows_ptr, route_w_ptr, num_rows,
-                   alpha, limit, so_r, so_s, pid_m * BM, pid_n * BN, N_OUT, TOP_K, ROUTED, GATE_UP, K_STEPS, BM, BN,
-                   NW, STAGES, CONV_STAGES, WARPS)
-        it += K_STEPS
-    return it
+            it += K_STEPS
 
 
 def _kernel_name(spec) -> str:
@@ -458,33 +429,44 @@ def _stacked_rows(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8).reshape(w.shape[0] * w.shape[1], w.shape[2])
 
 
-def check(weights: list, dtype: torch.dtype, cfg: dict) -> None:
-    """Why these weights / activations cannot take the warp-specialised path, as a ValueError naming the tensor:
-    it takes MXFP8 weight stacks whose rows TMA can read (``moe.tma_unusable``) laid out as one matrix (expert
-    stride = rows x row stride, so an expert's tile never needs a second descriptor), contiguous scales along K,
-    and bf16 activations (the converted weights are bf16 tiles)."""
+def why_not(weights: list, dtype: torch.dtype, cfg: dict) -> str | None:
+    """Why these weights / activations / tile cannot take the warp-specialised path (naming the tensor), or None:
+    the one owner of that answer, asked by ``moe.default_config`` (which takes ``moe.PREFILL_MXFP8_LARGE`` instead)
+    and, through ``check``, by ``moe.run_moe`` for a config the caller chose. It takes a CUDA device (Gluon kernels
+    do not run under the Triton interpreter), bf16 activations (the converted weights are bf16 tiles), MXFP8 weight
+    stacks whose rows TMA can read (``moe.tma_unusable``) laid out as one matrix (expert stride = rows x row
+    stride, so an expert's tile never needs a second descriptor) with scales contiguous along K, and tiles of one
+    TMA box and one wgmma N of at most 128."""
     from .moe import tma_unusable
 
     if triton.knobs.runtime.interpret:
-        raise ValueError("moe: WS (warp-specialised Gluon kernels) needs a CUDA device: Gluon kernels do not run "
-                         "under the Triton interpreter (TRITON_INTERPRET=1)")
+        return ("moe: WS (warp-specialised Gluon kernels) needs a CUDA device: Gluon kernels do not run under the "
+                "Triton interpreter (TRITON_INTERPRET=1)")
     if dtype != torch.bfloat16:
-        raise ValueError(f"moe: WS (warp-specialised MXFP8 prefill) takes bf16 activations, got {dtype}")
+        return f"moe: WS (warp-specialised MXFP8 prefill) takes bf16 activations, got {dtype}"
     for name, w in zip(("w13", "w2", "shared_w13", "shared_w2"), weights):
         if not w.mxfp8:
-            raise ValueError(f"moe: WS takes MXFP8 weights (E4M3 + UE8M0 scales), {name} has none")
+            return f"moe: WS takes MXFP8 weights (E4M3 + UE8M0 scales), {name} has none"
         why = tma_unusable([w])
         if why is not None:
-            raise ValueError(f"moe: WS {name}: {why}")
+            return f"moe: WS {name}: {why}"
         if w.w.stride(0) != w.w.shape[1] * w.w.stride(1) or w.s.stride(-1) != 1:
-            raise ValueError(f"moe: WS {name} must be one contiguous stack of rows with scales contiguous along K, "
-                             f"got strides {w.w.stride()} / scale strides {w.s.stride()}")
+            return (f"moe: WS {name} must be one contiguous stack of rows with scales contiguous along K, got "
+                    f"strides {w.w.stride()} / scale strides {w.s.stride()}")
     # One TMA box; one wgmma's N: 2 x BLOCK_N in gate-up, BLOCK_N_DOWN in down, at most 128 (a wider wgmma needs more
     # than the launch's 128 registers per thread: ptxas refuses it).
     for key, most in (("BLOCK_M", 256), ("BLOCK_N", 64), ("BLOCK_N_DOWN", 128), ("BLOCK_K", 64)):
         if cfg.get(key, 64) > most or cfg.get(key, 64) % 64:
-            raise ValueError(f"moe: WS {key} must be a multiple of 64 up to {most} (one TMA box, one wgmma N of at "
-                             f"most 128), got {cfg[key]}")
+            return (f"moe: WS {key} must be a multiple of 64 up to {most} (one TMA box, one wgmma N of at most 128), "
+                    f"got {cfg[key]}")
+    return None
+
+
+def check(weights: list, dtype: torch.dtype, cfg: dict) -> None:
+    """``why_not``'s reason as a ValueError: a WS config the caller chose that cannot run."""
+    why = why_not(weights, dtype, cfg)
+    if why is not None:
+        raise ValueError(why)
 
 
 def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
