@@ -55,9 +55,8 @@ def _sparse_prefill_setting(request, monkeypatch):
         setting = dict(spa.VARIANTS["prefill"][name])
         if kind == "fp32":
             monkeypatch.setattr(spa, "FP32_PREFILL", setting)
-        else:  # launches of every size: the short launches' setting too
+        else:
             monkeypatch.setitem(spa.DEFAULTS, "prefill", setting)
-            monkeypatch.setattr(spa, "SHORT_PREFILL", setting)
 
 
 @pytest.fixture(autouse=True)

@@ -70,8 +70,8 @@ def test_mini_dims_against_references_without_host_sync(page):
 
 def test_mini_dims_long_prefill_chunks_against_references():
     """The prefill default on the launch sizes it is tuned for (bf16, M3 dims, pages of 128): an 8192-token chunk at
-    the end of a 16k-token prompt beside a 1000-token prompt (9192 new tokens in one launch: ``DEFAULTS["prefill"]``,
-    not the short launches' ``SHORT_PREFILL``, which the mixed batch above runs), on the indexer kernel's selections.
+    the end of a 16k-token prompt beside a 1000-token prompt (9192 new tokens in one launch; the mixed batch above
+    runs the same ``DEFAULTS["prefill"]`` on a short launch), on the indexer kernel's selections.
     The last 64 tokens of each are checked against the reference called for them alone (it gathers only their
     context); the bound is the bf16 one derived in paged_attention. ``--sparse-prefill NAME`` runs a candidate here
     instead."""

@@ -104,12 +104,13 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("setting", ["defaults", "chosen"])
+@pytest.mark.parametrize("setting", ["defaults", "without-bits"])
 def test_a_4k_prefill_launch_dispatches_few_host_ops(monkeypatch, setting):
     """A 4096-token prompt at M3's per-layer dims (64 / 4 heads of 128, blocks and pages of 128, top-16), bf16, with
     both Triton launches replaced by recorders: the launcher dispatches at most 8 tensor ops (the output, the plan's
-    buffers) and launches the plan and the attention kernel once each. The plan's torch chains were 71 ops for
-    this launch (109 with the chooser bits), each a device kernel dispatched from Python."""
+    buffers) and launches the plan and the attention kernel once each, with the default's chooser bits and with the
+    same tile without them. The plan's torch chains were 109 ops for this launch with the bits (71 without), each a
+    device kernel dispatched from Python."""
     launches = []
 
     class Recorder:
@@ -129,13 +130,14 @@ def test_a_4k_prefill_launch_dispatches_few_host_ops(monkeypatch, setting):
     qsl = torch.tensor([0, t], dtype=torch.int32)
     positions = torch.arange(t)
     sel = torch.zeros(t, hkv, k, dtype=torch.int32)
-    config = {"prefill": SPA.DEFAULTS["prefill"]} if setting == "chosen" else None
+    without_bits = SPA.VARIANTS["prefill"]["union_tma_lean_rescale-t4-n64-w4-s3-waves2"]
+    config = None if setting == "defaults" else {"prefill": without_bits}
     with _Ops() as seen:
         SPA.forward(q, kc, kc, bt, qsl, torch.tensor([t], dtype=torch.int32), positions, sel, bs, d**-0.5,
                     config=config)
     assert [name for name, *_ in launches] == ["plan", "attention"]
     assert launches[0][1] == launches[1][1][:2] == (t // 4 + 1, hkv)  # 4-token tiles (one slot spare), KV heads
-    assert launches[0][2]["CHOSEN"] == launches[1][2]["CHOSEN"] == (setting == "chosen")
+    assert launches[0][2]["CHOSEN"] == launches[1][2]["CHOSEN"] == (setting == "defaults")
     assert sum(seen.ops.values()) <= 8, dict(seen.ops)
 
 

@@ -95,14 +95,18 @@ DEFAULTS = {
     # same rate), so neither smaller tiles nor splitting the key walk lifts it. The chooser bits cost ~25 more tensor
     # ops per launch (``union_choosers``; the tile lists are ~55 without them), which the short 4k launch pays in its
     # eager time (1.51 ms against 1.26 for the same tile without them; 0.85 / 0.83 ms on the device), so launches of
-    # fewer than ``PREFILL_SHORT_TOKENS`` new tokens run ``SHORT_PREFILL`` (below). Checked on the H200 before the flip
-    # (2026-12-01 11:10 UTC, commit 013c513) with ``pytest --sparse-prefill NAME`` (tests/conftest.py;
+    # fewer than 8192 new tokens ran "union_tma_lean_rescale-t4-n64-w4-s3-waves2" then. Checked on the H200 before the
+    # flip (2026-12-01 11:10 UTC, commit 013c513) with ``pytest --sparse-prefill NAME`` (tests/conftest.py;
     # ``--sparse-prefill-fp32`` for fp32 activations):
     #   timeout 200 python3 -m pytest -q -x -m gpu tests/test_kernels_attention_gpu.py -k "mini_dims and not
     #       fused_norm" tests/test_kv_cache_fp8_gpu.py --sparse-prefill NAME
     # 8 passed with this setting (mixed batches on pages of 128 and 64, an 8192-token chunk at 16k context, FP8 pools),
-    # 3 with SHORT_PREFILL's (without the FP8 file). The fp32 `mini` model tests above run ``FP32_PREFILL``. It replaced
-    # "union_tma_lean-t8-n128-w8-s2-waves2".
+    # 3 with the short launches' (without the FP8 file). The fp32 `mini` model tests above run ``FP32_PREFILL``. It
+    # replaced "union_tma_lean-t8-n128-w8-s2-waves2".
+    # Since the launch's plan is one kernel (``_tile_plan``; H200 2026-12-01 14:20 UTC, snapshot ea7f650,
+    # lead_call6_attn_prefill.json, eager / graph TFLOP/s): this setting 325 / 325 at 4k and 307 / 303 at 16k, the same
+    # tile without the bits 310 / 309 and 279 / 288, so it serves launches of every size (the short launches' own
+    # setting, "union_tma_lean_rescale-t4-n64-w4-s3-waves2" below 8192 new tokens, was dropped).
     "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat_tma_fused"),
     "prefill": dict(tile_tokens=4, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
                     loop="union_tma_lean_chosen_rescale"),
@@ -261,15 +265,6 @@ VARIANTS = {
 
 # The prefill setting fp32 activations run when the caller names none (``forward``).
 FP32_PREFILL = VARIANTS["prefill"]["union-t8-n128-w8-s2-waves2"]
-# 16-bit / FP8 prefill launches of fewer new tokens than this (T, a host int: no sync, CUDA-graph safe) run
-# SHORT_PREFILL when the caller names no prefill setting: the same 4-token tile without the chooser bits, whose device
-# ops a short launch's host time does not hide (H200, 4k prompt: eager 1.26 ms against 1.51, kernel 245 TFLOP/s
-# against 238; at 16k the bits win, 3.83 -> 3.71 ms eager, 266 -> 277 TFLOP/s; DEFAULTS' comment). 8192 lies between
-# the two measured sizes; the crossover itself is not measured. Those 1.51 ms held the bits' ~25 torch ops on top of the
-# tile lists' ~55; both are one launch now (``_tile_plan``: 5 / 6 host tensor ops per launch without / with the bits,
-# tests/test_sparse_attention_tile_plan.py), so this split is to be measured again (not yet measured).
-PREFILL_SHORT_TOKENS = 8192
-SHORT_PREFILL = VARIANTS["prefill"]["union_tma_lean_rescale-t4-n64-w4-s3-waves2"]
 
 
 def settings(config: dict | None, mode: str) -> dict:
@@ -662,8 +657,6 @@ def forward(
             # fp32 activations (tests, precision runs): the union tile as the `mini` fp32 GPU tests passed it
             # (2026-12-01 05:55 UTC); the TMA lean forms were measured in bf16 only, and their fp32 tiles spill
             cfg = dict(cfg, **FP32_PREFILL)
-        elif t < PREFILL_SHORT_TOKENS:
-            cfg = dict(cfg, **SHORT_PREFILL)
     tokens = cfg.get("tile_tokens") or tokens_per_tile(t, b, g_pad)
     loop, tma, host, fused, lean = loop_form(cfg["loop"])
     ks, vs = scale_pools(k_scale, v_scale, kc)
