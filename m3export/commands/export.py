@@ -49,9 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cannot take the whole graph; the manifest's 'parts' says how they chain")
     p.add_argument("--flavour", choices=["tensorrt", "ort-contrib"], default=None,
                    help="also write each graph's TensorRT flavour (<graph>.trt.onnx: m3 nodes as m3 plugin nodes "
-                        "for TensorRT's ONNX parser; 'm3export build' uses it) or, experimental and unverified on "
-                        "GPU, its ONNX Runtime contrib-op flavour (<graph>.ort.onnx: MoE and 16-bit MXFP8Linear "
-                        "lowered to com.microsoft kernels); recorded in the manifest's 'flavours'")
+                        "for TensorRT's ONNX parser; 'm3export build' uses it) or its ONNX Runtime contrib-op flavour "
+                        "(<graph>.ort.onnx: MoE and 16-bit MXFP8Linear lowered to com.microsoft kernels; the MoE "
+                        "lowering matched the torch backend on an H200, MXFP8Linear is unverified on GPU); recorded "
+                        "in the manifest's 'flavours' with that status")
     p.add_argument("--lower", metavar="OP[,OP...]", type=lambda text: tuple(filter(None, text.split(","))),
                    help="with --flavour ort-contrib: the m3 ops to lower (MoE, MXFP8Linear, PagedAttention; default "
                         "MoE,MXFP8Linear). PagedAttention (dense layers -> com.microsoft.PagedAttention, which also "
