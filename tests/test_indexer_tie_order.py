@@ -66,7 +66,7 @@ def test_moe_routing_ignores_topk_tie_order(monkeypatch):
     inputs, attrs = case.inputs(torch.float32)
     want = conf.oracle(case, torch.float32)
     plain = functions.body
-    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False: tie_reversing_topk(plain(op, kv_fp8)))
+    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False, decode=None: tie_reversing_topk(plain(op, kv_fp8, decode)))
     got = conf.run_onnx("MoE", inputs, conf.scalar_attributes(attrs), torch.float32)
     assert conf.compare(case, torch.float32, got, inputs, attrs, want).ok
 
@@ -78,7 +78,7 @@ def test_selection_ignores_topk_tie_order(name, monkeypatch):
     inputs, attrs = case.inputs(torch.float32)
     want = conf.oracle(case, torch.float32)
     plain = functions.body
-    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False: tie_reversing_topk(plain(op, kv_fp8)))
+    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False, decode=None: tie_reversing_topk(plain(op, kv_fp8, decode)))
     got = conf.run_onnx("LightningIndexer", inputs, conf.scalar_attributes(attrs), torch.int32)
     assert torch.equal(got, want), (got != want).nonzero()[:5].tolist()
 

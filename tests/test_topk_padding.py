@@ -52,7 +52,7 @@ SPARSE = ["prefill-selects-indexer", "mixed-prefill-decode-random", "nan-tails-e
 @pytest.fixture
 def padded_topk(monkeypatch):
     plain = functions.body
-    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False: lowest_padded_topk(plain(op, kv_fp8)))
+    monkeypatch.setattr(functions, "body", lambda op, kv_fp8=False, decode=None: lowest_padded_topk(plain(op, kv_fp8, decode)))
 
 
 @pytest.mark.parametrize("name", INDEXER)
