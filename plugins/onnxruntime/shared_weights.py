@@ -62,52 +62,56 @@ def _folds(node, constant: set[str]) -> bool:
             and (node.op_type == "Constant" or (bool(inputs) and all(i in constant for i in inputs))))
 
 
-def _read_by_folded_nodes_only(nodes, name: str, constant: set[str], functions: dict) -> bool | None:
-    """Whether every reader of ``name`` among ``nodes`` (topologically sorted) folds, a call of a model-local
-    function counting as its body's readers of the matching formal input (ONNX Runtime inlines the body before it
-    folds); None where nothing reads it. ``constant`` is updated with what folds."""
-    reads: list[bool] = []
+def _readers_fold(nodes, names: set[str], constant: set[str], functions: dict, inner: dict) -> dict[str, list[bool]]:
+    """One topological walk of ``nodes``: for each of ``names``, whether each of its readers folds (``constant``,
+    updated with what folds, is what they may read). A call of a model-local function counts as its body's readers
+    of the matching formal input (ONNX Runtime inlines the body before it folds; only that input known constant
+    inside, conservative for the others; ``inner`` caches each (function, formal) verdict); a read from an If /
+    Scan / Loop body (the outer scope) never folds."""
+    reads: dict[str, list[bool]] = {}
     for node in nodes:
         folds = _folds(node, constant)
         if folds:
             constant.update(node.output)
-        if _in_subgraphs(node, name):  # read by an If / Scan / Loop body (from the outer scope): not folded
-            reads.append(False)
-        if name not in node.input:
-            continue
-        body = functions.get((node.domain, node.op_type))
+        for name in _subgraph_reads(node) & names:
+            reads.setdefault(name, []).append(False)
+        key = (node.domain, node.op_type)
+        body = functions.get(key)
         if folds or body is None:
-            reads.append(folds)
+            for name in node.input:
+                if name in names:
+                    reads.setdefault(name, []).append(folds)
             continue
         for formal, actual in zip(body.input, node.input):
-            if actual == name:  # only this input is known constant inside (conservative for the others)
-                inner = _read_by_folded_nodes_only(body.node, formal, {formal}, functions)
-                reads.append(inner is True)
-    return None if not reads else all(reads)
+            if actual in names:
+                if (key, formal) not in inner:
+                    inside = _readers_fold(body.node, {formal}, {formal}, functions, inner).get(formal, [])
+                    inner[key, formal] = bool(inside) and all(inside)
+                reads.setdefault(actual, []).append(inner[key, formal])
+    return reads
 
 
-def _in_subgraphs(node, name: str) -> bool:
-    """Whether a graph attribute of ``node`` (an If branch, a Scan / Loop body, nested) reads ``name``."""
+def _subgraph_reads(node) -> set[str]:
+    """The names a graph attribute of ``node`` (an If branch, a Scan / Loop body, nested) reads."""
+    out: set[str] = set()
     for a in node.attribute:
         for g in ([a.g] if a.type == a.GRAPH else list(a.graphs) if a.type == a.GRAPHS else []):
             for inner in g.node:
-                if name in inner.input or _in_subgraphs(inner, name):
-                    return True
-    return False
+                out.update(inner.input)
+                out |= _subgraph_reads(inner)
+    return out
 
 
 def folded_by_the_session(model) -> set[str]:
     """The initializers of ``model`` (an ``onnx.ModelProto``) whose every reader is a node that reads constants
     only (initializers, ``Constant`` nodes, or such nodes' outputs), in the main graph or in the body of a
     model-local function it is passed to (e.g. the MoE body's fp32 transposed router weight): ONNX Runtime folds
-    those nodes at load into constants of its own, and only from initializers the session loaded itself."""
+    those nodes at load into constants of its own, and only from initializers the session loaded itself. One walk
+    of the graph for all initializers (a session's start-up: thousands of weights at full size)."""
     functions = {(f.domain, f.name): f for f in model.functions}
-    initializers = [i.name for i in model.graph.initializer]
-    folded = set()
-    for name in initializers:
-        if _read_by_folded_nodes_only(model.graph.node, name, set(initializers), functions):
-            folded.add(name)
-    return folded
+    initializers = {i.name for i in model.graph.initializer}
+    reads = _readers_fold(model.graph.node, initializers, set(initializers), functions, {})
+    return {name for name, verdicts in reads.items() if verdicts and all(verdicts)}
 
 
 class SharedWeights:
