@@ -116,6 +116,12 @@ def log2_ceil(n: int) -> int:
     return max(1, (max(1, n) - 1).bit_length())
 
 
+def tile_slots(num_seqs: int, num_tokens: int, tile: int) -> int:
+    """Tiles of at most ``tile`` tokens of one sequence that any batch of ``num_tokens`` over ``num_seqs`` sequences
+    can need, from shapes alone: sum over sequences of ceil(q_len / tile) <= (T + B * (tile - 1)) / tile."""
+    return cdiv(num_tokens + num_seqs * (tile - 1), tile)
+
+
 def query_tiles(query_start_loc: torch.Tensor, num_tokens: int, tile: int):
     """Cut every sequence's new tokens into tiles of at most ``tile`` consecutive tokens of that one sequence.
 
@@ -125,7 +131,7 @@ def query_tiles(query_start_loc: torch.Tensor, num_tokens: int, tile: int):
     """
     b = query_start_loc.shape[0] - 1
     device = query_start_loc.device
-    slots = cdiv(num_tokens + b * (tile - 1), tile)
+    slots = tile_slots(b, num_tokens, tile)
     qsl = query_start_loc.long()
     ntiles = (qsl[1:] - qsl[:-1] + tile - 1) // tile
     cum = torch.cumsum(ntiles, 0)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import cdiv, next_pow2
+from ._batch import next_pow2, tile_slots
 
 # Padding of a union after its distinct blocks (the union walk reads only the first ``count`` entries).
 _PAD = torch.iinfo(torch.int32).max
@@ -115,33 +115,34 @@ def _tile_plan(qsl_ptr, num_seqs, sel_ptr, ss_t, ss_g, pos_ptr, seq_ptr, start_p
 
 def tile_plan(query_start_loc: torch.Tensor, sel: torch.Tensor, positions: torch.Tensor, num_tokens: int,
               tokens: int, block_size: int, *, union: bool, chosen: bool):
-    """One launch of ``_tile_plan``. -> (tile_seq, tile_start, tile_end, slots, union, count, choosers): the first
+    """At most one launch of ``_tile_plan``. -> (tile_seq, tile_start, tile_end, slots, union, count, choosers): the first
     four as ``query_tiles`` gives them (None for ``tokens`` == 1: the attention kernel finds a token's sequence
     itself, and a one-token union's tiles are the tokens), union [slots, Hkv, tokens * K] int32 and count [slots,
     Hkv] as ``tile_unions``, choosers as ``union_choosers`` (None unless ``chosen``; ``union`` None unless asked).
     sel [T, Hkv, K] int32 with unit stride along K; positions and query_start_loc contiguous."""
+    if chosen and tokens > 31:
+        raise ValueError(f"sparse_paged_attention: '_chosen' keeps a tile's tokens as int32 bits: {tokens} tokens")
+    if not union:  # tile lists alone (one-token tiles need none)
+        if tokens == 1:
+            return None, None, None, num_tokens, None, None, None
+        return (*tile_lists(query_start_loc, num_tokens, tokens), None, None, None)
     device, hkv, k = sel.device, sel.shape[1], sel.shape[2]
     b = query_start_loc.shape[0] - 1
     if tokens == 1:
         slots, tiles = num_tokens, (None, None, None)
     else:
-        slots = cdiv(num_tokens + b * (tokens - 1), tokens)
+        slots = tile_slots(b, num_tokens, tokens)
         tiles = torch.empty((3, slots), dtype=torch.int32, device=device).unbind(0)
-    if chosen and tokens > 31:
-        raise ValueError(f"sparse_paged_attention: '_chosen' keeps a tile's tokens as int32 bits: {tokens} tokens")
-    uni = cnt = cho = None
-    if union:
-        uni = torch.empty((slots, hkv, tokens * k), dtype=torch.int32, device=device)
-        cnt = torch.empty((slots, hkv), dtype=torch.int32, device=device)
-        cho = torch.empty_like(uni) if chosen else None
-    if slots and (union or tokens > 1):
+    uni = torch.empty((slots, hkv, tokens * k), dtype=torch.int32, device=device)
+    cnt = torch.empty((slots, hkv), dtype=torch.int32, device=device)
+    cho = torch.empty_like(uni) if chosen else None
+    if slots:
         e_pad = next_pow2(max(2, tokens * k))
         seq, start, end = tiles if tokens > 1 else (uni, uni, uni)  # not written for one-token tiles
-        _tile_plan[(slots, hkv if union else 1)](
-            query_start_loc, b, sel, sel.stride(0), sel.stride(1), positions, seq, start, end,
-            uni if union else seq, cnt if union else seq, cho if chosen else (uni if union else seq),
-            BS=block_size, K=k, K_PAD=next_pow2(max(2, k)), TOKENS=tokens, E_PAD=e_pad,
-            SEQ_BLOCK=min(_SEQ_BLOCK, next_pow2(max(2, b))), PER_TOKEN=tokens == 1, TILES=tokens > 1, UNION=union,
+        _tile_plan[(slots, hkv)](
+            query_start_loc, b, sel, sel.stride(0), sel.stride(1), positions, seq, start, end, uni, cnt,
+            cho if chosen else uni, BS=block_size, K=k, K_PAD=next_pow2(max(2, k)), TOKENS=tokens, E_PAD=e_pad,
+            SEQ_BLOCK=min(_SEQ_BLOCK, next_pow2(max(2, b))), PER_TOKEN=tokens == 1, TILES=tokens > 1, UNION=True,
             CHOSEN=chosen, num_warps=4 if e_pad >= 128 else (2 if e_pad >= 64 else 1))
     return (*tiles, slots, uni, cnt, cho)
 
@@ -150,7 +151,7 @@ def tile_lists(query_start_loc: torch.Tensor, num_tokens: int, tokens: int):
     """``_batch.query_tiles``' answer (seq, start, end, slots) from one launch of ``_tile_plan`` (tile lists only)
     instead of its ~15 torch ops: what the dense attention and indexer launchers of tiles of several tokens use."""
     b = query_start_loc.shape[0] - 1
-    slots = cdiv(num_tokens + b * (tokens - 1), tokens)
+    slots = tile_slots(b, num_tokens, tokens)
     seq, start, end = torch.empty((3, slots), dtype=torch.int32, device=query_start_loc.device).unbind(0)
     if slots:
         _tile_plan[(slots, 1)](
