@@ -136,6 +136,20 @@ def param_family(name: str) -> str | None:
     return "linear"
 
 
+def fill_pool(pool: torch.Tensor, g: torch.Generator, fp8: bool = False) -> None:
+    """Random contents for a cache pool (this script's and ``decode_profile.py``'s): N(0, 1) values in a 16/32-bit
+    pool or as E4M3 codes in an FP8 one; an FP8 cache's scale pools (fp32, ``fp8``) get positive scales, so every
+    row reads as finite values."""
+    if pool.dtype == torch.float8_e4m3fn:
+        pool.copy_(torch.randn(pool.shape, device=pool.device, generator=g).to(torch.float8_e4m3fn))
+    elif pool.dtype.is_floating_point:
+        pool.normal_(0.0, 1.0, generator=g)
+        if fp8:  # the fp32 pools of an FP8 cache are its row scales
+            pool.abs_().add_(0.5)
+    else:
+        raise ValueError(f"bench: cache pool of dtype {pool.dtype} has no filler")
+
+
 def step_bytes_by_family(model, cfg, batch: int, context: int, elt: int, touched: dict[int, int]) -> dict[str, int]:
     """Bytes one decode step must read (see the module docstring), split by the kernel family that reads them."""
     out: dict[str, int] = {}
@@ -282,7 +296,7 @@ def main() -> int:
     def fill_pools(be):
         for layer in be._caches:
             for pool in layer:
-                pool.normal_(0.0, 1.0, generator=g)
+                fill_pool(pool, g, fp8=False)
 
     def setup(b, ctx, graphs: bool):
         g.manual_seed(1000 * b + ctx)  # the same pools and tokens for the reference and the kernels

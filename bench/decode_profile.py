@@ -285,22 +285,9 @@ def host_ops(events, ranges) -> list[list[Kernel]]:
     return [sorted(s, key=lambda k: k.start) for s in steps]
 
 
-def fill_pool(pool: torch.Tensor, g: torch.Generator, fp8: bool) -> None:
-    """Random contents for a cache pool: N(0, 1) values in a 16/32-bit pool or as E4M3 codes in an FP8 one; an
-    FP8 cache's scale pools (fp32) get positive scales, so every row reads as finite values."""
-    if pool.dtype == torch.float8_e4m3fn:
-        pool.copy_(torch.randn(pool.shape, device=pool.device, generator=g).to(torch.float8_e4m3fn))
-    elif pool.dtype.is_floating_point:
-        pool.normal_(0.0, 1.0, generator=g)
-        if fp8:  # the fp32 pools of an FP8 cache are its row scales
-            pool.abs_().add_(0.5)
-    else:
-        raise ValueError(f"decode_profile: cache pool of dtype {pool.dtype} has no filler")
-
-
 def profile_shape(model, cfg, b: int, ctx: int, args, device: str, elt: int, bw: float) -> dict:
     """Profile ``args.steps`` steady decode steps of batch ``b`` at context ``ctx``; returns one JSON row."""
-    from decode import decode_batch, step_bytes_by_family, touched_experts
+    from decode import decode_batch, fill_pool, step_bytes_by_family, touched_experts
     from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
     from torch.profiler import ProfilerActivity, profile, record_function
 
