@@ -479,3 +479,33 @@ def test_serve_command_starts_prints_its_url_and_serves(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+
+
+def test_serve_command_listens_before_it_prints_the_url(monkeypatch, capsys):
+    """A client may connect the moment the URL is printed: the socket must already listen (a bound socket that
+    does not listen refuses connections, which is how a fast client failed before uvicorn called listen)."""
+    import argparse
+    import socket
+    import types
+
+    import uvicorn
+
+    from m3export.commands import serve as serve_command
+
+    seen = {}
+
+    def run_instead(self, sockets):
+        (sock,) = sockets
+        seen["listening"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            seen["connected"] = True
+        sock.close()
+
+    closed = []
+    fake = types.SimpleNamespace(model_name="m", app=None, engine=types.SimpleNamespace(close=lambda: closed.append(1)))
+    monkeypatch.setattr(serve_command, "build_server", lambda args: fake)
+    monkeypatch.setattr(uvicorn.Server, "run", run_instead)
+    args = argparse.Namespace(host="127.0.0.1", port=0, log_level="warning")
+    assert serve_command.run(args) == 0
+    assert seen == {"listening": 1, "connected": True} and closed == [1]
+    assert "[3/3] serving 'm' at http://127.0.0.1:" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     server = build_server(args)
-    # Bind first, so the URL printed is the one listening (also with --port 0) before uvicorn takes over.
+    # Bind and listen first, so the URL printed is the one listening (also with --port 0) before uvicorn takes over.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -136,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         from ..errors import M3Error
 
         raise M3Error(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    # Listen before printing: a client that reads the URL and connects at once is queued in the backlog until
+    # uvicorn accepts, never refused (a bound socket that is not yet listening refuses connections).
+    sock.listen(2048)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"[3/3] serving '{server.model_name}' at http://{shown}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
