@@ -16,7 +16,10 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
    one int64 key per block, (order-preserving bits of the score) << 32 | (NB_PAD - 1 - id): keys are distinct and
    their descending order is "larger score first, lower id among equal scores" (0.0 and -0.0 made one value
    first, as float comparison has them equal).
-   With ``fold_topk`` the scan's last program per query tile (an atomic ticket) runs this top-k itself: one launch.
+   With the top-k setting ``chunk`` the bitonic top-k walks only the blocks up to the row's own, a chunk at a time
+   (the same ids; the whole row padded to a power of two costs the widest table's blocks in every row).
+   With ``fold_topk`` the scan's last program per query tile (an atomic ticket) runs this top-k itself (whole
+   rows, whatever ``chunk`` says): one launch.
 
 Launch parameters are the table ``DEFAULTS``; ``forward(..., config=...)`` overrides entries of it (how
 ``bench/attention.py --sweep`` times the alternatives in one run). Every entry keeps the op's exact result.
@@ -60,8 +63,10 @@ DEFAULTS = {
     # Pools TMA cannot address fall back to the gather loads (``tma_usable``). It replaced "n64-w4-s3-waves4-max1024".
     "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
                  loads="tma-host", fold_topk=0),
-    # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys).
-    "topk": dict(method="bitonic", num_warps=4),
+    # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys); chunk: 0 ranks a
+    # row's blocks padded to a power of two at once, > 0 ("bitonic" only) walks the blocks up to the row's own in
+    # chunks of that many, merging each chunk's top-k into a running one (``_block_topk``).
+    "topk": dict(method="bitonic", num_warps=4, chunk=0),
 }
 
 
@@ -113,11 +118,17 @@ VARIANTS = {
         "n64-w4-s3-waves4-max1024-fold": _scan(64, 4, 3, 4, 1024, fold_topk=1),
     },
     "topk": {
-        "rounds-w4": dict(method="rounds", num_warps=4),  # the defaults before 2026-11-30 22:12
-        "rounds-w1": dict(method="rounds", num_warps=1),
-        "rounds-w2": dict(method="rounds", num_warps=2),
-        "bitonic-w1": dict(method="bitonic", num_warps=1),
-        "bitonic-w4": dict(method="bitonic", num_warps=4),
+        "rounds-w4": dict(method="rounds", num_warps=4, chunk=0),  # the defaults before 2026-11-30 22:12
+        "rounds-w1": dict(method="rounds", num_warps=1, chunk=0),
+        "rounds-w2": dict(method="rounds", num_warps=2, chunk=0),
+        "bitonic-w1": dict(method="bitonic", num_warps=1, chunk=0),
+        "bitonic-w4": dict(method="bitonic", num_warps=4, chunk=0),
+        # 2026-12-01, not yet timed: at batch 1 / 128k the widest table has 1025 blocks (131072 keys and the new
+        # token), which the whole-row sort pads to 2048 (8.4 us a layer on the H200, 13:46 UTC); chunks walk only
+        # the blocks up to each row's own (1025 -> 5 x 256 or 3 x 512), and a short row of a wide batch walks few.
+        "bitonic-w4-c256": dict(method="bitonic", num_warps=4, chunk=256),
+        "bitonic-w4-c512": dict(method="bitonic", num_warps=4, chunk=512),
+        "bitonic-w2-c128": dict(method="bitonic", num_warps=2, chunk=128),
     },
 }
 
@@ -266,31 +277,61 @@ def _select_blocks(v, visible, own, out_row, row_ok, R: tl.constexpr, NB_PAD: tl
             tl.store(out_row + r, tl.where(top == float("-inf"), -1, pick), mask=row_ok)
             v = tl.where(c[None, :] == pick[:, None], float("-inf"), v)
     else:  # "bitonic": one key per block, (order-preserving score bits) << 32 | (NB_PAD - 1 - id), top-k of keys
-        bits = v.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so one key value
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
-        key = (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c)[None, :].to(tl.int64)
-        top = tl.topk(key, TOPK_PAD)  # descending, along the blocks
-        pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-        NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
-        i = tl.arange(0, TOPK_PAD)
-        tl.store(out_row[:, None] + i[None, :], tl.where((top >> 32) == NEG_INF, -1, pick),
-                 mask=row_ok[:, None] & (i[None, :] < TOPK))
+        top = tl.topk(_block_keys(v, c[None, :], NB_PAD), TOPK_PAD)  # descending, along the blocks
+        _store_picks(top, out_row, row_ok, NB_PAD, TOPK, TOPK_PAD)
+
+
+@triton.jit
+def _block_keys(v, c, NB_PAD: tl.constexpr):
+    """Scores v and their block ids c -> distinct int64 keys whose descending order is "larger score first, lower
+    id among equal scores" (ids below NB_PAD): (order-preserving score bits) << 32 | (NB_PAD - 1 - id)."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> 0.0: equal as floats, so one key value
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed int order == float order
+    return (ordered.to(tl.int64) << 32) | (NB_PAD - 1 - c).to(tl.int64)
+
+
+@triton.jit
+def _store_picks(top, out_row, row_ok, NB_PAD: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
+    """Top keys [R, TOPK_PAD] (``_block_keys``, descending) -> their block ids at ``out_row`` [R]; -inf -> -1."""
+    pick = (NB_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    NEG_INF: tl.constexpr = -2139095041  # float("-inf"), 0xFF800000, after the order map: 0x807FFFFF
+    i = tl.arange(0, TOPK_PAD)
+    tl.store(out_row[:, None] + i[None, :], tl.where((top >> 32) == NEG_INF, -1, pick),
+             mask=row_ok[:, None] & (i[None, :] < TOPK))
 
 
 @triton.jit
 def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
     NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, CHUNK: tl.constexpr = 0,
 ):
+    """CHUNK > 0 ("bitonic"): the blocks 0..own in chunks of CHUNK (>= TOPK_PAD; NB_PAD >= CHUNK is then only the
+    keys' id base, every id of a chunk below it); each chunk's top keys merge with
+    the running top by a top-k of the two. Keys are distinct, so the top of the union is the top of the chunks'
+    tops: the same ids as the whole row at once, at the cost of the row's own blocks, not the widest table's."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     own = (tl.load(pos_ptr + t + tl.arange(0, 1)) // BS).to(tl.int32)  # [1]: one row of _select_blocks
+    base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
+    if CHUNK > 0:
+        row = scores_ptr + t.to(tl.int64) * ss_t + h * ss_h
+        last = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) // BS, NB - 1)
+        best = tl.full((1, TOPK_PAD), -9223372036854775807 - 1, tl.int64)  # below every key: never picked
+        for c0 in range(0, last + 1, CHUNK):
+            c = c0 + tl.arange(0, CHUNK)[None, :]
+            visible = (c <= own[:, None]) & (c < NB)
+            v = tl.load(row + c, mask=visible, other=float("-inf"))
+            forced = visible & ((c > own[:, None] - LOCAL) | (c < INIT))
+            v = tl.where(forced, float("inf"), v)
+            top = tl.topk(_block_keys(v, c, NB_PAD), TOPK_PAD)
+            best = tl.topk(tl.reshape(tl.join(best, top), (1, 2 * TOPK_PAD)), TOPK_PAD)
+        _store_picks(best, base, own >= 0, NB_PAD, TOPK, TOPK_PAD)
+        return
     c = tl.arange(0, NB_PAD)
     visible = (c[None, :] <= own[:, None]) & (c[None, :] < NB)
     v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c[None, :], mask=visible, other=float("-inf"))
-    base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
     _select_blocks(v, visible, own, base, own >= 0, 1, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
 
 
@@ -495,9 +536,14 @@ def block_topk(
     pos = positions.contiguous()
     _check_method(cfg["method"])
     topk_pad = next_pow2(max(topk_blocks, 2))
+    chunk = cfg["chunk"]
+    if chunk and (cfg["method"] != "bitonic" or chunk & (chunk - 1) or chunk < 2):
+        raise ValueError(f"lightning_indexer: topk chunk {chunk} needs the 'bitonic' method and a power of two")
+    chunk = max(chunk, topk_pad) if chunk else 0
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad), BS=block_size, TOPK=topk_blocks, TOPK_PAD=topk_pad,
-        LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], num_warps=cfg["num_warps"],
+        NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad, chunk), BS=block_size, TOPK=topk_blocks,
+        TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], CHUNK=chunk,
+        num_warps=cfg["num_warps"],
     )
     return out
