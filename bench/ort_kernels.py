@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import decode_batch  # noqa: E402  (bench/decode.py: the decode step's batch)
+from decode import decode_batch, fill_pool  # noqa: E402  (bench/decode.py: the decode step's batch, pools)
 from ort_gpu import artifact_arguments, open_artifact, timed_ms  # noqa: E402  (bench/ort_gpu.py)
 from ort_step_host import node_origin  # noqa: E402  (bench/ort_step_host.py: graph level or an m3 op's body)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
@@ -249,11 +249,12 @@ def replay_summary(graphs: list[list[dict]], step_ms: float, eager: list[dict] |
 
 
 def _fill_pools(be, seed: int = 0) -> None:
-    """The pools hold seeded normal values (16-bit and fp32 pools; the time does not depend on them)."""
+    """The pools hold seeded normal values (16-bit and fp32 pools, ``decode.fill_pool``; the time does not depend
+    on them)."""
     g = torch.Generator(device=be.device).manual_seed(seed)
     for t in be._main.pool_tensors.values():
         if t.is_floating_point():
-            t.normal_(0.0, 1.0, generator=g)
+            fill_pool(t, g)
 
 
 def swap_decode(be, form: str, options=None, model: bytes | None = None, graph=None) -> None:

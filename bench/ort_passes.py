@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ort_gpu import (artifact_arguments, fill_ort_pools, fresh_pools,  # noqa: E402  (bench/ort_gpu.py)
                      open_artifact)
+from decode import fill_pool  # noqa: E402  (bench/decode.py: random pool contents)
 from ort_kernels import swap_decode  # noqa: E402  (bench/ort_kernels.py)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
@@ -261,7 +262,7 @@ def main() -> int:
             g = torch.Generator(device=device).manual_seed(0)
             for pool in (p for layer in torch_be._caches for p in layer):
                 if pool.is_floating_point():
-                    pool.normal_(0.0, 1.0, generator=g)
+                    fill_pool(pool, g)
             fill_ort_pools(be, torch_be)
             rows = torch.arange(batch)
             with torch.no_grad(), torch_router_inputs(torch_be.model) as torch_x, \
