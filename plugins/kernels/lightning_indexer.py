@@ -124,11 +124,14 @@ VARIANTS = {
         "bitonic-w1": dict(method="bitonic", num_warps=1, chunk=0),
         "bitonic-w4": dict(method="bitonic", num_warps=4, chunk=0),
         # 2026-12-01, not yet timed: at batch 1 / 128k the widest table has 1025 blocks (131072 keys and the new
-        # token), which the whole-row sort pads to 2048 (8.4 us a layer on the H200, 13:46 UTC); chunks walk only
-        # the blocks up to each row's own (1025 -> 5 x 256 or 3 x 512), and a short row of a wide batch walks few.
+        # token), which the whole-row sort pads to 2048 (8.4 us a layer on the H200, 13:46 UTC): four programs
+        # (one per head), each a long dependent chain. sm_90 code (``scripts/compile_indexer_sm90.py --part topk``):
+        # 3544 SASS instructions per thread at w4, 2144 at w8, 1328 at w16; chunks of 256 walk only the blocks up
+        # to each row's own (872 per chunk, 5 chunks at 1025 blocks: no fewer in all, but a short row of a wide
+        # batch walks few).
         "bitonic-w4-c256": dict(method="bitonic", num_warps=4, chunk=256),
-        "bitonic-w4-c512": dict(method="bitonic", num_warps=4, chunk=512),
-        "bitonic-w2-c128": dict(method="bitonic", num_warps=2, chunk=128),
+        "bitonic-w8": dict(method="bitonic", num_warps=8, chunk=0),
+        "bitonic-w16": dict(method="bitonic", num_warps=16, chunk=0),
     },
 }
 
