@@ -3,6 +3,7 @@
     python3 bench/attention.py --sweep [--out bench/results/attention_sweep.json] [--budget-s 190]
     python3 bench/attention.py --sweep --only sparse-decode:16x32768,indexer-scan:1x131072   # chosen shapes
     python3 bench/attention.py --sweep --only sparse-prefill-model:16384 --variants NAME,NAME   # chosen variants
+    python3 bench/attention.py --sweep --only indexer-scan:1x131072 --index-keys fp8   # E4M3 index keys
     python3 bench/attention.py --sweep --device cpu --out /tmp/attention_sweep_cpu.json   # logic only
 
 Groups, after issue 11's unmet targets (``docs/performance.md``): ``sparse-decode`` (copy bandwidth at batch
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="",
                     help="comma-separated GROUP:SHAPE, e.g. sparse-decode:16x32768,indexer-scan:1x131072 "
                          "(BATCHxCONTEXT; prefill groups: the prompt length); overrides --groups")
+    ap.add_argument("--index-keys", choices=["bf16", "fp8"], default="bf16",
+                    help="the index-key pool the indexer groups read: bf16, or E4M3 codes with per-row fp32 scales "
+                         "(``--kv-cache-dtype fp8``'s index keys); K / V stay bf16 (default: %(default)s)")
     ap.add_argument("--variants", default="",
                     help="comma-separated VARIANTS names: time the defaults and only these (a name no swept kernel "
                          "has is refused)")
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         raise SystemExit("bench/attention.py --sweep needs a CUDA device (or --device cpu for a logic check)")
     names = [n for n in args.variants.split(",") if n]
-    return Sweep(args.device, groups, args.budget_s, args.out, shapes, names).run()
+    return Sweep(args.device, groups, args.budget_s, args.out, shapes, names, args.index_keys).run()
 
 
 def only_shapes(spec: str) -> dict:
@@ -129,7 +133,7 @@ def only_shapes(spec: str) -> dict:
 
 class Sweep:
     def __init__(self, device: str, groups: list[str], budget_s: float, out: str, shapes: dict | None = None,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, index_keys: str = "bf16"):
         import triton
 
         from m3export.plugins.kernels import lightning_indexer, sparse_paged_attention
@@ -141,6 +145,7 @@ class Sweep:
         self.shapes = shapes or SHAPES[device]
         self.groups, self.out = groups, out
         self.names = set(names or ())
+        self.index_fp8 = index_keys == "fp8"
         known = {n for m in (self.LI, self.SPA) for part in m.VARIANTS.values() for n in part}
         if self.names - known:
             raise SystemExit(f"attention_sweep: --variants: no kernel has {sorted(self.names - known)}")
@@ -149,7 +154,7 @@ class Sweep:
                     "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
                     "dims": self.dims, "defaults": {"sparse_paged_attention": self.SPA.DEFAULTS,
                                                     "lightning_indexer": self.LI.DEFAULTS},
-                    "rows": [], "skipped": [], "winners": {}}
+                    "index_keys": index_keys, "rows": [], "skipped": [], "winners": {}}
         torch.manual_seed(0)
 
     # ------------------------------------------------------------------------------------------- set-up
@@ -179,6 +184,12 @@ class Sweep:
         self.kc = torch.randn(*shape, dm["hkv"], dm["d"], device=self.dev, dtype=torch.bfloat16)
         self.vc = torch.randn(*shape, dm["hkv"], dm["d"], device=self.dev, dtype=torch.bfloat16)
         self.ikc = torch.randn(*shape, dm["di"], device=self.dev, dtype=torch.bfloat16)
+        self.iks, self.ikc_read = None, self.ikc  # FP8: the scale pool, and the keys as the kernels read them
+        if self.index_fp8:
+            from m3export.ops.kv_fp8 import dequantize_rows, quantize_rows
+
+            self.ikc, self.iks = quantize_rows(self.ikc)
+            self.ikc_read = dequantize_rows(self.ikc, self.iks)
         self.perm = torch.randperm(self.pages, device=self.dev).to(torch.int32)
         self.vmax = max(self.vc.amax().item(), -self.vc.amin().item())
 
@@ -280,7 +291,7 @@ class Sweep:
             return True, "equal"
         dm = self.dims
         v = Verdict()
-        _compare_selection(sel, ref, upcast([iq, self.ikc, *args]),
+        _compare_selection(sel, ref, upcast([iq, self.ikc_read, *args]),
                            dict(block_size=dm["bs"], topk_blocks=dm["topk"], local_blocks=dm["local"],
                                 init_blocks=dm["init"]), v)
         return v.ok, f"{len(v.failures)} rows differ beyond fp32 near-ties, {len(v.near_ties)} near-tie rows"
@@ -297,7 +308,7 @@ class Sweep:
         nbytes = bsz * dm["hkv"] * keys * 2 * dm["d"] * 2 + 2 * q.numel() * 2
         flops = 4 * bsz * dm["hq"] * keys * dm["d"]
         sets = self.page_sets(bsz, ctx, nbytes)
-        sets = [(*s, self.LI.forward(iq, self.ikc, *s, *attrs)) for s in sets]
+        sets = [(*s, self.LI.forward(iq, self.ikc, *s, *attrs, self.iks)) for s in sets]
         n = min(bsz, CHECK_SEQS)
         ref = sparse_paged_attention_reference(q[:n], self.kc, self.vc, *self.first(sets[0][:4], n),
                                                sets[0][4][:n], dm["bs"], dm["d"]**-0.5)
@@ -352,22 +363,24 @@ class Sweep:
         attrs = (dm["bs"], dm["topk"], dm["local"], dm["init"])
         iq = torch.randn(bsz, dm["hi"], dm["di"], device=self.dev, dtype=torch.bfloat16)
         nb = -(-ctx // dm["bs"])
-        scan_bytes = bsz * ctx * dm["di"] * 2 + bsz * dm["hi"] * nb * 4
+        key_bytes = dm["di"] + 4 if self.index_fp8 else dm["di"] * 2  # an FP8 key: its codes and its row's scale
+        scan_bytes = bsz * ctx * key_bytes + bsz * dm["hi"] * nb * 4
         sets = self.page_sets(bsz, ctx, scan_bytes)
         n = min(bsz, CHECK_SEQS)
         first = self.first(sets[0], n)
-        ref = lightning_indexer_reference(iq[:n], self.ikc, *first, *attrs)
+        ref = lightning_indexer_reference(iq[:n], self.ikc, *first, *attrs, index_k_scale=self.iks)
         pos = sets[0][3]
 
         def scan(cfg):
-            return lambda *s: self.LI.scan(iq, self.ikc, *s, dm["bs"], config=cfg)
+            return lambda *s: self.LI.scan(iq, self.ikc, *s, dm["bs"], self.iks, config=cfg)
 
         def topk(scores, cfg):
             return self.LI.block_topk(scores, pos, *attrs, config=cfg)
 
         def run_scan(settings):
             if settings.get("fold_topk"):  # the top-k runs inside this launch: time the op (scan + top-k)
-                fn = lambda *s: self.LI.forward(iq, self.ikc, *s, *attrs, config={"scan": settings})  # noqa: E731
+                fn = lambda *s: self.LI.forward(iq, self.ikc, *s, *attrs, self.iks,  # noqa: E731
+                                                config={"scan": settings})
                 ok, detail = self.check_selection(fn(*sets[0])[:n], ref, iq[:n], first)
                 return (self.graph_time(fn, sets), scan_bytes, 2 * bsz * dm["hi"] * ctx * dm["di"], ok, detail,
                         {"includes_topk": True})

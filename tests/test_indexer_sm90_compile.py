@@ -1,6 +1,7 @@
-"""The indexer's chunked top-k compiles for sm_90 (the interpreter runs its loop of ``tl.join`` / ``tl.topk`` merges
-but never lowers it): ``scripts/compile_indexer_sm90.py`` builds the launch ``block_topk`` makes with Triton's own
-compiler and ptxas, without a GPU, in a process without the interpreter."""
+"""What sm_90 makes of the indexer launches the interpreter cannot lower: the chunked top-k (a loop of ``tl.join`` /
+``tl.topk`` merges) and the FP8 key scan's TF32 dot. ``scripts/compile_indexer_sm90.py`` builds the launches
+``block_topk`` / ``scan`` make, with Triton's own compiler and ptxas, without a GPU, in a process without the
+interpreter."""
 
 from __future__ import annotations
 
@@ -13,16 +14,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TF32 = "tma-host-n128-w4-s8-waves2-max1024-tf32"
 
 
-def test_chunked_topk_compiles_for_sm90_without_spills(tmp_path):
+def test_chunked_topk_and_tf32_fp8_scan_compile_for_sm90(tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_indexer_sm90.py"), "--part", "topk",
-                           "--context", "4096", "--topk-variants", "bitonic-w4-c256", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_indexer_sm90.py"), "--keys", "fp8",
+                           "--context", "4096", "--scan-variants", TF32, "--topk-variants", "bitonic-w4-c256",
+                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["default", "bitonic-w4-c256"]
-    assert all(r["stack"] == 0 and r["sass_instructions"] > 0 for r in rows), rows
+    rows = {(r["part"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("scan", "default"), ("scan", TF32), ("topk", "default"), ("topk", "bitonic-w4-c256")}
+    assert all(r["stack"] == 0 and r["sass_instructions"] > 0 for r in rows.values()), rows  # no spills
+    # the point of the TF32 dot: the slow f16 -> bf16 conversions gone (FP8_DOTS in lightning_indexer.py)
+    plain, tf32 = rows["scan", "default"], rows["scan", TF32]
+    assert tf32["conversions"] * 2 < plain["conversions"], (plain, tf32)

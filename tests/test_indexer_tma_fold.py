@@ -160,11 +160,39 @@ def test_tma_usable_names_what_a_descriptor_cannot_read():
     assert "wider than a bulk copy's box" in LI.tma_usable(torch.zeros(1, 16, 264))
 
 
+@pytest.mark.parametrize("loads", ["gather", "tma-host"])
+def test_fp8_pool_with_a_tf32_dot(loads, monkeypatch):
+    """bf16 queries over an E4M3 pool with ``fp8_dot="tf32"``: queries and keys widened to fp32 (exact), the dot in
+    TF32 (the interpreter multiplies in fp32; the compiled lowering is ``tests/test_indexer_sm90_compile.py``'s)."""
+    seen = []
+    kernel = LI._index_scan
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs)
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(LI, "_index_scan", Spy())
+    paged, attrs = _case("many-blocks-top16")
+    config = {"scan": dict(loads=loads, block_n=16, fp8_dot="tf32")}
+    got, ref = _run(paged, attrs, config, dtype=torch.bfloat16, scale=True)
+    assert torch.equal(got, ref)
+    assert [kw["FP8_TF32"] for kw in seen] == [True]
+    _run(paged, attrs, config, dtype=torch.float32, scale=True)  # fp32 queries keep their IEEE dot
+    _run(paged, attrs, config, dtype=torch.bfloat16)  # 16-bit keys: no FP8 dot to change
+    assert [kw["FP8_TF32"] for kw in seen] == [True, False, False]
+
+
 def test_unknown_loads_are_refused():
     paged, attrs = _case("decode-one-token-seqs")
     with pytest.raises(ValueError, match="scan loads 'bulk'"):
         _run(paged, attrs, {"scan": dict(loads="bulk")})
     assert LI.LOADS == ("gather", "tma", "tma-host")
+    with pytest.raises(ValueError, match="scan fp8_dot 'fp16' is not one of"):
+        _run(paged, attrs, {"scan": dict(fp8_dot="fp16")})
 
 
 def test_ticket_counters_grow_but_never_inside_a_capture(monkeypatch):

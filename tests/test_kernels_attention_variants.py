@@ -37,7 +37,8 @@ ATTENTION_CASES = {
     "prefill": [("mixed-with-empty-seq", torch.float32), ("blocks-of-32", torch.bfloat16)],
 }
 INDEXER_CASES = ("decode-one-token-seqs", "many-blocks-top16")
-SCHEDULE_ONLY = ("num_warps", "num_stages")
+# (fp8_dot changes only FP8 pools' dots, which these cases do not have: tests/test_indexer_tma_fold.py runs it.)
+SCHEDULE_ONLY = ("num_warps", "num_stages", "fp8_dot")
 # Settings the launcher accepts that no variant uses now: the "union" loop with one token per program.
 UNLISTED = {"decode": {"union-decode": {**SPA.DEFAULTS["decode"], "loop": "union"}},
             "prefill": {"union-one-token": {**SPA.DEFAULTS["prefill"], "tile_tokens": 1, "loop": "union"}}}
@@ -62,7 +63,7 @@ def describe(kernel: str, part: str, s: dict) -> str:
     if kernel == "lightning_indexer":
         words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
-            ["fold"] if s["fold_topk"] else [])
+            ["fold"] if s["fold_topk"] else []) + ([s["fp8_dot"]] if s["fp8_dot"] != "bf16" else [])
     else:
         tiles = [f"t{s['tile_tokens'] or 'auto'}"] if part == "prefill" else []
         words = [s["loop"], *tiles, f"n{s['block_n']}"]

@@ -40,6 +40,13 @@ from ._tma import ensure_descriptor_allocator
 
 OP = "m3::lightning_indexer"
 LOADS = ("gather", "tma", "tma-host")  # the scan's key loads (DEFAULTS["scan"]["loads"])
+# How FP8 keys meet 16-bit queries (DEFAULTS["scan"]["fp8_dot"]). "bf16": each key widened to the query's dtype, on
+# sm_90 an e4m3x2 -> f16x2 conversion per two keys and an f16 -> bf16 one per key (64 + 128 per thread for a tile of
+# 128 keys of 128 dims at 4 warps, ``scripts/compile_indexer_sm90.py``), which the multiprocessor issues at 16 per
+# cycle, a quarter of the integer rate. "tf32": the f16 -> f32 step is a full-rate add (HADD2.F32), so 64 slow
+# conversions per tile are left, and the dot runs TF32 (twice the HMMA instructions, on otherwise idle tensor
+# cores). Same products (exact in either), the same fp32 accumulation; fp32 queries keep their IEEE dot.
+FP8_DOTS = ("bf16", "tf32")
 
 DEFAULTS = {
     # block_n: key tile (gather: raised to block_size when blocks are longer, a tile never splits a block; tma:
@@ -51,7 +58,9 @@ DEFAULTS = {
     # the context splits aim for (tma: at most); max_splits: most splits of one tile's context (the launch has
     # slots x splits programs); min_split_tiles: when > 0, no more splits than ceil(key tiles of the widest block
     # table / min_split_tiles) (a shape, so still one launch per batch shape), so short contexts do not launch
-    # programs that find no key.
+    # programs that find no key; fp8_dot: how FP8 keys meet 16-bit queries, "bf16" (keys widened to the query's
+    # dtype) or "tf32" (keys and queries widened to fp32, the dot in TF32: exact, as every E4M3, bf16 and fp16
+    # value is a TF32 value; ``FP8_DOTS``).
     # H200 sweep 2026-11-30 22:12 UTC: "n64-w4-s3-waves4-max1024" 0.94x the earlier defaults' time; top-k
     # "bitonic-w4" 0.61x.
     # H200 sweep 2026-12-01 06:35 UTC (commit b64458a, bench/results/attention_sweep_indexer.json, every selection
@@ -62,7 +71,7 @@ DEFAULTS = {
     # 8 / 32k (18.3 us) but slower at 1 / 128k (11.6 us, 68 %). Folding the top-k into the scan lost (33 us at 128k).
     # Pools TMA cannot address fall back to the gather loads (``tma_usable``). It replaced "n64-w4-s3-waves4-max1024".
     "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
-                 loads="tma-host", fold_topk=0),
+                 loads="tma-host", fold_topk=0, fp8_dot="bf16"),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys); chunk: 0 ranks a
     # row's blocks padded to a power of two at once, > 0 ("bitonic" only) walks the blocks up to the row's own in
     # chunks of that many, merging each chunk's top-k into a running one (``_block_topk``).
@@ -70,9 +79,10 @@ DEFAULTS = {
 }
 
 
-def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, loads="gather", fold_topk=0):
+def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, loads="gather", fold_topk=0,
+          fp8_dot="bf16"):
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, waves=waves, max_splits=max_splits,
-                min_split_tiles=min_split_tiles, loads=loads, fold_topk=fold_topk)
+                min_split_tiles=min_split_tiles, loads=loads, fold_topk=fold_topk, fp8_dot=fp8_dot)
 
 
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
@@ -116,6 +126,11 @@ VARIANTS = {
         "tma-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma", fold_topk=1),
         "tma-host-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma-host", fold_topk=1),
         "n64-w4-s3-waves4-max1024-fold": _scan(64, 4, 3, 4, 1024, fold_topk=1),
+        # 2026-12-01, not yet timed: FP8 keys in a TF32 dot (``FP8_DOTS``), at the defaults' loads and with more
+        # tiles in flight or more programs (an FP8 tile is 16 KB, half a bf16 one); 16-bit keys run them as without.
+        "tma-host-n128-w4-s8-waves2-max1024-tf32": _scan(128, 4, 8, 2, 1024, loads="tma-host", fp8_dot="tf32"),
+        "tma-host-n128-w4-s10-waves2-max1024-tf32": _scan(128, 4, 10, 2, 1024, loads="tma-host", fp8_dot="tf32"),
+        "tma-host-n128-w4-s8-waves4-max1024-tf32": _scan(128, 4, 8, 4, 1024, loads="tma-host", fp8_dot="tf32"),
     },
     "topk": {
         "rounds-w4": dict(method="rounds", num_warps=4, chunk=0),  # the defaults before 2026-11-30 22:12
@@ -152,7 +167,7 @@ def _index_scan(
     HOST_DESC: tl.constexpr = False,
     STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB: tl.constexpr = 1, NB_PAD: tl.constexpr = 2,
     TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 2, LOCAL: tl.constexpr = 0, INIT: tl.constexpr = 0,
-    METHOD: tl.constexpr = "bitonic",
+    METHOD: tl.constexpr = "bitonic", FP8_TF32: tl.constexpr = False,
 ):
     """TMA: key tiles of BLOCK_N keys (<= PAGE, so one page each) copied by a tensor descriptor over the pool
     viewed [pages * PAGE, D] (made in the kernel, or with HOST_DESC the host-made ``k_desc``: no descriptor write
@@ -182,6 +197,8 @@ def _index_scan(
     d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + d[None, :],
                 mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    if FP8_TF32:
+        q = q.to(tl.float32)  # exact: a bf16 / fp16 value is a TF32 value
     own = pos // BS
     out_row = out_ptr + tok.to(tl.int64) * so_t + head * so_h
     if TMA:
@@ -204,9 +221,9 @@ def _index_scan(
             k = desc.load([page * PAGE + j0 % PAGE, 0])
             j = j0 + tl.arange(0, BLOCK_N)
             if FP8:
-                k = widen(k, q_ptr.dtype.element_ty)
+                k = widen(k, q.dtype)
                 ks = tl.load(ks_ptr + page.to(tl.int64) * sks_p + (j % PAGE) * sks_r, mask=j <= last, other=0.0)
-                s = mma(q, tl.trans(k), PREC, INTERPRETED) * ks[None, :]
+                s = mma(q, tl.trans(k), "tf32" if FP8_TF32 else PREC, INTERPRETED) * ks[None, :]
             else:
                 s = mma(q, tl.trans(k), PREC, INTERPRETED)
             s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
@@ -233,9 +250,9 @@ def _index_scan(
             k = tl.load(k_ptr + page[:, None] * sk_p + (j % PAGE)[:, None] * sk_r + d[None, :],
                         mask=kmask[:, None] & (d[None, :] < D), other=0.0)
             if FP8:  # E4M3 keys: the dot on the exact values, each key's scale on its score column
-                k = widen(k, q_ptr.dtype.element_ty)
+                k = widen(k, q.dtype)
                 ks = tl.load(ks_ptr + page * sks_p + (j % PAGE) * sks_r, mask=kmask, other=0.0)
-                s = mma(q, tl.trans(k), PREC, INTERPRETED) * ks[None, :]
+                s = mma(q, tl.trans(k), "tf32" if FP8_TF32 else PREC, INTERPRETED) * ks[None, :]
             else:
                 s = mma(q, tl.trans(k), PREC, INTERPRETED)
             s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
@@ -441,6 +458,8 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     cfg = launch_settings("lightning_indexer", DEFAULTS, config, "scan")
     if cfg["loads"] not in LOADS:
         raise ValueError(f"lightning_indexer: scan loads {cfg['loads']!r} is not one of {LOADS}")
+    if cfg["fp8_dot"] not in FP8_DOTS:
+        raise ValueError(f"lightning_indexer: scan fp8_dot {cfg['fp8_dot']!r} is not one of {FP8_DOTS}")
     t, h, d = index_q.shape
     b = seq_lens.shape[0]
     page = index_k_cache.shape[1]
@@ -512,6 +531,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         PREC=dot_precision(index_q.dtype), INTERPRETED=interpreted(index_q), num_rows=kc.shape[0] * page,
         cnt_ptr=counters, sel_ptr=sel, ssel_t=sel.stride(0), ssel_h=sel.stride(1), k_desc=k_desc, TMA=tma,
         HOST_DESC=host_desc, STAGES=cfg["num_stages"],
+        FP8_TF32=index_k_scale is not None and cfg["fp8_dot"] == "tf32" and index_q.element_size() == 2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fold_args,
     )
     return scores, (sel if fold is not None else None)
