@@ -61,9 +61,9 @@ def _engine(model, drafter_kind, **kw):  # noqa: F811
 
 
 @pytest.mark.parametrize("drafter_kind, n_prompts", [
-    ("mtp", 8), ("target", 8),  # ~8 s each
-    pytest.param("mtp", 40, marks=pytest.mark.slow),  # ~55 s each: the 40 requests
-    pytest.param("target", 40, marks=pytest.mark.slow),
+    # 8 requests in the same 9-page pool already cut drafts and preempt (asserted below), so 40 (the issue's
+    # count) ran the same paths five times over
+    ("mtp", 8), ("target", 8),
 ])
 def test_seeded_speculation_under_pool_pressure_equals_alone(model, drafter_kind, n_prompts, caplog):  # noqa: F811
     ps = prompts(n_prompts, seed=2026, lo=3, hi=20)
