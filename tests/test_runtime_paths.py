@@ -68,14 +68,14 @@ def test_bf16_torch_engine():
     assert eng.blocks.num_free == eng.blocks.num_pages
 
 
-@pytest.mark.slow  # exports a float16 artifact (~20-40 s)
-def test_fp16_onnx_engine(tmp_path):
+@pytest.mark.slow  # the session's float16 export (~15-30 s), shared with test_tensorrt_build
+def test_fp16_onnx_engine(fp16_trt_artifact):
     """ONNX Runtime's fp16 graph against the float64 recompute with the same (fp16) weights. As ``m3export
     verify`` judges greedy flips, a flip is a near-tie when the reference's margin is within twice the largest
     logit difference of the two on a whole sequence (measured here: ~1.5e-3 of the logit scale; bounded, as a
     broken graph differs by O(1)). PyTorch's own fp16 recompute is no reference here: on the CPU it departs from
     float64 by up to 0.7 of the logit scale on some of these prompts, where ONNX Runtime's fp16 stays at 1.5e-3."""
-    art = export_artifact("tiny", tmp_path / "fp16", dtype="float16", page_size=8, progress=False)
+    art = fp16_trt_artifact  # the tiny preset in float16, pages of 8 tokens (its TensorRT flavour unused here)
     ps = prompts(4, seed=7, lo=5, hi=36)
     eng = Engine.from_artifact(art, backend="onnxruntime", num_pages=64)
     outs = eng.generate(ps, GREEDY)
@@ -130,7 +130,9 @@ def test_zero_copy_in_place_artifact_through_verify_and_generate(tmp_path, capsy
     from m3export.export.artifact import load_artifact
     from m3export.export.verify import verify_artifact
 
-    root = write_checkpoint(tmp_path / "ckpt", preset("tiny"), "original", "mxfp8", progress=False)
+    # without the MTP module (nothing here drafts): its weights would take the trunk's zero-copy path, and its
+    # graph a third of the export's time
+    root = write_checkpoint(tmp_path / "ckpt", preset("tiny"), "original", "mxfp8", with_mtp=False, progress=False)
     shards = {p.name for p in root.glob("*.safetensors")}
     export_artifact(str(root), None, dtype="float32", in_place=True, progress=False)  # ORT's CPU EP: no bf16
     art = load_artifact(root)
@@ -141,8 +143,13 @@ def test_zero_copy_in_place_artifact_through_verify_and_generate(tmp_path, capsy
     assert report.passed and all(s.max_rel <= 1e-5 for s in report.outputs.values()), "\n".join(report.lines())
     reference = m3export.load_model(str(root), dequantize=True, progress=False).double()
     ps = prompts(3, seed=9, lo=5, hi=30)
+    checked = set()
     for backend in ("torch", "onnxruntime"):
         eng = Engine.from_artifact(root, backend=backend, num_pages=64)
-        _check(reference, ps, eng.generate(ps, GREEDY), FP32_MARGIN, 0.9)
+        outs = eng.generate(ps, GREEDY)
+        tokens = tuple(tuple(o.token_ids) for o in outs)
+        if tokens not in checked:  # the same tokens would pass the same check again
+            _check(reference, ps, outs, FP32_MARGIN, 0.9)
+            checked.add(tokens)
     assert cli(["generate", str(root), "--prompt", "Hi", "--max-tokens", "4", "--backend", "onnxruntime"]) == 0
     assert capsys.readouterr().out.strip()
