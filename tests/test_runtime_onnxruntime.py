@@ -1,16 +1,20 @@
-"""The onnxruntime backend against the torch backend on the same exported tiny artifact (pages of 4 tokens)."""
+"""The onnxruntime backend against the torch backend on the same exported tiny artifact: the session's
+``tiny_artifact`` (pages of 16 tokens), so this module exports nothing of its own. Its prompts (up to 29 tokens
+plus 16 generated) cross page boundaries in prefill, decode and verify steps; pages of 4 tokens (one indexer block
+per page) on onnxruntime are generated through in ``test_runtime_media_onnxruntime.py``."""
 
 import pytest
 import torch
 
 from m3export.errors import BackendUnavailable
-from m3export.export.exporter import export_artifact
 from m3export.runtime import Engine, SamplingParams
+
+PAGE = 16  # tiny_artifact's page size
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny", page_size=4, progress=False)
+def artifact(tiny_artifact):
+    return tiny_artifact
 
 
 def prompts(n, seed):
@@ -21,11 +25,11 @@ def prompts(n, seed):
 
 def test_backend_outputs_match_torch(artifact):
     ort = Engine.from_artifact(artifact, backend="onnxruntime", num_pages=64)
-    ref = Engine.from_artifact(artifact, backend="torch", num_pages=64)
-    ids = torch.tensor(prompts(1, 0)[0])
+    ref = Engine.from_artifact(artifact, backend="torch", num_pages=64, page_size=PAGE)  # the graph's pages
+    ids = torch.tensor(max(prompts(6, 0), key=len))  # 26 tokens: two pages, more than the indexer's top blocks
     from m3export.model.batch import Segment, build_batch
 
-    ids_t, batch = build_batch([Segment(list(range(8)), 0, ids.tolist())], 4)
+    ids_t, batch = build_batch([Segment(list(range(2)), 0, ids.tolist())], PAGE)
     every = torch.arange(len(ids))
     lo, ho = ort.backend.forward(ids_t, batch, every)
     lt, ht = ref.backend.forward(ids_t, batch, every)
@@ -43,7 +47,7 @@ def test_onnxruntime_generation_equals_torch(artifact, k):
              [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=16, ignore_eos=True) for i in range(3)]
     outs = {}
     for backend in ("torch", "onnxruntime"):
-        eng = Engine.from_artifact(artifact, backend=backend, num_pages=48, num_speculative_tokens=k,
+        eng = Engine.from_artifact(artifact, backend=backend, page_size=PAGE, num_pages=48, num_speculative_tokens=k,
                                    max_num_batched_tokens=24)
         outs[backend] = [o.token_ids for o in eng.generate(ps, params)]
         assert eng.blocks.num_free == eng.blocks.num_pages
@@ -53,12 +57,12 @@ def test_onnxruntime_generation_equals_torch(artifact, k):
 
 def test_pool_bytes_match_torch(artifact):
     ort = Engine.from_artifact(artifact, backend="onnxruntime", num_pages=8)
-    ref = Engine.from_artifact(artifact, backend="torch", num_pages=8)
-    assert ort.backend.page_bytes(4) == ref.backend.page_bytes(4) > 0
+    ref = Engine.from_artifact(artifact, backend="torch", num_pages=8, page_size=PAGE)
+    assert ort.backend.page_bytes(PAGE) == ref.backend.page_bytes(PAGE) > 0
 
 
 def test_page_size_and_device_are_checked(artifact):
-    with pytest.raises(ValueError, match="pages of 4 tokens"):
+    with pytest.raises(ValueError, match=f"pages of {PAGE} tokens"):
         Engine.from_artifact(artifact, backend="onnxruntime", page_size=8)
     if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
         with pytest.raises(BackendUnavailable, match="CUDAExecutionProvider .* install onnxruntime-gpu"):
