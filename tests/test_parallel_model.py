@@ -162,13 +162,22 @@ def kv1_tiny():
 
 
 @pytest.fixture(scope="module")
-def model_ranks(tmp_path_factory):
-    return run_plan(tmp_path_factory.mktemp("parallel-models"), model_scenarios())
+def all_ranks(tmp_path_factory, ckpts):
+    """The model and the checkpoint scenarios in one spawn (each spawn costs seconds of start-up on 2 ranks);
+    their names are distinct, so every scenario's outputs and statistics keep their own keys."""
+    scenarios = model_scenarios() + checkpoint_scenarios(ckpts)
+    assert len({s[0] for s in scenarios}) == len(scenarios)
+    return run_plan(tmp_path_factory.mktemp("parallel-ranks"), scenarios)
 
 
 @pytest.fixture(scope="module")
-def ckpt_ranks(tmp_path_factory, ckpts):
-    return run_plan(tmp_path_factory.mktemp("parallel-ckpts"), checkpoint_scenarios(ckpts))
+def model_ranks(all_ranks):
+    return all_ranks
+
+
+@pytest.fixture(scope="module")
+def ckpt_ranks(all_ranks):
+    return all_ranks
 
 
 def reference(source: str, lengths, steps: int, device="cpu", dequantize=False) -> dict[str, torch.Tensor]:
