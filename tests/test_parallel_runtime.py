@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,15 +105,21 @@ def test_tensor_parallel_equals_one_process_then_a_worker_error_names_its_rank(s
         engine.close()
 
 
-def test_expert_parallel_equals_one_process_and_close_stops_the_workers(single_tiny):
+def test_expert_parallel_equals_one_process_and_close_stops_the_workers(single_tiny, monkeypatch):
     """EP (= TP=2 + EP=2): generation == one process; close() ends the workers with exit code 0 and leaves no
-    process group; closing again is harmless."""
+    process group, and rank 0's NCCL watch (started by hand: this group is gloo, see the NCCL watch test below)
+    does not abort the group for workers that stopped; closing again is harmless."""
+    aborted = _record_aborts(monkeypatch)
     engine = parallel_engine("tiny", True, **SIZING)
     procs = dict(engine.backend.group.procs)
+    watcher = threading.Thread(target=engine.backend.group._watch_workers, daemon=True)
+    watcher.start()
     try:
         assert generate(engine, PROMPTS) == single_tiny
     finally:
         engine.close()
+    watcher.join(10)
+    assert not aborted.is_set(), "the watch aborted the group of a clean close"
     assert all(p.returncode == 0 for p in procs.values()), {r: p.returncode for r, p in procs.items()}
     assert not dist.is_initialized()
     engine.close()
@@ -231,27 +238,26 @@ def test_two_gpus_nccl_and_graphs_equal_one_gpu():
             assert engine.backend.local.replays > 0  # rank 0 decoded from CUDA graphs (and so did rank 1)
 
 
-def test_nccl_watch_aborts_the_group_when_a_worker_dies_not_when_it_stops(monkeypatch):
-    """NCCL never fails a collective whose peer died, so on NCCL rank 0 watches the workers' pipes and aborts the
-    group (``_abort_process_group``) when one reports or exits outside ``close()``. Checked here on a gloo group
-    with the abort recorded instead of performed: a SIGKILLed worker triggers it, a clean close does not."""
-    import threading
-
+def _record_aborts(monkeypatch) -> threading.Event:
+    """``_abort_process_group`` recorded instead of performed (the NCCL watch's action, on a gloo group)."""
     import torch.distributed.distributed_c10d as c10d
 
     aborted = threading.Event()
     monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: aborted.set())
-    for kill in (False, True):
-        aborted.clear()
-        backend = DistributedBackend.launch(LaunchSpec("tiny", 2, False, "cpu", None))
-        group = backend.group
-        watcher = threading.Thread(target=group._watch_workers, daemon=True)
-        watcher.start()
-        if kill:
-            group.procs[1].kill()
-            assert aborted.wait(10), "the watch did not abort after the worker died"
-            group.close(graceful=False)
-        else:
-            backend.close()
-            watcher.join(10)
-            assert not aborted.is_set()
+    return aborted
+
+
+def test_nccl_watch_aborts_the_group_when_a_worker_dies_not_when_it_stops(monkeypatch):
+    """NCCL never fails a collective whose peer died, so on NCCL rank 0 watches the workers' pipes and aborts the
+    group (``_abort_process_group``) when one reports or exits outside ``close()``. Checked here on a gloo group
+    with the abort recorded instead of performed: a SIGKILLed worker triggers it; that a clean close does not is
+    checked on the EP engine's group (``test_expert_parallel_equals_one_process_and_close_stops_the_workers``:
+    one launch fewer)."""
+    aborted = _record_aborts(monkeypatch)
+    backend = DistributedBackend.launch(LaunchSpec("tiny", 2, False, "cpu", None))
+    group = backend.group
+    watcher = threading.Thread(target=group._watch_workers, daemon=True)
+    watcher.start()
+    group.procs[1].kill()
+    assert aborted.wait(10), "the watch did not abort after the worker died"
+    group.close(graceful=False)
