@@ -138,13 +138,23 @@ def test_bytes_split_by_family_cover_every_weight_once():
     assert one["embedding"] == 2 * cfg.hidden_size * 2
 
 
-def test_cpu_run_writes_a_profile_per_shape(tmp_path):
-    out = tmp_path / "dp.json"
+def _run(path, *args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "--device", "cpu", "--shapes", "1x40,2x9",
-                          "--steps", "2", "--json", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "--device", "cpu", *args, "--json",
+                          str(path)], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    res = json.loads(out.read_text())
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory) -> dict:
+    """The model dtype's cache (``--kv-cache-dtype auto``, the default), two shapes, two steps: read by the FP8
+    test too, as its 16/32-bit counterpart (a family's bytes are per step, whatever the number of steps)."""
+    return _run(tmp_path_factory.mktemp("dp") / "dp.json", "--shapes", "1x40,2x9", "--steps", "2")
+
+
+def test_cpu_run_writes_a_profile_per_shape(cpu_run):
+    res = cpu_run
     assert [(r["batch"], r["context"]) for r in res["rows"]] == [(1, 40), (2, 9)]
     for r in res["rows"]:
         assert r["steps"] == 2 and r["launches"] > 0
@@ -157,18 +167,13 @@ def test_cpu_run_writes_a_profile_per_shape(tmp_path):
         assert sum(f["bytes"] or 0 for f in fams.values()) == r["bytes_needed"]
 
 
-def test_fp8_cache_profile_counts_a_byte_and_a_scale_per_cached_element(tmp_path):
+def test_fp8_cache_profile_counts_a_byte_and_a_scale_per_cached_element(tmp_path, cpu_run):
     """``--kv-cache-dtype fp8``: E4M3 pools (with fp32 row scales) filled and run; the cache families' bytes are
-    those of one code plus a 4-byte scale per head_dim elements, not the model dtype's."""
-    out, out16 = tmp_path / "dp8.json", tmp_path / "dp16.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for path, kind in ((out, "fp8"), (out16, "auto")):
-        run = subprocess.run([sys.executable, str(BENCH / "decode_profile.py"), "--device", "cpu", "--shapes", "1x40",
-                              "--steps", "1", "--kv-cache-dtype", kind, "--json", str(path)], capture_output=True,
-                             text=True, timeout=300, env=env)
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    r8, r16 = (json.loads(p.read_text()) for p in (out, out16))
+    those of one code plus a 4-byte scale per head_dim elements, not the model dtype's (``cpu_run``'s 1x40 row)."""
+    r8 = _run(tmp_path / "dp8.json", "--shapes", "1x40", "--steps", "1", "--kv-cache-dtype", "fp8")
+    r16 = cpu_run
     assert r8["kv_cache_dtype"] == "fp8" and r16["kv_cache_dtype"] == "auto"
+    assert (r8["rows"][0]["batch"], r8["rows"][0]["context"]) == (r16["rows"][0]["batch"], r16["rows"][0]["context"])
     f8, f16 = r8["rows"][0]["families"], r16["rows"][0]["families"]
     head_dim = 32  # the tiny preset's head_dim and index_head_dim; its model dtype is fp32 (4 bytes)
     assert f8["indexer scan"]["bytes"] == pytest.approx(f16["indexer scan"]["bytes"] * (1 + 4 / head_dim) / 4)
