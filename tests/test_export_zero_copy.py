@@ -22,7 +22,15 @@ from m3export.export.artifact import load_artifact
 from m3export.export.exporter import export_artifact
 from m3export.safetensors_io import read_tensor
 
-CFG = preset("mini").replace(num_local_experts=8, num_experts_per_tok=2)
+# `mini`'s per-layer dimensions (hidden 6144, 64 heads, expert width 3072), 8 experts, cut where no per-layer
+# dimension changes: the vocabulary from 200064 to 4096 (token ids below it; the 200064 x 6144 bf16 embedding and
+# lm_head were 4.9 of the 7.4 GB every test here reads: finite check, shard hashes, copies) and the layers from 4
+# to 3 (a dense one and two sparse ones, as SAMPLES need; the fourth was a third copy of a sparse layer). Still
+# several 1 GiB shards, an MTP layer, MXFP8 experts, bf16 and fp32 tensors.
+_MINI = preset("mini")
+CFG = _MINI.replace(num_local_experts=8, num_experts_per_tok=2, vocab_size=4096, bos_token_id=4000,
+                    eos_token_id=[4001], num_hidden_layers=3, layer_types=_MINI.layer_types[:3],
+                    mlp_layer_types=_MINI.mlp_layer_types[:3])
 SAMPLES = (
     "language_model.model.layers.2.block_sparse_moe.experts.3.w1.weight",
     "language_model.model.layers.2.block_sparse_moe.experts.3.w3.weight_scale_inv",
