@@ -99,7 +99,9 @@ def _check_moe(case: MoECase, dt: torch.dtype, fmt: str, config: dict | None = N
 
 # ---------------------------------------------------------------------------------------------------- routing
 @cpu_only
-@pytest.mark.parametrize("t,e,top_k", [(1, 8, 2), (7, 6, 4), (20, 128, 4), (3, 5, 5)])
+# (20, 12, 4): more tokens than route's 16-token program (two programs, the second partial); (2, 128, 4): the
+# release's 128 experts (one 128-wide expert tile). Apart: the logits kernel runs one program per (token, expert).
+@pytest.mark.parametrize("t,e,top_k", [(1, 8, 2), (7, 6, 4), (20, 12, 4), (2, 128, 4), (3, 5, 5)])
 def test_routing_matches_reference(t, e, top_k):
     case = MoECase(t, 32, 32, 32, e, top_k, seed=t + e)
     ids, w = moe_routing.route(case.x, case.router, case.bias, top_k)
@@ -298,8 +300,9 @@ def test_moe_gemv_path(fmt, dt):
 def test_moe_gemv_split_k_and_prefetch(fmt, dt, split, prefetch):
     # SPLIT_K 3 over H 160 in K tiles of 64: splits of 64 columns, the last one half past H (masked); over I 32
     # the second and third splits lie wholly past I (their partials are zeros). PREFETCH loads 1 or 2 K steps
-    # ahead, past each split's end too (masked). Four tokens, shared expert wider than the routed ones.
-    _check_moe(MoECase(4, 160, 32, 64, 7, 3, seed=15), dt, fmt,
+    # ahead, past each split's end too (masked). Two tokens x top-2 (four assignments: several rows of split
+    # counters), shared expert wider than the routed ones.
+    _check_moe(MoECase(2, 160, 32, 64, 7, 2, seed=15), dt, fmt,
                config={"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split, "PREFETCH": prefetch})
 
 
@@ -315,20 +318,28 @@ PIPELINE_CONFIGS = [dict(GEMV=1, BLOCK_N=8, BLOCK_K=64, num_warps=4, num_stages=
 PIPELINE_IDS = ["pipe4", "pipe6", "bn4_pipe4", "split2_pipe4"]
 
 
+# Under the interpreter pipe6 is pipe4 (the same BLOCK_N, BLOCK_K and warps; only the ignored stages differ), so the
+# CPU runs pipe4 for both; the H200 test runs each.
+CPU_PIPELINE = [(c, i) for c, i in zip(PIPELINE_CONFIGS, PIPELINE_IDS) if i != "pipe6"]
+
+
 @cpu_only
-@pytest.mark.parametrize("config,fmt", [(PIPELINE_CONFIGS[0], "bf16"), *((c, "mxfp8") for c in PIPELINE_CONFIGS)],
-                         ids=["pipe4-bf16", *(f"{i}-mxfp8" for i in PIPELINE_IDS)])
+@pytest.mark.parametrize("config,fmt", [(PIPELINE_CONFIGS[0], "bf16"), *((c, "mxfp8") for c, _ in CPU_PIPELINE)],
+                         ids=["pipe4-bf16", *(f"{i}-mxfp8" for _, i in CPU_PIPELINE)])
 def test_moe_gemv_pipeline(fmt, config):
-    # One token (the bucket these variants are for), top-2 of 5 experts, bf16 activations as the model runs;
-    # MXFP8 weights for every variant (the format they are meant for), bf16 weights for one.
-    _check_moe(MoECase(1, 224, 96, 64, 5, 2, seed=31), torch.bfloat16, fmt, config=config)
+    # One token (the bucket these variants are for), bf16 activations as the model runs; MXFP8 weights for every
+    # variant (the format they are meant for), bf16 weights for one. Top-1 of 5 experts and a narrower shared expert
+    # (I 32): the tile's K loop is what varies here, and each row / N tile is as many programs again (top-2 at one
+    # token through the default pipelined GEMV tile: test_moe_one_token_most_experts_empty).
+    _check_moe(MoECase(1, 224, 96, 32, 5, 1, seed=31), torch.bfloat16, fmt, config=config)
 
 
 # bench/moe.py's round-4 batch-1 tiles with more bytes per load step (BYTES_SWEEP there), at their own BLOCK_K of
-# 512 / 1024: H 608 (a multiple of the 32-wide scale blocks) gives the gate-up loop 2 K steps at BK 512 (the second
-# mostly past H, masked) and one partly masked step at BK 1024; I 96 leaves the down projection one K step, mostly
-# masked. Stages as the bench runs them (the interpreter ignores them). H is small because the down projection's
-# N tiles (H / BLOCK_N programs per assignment) are most of the interpreter's time.
+# 512 / 1024: H 544 (a multiple of the 32-wide scale blocks) gives the gate-up loop 2 K steps at BK 512 (the second
+# mostly past H, masked) and one partly masked step at BK 1024; I 32 leaves the down projection one K step, mostly
+# masked. Stages as the bench runs them (the interpreter ignores them). H is the smallest with those steps, and one
+# token goes to one expert (top-1, and the shared expert), because the down projection's N tiles (H / BLOCK_N
+# programs per row) are most of the interpreter's time.
 BYTES_CONFIGS = [dict(GEMV=1, BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3, PIPELINE=3),
                  dict(GEMV=1, BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3, PIPELINE=3),
                  dict(GEMV=1, BLOCK_N=16, BLOCK_K=512, num_warps=8, num_stages=3, PIPELINE=3),
@@ -341,7 +352,7 @@ BYTES_IDS = ["bn4_bk512", "bk512", "bn16_bk512", "bk1024", "bn4_bk1024"]
 @pytest.mark.parametrize("config,fmt", [(BYTES_CONFIGS[1], "bf16"), *((c, "mxfp8") for c in BYTES_CONFIGS)],
                          ids=["bk512-bf16", *(f"{i}-mxfp8" for i in BYTES_IDS)])
 def test_moe_gemv_big_k_tiles(fmt, config):
-    _check_moe(MoECase(1, 608, 96, 64, 5, 2, seed=33), torch.bfloat16, fmt, config=config)
+    _check_moe(MoECase(1, 544, 32, 32, 5, 1, seed=33), torch.bfloat16, fmt, config=config)
 
 
 @cpu_only
@@ -623,10 +634,22 @@ def test_moe_rejects_mismatched_weights():
 
 
 # ---------------------------------------------------------------------------------------------------- linear
+def _linear_cases():
+    # Each mode at three shapes: one row (N 40, K 96), [2, 3] rows (N 17, K 64) and the third (N 70: the last 16-row
+    # GEMV tile partly past N; K 160: three 64-wide K steps, the last half past K, PREFETCH 2 reaching past the end).
+    # There the tensor-core modes take 20 rows (tile_config's 17-64-row bucket: one 64-row M tile, partly past M) and
+    # the GEMV modes 3 (one program per row and N tile: more rows are more of the same programs).
+    cases = []
+    for mode in (0, 1, "gemv", "gemv_prefetch", "gemv_pipeline", "default"):
+        rows = (3,) if str(mode).startswith("gemv") else (20,)
+        for lead, n, k in [((1,), 40, 96), ((2, 3), 17, 64), (rows, 70, 160)]:
+            cases.append(pytest.param(lead, n, k, mode, id=f"{'x'.join(map(str, lead))}-{n}-{k}-{mode}"))
+    return cases
+
+
 @cpu_only
-@pytest.mark.parametrize("mode", [0, 1, "gemv", "gemv_prefetch", "gemv_pipeline", "default"])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("lead,n,k", [((1,), 40, 96), ((2, 3), 17, 64), ((20,), 70, 160)])
+@pytest.mark.parametrize("lead,n,k,mode", _linear_cases())
 def test_mxfp8_linear_matches_reference(dt, lead, n, k, mode):
     w, s = mxfp8.quantize(torch.randn(n, k))
     s[0, 0] = 0  # the subnormal scale 2^-127 (one UE8M0 byte that cannot be built by an exponent shift)
