@@ -33,12 +33,17 @@ from m3export.plugins.kernels._tile_plan import tile_plan, tile_unions, union_ch
 # one-token and page-crossing sequences whose odd tile tails leave tiles partly empty. Blocks of 32 (two key tiles
 # each) put the last position at every place in its block: after one whole tile and a partial one (60), at a tile's
 # end (48, 64), inside the first tile (40), so the TMA walks' whole-tile count and partial tile are both exercised.
+# The prefill batches are as few tokens as keep that (the interpreter's time grows with tokens x query heads, the
+# non-fused merge's programs): "prefill" in tiles of 4 has a full tile across a block and page boundary (positions
+# 29-32), a full tile inside one block, tails of 1 and 3 tokens, a tile ending at its block's end (15: whole key
+# tiles only) and others ending inside one (a partial tile); "prefill-blocks-of-32" ends its 4-token tiles after a
+# whole key tile and a partial one (59), at a key tile's end (47, 63) and inside the first key tile (46, 6).
 BATCHES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1], 16),
            "decode-empty-seqs": ([12, 40, 30, 5, 17], [0, 1, 0, 1, 0], 16),
            "decode-blocks-of-32": ([64, 48, 40, 60, 1], [1, 1, 1, 1, 1], 32),
-           "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3], 16),
-           "prefill-blocks-of-32": ([64, 48, 60, 7], [5, 16, 9, 7], 32),
-           "prefill-short": ([40, 20], [9, 4], 32)}
+           "prefill": ([50, 1, 34, 16], [1, 1, 9, 7], 16),
+           "prefill-blocks-of-32": ([64, 48, 60, 7], [2, 5, 2, 3], 32),
+           "prefill-short": ([40, 20], [5, 3], 32)}
 LOOPS = {"decode": ["flat_fused", "flat_tma", "flat_tma_fused", "flat_tma_host_fused"], "decode-empty-seqs": ["flat_fused", "flat_tma_fused"],
          "decode-blocks-of-32": ["flat_tma_fused", "flat_tma_lean"],
          "prefill": ["union_fused", "union_tma", "union_tma_fused", "union_tma_lean", "union_tma_host_lean", "flat_tma",
@@ -73,7 +78,10 @@ def _case(batch: str, page: int, dtype=torch.bfloat16, fp8: bool = False):
     repeats and ids past the token's own block mixed in, and the reference output."""
     ctx, new, bs = BATCHES[batch]
     paged = Paged(ctx, new, page, seed=page + len(batch))
-    t, hq, hkv, d = paged.tokens, 32, 2, 32  # 16 query heads per KV head, as M3
+    # decode: 16 query heads per KV head, as M3 (a one-token program's 16 rows are all real heads). prefill: 8, so a
+    # 4-token tile is 32 rows, all real and more than 16 (the launcher fits them to shared memory, as M3's 64), with
+    # half the programs of the non-fused merge (one per token and query head: the interpreter's largest cost here)
+    t, hq, hkv, d = paged.tokens, 32 if batch.startswith("decode") else 16, 2, 32
     q = paged.randn(t, hq, d, dtype=dtype)
     scales = ()
     if fp8:
