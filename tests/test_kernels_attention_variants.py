@@ -10,7 +10,9 @@ device made to look like it has 16 multiprocessors so that selections and contex
 
 ``num_warps`` and ``num_stages`` change how the compiled kernel is scheduled, not what it computes (and the
 interpreter ignores them), so variants that differ from the defaults or from each other only there run once: the
-interpreter is slow and CI's time is shared.
+interpreter is slow and CI's time is shared. Likewise for the key tile: the cases' index blocks hold at most 16 keys
+here (or the key tile is forced to 16), so variants differing in ``block_n`` launch the same kernel on them and the
+first of them runs.
 """
 
 from __future__ import annotations
@@ -98,11 +100,25 @@ def _paged(name):
     return Paged(ctx, new, page, zlib.crc32(name.encode())), tuple(attrs)
 
 
+def _key_tile(name: str, settings: dict) -> int:
+    """The key tile the launcher makes of a variant's ``block_n`` on case ``name``: at most the index block (at least
+    16), and 16 where the test forces it. Every case here has blocks of 4 or forced 16-key tiles, so "n64" and
+    "n128" run the same launch on them (on the GPU too)."""
+    bs = SUB_TILE_CASE[3] if name == "blocks-of-32" else CASES[name][3]
+    return 16 if name == "blocks-of-32" else min(settings["block_n"], max(16, 1 << (bs - 1).bit_length()))
+
+
 def _attention_params():
     for mode, cases in ATTENTION_CASES.items():
-        for variant in distinct(SPA.DEFAULTS[mode], {**SPA.VARIANTS[mode], **UNLISTED[mode]}):
-            for name, dtype in cases:
-                yield pytest.param(mode, variant, name, dtype, id=f"{mode}-{variant}-{name}")
+        variants = {**SPA.VARIANTS[mode], **UNLISTED[mode]}
+        for name, dtype in cases:
+            launched = []  # a variant whose launch on this case an earlier one already ran is not run again
+            for variant in distinct(SPA.DEFAULTS[mode], variants):
+                settings = {k: v for k, v in variants[variant].items() if k not in SCHEDULE_ONLY}
+                settings["block_n"] = _key_tile(name, settings)
+                if settings not in launched:
+                    launched.append(settings)
+                    yield pytest.param(mode, variant, name, dtype, id=f"{mode}-{variant}-{name}")
 
 
 @pytest.mark.parametrize("mode, variant, name, dtype", list(_attention_params()))
@@ -158,8 +174,11 @@ def test_loop_forms_on_fp8_pools_match_the_fp8_reference(mode, loop, name):
 # page load per key tile, which every GPU prefill takes (blocks = pages = 128) but the CASES above (blocks of 4,
 # tiles of 16) never do; decode (a page id per key) at the same sizes. A decode batch with a one-token sequence, and
 # a mixed prefill batch (decode-like sequences, a one-token sequence, sequences crossing pages) whose odd tile tails
-# leave 8-token tiles partly empty.
-IN_PAGE_CASES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]), "prefill": ([50, 1, 33, 17, 40], [1, 1, 19, 17, 3])}
+# leave 8-token tiles partly empty. The prefill batch is as few tokens as keep that (the "prefill" batch of
+# tests/test_sparse_attention_fused_tma.py): tiles across a block and page boundary (positions 29-32 in tiles of 4,
+# 25-32 in tiles of 8), a full 4-token tile inside one block, tails of 1, 3 and 7 tokens, tiles ending at their
+# block's end (position 15) and inside one.
+IN_PAGE_CASES = {"decode": ([50, 1, 33, 17], [1, 1, 1, 1]), "prefill": ([50, 1, 34, 16], [1, 1, 9, 7])}
 IN_PAGE_LOOPS = {"decode": [{}],
                  "prefill": [{"loop": "flat", "tile_tokens": 1}, {"loop": "union", "tile_tokens": 4},
                              {"loop": "union", "tile_tokens": 8}]}
@@ -173,7 +192,10 @@ def test_key_tiles_inside_pages_match_reference(mode, cfg, page):
     token's own block mixed in, as the kernel may be handed them."""
     ctx, new = IN_PAGE_CASES[mode]
     paged = Paged(ctx, new, page, seed=page + len(cfg))
-    t, hq, hkv, d, bs = paged.tokens, 32, 2, 32, 16  # 16 query heads per KV head, as M3
+    # 16 query heads per KV head, as M3, where a program holds one token (its 16 rows all real heads); 8 in tiles of
+    # 4 or 8 tokens (32 or 64 rows, all real, fitted to shared memory as M3's): half the non-fused merge's programs
+    hq = 32 if cfg.get("tile_tokens", 1) == 1 else 16
+    t, hkv, d, bs = paged.tokens, 2, 32, 16
     assert (t < 2 * len(ctx)) == (mode == "decode")
     q = paged.randn(t, hq, d, dtype=torch.bfloat16)
     k, v = paged.pool(hkv, d, dtype=torch.bfloat16), paged.pool(hkv, d, dtype=torch.bfloat16)
