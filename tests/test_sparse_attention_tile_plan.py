@@ -77,8 +77,13 @@ def test_plan_equals_the_torch_definitions_bit_for_bit(name, tokens):
 def test_tile_search_runs_across_blocks_of_sequences(monkeypatch):
     """Many sequences searched 2 at a time (the launch loads up to 1024 starts at once): the running tile and
     sequence counts carried from block to block, sequences without new tokens at block edges; tile lists only (the
-    non-union walks' plan: no unions made; ``tile_lists``, the dense attention's and the indexer's)."""
+    non-union walks' plan: no unions made; ``tile_lists``, the dense attention's and the indexer's). The plan without
+    unions is ``tile_lists``' one launch: a spy records what ``tile_lists`` returned inside ``tile_plan``, so both
+    are checked on one launch per tile size (the interpreter runs every program of it)."""
     monkeypatch.setattr(TP, "_SEQ_BLOCK", 2)
+    lists = []
+    real = TP.tile_lists
+    monkeypatch.setattr(TP, "tile_lists", lambda *a: lists.append(real(*a)) or lists[-1])
     new = [3, 0, 0, 5, 1, 0, 9, 2, 0, 4, 1]
     qsl, positions, sel = _batch_of(new, 2, 4, seed=3)
     t = sel.shape[0]
@@ -90,8 +95,9 @@ def test_tile_search_runs_across_blocks_of_sequences(monkeypatch):
         assert slots == want[3] and union is None and count is None and bits is None
         for a, b in zip((seq, start, end), want[:3]):
             assert torch.equal(a.cpu(), b)
-        lists = TP.tile_lists(qsl.to(DEVICE), t, tokens)  # the dense attention's and the indexer's tiles
-        assert lists[3] == want[3] and all(torch.equal(a.cpu(), b) for a, b in zip(lists[:3], want[:3]))
+        (got,) = lists  # the dense attention's and the indexer's tiles: what tile_lists gave tile_plan
+        assert got[3] == want[3] and all(torch.equal(a.cpu(), b) for a, b in zip(got[:3], want[:3]))
+        lists.clear()
 
 
 class _Ops(TorchDispatchMode):
