@@ -193,7 +193,6 @@ def test_ws_kernels_compile_for_sm90_at_mini_dims(sm90_builds, name, kind):
     assert res["stack"] == 0 and res["local"] == 0, res
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the combine over unwritten memory
 @pytest.mark.parametrize("name,persistent,bm,bm_shared", [
     ("prefill_ws_bm256_down128_s4c2", 0, 256, 256), ("prefill_ws_bm256_down128_s4c2", 1, 256, 256),
     ("prefill_ws_bm256_down128_s4c2_half", 0, 256, 256)])
@@ -202,8 +201,9 @@ def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_share
     # the blocks it routed and launches the four GEMMs with the row blocks of those blocks (BLOCK_M is the
     # launcher's, not a key of the tile config it passes on; the shared expert's blocks as many tokens), the gate-up
     # launches N tiles of BLOCK_N over I and the down launches N tiles of BLOCK_N_DOWN over H, one program per
-    # tile, or one per SM with PERSISTENT. The kernel and the device checks are replaced by recorders (the combine
-    # then sums unwritten memory: shape only).
+    # tile, or one per SM with PERSISTENT; then the combine of their expert outputs. The kernel, the device checks
+    # and the combine (its kernel is every MoE test's; here it would sum unwritten memory, one interpreted program
+    # per token) are replaced by recorders.
     from m3export.plugins.kernels import moe_prefill_ws as ws
 
     launches, halves = [], []
@@ -218,11 +218,14 @@ def test_ws_launches_through_run_moe(monkeypatch, name, persistent, bm, bm_share
     monkeypatch.setattr(ws, "_gemm_ws", Recorder())
     monkeypatch.setattr(ws, "check", lambda weights, dtype, cfg: None)
     monkeypatch.setattr(ws, "_programs", lambda tiles, device, on: min(tiles, 3) if on else tiles)
+    combined = []
+    monkeypatch.setattr(moe_kernel, "_combine_launch", lambda y, out, *a: combined.append((y.shape, a)) or out)
     case = MoECase(300, 128, 64, 64, 4, 2, seed=75)
     args = case.mxfp8_args(torch.bfloat16)
     cfg = dict(PREFILL_WS[name], PERSISTENT=persistent)
     out = moe_kernel.run_moe(*args[:3], *args[3::2], *case.attrs(), scales=tuple(args[4::2]), config=cfg)
     assert out.shape == (300, 128)
+    assert combined == [((300, 3, 128), (SCALING, 128, 2))]  # once, over the four GEMMs' outputs (top-2 + shared)
     kinds = [(c["GATE_UP"], c["ROUTED"], c["BLOCK_M"], c["BLOCK_N"], c["N_OUT"], c["K"]) for _, _, c in launches]
     assert kinds == [(True, True, bm, 64, 64, 128), (True, False, bm_shared, 64, 64, 128),
                      (False, True, bm, 128, 128, 64), (False, False, bm_shared, 128, 128, 64)]
