@@ -13,9 +13,15 @@ from m3export.export.exporter import export_artifact
 
 @pytest.fixture(scope="module")
 def split_artifact(tmp_path_factory):
-    out = tmp_path_factory.mktemp("split") / "art"
-    export_artifact("tiny", out, split_layers=3, progress=False)
-    return out
+    """The tiny model without its MTP module (the MTP graph is no part of the split; one trace fewer), split into
+    parts of 3 layers: [0, 3) and [3, 4), the second shorter than the first."""
+    from m3export.checkpoint.writer import write_checkpoint
+    from m3export.config import preset
+
+    tmp = tmp_path_factory.mktemp("split")
+    write_checkpoint(tmp / "ckpt", preset("tiny").replace(num_mtp_modules=0), "original", "fp32", progress=False)
+    export_artifact(str(tmp / "ckpt"), tmp / "art", split_layers=3, progress=False)
+    return tmp / "art"
 
 
 def _feeds(art, rng):
