@@ -17,12 +17,10 @@ pytest.importorskip("onnxruntime")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, tiny_artifact):
     skip_without_tritonserver()
-    from m3export.export.exporter import export_artifact
-
     tmp = tmp_path_factory.mktemp("artifact")
-    art = export_artifact("tiny", tmp / "art", progress=False)
+    art = shutil.copytree(tiny_artifact, tmp / "art")  # the session's tiny export, a copy this test may delete
     model_dir = write_repository(str(art), tmp / "repo", backend="onnxruntime", copy=True)
     shutil.rmtree(art)
     engine = Engine.from_artifact(model_dir / "1" / "artifact", backend="onnxruntime")
