@@ -18,7 +18,6 @@ import onnx
 import pytest
 from onnx import inliner, shape_inference
 
-from m3export.export.exporter import export_artifact
 
 # ONNX Runtime's CUDA EP kernel registrations for the opset these graphs use (20), from ORT's generated table
 # docs/OperatorKernels.md ("Operators implemented by CUDAExecutionProvider", written from the EP's kernel
@@ -97,9 +96,9 @@ def typed_nodes(model: onnx.ModelProto):
 
 
 @pytest.fixture(scope="module")
-def bf16_graphs(tmp_path_factory):
-    art = export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-bf16", dtype="bfloat16", progress=False)
-    return {name: onnx.load(art / f"{name}.onnx", load_external_data=False) for name in GRAPHS}
+def bf16_graphs(bf16_artifact):
+    """The graphs of the session's tiny bf16 export (``tests/export_fixtures.py``)."""
+    return {name: onnx.load(bf16_artifact / f"{name}.onnx", load_external_data=False) for name in GRAPHS}
 
 
 # the step graphs and their decode forms (the ones an ORT CUDA graph captures: a node left to the CPU EP there is a

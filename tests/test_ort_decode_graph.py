@@ -23,7 +23,6 @@ import torch
 from m3export.errors import ArtifactError
 from m3export.export.artifact import load_artifact
 from m3export.export.decode_graph import FLAVOUR, decode_model, flavour_name, problems
-from m3export.export.exporter import export_artifact
 from m3export.model.batch import Segment, build_batch
 from m3export.plugins.onnxruntime.session import PagedSession
 
@@ -33,13 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 ALL_EXPERTS = flavour_name(moe="all-experts")  # the decode graphs whose MoE runs every expert
 PAGES = 40
 LENGTHS = (37, 9, 58)  # contexts past several indexer blocks (tiny: 4 keys a block, top 3 of them, 1 local)
-
-
-@pytest.fixture(scope="module")
-def fp16_artifact(tmp_path_factory):
-    """The tiny preset in float16 with pages of 8 (two indexer blocks per page)."""
-    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16", dtype="float16", page_size=8,
-                           progress=False)
 
 
 def _sessions(path, flavour: str = FLAVOUR):
@@ -121,8 +113,9 @@ def test_decode_graph_equals_general_graph_fp8_cache(fp8_artifact):
 
 
 @pytest.mark.parametrize("flavour", [FLAVOUR, ALL_EXPERTS])
-def test_decode_graph_equals_general_graph_fp16(fp16_artifact, flavour):
-    art, general, decode = _sessions(fp16_artifact, flavour)
+def test_decode_graph_equals_general_graph_fp16(fp16_trt_artifact, flavour):
+    # the session's tiny float16 export, pages of 8 (two indexer blocks a page); its TensorRT flavour files are unread
+    art, general, decode = _sessions(fp16_trt_artifact, flavour)
     with general, decode:
         worst = _compare(art, general, decode, steps=3, extra_width=2)
     # fp16 activations: each fp32 difference above can move a rounding to fp16 (2^-11 = 4.9e-4 relative) in a
@@ -158,13 +151,13 @@ def test_decode_graph_has_no_control_flow_or_value_shapes(tiny_artifact):
         assert [o.name for o in decoded.graph.output] == [o.name for o in general.graph.output]
 
 
-def test_decode_graph_places_every_node_on_the_cuda_ep(fp16_artifact):
+def test_decode_graph_places_every_node_on_the_cuda_ep(fp16_trt_artifact):
     """The placement ORT's CUDA EP would make (``bench/ort_step_host.cuda_placement``) of the fp16 decode graphs
     (the closest CPU-runnable stand-in for bf16) needs no Memcpy node: no size comes from a value on the device,
     and the nodes left on the CPU EP are shape arithmetic (ORT's CUDA-graph capture tolerates those)."""
     from ort_step_host import cuda_placement
 
-    art = load_artifact(fp16_artifact)
+    art = load_artifact(fp16_trt_artifact)
     for flavour in (FLAVOUR, ALL_EXPERTS):
         for graph, record in art.manifest.flavours[flavour].items():
             p = cuda_placement(art.root / record["file"])
@@ -180,14 +173,14 @@ def test_mxfp8_artifact_has_no_decode_graph(mxfp8_artifact):
         decode_model(model)
 
 
-@pytest.mark.slow  # a bf16 export of its own (~25 s on the 2-core machine)
-def test_every_bf16_decode_node_has_a_cuda_kernel(tmp_path):
+@pytest.mark.slow  # the session's bf16 export (~25 s on the 2-core machine), shared with test_ort_cuda_kernel_types
+def test_every_bf16_decode_node_has_a_cuda_kernel(bf16_artifact):
     """Every node of the bf16 decode graphs (bodies inlined) has a kernel in ORT's CUDA EP for the types it is fed
     (``tests/test_ort_cuda_kernel_types.py``'s table): no node falls back to the CPU EP, which a captured CUDA
     graph could not hold."""
     from tests.test_ort_cuda_kernel_types import CUDA_EP, typed_nodes
 
-    art = load_artifact(export_artifact("tiny", tmp_path / "bf16", dtype="bfloat16", progress=False))
+    art = load_artifact(bf16_artifact)
     for flavour in (FLAVOUR, ALL_EXPERTS):
         for graph, record in art.manifest.flavours[flavour].items():
             model = onnx.load(str(art.root / record["file"]), load_external_data=False)

@@ -4,41 +4,21 @@ and the cache-free model recomputed at every token."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from m3export.checkpoint.writer import write_checkpoint
-from m3export.config import preset
 from m3export.errors import MediaError
-from m3export.export.artifact import load_artifact, load_torch_model
-from m3export.export.exporter import export_artifact
-from m3export.model import M3ForCausalLM
+from m3export.export.artifact import load_torch_model
 from m3export.model.batch import Segment, build_batch
-from m3export.preprocess.settings import PREPROCESSOR_CONFIG, MediaSettings
+from m3export.preprocess.settings import MediaSettings
 from m3export.runtime import Engine, SamplingParams
 from m3export.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 from m3export.runtime.backends.torch_backend import TorchBackend
 
-from .test_runtime_media import IMG, IMG2, VID, _prompt, _reference, media_weights
+from .test_runtime_media import IMG, IMG2, VID, _prompt, _reference
 from .vl_config import IMAGE, VIDEO, VISION
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-PREPROCESSING = {"max_pixels": 32 * 32, "image_mean": [0.5, 0.5, 0.5]}
-
-
-@pytest.fixture(scope="module")
-def vl_artifact(tmp_path_factory):
-    """A tiny VL model with one MTP module, float32, pages of 4 tokens; weights scaled as in
-    ``test_runtime_media`` so that the media decide the greedy tokens."""
-    tmp = tmp_path_factory.mktemp("vl-ort")
-    torch.manual_seed(0)
-    model = media_weights(M3ForCausalLM(preset("tiny").replace(num_mtp_modules=1, vision=VISION)).eval())
-    write_checkpoint(tmp / "ckpt", model.config, "original", "fp32", model=model, progress=False,
-                     with_tokenizer=False)
-    (tmp / "ckpt" / PREPROCESSOR_CONFIG).write_text(json.dumps(PREPROCESSING))  # export copies it beside the graphs
-    return load_artifact(export_artifact(str(tmp / "ckpt"), tmp / "art", page_size=4, progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +26,7 @@ def reference(vl_artifact):
     return load_torch_model(vl_artifact)
 
 
-@pytest.mark.slow  # the VL export (~20 s alone on the 2-core CI machine) is this module's cost
+@pytest.mark.slow  # the VL export (~20 s alone on the 2-core CI machine; the session's vl_artifact) is its cost
 def test_a_media_step_equals_the_torch_backend_and_the_cache_free_model(vl_artifact, reference):
     """One prefill step holding an image and a video: the vision graph's tokens, placed by the step graph, give the
     torch backend's logits and the cache-free model's."""

@@ -9,22 +9,16 @@ import pytest
 import torch
 
 import m3export
-from m3export.checkpoint.writer import write_checkpoint
-from m3export.config import preset
-from m3export.export.artifact import load_artifact
-from m3export.export.exporter import export_artifact
 from m3export.export.verify import verify_artifact
 from m3export.export.vision_graph import VISION_FILE, run_vision_onnx
 
-from .test_vision_model import VISION
+from .vl_config import VISION
 
 
-@pytest.mark.slow  # two dynamo exports (step + vision graph, ~45 s on the 2-core CI machine) and a verify
-def test_vl_checkpoint_exports_and_verifies_with_a_vision_graph(tmp_path):
-    cfg = preset("tiny").replace(num_mtp_modules=0, vision=VISION)
-    write_checkpoint(tmp_path / "ckpt", cfg, "original", "fp32", progress=False)
-    art = load_artifact(export_artifact(str(tmp_path / "ckpt"), tmp_path / "art", progress=False))
-    assert sorted(art.graphs) == ["model", "vision"] and art.config.vision == VISION
+@pytest.mark.slow  # a verify of the session's VL export (vl_artifact: two dynamo exports, step + vision graph)
+def test_vl_checkpoint_exports_and_verifies_with_a_vision_graph(vl_artifact):
+    art = vl_artifact  # a VL checkpoint with one MTP module, exported: the step, MTP and vision graphs
+    assert sorted(art.graphs) == ["model", "mtp0", "vision"] and art.config.vision == VISION
 
     report = verify_artifact(art, decode_steps=2, progress=False)
     assert report.passed, "\n".join(report.lines())
@@ -33,7 +27,7 @@ def test_vl_checkpoint_exports_and_verifies_with_a_vision_graph(tmp_path):
     proto = onnx.load(str(art.path("vision")), load_external_data=False)
     assert [i.name for i in proto.graph.input] == ["pixel_values", "position_ids"]
     assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # a dynamic number of patches
-    model = m3export.load_model(tmp_path / "ckpt", progress=False)
+    model = m3export.load_model(art.root.parent / "ckpt", progress=False)
     # Every tower / projector parameter is a reference into the weight file, not a copy inside the graph.
     params = {n for n, _ in model.named_parameters() if n.startswith(("vision_tower.", "multi_modal_projector."))}
     assert params == {t.name for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
