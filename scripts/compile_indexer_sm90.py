@@ -41,8 +41,11 @@ class _Launched(Exception):
     pass
 
 
-def capture(kernel_name: str, call) -> dict:
-    """The arguments ``call`` launches ``LI.<kernel_name>`` with, captured instead of run."""
+def capture(module, kernel_name: str, call, quiet: tuple = ()) -> dict:
+    """The launch ``call`` makes of ``module.<kernel_name>``, captured instead of run: {"fn", "args", "kwargs",
+    "grid"}. ``quiet``: (module, name) pairs of other kernels launched before it, replaced by launches that do
+    nothing (their outputs are only passed on to the captured one). The tests' sm_90 checks use it too
+    (``tests/test_kernels_attention_shared_memory.py``)."""
     got = {}
 
     class Recorder:
@@ -53,19 +56,29 @@ def capture(kernel_name: str, call) -> dict:
 
             return launch
 
-    kernel = getattr(LI, kernel_name)
-    setattr(LI, kernel_name, Recorder())
+    class Nothing:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    saved = [(module, kernel_name, getattr(module, kernel_name))] + [(m, n, getattr(m, n)) for m, n in quiet]
+    setattr(module, kernel_name, Recorder())
+    for m, n in quiet:
+        setattr(m, n, Nothing())
     try:
         call()
     except _Launched:
         pass
     finally:
-        setattr(LI, kernel_name, kernel)
-    return dict(got, fn=kernel)
+        for m, n, kernel in saved:
+            setattr(m, n, kernel)
+    return dict(got, fn=saved[0][2])
 
 
 def compile_launch(launch: dict) -> dict:
-    """The captured launch compiled for sm_90: resources and the SASS opcode counts."""
+    """A captured launch compiled for sm_90 by Triton's own JIT specialisation (argument alignment, strides equal
+    to 1 as constants) and ptxas, without a GPU (Triton's compiler: no TRITON_INTERPRET in this process); a
+    kernel's ``INTERPRETED`` flag is set to False (captured on CPU tensors: the device's code path). Resources and
+    the SASS opcode counts."""
     fn = launch["fn"]
     backend = make_backend(TARGET)
     kwargs = dict(launch["kwargs"], INTERPRETED=False) if "INTERPRETED" in fn.arg_names else dict(launch["kwargs"])
@@ -118,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in ["default", *names]:
                 config = None if name == "default" else {part: LI.VARIANTS[part][name]}
                 if part == "scan":
-                    launch = capture("_index_scan", lambda: LI.scan(q, pool, table, qsl, lens, pos, BLOCK, scale,
+                    launch = capture(LI, "_index_scan", lambda: LI.scan(q, pool, table, qsl, lens, pos, BLOCK, scale,
                                                                     config=config))
                 else:
                     scores = torch.zeros(1, HEADS, table.shape[1] * PAGE // BLOCK)
-                    launch = capture("_block_topk", lambda: LI.block_topk(scores, pos, BLOCK, TOPK, LOCAL, INIT,
+                    launch = capture(LI, "_block_topk", lambda: LI.block_topk(scores, pos, BLOCK, TOPK, LOCAL, INIT,
                                                                           config=config))
                 row = {"part": part, "keys": keys, "variant": name, **compile_launch(launch)}
                 rows.append(row)

@@ -25,6 +25,9 @@ from m3export.plugins.kernels import _batch
 from m3export.plugins.kernels import sparse_paged_attention as spa
 from m3export.plugins.kernels import _tile_plan
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import compile_indexer_sm90 as sm90  # noqa: E402  (scripts/: launch capture and the sm_90 compile, one owner)
+
 # M3's per-layer dims (`mini` and the full model): 64 query heads over 4 KV heads of 128, blocks of 128, top-16.
 HQ, HKV, D, BS, TOPK = 64, 4, 128, 128, 16
 UNION = dict(tile_tokens=8, block_n=128, num_warps=8, num_stages=2, loop="union")  # the 03:58 sweep's prefill winner
@@ -129,10 +132,6 @@ def test_fit_keeps_the_largest_key_tile_then_the_most_stages_and_names_a_tile_th
         spa.fit_shared_memory(4096, 128, D, D, 2, 4, 4, False, limit)
 
 
-class _Launched(Exception):
-    pass
-
-
 def model_launch(q_dtype: str, kv_dtype: str, page: int, config: dict, mode: str = "prefill") -> dict:
     """The kernel launch ``forward`` makes for one `mini` attention layer (a 1024-token prefill chunk of a
     2300-token prompt, or 8 decode tokens) with ``config``: {"args", "kwargs", "grid"}, captured instead of run."""
@@ -149,30 +148,10 @@ def model_launch(q_dtype: str, kv_dtype: str, page: int, config: dict, mode: str
     sl = torch.full((b,), ctx, dtype=torch.int32)
     pos = torch.arange(ctx - t // b, ctx).repeat(b)
     sel = torch.zeros(t, HKV, TOPK, dtype=torch.int32)
-    got = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                got.update(args=args, kwargs=kwargs, grid=grid)
-                raise _Launched
-
-            return launch
-
-    class Skip:  # the plan launch before it (_tile_plan): its buffers are only passed on, never read here
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    kernel, spa._sparse_paged_attention = spa._sparse_paged_attention, Recorder()
-    plan, _tile_plan._tile_plan = _tile_plan._tile_plan, Skip()
-    try:
-        spa.forward(q, kc, vc, bt, qsl, sl, pos, sel, BS, D**-0.5, *scales, config={mode: config})
-    except _Launched:
-        pass
-    finally:
-        spa._sparse_paged_attention = kernel
-        _tile_plan._tile_plan = plan
-    return got
+    # the plan launch before it (_tile_plan) only makes buffers the attention launch is passed
+    return sm90.capture(spa, "_sparse_paged_attention",
+                        lambda: spa.forward(q, kc, vc, bt, qsl, sl, pos, sel, BS, D**-0.5, *scales,
+                                            config={mode: config}), quiet=((_tile_plan, "_tile_plan"),))
 
 
 def _launch_bound(kw: dict, q_dtype: str, kv_dtype: str) -> int:
@@ -206,21 +185,9 @@ def test_a_smaller_device_gets_a_smaller_tile(monkeypatch):
 
 # ------------------------------------------------------------------------------- the model's launch, compiled
 def compile_sm90(launch: dict) -> int:
-    """metadata.shared of ``launch`` compiled for sm_90 by Triton's own JIT specialisation (argument alignment,
-    strides equal to 1 as constants) and ptxas, without a GPU. Needs Triton's compiler (no TRITON_INTERPRET)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    fn = spa._sparse_paged_attention
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    kwargs = dict(launch["kwargs"], INTERPRETED=False)  # captured on CPU tensors: the device's code path
-    bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*launch["args"], **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    return int(triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                              options=options.__dict__).metadata.shared)
+    """metadata.shared of ``launch`` compiled for sm_90 (``scripts/compile_indexer_sm90.compile_launch``: Triton's
+    own JIT specialisation and ptxas, without a GPU). Needs Triton's compiler (no TRITON_INTERPRET)."""
+    return sm90.compile_launch(launch)["shared"]
 
 
 @pytest.mark.slow
