@@ -13,8 +13,7 @@ torch.set_num_threads(1)  # the CI machine has 2 cores; one thread per test proc
 # Session fixtures shared by every module from here, so each artifact is exported once per run (a module that
 # imports a fixture function gets its own copy, exported again).
 from tests.export_fixtures import (  # noqa: E402,F401
-    bf16_artifact, fp8_artifact, mxfp8_artifact, mxfp8_checkpoint, tiny_artifact, vl_artifact)
-from tests.fp16_trt_artifact import fp16_trt_artifact  # noqa: E402,F401
+    bf16_artifact, fp8_artifact, fp16_trt_artifact, mxfp8_artifact, mxfp8_checkpoint, tiny_artifact, vl_artifact)
 
 
 def pytest_addoption(parser):

@@ -70,3 +70,14 @@ def vl_artifact(tmp_path_factory):
 
 
 VL_PREPROCESSING = {"max_pixels": 32 * 32, "image_mean": [0.5, 0.5, 0.5]}
+
+
+@pytest.fixture(scope="session")
+def fp16_trt_artifact(tmp_path_factory):
+    """The tiny preset (one MTP module) in float16, pages of 8 tokens, with the TensorRT flavour: the fp16 ONNX
+    Runtime engine test (``test_runtime_paths.py``), the exporter's ``--flavour tensorrt`` test
+    (``test_tensorrt_build.py``) and the fp16 decode-graph tests (``test_ort_decode_graph.py``) read it. The flavour
+    only adds ``<graph>.trt.onnx`` files and their manifest record beside the plain graphs, which ONNX Runtime runs
+    as before; float16 is a dtype the TensorRT plugins take."""
+    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16-trt", dtype="float16", page_size=8,
+                           flavour="tensorrt", progress=False)

@@ -207,7 +207,7 @@ def test_tensorrt_backend_on_an_artifact_without_engines_says_build(tiny_artifac
 
 @pytest.mark.slow  # the session's float16 export with the flavour (~15-40 s), shared with test_runtime_paths
 def test_export_option_writes_the_tensorrt_flavour_into_the_manifest(fp16_trt_artifact):
-    out = fp16_trt_artifact  # export_artifact(..., flavour="tensorrt"): tests/fp16_trt_artifact.py
+    out = fp16_trt_artifact  # export_artifact(..., flavour="tensorrt"): tests/export_fixtures.py
     art = load_artifact(out, verify_checksums=True)  # the flavour files are listed with their checksums
     rec = art.manifest.flavours["tensorrt"]
     assert set(rec) == {"model", "mtp0"}
