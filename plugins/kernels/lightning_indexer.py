@@ -337,7 +337,7 @@ def _block_topk(
     base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
     if CHUNK > 0:
         row = scores_ptr + t.to(tl.int64) * ss_t + h * ss_h
-        last = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) // BS, NB - 1)
+        last = tl.minimum(tl.max(own, axis=0), NB - 1)  # the row's last block to walk
         best = tl.full((1, TOPK_PAD), -9223372036854775807 - 1, tl.int64)  # below every key: never picked
         for c0 in range(0, last + 1, CHUNK):
             c = c0 + tl.arange(0, CHUNK)[None, :]
