@@ -70,8 +70,11 @@ DEFAULTS = {
     # batch 1 / 4k 4.3 us (4.7). The sweep's geometric-mean winner "tma-host-n128-w4-s10-waves1-max1024" was faster at
     # 8 / 32k (18.3 us) but slower at 1 / 128k (11.6 us, 68 %). Folding the top-k into the scan lost (33 us at 128k).
     # Pools TMA cannot address fall back to the gather loads (``tma_usable``). It replaced "n64-w4-s3-waves4-max1024".
+    # H200 sweep 2026-12-01 19:40 UTC (commit ef59edc, FP8 index keys, bench/results/attention_sweep_scan_fp8_h200.json,
+    # every selection equal to the reference's): the same launch with fp8_dot "tf32" 0.955x the time (geometric mean;
+    # batch 1 / 4k 4.7 -> 4.6 us, 1 / 128k 11.1 -> 10.5 us, 8 / 32k 18.4 -> 17.2 us); bf16 keys are not affected.
     "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
-                 loads="tma-host", fold_topk=0, fp8_dot="bf16"),
+                 loads="tma-host", fold_topk=0, fp8_dot="tf32"),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys); chunk: 0 ranks a
     # row's blocks padded to a power of two at once, > 0 ("bitonic" only) walks the blocks up to the row's own in
     # chunks of that many, merging each chunk's top-k into a running one (``_block_topk``).
