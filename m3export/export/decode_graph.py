@@ -128,7 +128,7 @@ def graphs_with_decode_form(graphs: dict) -> list[str]:
 
 def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of: dict | None = None,
                         moe: str = MOE_FORMS[0], fuse_norms: bool = False, compact_rope: bool = True,
-                        scatter_elements: bool = True) -> dict:
+                        scatter_elements: bool = True, decode_attention: bool = False) -> dict:
     """Write ``<graph>.decode.onnx`` beside ``model.onnx`` and each ``mtp{k}.onnx`` in ``directory`` through the
     flavours' one writer (``flavour_files.write_flavour_graphs``: atomic, never replacing a file); ``of``: a
     flavour's record (e.g. ``ort-contrib``'s), whose graphs ``<graph>.ort.onnx`` get ``<graph>.ort.decode.onnx``;
@@ -145,7 +145,9 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
     only tip near-ties; until the H200 shows that at the benchmark's seed, a lowering that changes greedy tokens is
     not the default (the two passes together saved 0.37 ms of a 5.95 ms batch-1 step at 07:42 UTC). Returns the
     manifest's record of the flavour ``flavour_name`` (per graph: file, source, external data, ``status``, ``moe``,
-    ``graph_passes``: pass name -> nodes it rewrote)."""
+    ``graph_passes``: pass name -> nodes it rewrote). ``decode_attention`` (opt-in, ``--lower DecodeAttention``):
+    each dense ``m3::PagedAttention`` as ONNX ``Attention``-24 (``decode_attention.py``), applied last; its record
+    (lowered, kept and why, status) in ``decode_attention``."""
     from types import SimpleNamespace
 
     sources = graphs if of is None else {g: SimpleNamespace(file=r["file"]) for g, r in of.items() if g in graphs}
@@ -162,7 +164,13 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
             decoded, passes[COMPACT_ROPE] = compact_ropes(decoded)
         if scatter_elements:  # each cache write one thread per element (``element_scatters.py``), the same bytes
             decoded, passes[ELEMENT_SCATTERS] = element_scatters(decoded)
-        return decoded, {"status": STATUS, "moe": moe, "graph_passes": passes}
+        fields = {"status": STATUS, "moe": moe, "graph_passes": passes}
+        if decode_attention:  # dense attention as ONNX Attention-24, 16-bit pools only (``decode_attention.py``)
+            from .decode_attention import PASS, lower_decode_attention, record
+
+            decoded, passes[PASS], kept = lower_decode_attention(decoded)
+            fields["decode_attention"] = record(passes[PASS], kept)
+        return decoded, fields
 
     def file_of(name: str) -> str:
         return sources[name].file.removesuffix(".onnx") + (".decode.onnx" if moe == MOE_FORMS[0] else

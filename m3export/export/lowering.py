@@ -46,6 +46,12 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   structure and the wiring (the documented op emulated on the CPU, ``tests/test_lowering_attention.py``); the
   numbers are the H200's (``scripts/gpu_ort.sh``).
 
+* ``DecodeAttention`` (dense layers; **opt-in**, decode graphs only; ``decode_attention.py``) -> the standard
+  ONNX ``Attention`` op (opset 24) on K / V rows gathered in the pool's 16-bit dtype, ``nonpad_kv_seqlen`` the
+  step's lengths: ONNX Runtime's CUDA EP runs it as flash attention (fp32 scores and softmax). Applied by
+  ``decode_graph.write_decode_graphs`` to ``<graph>.ort.decode.onnx`` (the ``ort-contrib-decode`` flavour's
+  ``graph_passes`` / ``decode_attention`` record); this pass leaves the general graphs' nodes alone.
+
 Not lowered, and why: ``MoEMXFP8`` (``QMoE``'s fp8 path is not built into the PyPI wheel and its fp8 scales are
 square tiles, not MXFP8's 1x32), ``LightningIndexer`` and ``SparsePagedAttention`` (ORT's sparse ops share one
 selection across KV heads and mean-pool blocks: not M3's semantics).
@@ -61,11 +67,16 @@ import onnx
 from .flavour_files import write_flavour_graphs
 
 MS = "com.microsoft"
-LOWERABLE = ("MoE", "MXFP8Linear", "PagedAttention")
+LOWERABLE = ("MoE", "MXFP8Linear", "PagedAttention", "DecodeAttention")
+# lowerings of the decode graphs only (``<graph>.ort.decode.onnx``, ``decode_graph.write_decode_graphs``): the
+# ``<graph>.ort.onnx`` graphs keep these nodes, their record says why (``kept``)
+DECODE_ONLY = ("DecodeAttention",)
 DEFAULT = ("MoE", "MXFP8Linear")  # what ``--flavour ort-contrib`` lowers unless ``--lower`` names others
 OPT_IN = {  # lowerable but not by default, and why
     "PagedAttention": "opt-in (--lower): ORT's QK-norm gain is a 16-bit tensor, so M3's fp32 (1 + w) is rounded to "
                       "the activation dtype (bf16: up to 2^-8 per channel)",
+    "DecodeAttention": "opt-in (--lower): decode graphs only, dense layers' m3 PagedAttention as ONNX Attention-24 "
+                       "(decode_attention.py); unverified on GPU",
 }
 # Lowerings the H200 measured NOT to match the reference. ``--lower`` still writes them (so they can be measured
 # again, e.g. on a newer onnxruntime-gpu), with a warning (``warn_rejected``) and the reason in the manifest's
@@ -326,6 +337,10 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
     done = dict.fromkeys(ops, 0)
     report: dict = {"kept": {}, "gains": []}
     rope = _RopeTable(graph, config)
+    for op in DECODE_ONLY:
+        if op in ops:
+            report["kept"][op] = "decode graphs only: lowered in <graph>.ort.decode.onnx (the ort-contrib-decode " \
+                                 "flavour's decode_attention record)"
     for node in list(graph.nodes):
         if node.domain != "m3" or node.op not in ops:
             continue
