@@ -542,6 +542,30 @@ def kernel_times_us(fn) -> dict:
         return {}
 
 
+def router_logits_times(moe_routing, x: torch.Tensor, router: torch.Tensor) -> dict:
+    """The router's logits alone at a prefill shape, eager (do_bench, median): the reference's expression (a cast of
+    x to fp32 and cuBLAS's fp32 GEMM, what the op ran before), the op's tensor-core path (three exact bf16 parts of
+    the weight, ``moe_routing._router_logits_tc``, split cached) and its named variants; each one's largest error
+    over ``routing_bound.tc_logit_bound`` against float64 (must be <= 1)."""
+    from m3export.ops import routing_bound
+
+    exact = x.double() @ router.double().t()
+    bound = routing_bound.tc_logit_bound(x.double(), moe_routing.split_router_weight(router).double())
+    out = {"reference_ms": eager_time_ms(lambda: x.float() @ router.float().t())}
+    configs = {"default": None, **moe_routing.LOGITS_TC_VARIANTS}
+    for name, cfg in configs.items():
+        try:
+            out[f"{name}_ms"] = eager_time_ms(lambda: moe_routing._logits_tc(x, router, cfg))
+            got = moe_routing._logits_tc(x, router, cfg)
+            out[f"{name}_err_over_bound"] = float(((got.double() - exact).abs() / bound).max())
+        except Exception as exc:  # a variant that does not compile is reported, not fatal
+            print(f"  router variant {name} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+    del exact, bound
+    print(f"  router logits {tuple(x.shape)} x {tuple(router.shape)}: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in out.items()), flush=True)
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -707,6 +731,7 @@ def main() -> int:
                        best_name=best["name"], rel_err_kernel=default["rel_err"], variants=tried,
                        kernel_us_default=kernel_times_us(lambda: run(fmt, x)),
                        kernel_us_best=kernel_times_us(lambda: run(fmt, x, best["config"])))
+            row["router"] = router_logits_times(moe_routing, x, layer.router)
             res["prefill"].append(row)
             print(json.dumps(row), flush=True)
             write_results(res, args.json)

@@ -20,6 +20,48 @@ two differ by at most twice that: the routing can differ only where two experts'
 the reference's own result on another device (another summation order) does as well. Every expert's logit is
 summed in the same order, so experts with identical router rows tie exactly, as in the reference.
 
+Prefill (``T > LOGITS_KERNEL_MAX_T``, 16-bit x, fp32 router): ``_router_logits_tc``, the same exact products on
+tensor cores. At 16k tokens the reference's expression was a cast of x to fp32 (0.29 ms on the H200) and cuBLAS's
+fp32 SIMT GEMM (0.50 ms) per layer. The fp32 weight is split once (``split_router_weight``, cached on the weight
+tensor) into three bf16 parts w = w_hi + w_mid + w_lo, exactly:
+
+* the split truncates (masks the low 16 bits of the fp32 pattern, which leaves a bf16 value): w_hi keeps the top 8
+  of w's 24 significant bits, r = w - w_hi (exact in fp32: the bits of w below w_hi's, at most 16 of them, on w's
+  own grid), w_mid the top 8 of r's, w_lo = r - w_mid the rest, at most 8 bits: a bf16 value if it lies on bf16's
+  grid, i.e. if w is a multiple of 2^-133 (bf16's least subnormal). Every fp32 |w| >= 2^-110 is (its last bit is
+  2^(e-23) >= 2^-133), and so is any smaller w whose bits below 2^-133 are zero; three bf16 values always sum to a
+  multiple of 2^-133, so no split does better for the others, which lose their bits below 2^-133 (< 2^-133 per
+  weight: ``SPLIT_FLOOR``, in the bound below). All three parts carry w's sign, so |w_hi| + |w_mid| + |w_lo| = |w|
+  (on bf16's grid).
+  Rounding to nearest instead (w_hi = bf16(w)) would also be exact, but rounds |w| >= 2^128 - 2^119 (fp32's top
+  binade's last values, past bf16's largest) to infinity, and its parts' magnitudes sum past |w|.
+* inf and NaN weights are w_hi alone (w_mid = w_lo = 0): their products, and so the logits, are inf or NaN where
+  the reference's are.
+* fp16 x (11 significant bits) is split the same way in the kernel into two bf16 parts (x_hi the top 8 bits, x_lo
+  the other 3, exactly: fp16's range lies inside bf16's), six dots instead of three.
+
+The products of two bf16 values (8 x 8 significant bits) are exact. The sums are not IEEE: NVIDIA's tensor cores add
+a block of b products to the fp32 accumulator in one multi-term adder that aligns every addend to the largest and
+truncates what falls below the accumulator's last bit, then normalises by truncation (round toward zero). Fasi,
+Higham, Mikaitis, Pranesh, "Numerical behavior of NVIDIA tensor cores" (PeerJ CS 7:e330, 2021) measured this on
+V100 / T4 / A100, Khattak and Mikaitis, "Accurate models of NVIDIA tensor cores" (arXiv:2512.07004) on H100 / B200;
+the 13-14-bit accumulation reported for Hopper's FP8 wgmma (DeepSeek-V3's report, SageAttention2) is FP8's, not
+bf16's. ``m3export/ops/index_score_bound.py`` derives what that costs for any block width 1 <= b <= n: one truncated
+addend loses less than 2u times the largest addend, so a D-product dot on tensor cores is within
+gamma_(2D+2)(2u) * sum |products| of the exact sum (u = 2^-24: RZ's unit is 2u, twice round-to-nearest's). No
+measurement of the H200's adder enters it; ``tests/test_kernels_router_logits.py``'s GPU test checks it at the
+``mini`` dims and 16k tokens. So, with A_big = sum_h |x_hi,h w_hi,h| (H products, accumulator ``big``) and A_small
+the other parts' products (2H of them, 5H for fp16 x; about 2^-7 A_big, in the accumulator ``small``, so that the
+large accumulator's roundings are counted over H products, not 3H), and one IEEE fp32 add big + small at the end:
+
+    |logit - exact(x . w)| <= gamma_(2H+3)(2u) A_big + gamma_(2n+3)(2u) A_small + SPLIT_FLOOR * sum_h |x_h|
+
+(n the small accumulator's products; each final-add rounding u |big + small| <= u (1 + gamma) (A_big + A_small) is
+within the +1's). That is ``tc_logit_bound``, about 4 H u A: 4x the IEEE bound above (the routing's near-tie
+rule, ``m3export/ops/routing_bound.fp32_score_bounds(..., tensor_cores=True)``, widens with it). Underflow is not
+modelled, as above: it matters only where all of a logit's terms are below 2^-126, where the sigmoid is 1/2 in fp32
+anyway. Every expert's column gets the same sequence of operations, so identical router rows still tie exactly.
+
 Permutation (``group_by_expert``): two launches, per-chunk expert counts (``_chunk_counts``) and ``_group`` (a
 program per expert and split of the ids, plus one for the unused tail) that pads, ranks and tags without a sort.
 They replace 30 torch ops (a stable radix sort, scans, scatters, ``searchsorted``: ~45 device kernels, ~50 us on
@@ -96,14 +138,142 @@ def _router_logits(x_ptr, w_ptr, out_ptr, E, s_xt, s_we, s_ot, H: tl.constexpr, 
     tl.store(out_ptr + t.to(tl.int64) * s_ot + e, tl.sum(acc, axis=1), mask=e_ok)
 
 
-LOGITS_KERNEL_MAX_T = 64  # the decode buckets; a prefill's logits are a GEMM (cuBLAS)
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+    if INTERPRETED:  # Triton 3.6's interpreter multiplies bf16 as integers: its exact fp32 products instead
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _router_logits_tc(x_ptr, w3_ptr, out_ptr, T, E, s_xt, s_ot, H: tl.constexpr, X_SPLIT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
+    """logits[t-block, e-block] = x @ (w_hi + w_mid + w_lo)^T from the bf16 parts w3 [3, E, H]: x times w_hi into
+    ``big``, x times w_mid and w_lo (and, for fp16 x, x's low part times all three) into ``small``, big + small
+    at the end (the module docstring's bound)."""
+    t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    e = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = t < T
+    e_ok = e < E
+    part = E * H  # elements per part (< 2^31 / 3 for any router)
+    big = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    small = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * s_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w_at = w3_ptr + e[None, :].to(tl.int64) * H + k[:, None]  # [BLOCK_K, BLOCK_N]: w^T's tile
+        w_ok = k_ok[:, None] & e_ok[None, :]
+        hi = tl.load(w_at, mask=w_ok, other=0.0)
+        mid = tl.load(w_at + part, mask=w_ok, other=0.0)
+        lo = tl.load(w_at + 2 * part, mask=w_ok, other=0.0)
+        if X_SPLIT:  # fp16 x: its top 8 significant bits and the other 3, both bf16 exactly
+            xf = x.to(tl.float32)
+            xh = (xf.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+            x_hi = xh.to(tl.bfloat16)
+            x_lo = (xf - xh).to(tl.bfloat16)
+            small = _dot(x_lo, hi, small, INTERPRETED)
+            small = _dot(x_lo, mid, small, INTERPRETED)
+            small = _dot(x_lo, lo, small, INTERPRETED)
+        else:
+            x_hi = x
+        big = _dot(x_hi, hi, big, INTERPRETED)
+        small = _dot(x_hi, mid, small, INTERPRETED)
+        small = _dot(x_hi, lo, small, INTERPRETED)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * s_ot + e[None, :], big + small, mask=t_ok[:, None] & e_ok[None, :])
+
+
+LOGITS_KERNEL_MAX_T = 64  # the decode buckets (``_router_logits``); above, prefill's ``_router_logits_tc``
 _LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TC_X_DTYPES = (torch.bfloat16, torch.float16)
+SPLIT_FLOOR = 2.0 ** -133  # what the split may drop from one weight (below bf16's least subnormal); module docstring
+
+# ``_router_logits_tc``'s launch: 128 x 128 output tiles (E = 128 experts in one tile: 128 programs at 16k tokens,
+# one wave on the H200's 132 SMs), K steps of 64 (one stage: a 16 KB x tile and three 16 KB weight tiles), two
+# 128 x 128 fp32 accumulators over 8 warps (64 registers each per thread). H200, 16384 x 6144 bf16 x over 128
+# experts, do_bench medians: 0.130 ms against the reference expression's 0.788 ms (cast + cuBLAS fp32 GEMM); the
+# VARIANTS 0.147 (K 32, 4 stages), 0.172 (64-row tiles), 0.223 (2 stages); every one's largest error 5.2e-4 of the
+# docstring's bound (2.1e-3 of the IEEE one; cuBLAS 5.0e-4 of that). ``bench/moe.py --only prefill`` re-times them
+# (its "router" entry).
+LOGITS_TC = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+LOGITS_TC_VARIANTS = {
+    "m128-k32-s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=4),
+    "m64-k64-w4-s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    "m128-k64-s2": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
+}
+
+
+def split_router_weight(w: torch.Tensor) -> torch.Tensor:
+    """fp32 router weight [E, H] -> bf16 [3, E, H]: w_hi, w_mid, w_lo with w_hi + w_mid + w_lo == w for every w on
+    bf16's grid (every |w| >= 2^-110), each part truncated and of w's sign; inf / NaN in w_hi alone (module
+    docstring)."""
+    if w.dtype != torch.float32 or w.dim() != 2:
+        raise ValueError(f"moe: router weight to split must be fp32 [E, H], got {w.dtype} {tuple(w.shape)}")
+    w = w.contiguous()
+    hi = (w.view(torch.int32) & -65536).view(torch.float32)  # the top 16 bits of the pattern: a bf16 value
+    r = w - hi  # exact: w's bits below w_hi's
+    mid = (r.view(torch.int32) & -65536).view(torch.float32)
+    lo = r - mid  # exact: at most 8 significant bits
+    finite = torch.isfinite(w)
+    zero = torch.zeros((), dtype=torch.float32, device=w.device)
+    parts = torch.stack([torch.where(finite, hi, w), torch.where(finite, mid, zero), torch.where(finite, lo, zero)])
+    return parts.to(torch.bfloat16)  # exact for hi and mid (low 16 bits zero), and for lo on bf16's grid
+
+
+def _split_cached(w: torch.Tensor) -> torch.Tensor:
+    """``split_router_weight(w)``, kept on the weight tensor itself (a per-layer constant: 3 x 2 bytes x E x H,
+    4.7 MB at E = 128, H = 6144) and recomputed when the tensor's storage, layout or version (an in-place update,
+    e.g. ``load_state_dict``) changes. Not kept for inference tensors (no version counter: recomputed each call,
+    a few element-wise kernels) or while a CUDA graph is being captured (the split would be a graph node, not a
+    value yet)."""
+    if w.is_inference():
+        return split_router_weight(w)
+    key = (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.device)
+    hit = getattr(w, "_m3_router_split", None)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    parts = split_router_weight(w)
+    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        w._m3_router_split = (key, parts)
+    return parts
+
+
+def _logits_tc(x: torch.Tensor, router_weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """fp32 router logits [T, E] of 16-bit x and an fp32 router on tensor cores (``_router_logits_tc``); ``config``
+    overrides ``LOGITS_TC``'s entries (``bench/moe.py``'s variants)."""
+    cfg = dict(LOGITS_TC)
+    unknown = set(config or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"moe_routing: unknown router-logits settings {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(config or {})
+    t, h = x.shape
+    e = router_weight.shape[0]
+    if router_weight.shape[1] != h:
+        raise ValueError(f"moe: router weight {tuple(router_weight.shape)} does not match x's hidden size {h}")
+    parts = _split_cached(router_weight)
+    out = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    bn = min(cfg["BLOCK_N"], max(16, next_pow2(e)))
+    grid = (cdiv(t, cfg["BLOCK_M"]), cdiv(e, bn))
+    _router_logits_tc[grid](x, parts, out, t, e, x.stride(0), out.stride(0), H=h, X_SPLIT=x.dtype == torch.float16,
+                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], INTERPRETED=_INTERPRETED,
+                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
 
 
 def _logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [T, E]: ``_router_logits`` at decode sizes, else the reference's matmul."""
+    """fp32 router logits [T, E]: ``_router_logits`` at decode sizes, ``_router_logits_tc`` above them for 16-bit x
+    and an fp32 router, else the reference's matmul."""
     t, h = x.shape
     e = router_weight.shape[0]
+    if (t > LOGITS_KERNEL_MAX_T and x.dtype in _TC_X_DTYPES and router_weight.dtype == torch.float32
+            and x.stride(-1) == 1):
+        return _logits_tc(x, router_weight)
     if not (0 < t <= LOGITS_KERNEL_MAX_T and x.dtype in _LOGITS_DTYPES and router_weight.dtype in _LOGITS_DTYPES
             and x.stride(-1) == 1 and router_weight.stride(-1) == 1):
         return x.float() @ router_weight.float().t()
