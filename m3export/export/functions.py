@@ -337,9 +337,64 @@ def lightning_indexer_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Functi
     return _function("LightningIndexer", b, [_select_blocks(b, scores, ctx.length)], kv_fp8)
 
 
+# The widest axis the indexer's ranking ``TopK`` is given. ONNX Runtime's CUDA ``TopK`` sorts a row of up to 256
+# entries (padded to a power of two) with a bitonic network in one thread block and a longer one with a radix
+# select several times slower: on the H200 (onnxruntime-gpu 1.31.1, decode, batch 1) ~31 us per layer at 32k
+# context (257-321 blocks of 128) against ~6.5 us at 4k (docs/performance.md, "Fourth call (14:05 UTC)").
+CHUNK = 256
+
+
+def _chunked_topk(b: Builder, row: str, n: str, k: str) -> tuple[str, str, str, str]:
+    """``TopK(row, k)`` (largest, sorted, ties to the lower index) of ``row`` [T, H, n] (float32, no -inf: at
+    least ``NOTHING``) with the row padded with ``NOTHING`` columns, ranked so that no ``TopK`` sees more than
+    ``CHUNK`` entries along its axis. ``n``, ``k``: rank-0 int64, the blocks (step inputs) and the top-k (an
+    attribute). Returns (values [T, H, k], ids [T, H, k] int64, the padded row [T, H, W], W).
+
+    Padding: to W >= max(n, k) columns, so that ``TopK`` always takes k (a constant K: no K computed from the step
+    and copied to the host per layer), and the slots past the blocks there are come out ``NOTHING`` (unranked, -1),
+    like the blocks no key of the token can see. One ``Pad`` of the float row, before any int64 id exists (ORT's
+    CUDA EP has no int64 Pad: one on the ids would run on the CPU EP, a device -> host -> device copy).
+
+    Chunks: N' = max(n, k) columns in C = ceil(N' / max(CHUNK, k)) chunks of equal width w = max(ceil(N' / C), k),
+    W = C * w (N' <= CHUNK: one chunk of N'; 257-321 blocks: two of 129-161, padding < C columns when k <= 128,
+    so ``_lowest_ids_first``'s ``[.., k, W]`` costs what its ``[.., k, N']`` did). Each chunk's top k (``TopK`` on
+    [T, H, C, w]), its ids plus the chunk's offset c * w, then the top k of those C * k candidates (``TopK`` on
+    [T, H, C * k]) and the global ids gathered with the merge's indices. All sizes come from ``n`` and ``k``
+    (shapes or step inputs, computed once per step for every layer), none from this layer's values.
+
+    Exact, the same values and ids as one ``TopK(row, k)``: every entry of the row's top k is in its own chunk's
+    top k (fewer than k entries of the chunk can outrank it, w >= k); within a chunk, equal values come out lower
+    id first (ONNX ``TopK``'s rule) and the chunks are laid out in id order, so among equal candidates the
+    merge's position order is global id order, and its lower-index-first rule gives the lower global id. A
+    provider that breaks ties otherwise gives the same values (a top k's values do not depend on the tie rule),
+    and ``_lowest_ids_first`` re-derives the ids from them against the whole padded row, as for one ``TopK``
+    (its padding columns hold ``NOTHING``: they match only unranked slots, -1 either way).
+
+    Width: with k <= CHUNK every chunk is at most CHUNK wide; the merge sees C * k <= CHUNK candidates up to
+    CHUNK^2 / k columns (4096 blocks at the indexer's top-16: 512k keys of 128, past any context the model serves).
+    With k > CHUNK the chunks are k wide: still exact, no ``TopK`` shorter than k (past ORT's bitonic path either
+    way). NaN block maxima have no order: there, as for one ``TopK``, the ids are the provider's."""
+    chunk_cap = b.Max(k, b.const(CHUNK))
+    wide = b.Max(n, k)  # N'
+    chunks = b.Div(b.Add(wide, b.Sub(chunk_cap, b.const(1))), chunk_cap)  # C
+    w = b.Max(b.Div(b.Add(wide, b.Sub(chunks, b.const(1))), chunks), k)
+    width = b.Mul(chunks, w)  # W
+    row = b.Pad(row, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, b.Sub(width, n)), axis=0),
+                b.const(NOTHING, np.float32))  # [T, H, W]
+    kv = _vec(b, k)
+    values, idx = b.TopK(b.Reshape(row, b.Concat(b.const([0, 0]), _vec(b, chunks), _vec(b, w), axis=0)), kv,
+                         axis=-1, largest=1, sorted=1, n_out=2)  # [T, H, C, k]
+    offsets = b.Unsqueeze(b.Range(b.const(0), width, w), b.const([1]))  # [C, 1]: each chunk's first id
+    candidates = b.Concat(b.const([0, 0]), _vec(b, b.Mul(chunks, k)), axis=0)  # [T, H, C * k]
+    values, pick = b.TopK(b.Reshape(values, candidates), kv, axis=-1, largest=1, sorted=1, n_out=2)
+    idx = b.GatherElements(b.Reshape(b.Add(idx, offsets), candidates), pick, axis=-1)
+    return values, idx, row, width
+
+
 def _select_blocks(b: Builder, scores: str, length: str) -> str:
     """Masked scores ``[T, H, L]`` (-inf where the token sees no key), L = ``length`` -> int32 ``[T, H, topk]``
-    block ids: block maxima, forced blocks at +inf, top-k with ties to the lower id, -1 where nothing ranks."""
+    block ids: block maxima, forced blocks at +inf, top-k with ties to the lower id (ranked in chunks of at most
+    ``CHUNK`` blocks, ``_chunked_topk``), -1 where nothing ranks."""
     neg = b.const(-INF, np.float32)
     bs = b.attr(Ref("block_size", INT))
     nb = b.Div(b.Add(length, b.Sub(bs, b.const(1))), bs)
@@ -358,15 +413,8 @@ def _select_blocks(b: Builder, scores: str, length: str) -> str:
 
     topk = b.attr(Ref("topk_blocks", INT))
     block_max = b.Max(block_max, b.const(NOTHING, np.float32))  # blocks nothing sees: -inf -> NOTHING
-    # Fewer blocks than topk: NOTHING columns up to topk, so that TopK always takes topk (a constant: no K computed
-    # from the step's positions and copied to the host per layer) and the slots past the blocks there are come out
-    # unranked, -1, like the blocks no key of the token can see. The columns are padded before the int64 ids exist
-    # (ORT's CUDA EP has no int64 Pad: one on the ids would run on the CPU EP, a device -> host -> device copy).
-    extra = b.Max(b.Sub(topk, nb), b.const(0))
-    block_max = b.Pad(block_max, b.Concat(b.const([0, 0, 0, 0, 0]), _vec(b, extra), axis=0),
-                      b.const(NOTHING, np.float32))  # [T, H, max(NB, topk)]
-    values, idx = b.TopK(block_max, _vec(b, topk), axis=-1, largest=1, sorted=1, n_out=2)
-    idx = _lowest_ids_first(b, block_max, values, idx, topk, b.Add(nb, extra))
+    values, idx, ranked, width = _chunked_topk(b, block_max, nb, topk)
+    idx = _lowest_ids_first(b, ranked, values, idx, topk, width)
     idx = b.Where(_unranked(b, values), b.const(-1), idx)
     return b.Cast(idx, to=TensorProto.INT32)
 
