@@ -199,3 +199,18 @@ def test_chunked_topk_equals_one_stable_sort(n, k):
     assert np.array_equal(values, np.take_along_axis(full, order, axis=-1))
     chunks = -(-max(n, k) // max(k, CHUNK))
     assert max(n, k) <= width < max(n, k) + (chunks if k <= CHUNK // 2 else max(k, CHUNK)), width
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs onnxruntime-gpu and a CUDA device")
+@pytest.mark.parametrize("form", ["general", "decode"])
+def test_chunked_selection_on_the_cuda_ep(form):
+    """ORT's own CUDA ``TopK`` (bitonic on each chunk, lowest() padding) under both bodies: the oracle's ids."""
+    ctx, new = GENERAL if form == "general" else DECODE
+    inputs = tied_batch(ctx, new, seed=16 if form == "general" else 17)
+    decode = functions.DecodeSizes(page_size=PAGE, kv_heads=1) if form == "decode" else None
+    got = conf.run_onnx("LightningIndexer", inputs, ATTRS, torch.int32, decode=decode,
+                        providers=[("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]).numpy()
+    want = stable_sort_oracle(inputs, ATTRS)
+    assert np.array_equal(got, want), np.argwhere(got != want)[:5].tolist()
