@@ -15,8 +15,24 @@ differ from the no-pass graph, and whether the greedy tokens agree. The RoPE pas
 (its rewrite rounds where the traced nodes round), so any difference in its row is a kernel's doing; the RMSNorm
 pass moves a few fp32 ulps, which a routing near-tie can turn into another expert (a large difference in one row).
 
+The ``decode_attention`` variant is the opt-in ``DecodeAttention`` lowering (``decode_attention.py``: each dense
+``m3::PagedAttention`` node as ONNX ``Attention``-24, the graph's opset raised to 24) applied to the same plain
+decode graph (its ``m3`` MoE nodes stay, so the router taps report its routing beside the passes';
+``both+decode_attention``: the lowering, then both passes, on request with ``--variants``). Issue 16: on the H200
+the lowered decode graph was 2.68 from the torch backend in one row at batch 1 / 4k (0.06-0.08 at three other
+shapes, the plain graph 2.24 at batch 8 / 4k): a routing near-tie's signature, which its routing rows here confirm
+or rule out. For each lowering variant the dense layers' attention outputs (tapped, ``dense_attention.<i>``) are
+compared with the no-pass graph's: at the first dense layer every node upstream is the same node on the same
+inputs, so there the difference is the attention op's own and ``output_error_bound`` (the lowering's CPU test's
+bound, on the tapped max|V| of that layer's pool) applies; deeper layers and the logits carry everything upstream
+(another expert where a routing margin is a near-tie), for which no such bound exists. An fp32 or FP8 artifact's
+nodes are kept (``kept (reason)``, the variant not run). Exit status 1: the RoPE variant not bit-equal to the
+no-pass graph, or a lowered first dense layer past its bound.
+
   python bench/ort_passes.py --artifact art/mini-bf16 --json $OUT/ort_passes_h200.json      # H200 + onnxruntime-gpu
   python bench/ort_passes.py --artifact /tmp/art/tiny --provider cpu --context 40           # CPU: the script
+  # CPU, the lowering's numbers: a float16 artifact (the CPU EP has no bfloat16 Attention-24 kernel)
+  python bench/ort_passes.py --artifact /tmp/art/tiny-fp16 --provider cpu --context 40 --variants none,decode_attention
 """
 
 from __future__ import annotations
@@ -38,20 +54,33 @@ from decode import fill_pool  # noqa: E402  (bench/decode.py: random pool conten
 from ort_kernels import swap_decode  # noqa: E402  (bench/ort_kernels.py)
 from results_file import RESULTS, write_results  # noqa: E402  (bench/results_file.py)
 
-VARIANTS = {"none": (), "rms_norm": ("rms_norm",), "rope": ("rope",), "both": ("rms_norm", "rope")}
+VARIANTS = {"none": (), "rms_norm": ("rms_norm",), "rope": ("rope",), "both": ("rms_norm", "rope"),
+            "decode_attention": ("decode_attention",),
+            "both+decode_attention": ("rms_norm", "rope", "decode_attention")}
+DEFAULT_VARIANTS = "none,rms_norm,rope,both,decode_attention"
 TAPPED = ("router_input.", "router_experts.")  # router_taps' output prefixes
+LOWERING = "decode_attention"  # the pass name of the DecodeAttention lowering among a variant's passes
 
 
 def variant_bytes(source: bytes, passes: tuple[str, ...]) -> tuple[bytes, dict]:
     """The serialised graph ``source`` (its external weights left where they are) with ``passes`` applied,
-    serialised, and how many nodes each pass rewrote."""
+    serialised, and how many nodes each pass rewrote; where the DecodeAttention lowering lowered nothing,
+    ``decode_attention_kept``: node -> why. The lowering runs first: it reads the query's static shape from the
+    graph's value_info, which the RMSNorm pass's rewritten graph no longer carries (lowered after it, the node
+    is kept: "query of shape []"); the two passes rewrite the same nodes in the lowered graph (the exporter runs
+    them first, its RMSNorm pass off by default)."""
     import onnx
 
     from m3export.export.compact_rope import compact_ropes
+    from m3export.export.decode_attention import lower_decode_attention
     from m3export.export.fused_norms import fuse_rms_norms
 
     model = onnx.load_from_string(source)
     counts = {}
+    if LOWERING in passes:
+        model, counts[LOWERING], kept = lower_decode_attention(model)
+        if not counts[LOWERING]:
+            counts[f"{LOWERING}_kept"] = kept
     if "rms_norm" in passes:
         model, counts["rms_norm"] = fuse_rms_norms(model)
     if "rope" in passes:
@@ -99,6 +128,68 @@ def tap_selections(tapped, kv_heads: int, topk: int):
         graph.outputs.append(out)
         sigs.append(TensorSig(out.name, "int32", (tokens, kv_heads, topk)))
     return gs.export_onnx(graph).SerializeToString(), replace(tapped.graph, outputs=(*tapped.graph.outputs, *sigs))
+
+
+DENSE, VMAX = "dense_attention.", "dense_attention_vmax."  # the dense layers' attention output and max|V| taps
+
+
+def tap_dense_attention(model: bytes, graph, dtype: str):
+    """``model`` (serialised) with each dense ``m3::PagedAttention`` node's output (``[T, H, Dv]``, ``dtype``) also
+    a graph output ``dense_attention.<i>`` and the largest |V| of its V pool after this step's write (an fp32
+    scalar, ``dense_attention_vmax.<i>``: what ``output_error_bound`` scales with; the whole pool, at least the
+    values the op weighs), i: the node's rank in the graph -> (model bytes, signature ``graph`` plus those). The
+    lowering keeps the node's output tensor (its ``Reshape`` writes it), so the taps read the same in every
+    variant. FP8 pools (9 inputs: codes and scales) are not tapped (their nodes are never lowered)."""
+    from dataclasses import replace
+
+    import onnx_graphsurgeon as gs
+
+    from m3export.export.manifest import TensorSig
+
+    g = gs.import_onnx(onnx.load_from_string(model))
+    tokens = next(t for t in graph.inputs if t.name == "input_ids").shape[0]
+    sigs = []
+    dense = [n for n in g.nodes if n.domain == "m3" and n.op == "PagedAttention" and len(n.inputs) == 7]
+    for i, node in enumerate(dense):
+        out = gs.Variable(f"{DENSE}{i}", dtype=node.outputs[0].dtype, shape=[tokens, *node.outputs[0].shape[1:]]
+                          if node.outputs[0].shape else None)
+        g.nodes.append(gs.Node("Identity", name=f"tap_dense_attention_{i}", inputs=[node.outputs[0]],
+                               outputs=[out]))
+        wide = gs.Variable(f"tap_dense_vmax_{i}/cast", dtype=np.float32)
+        mag = gs.Variable(f"tap_dense_vmax_{i}/abs", dtype=np.float32)
+        vmax = gs.Variable(f"{VMAX}{i}", dtype=np.float32, shape=[])
+        g.nodes += [gs.Node("Cast", f"tap_dense_vmax_{i}/cast", {"to": onnx.TensorProto.FLOAT}, [node.inputs[2]],
+                            [wide]),
+                    gs.Node("Abs", f"tap_dense_vmax_{i}/abs", {}, [wide], [mag]),
+                    gs.Node("ReduceMax", f"tap_dense_vmax_{i}/max", {"keepdims": 0}, [mag], [vmax])]
+        g.outputs += [out, vmax]
+        sigs += [TensorSig(out.name, dtype, (tokens, *(out.shape[1:] if out.shape else ()))),
+                 TensorSig(vmax.name, "float32", ())]
+    return gs.export_onnx(g).SerializeToString(), replace(graph, outputs=(*graph.outputs, *sigs))
+
+
+def dense_attention(seen: dict[str, dict], name: str, batch: int, dtype: str) -> list[dict]:
+    """Per dense layer, variant ``name``'s attention output against the no-pass graph's (the first ``batch`` rows:
+    the rest is padding): the largest difference, the layer's ``output_error_bound`` (the dtype's, on the no-pass
+    graph's tapped max|V|) and whether it applies: only at the first dense layer of the lowering alone, where
+    every node upstream is unchanged (q and the pools equal in both graphs, so the difference is the op's own, as
+    in ``tests/test_lowering_decode_attention.py``); deeper, the difference carries everything upstream."""
+    from m3export.dtypes import by_name
+    from m3export.plugins.kernels.paged_attention import output_error_bound
+
+    out = []
+    layers = sorted(int(k[len(DENSE):]) for k in seen["none"] if k.startswith(DENSE))
+    for i in layers:
+        mine = seen[name][f"{DENSE}{i}"][:batch].double().cpu()
+        none = seen["none"][f"{DENSE}{i}"][:batch].double().cpu()
+        vmax = float(seen["none"][f"{VMAX}{i}"])
+        bound = output_error_bound(by_name(dtype).torch, vmax) if dtype in ("float16", "bfloat16") else None
+        diff = float((mine - none).abs().max())
+        applies = i == 0 and VARIANTS[name] == (LOWERING,) and bound is not None
+        out.append({"layer": i, "max_abs_diff_vs_none": diff, "output_scale": float(none.abs().max()),
+                    "v_abs_max": vmax, "bound": bound, "bound_applies": applies,
+                    "within_bound": diff <= bound if applies else None})
+    return out
 
 
 @contextlib.contextmanager
@@ -234,8 +325,18 @@ def main() -> int:
     artifact_arguments(ap, "with decode graphs, `mini` bf16 on the H200")
     ap.add_argument("--batches", default="8,1", help="batch sizes (default: %(default)s)")
     ap.add_argument("--context", type=int, default=4096, help="the first sequence's position (default: %(default)s)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help=f"the variants, comma-separated, `none` among them (default: %(default)s; all: "
+                         f"{','.join(VARIANTS)})")
     ap.add_argument("--json", default=str(RESULTS / "ort_passes_h200.json"))
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or "none" not in variants:
+        ap.error(f"--variants {args.variants}: " + (f"unknown {unknown} (known: {', '.join(VARIANTS)})" if unknown
+                                                     else "needs `none`, the graph every variant is compared with"))
+    variants = ["none", *(v for v in dict.fromkeys(variants) if v != "none")]
+    lowering = any(LOWERING in VARIANTS[v] for v in variants)
 
     from m3export.export.decode_graph import decode_model, moe_form
     from m3export.export.manifest import KV_FP8
@@ -285,14 +386,21 @@ def main() -> int:
                     tapped = tap_router_inputs(art, "model", path=Path(tmp) / "model.decode.onnx")
                 # and every sparse layer's block selection
                 source, signature = tap_selections(tapped, cfg.num_key_value_heads, cfg.index_topk_blocks)
-                logits, rewritten, seen = {}, {}, {}
-                for name, passes in VARIANTS.items():
+                if lowering:  # and every dense layer's attention output and max|V|
+                    source, signature = tap_dense_attention(source, signature, art.manifest.dtype)
+                logits, rewritten, seen, kept = {}, {}, {}, {}
+                for name in variants:
+                    passes = VARIANTS[name]
                     model, rewritten[name] = variant_bytes(source, passes)
+                    if f"{LOWERING}_kept" in rewritten[name]:  # nothing lowered (fp32 / FP8 pools): not run
+                        kept[name] = rewritten[name][f"{LOWERING}_kept"]
+                        continue
                     swap_decode(be, form, model=model, graph=signature)
                     outputs = capture_outputs(be._decodes[form])
                     lx, _ = be.forward(ids, b, rows)
                     logits[name] = lx.float().cpu()
-                    seen[name] = {k: v.clone() for k, v in outputs.items() if k.startswith((*TAPPED, SELECTION))}
+                    seen[name] = {k: v.clone() for k, v in outputs.items()
+                                  if k.startswith((*TAPPED, SELECTION, DENSE, VMAX))}
                     if name == "none":  # the same graph on the step as the engine hands it: not padded
                         unpadded, _ = be._run(be._decodes[form], b, "hidden", input_ids=ids, logits_indices=rows)
                         unpadded = unpadded.float().cpu()
@@ -308,15 +416,34 @@ def main() -> int:
                                        "row_diffs_vs_padded": (unpadded - logits["none"]).abs().amax(-1).tolist()},
                    "routing": routing(tapped.taps, seen, batch, cfg.num_experts_per_tok, torch_x),
                    "selections_vs_torch": selections(seen["none"], torch_sel, batch)}
+            for name in kept:
+                row[name] = {"kept": kept[name]}
+            for name in (n for n in logits if LOWERING in VARIANTS[n]):
+                row[name]["dense_attention"] = dense_attention(seen, name, batch, art.manifest.dtype)
             res["rows"].append(row)
             write_results(res, args.json)
             print(f"\nbatch {batch} ({form}), logits up to {row['logit_scale']:.3g}:")
-            for name in VARIANTS:
+            width = max(map(len, variants))
+            for name in variants:
                 r = row[name]
-                print(f"  {name:9s} vs none {r['max_abs_diff_vs_none']:9.3g} (rows {r['rows_differing_from_none'][:8]})"
+                if "kept" in r:
+                    print(f"  {name:{width}s} kept ({'; '.join(sorted(set(r['kept'].values())))})")
+                    continue
+                print(f"  {name:{width}s} vs none {r['max_abs_diff_vs_none']:9.3g} (rows {r['rows_differing_from_none'][:8]})"
                       f"  vs torch {r['max_abs_diff_vs_torch']:9.3g}  greedy vs none "
                       f"{'same' if r['greedy_same_as_none'] else 'DIFFERENT'}, vs torch "
                       f"{'same' if r['greedy_same_as_torch'] else 'DIFFERENT'}")
+                rerouted = [(m.rsplit(".", 2)[-2], t, f"{x:.2g}") for m, layer in row["routing"].items()
+                            if name in layer for t, x in zip(layer[name]["tokens_rerouted"],
+                                                             layer[name]["margins_there"])]
+                if name != "none":
+                    print(f"  {'':{width}s} routing vs none: "
+                          + (f"(layer, token, margin) {rerouted[:8]}" if rerouted else "no token rerouted"))
+                for d in r.get("dense_attention", []):
+                    print(f"  {'':{width}s} dense attention {d['layer']}: {d['max_abs_diff_vs_none']:.3g} from none "
+                          f"(outputs up to {d['output_scale']:.3g}, max|V| {d['v_abs_max']:.3g}"
+                          + (f"; bound {d['bound']:.3g}: {'within' if d['within_bound'] else 'PAST IT'})"
+                             if d["bound_applies"] else "; upstream differs: no bound)"))
             gg = row["general_graph"]
             print(f"  rows vs torch (no-pass decode graph): {[round(v, 3) for v in row['none']['row_diffs_vs_torch']]}")
             print(f"  general graph: rows vs torch {[round(v, 3) for v in gg['row_diffs_vs_torch']]}, vs the decode "
@@ -330,12 +457,14 @@ def main() -> int:
                 print(f"  sparse layer {sel['layer']}: (token, head) choosing other blocks than torch: "
                       f"{[(d['token'], d['head'], d['ort_only'], d['torch_only']) for d in sel['differ']][:6]}")
             for module, layer in row["routing"].items():
-                moved = {n: layer[n]["tokens_rerouted"] for n in VARIANTS if n != "none" and n in layer}
+                moved = {n: layer[n]["tokens_rerouted"] for n in variants if n != "none" and n in layer}
                 t = layer.get("torch", {})
                 print(f"  {module}: min routing margin {layer['min_margin']:.3g}; tokens rerouted vs none {moved}; "
                       f"vs torch {t.get('tokens_rerouted')} (margins {[f'{m:.2g}' for m in t.get('margins_there', [])]}"
                       f", router inputs {t.get('max_abs_router_input_diff', float('nan')):.3g} apart)")
-            status |= int(not row["rope"]["bit_equal_to_none"])
+            if "rope" in logits:
+                status |= int(not row["rope"]["bit_equal_to_none"])
+            status |= int(any(d["within_bound"] is False for n in logits for d in row[n].get("dense_attention", [])))
     finally:
         be.close()
     return status
