@@ -146,7 +146,7 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
     not the default (the two passes together saved 0.37 ms of a 5.95 ms batch-1 step at 07:42 UTC). Returns the
     manifest's record of the flavour ``flavour_name`` (per graph: file, source, external data, ``status``, ``moe``,
     ``graph_passes``: pass name -> nodes it rewrote). ``decode_attention`` (opt-in, ``--lower DecodeAttention``):
-    each dense ``m3::PagedAttention`` as ONNX ``Attention``-24 (``decode_attention.py``), applied last; its record
+    each dense ``m3::PagedAttention`` as ONNX ``Attention``-24 (``decode_attention.py``), applied first; its record
     (lowered, kept and why, status) in ``decode_attention``."""
     from types import SimpleNamespace
 
@@ -157,19 +157,21 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
         left = problems(decoded)
         if left:
             raise ArtifactError(f"{name}: the decode graph still holds {left[:3]}")
-        passes = {}
+        passes, fields = {}, {"status": STATUS, "moe": moe}
+        if decode_attention:  # dense attention as ONNX Attention-24, 16-bit pools only (``decode_attention.py``);
+            # first: it reads the query's recorded shape, which the RMSNorm pass's rewrite does not keep (after it,
+            # every dense node was kept, "query of shape []"); the passes below rewrite the same node counts either way
+            from .decode_attention import PASS, lower_decode_attention, record
+
+            decoded, passes[PASS], kept = lower_decode_attention(decoded)
+            fields["decode_attention"] = record(passes[PASS], kept)
         if fuse_norms:  # fewer kernels per step: each RMSNorm one ORT kernel (``fused_norms.py``, its bound)
             decoded, passes[FUSED_NORMS] = fuse_rms_norms(decoded)
         if compact_rope:  # and each RoPE four nodes, bit-exact (``compact_rope.py``)
             decoded, passes[COMPACT_ROPE] = compact_ropes(decoded)
         if scatter_elements:  # each cache write one thread per element (``element_scatters.py``), the same bytes
             decoded, passes[ELEMENT_SCATTERS] = element_scatters(decoded)
-        fields = {"status": STATUS, "moe": moe, "graph_passes": passes}
-        if decode_attention:  # dense attention as ONNX Attention-24, 16-bit pools only (``decode_attention.py``)
-            from .decode_attention import PASS, lower_decode_attention, record
-
-            decoded, passes[PASS], kept = lower_decode_attention(decoded)
-            fields["decode_attention"] = record(passes[PASS], kept)
+        fields["graph_passes"] = passes
         return decoded, fields
 
     def file_of(name: str) -> str:
