@@ -22,19 +22,21 @@ from onnx import helper
 
 from m3export.config import M3Config
 from m3export.export import polygraphy_loader
-from m3export.export.lowering import DEFAULT, LOWERABLE, MS, OPT_IN, lower, lower_with_report
+from m3export.export.lowering import DEFAULT, EXCLUSIVE, LOWERABLE, MS, OPT_IN, lower, lower_with_report
 
 INT32_LABELS = ("qsl", "past", "block_tables", "slots")  # the op's int32 inputs; the rest are fp16 here
+# every lowering but PagedAttentionCore, which lowers the same nodes as PagedAttention (EXCLUSIVE)
+ALL_BUT_CORE = tuple(op for op in LOWERABLE if op != "PagedAttentionCore")
 
 
 @pytest.fixture(scope="module")
 def fp16_artifact(tmp_path_factory):
     """The tiny preset in float16 (ORT's PagedAttention takes 16-bit activations only), page size 8, with the
-    ort-contrib flavour lowering every lowerable op."""
+    ort-contrib flavour lowering every lowerable op but PagedAttentionCore (PagedAttention lowers those nodes)."""
     from m3export.export.exporter import export_artifact
 
     return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16", dtype="float16", page_size=8,
-                           progress=False, flavour="ort-contrib", lower=LOWERABLE)
+                           progress=False, flavour="ort-contrib", lower=ALL_BUT_CORE)
 
 
 def _config(art) -> M3Config:
@@ -61,7 +63,7 @@ def _ancestors(graph: onnx.GraphProto, names: set[str]) -> set[str]:
 def test_dense_attention_lowered_structure(fp16_artifact):
     cfg = _config(fp16_artifact)
     plain = onnx.load(str(fp16_artifact / "model.onnx"), load_external_data=False)
-    lowered, done = lower(plain, LOWERABLE, cfg)
+    lowered, done = lower(plain, ALL_BUT_CORE, cfg)
     dense = _dense_layers(cfg)
     assert dense and done["PagedAttention"] == len(dense)
     ops = [n for n in lowered.graph.node if n.domain == MS and n.op_type == "PagedAttention"]
@@ -108,13 +110,15 @@ def test_manifest_records_the_lowerings(fp16_artifact):
     art = load_artifact(fp16_artifact)
     record = art.manifest.flavours["ort-contrib"]
     model, mtp = record["model"], record["mtp0"]
-    assert model["applied"] == ["MoE", "PagedAttention"] and model["kept"] == {}
-    assert model["lowered"]["PagedAttention"] == len(_dense_layers(art.config)) and model["not_requested"] == {}
+    assert model["applied"] == ["MoE", "PagedAttention"]
+    assert set(model["kept"]) == {"DecodeAttention"}  # decode graphs only: the general graphs keep those nodes
+    assert model["lowered"]["PagedAttention"] == len(_dense_layers(art.config))
+    assert model["not_requested"] == {"PagedAttentionCore": OPT_IN["PagedAttentionCore"]}
     assert 0.0 < model["gain_rounding"] <= 2.0 ** -11
     assert set(model["rejected"]) == {"PagedAttention"} and "REJECTED" in model["rejected"]["PagedAttention"]
     assert mtp["lowered"]["PagedAttention"] == 0 and "gain_rounding" not in mtp  # MTP layers are sparse
     plain = onnx.load(str(fp16_artifact / "model.onnx"), load_external_data=False)
-    again, _ = lower(plain, LOWERABLE, art.config)
+    again, _ = lower(plain, ALL_BUT_CORE, art.config)
     assert (fp16_artifact / model["file"]).read_bytes() == again.SerializeToString(deterministic=True)
 
 
@@ -159,21 +163,30 @@ def test_paged_attention_needs_the_config_and_is_opt_in():
 
 def _emulate_ort_paged_attention(f: dict, cfg: M3Config, k_pool, v_pool, scale: float):
     """com.microsoft.PagedAttention as its schema documents it, in fp32 from the fp16 inputs: returns (output
-    [T, Hq, D], key pool, value pool) in fp16."""
+    [T, Hq, D], key pool, value pool) in fp16, and the positions. Without ``cos`` in ``f`` (``do_rotary=0``) no
+    rotation, without ``q_gain`` no norm: q and k are the inputs as they are (PagedAttentionCore)."""
     t = f["query"].shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qsl, past = f["qsl"].astype(np.int64), f["past"].astype(np.int64)
     pos = np.concatenate([past[b] + np.arange(qsl[b + 1] - qsl[b]) for b in range(len(past))])
-    cos, sin = (torch.from_numpy(f[n][pos]).float()[:, None, :] for n in ("cos", "sin"))
-    half = cos.shape[-1]
+    rotary = "cos" in f
+    if rotary:
+        cos, sin = (torch.from_numpy(f[n][pos]).float()[:, None, :] for n in ("cos", "sin"))
+        half = cos.shape[-1]
 
     def norm_rope(x, heads, gain):
-        x = torch.from_numpy(x).float().view(t, heads, d)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * torch.from_numpy(gain).float()
-        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1).half()
+        x = torch.from_numpy(x).view(t, heads, d)
+        if gain is None and not rotary:
+            return x
+        x = x.float()
+        if gain is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * torch.from_numpy(gain).float()
+        if rotary:
+            x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+            x = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
+        return x.half()
 
-    q, k = norm_rope(f["query"], hq, f["q_gain"]), norm_rope(f["key"], hkv, f["k_gain"])
+    q, k = norm_rope(f["query"], hq, f.get("q_gain")), norm_rope(f["key"], hkv, f.get("k_gain"))
     v = torch.from_numpy(f["value"]).view(t, hkv, d)
     k_pool, v_pool = torch.from_numpy(k_pool).clone(), torch.from_numpy(v_pool).clone()
     page = k_pool.shape[1]

@@ -46,6 +46,45 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   structure and the wiring (the documented op emulated on the CPU, ``tests/test_lowering_attention.py``); the
   numbers are the H200's (``scripts/gpu_ort.sh``).
 
+* ``PagedAttentionCore`` (dense layers; **opt-in**; **unverified on GPU**) -> the same
+  ``com.microsoft.PagedAttention`` with ``do_rotary=0`` and no ``q_norm_weight`` / ``k_norm_weight`` / cos / sin:
+  none of the inexact parts of ``PagedAttention`` above. The graph's own nodes keep computing M3's QK norm (fp32,
+  ``(1 + w)`` in fp32, one rounding) and RoPE; the op gets what the ``m3`` node and the cache writes got: the
+  node's query (the normed, rotated q, ``[T, H, D]``), the rows the K ``ScatterND`` writes (the normed, rotated
+  keys) and those the V ``ScatterND`` writes (the value projection), each flattened to ``[T, heads * D]``, and the
+  same pools / ``query_start_loc`` / ``past_seqlens`` / ``block_tables`` / int32 ``slot_mapping`` / ``scale`` as
+  ``PagedAttention`` (one shared wiring, ``_ort_paged_attention``). It writes those rows into the pools in place
+  and attends over the pages where they lie (no gather of K / V in the graph), for prefill and decode alike; it
+  replaces the two ``ScatterND`` and the ``m3`` node of each dense layer and nothing else. 16-bit pools only
+  (fp32 and FP8 pools keep the ``m3`` node, the reason in ``kept``); at most one of ``PagedAttention`` /
+  ``PagedAttentionCore`` per export (``EXCLUSIVE``). The decode graphs made from the lowered graphs
+  (``<graph>.ort.decode.onnx``, ``decode_graph.write_decode_graphs(of=...)``) keep the op: their dense layers are
+  lowered too, and ``DecodeAttention`` then finds no dense ``m3`` node there.
+  What ONNX Runtime does with it (onnxruntime-gpu 1.31.1: the wheel's schema strings give the inputs in 1.32's
+  order, ``query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table,
+  cos_cache, sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale,
+  attention_metadata``, and the attributes ``rotary_offset`` / ``kv_cache_layout`` / ``k_cache_dtype`` in both; the
+  CUDA kernel's own checks, read from the wheel's strings and ORT's ``contrib_ops/cuda/bert/paged_attention.cc``
+  near that release): cos / sin may be absent with ``do_rotary=0`` (only "both present or both absent" and "required
+  when do_rotary = 1" are checked); with neither norm nor rotary and unpacked q, no prologue kernel runs; the cache
+  outputs must be the input buffers (the runtime binds ``*_cache_out`` to the pools, as for the ``ScatterND``);
+  the page size must be a power of two of at least 16 (1.31.1's input check; the export default 16 is). Without
+  ``attention_metadata`` (a CPU-memory tensor of replay-wide bounds, not given here) the kernel sizes its launches
+  from static capacities (``token_count``; ``block_table`` width x page size) and reads nothing back on a
+  decode-shaped step (``T <= B``) with a 16-bit cache: such a step runs the paged decode kernel (FlashAttention
+  needs a page size that is a multiple of 128 at head size 128, so not at page 16), which reads K / V in place, so a
+  replayed CUDA graph of the decode graph stays valid. A prefill step (general graph, never captured) takes
+  memory-efficient attention (CUTLASS), which first gathers the live context into a dense buffer sized by a
+  device -> host read of the lengths and a stream sync, once per dense layer. Precision: the paged decode kernel
+  is fp32 throughout (q and K / V converted to fp32, QK dot products, scale, online softmax with ``__expf``, P
+  kept fp32, P.V accumulated in fp32, split-K partials merged in fp32, the output rounded once to the activation
+  dtype); memory-efficient attention and FlashAttention keep fp32 scores, softmax and accumulators (tensor-core
+  products of the 16-bit inputs, P rounded to 16 bits for the P.V product), so the bound of the project's own kernel
+  applies (``plugins/kernels/paged_attention.output_error_bound``). The paged decode kernel is a CUDA-core
+  kernel (one CTA per query token, query head and split; each query head reads its KV head's rows itself): its
+  speed at batch 8 / 32k is the H200's to show. CI: ``tests/test_lowering_attention.py`` checks the structure and
+  the wiring (the documented op emulated with ``do_rotary=0``, no norm) against the plain graph in float16.
+
 * ``DecodeAttention`` (dense layers; **opt-in**, decode graphs only; ``decode_attention.py``) -> the standard
   ONNX ``Attention`` op (opset 24) on K / V rows gathered in the pool's 16-bit dtype, ``nonpad_kv_seqlen`` the
   step's lengths: ONNX Runtime's CUDA EP runs it as flash attention (fp32 scores and softmax). Applied by
@@ -72,7 +111,9 @@ import onnx
 from .flavour_files import write_flavour_graphs
 
 MS = "com.microsoft"
-LOWERABLE = ("MoE", "MXFP8Linear", "PagedAttention", "DecodeAttention")
+LOWERABLE = ("MoE", "MXFP8Linear", "PagedAttention", "PagedAttentionCore", "DecodeAttention")
+TARGET = {"PagedAttentionCore": "PagedAttention"}  # lowerings named otherwise than the m3 op they lower
+EXCLUSIVE = (("PagedAttention", "PagedAttentionCore"),)  # lowerings of the same nodes: at most one per export
 # lowerings of the decode graphs only (``<graph>.ort.decode.onnx``, ``decode_graph.write_decode_graphs``): the
 # ``<graph>.ort.onnx`` graphs keep these nodes, their record says why (``kept``)
 DECODE_ONLY = ("DecodeAttention",)
@@ -80,6 +121,8 @@ DEFAULT = ("MoE", "MXFP8Linear")  # what ``--flavour ort-contrib`` lowers unless
 OPT_IN = {  # lowerable but not by default, and why
     "PagedAttention": "opt-in (--lower): ORT's QK-norm gain is a 16-bit tensor, so M3's fp32 (1 + w) is rounded to "
                       "the activation dtype (bf16: up to 2^-8 per channel)",
+    "PagedAttentionCore": "opt-in (--lower): dense layers' cache writes + attention as com.microsoft.PagedAttention "
+                          "(do_rotary=0, no norm: the graph's own QK norm and RoPE feed it); unverified on GPU",
     "DecodeAttention": "opt-in (--lower): decode graphs only, dense layers' m3 PagedAttention as ONNX Attention-24 "
                        "(decode_attention.py); on the H200 greedy-equal and faster at 32k, but 2.68 logits from torch "
                        "at batch 1 / 4k (plain graph 0.055), not yet diagnosed",
@@ -263,20 +306,19 @@ class _RopeTable:
         return self.tables[onnx_type]
 
 
-def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[str, int]) -> dict:
-    """One dense layer's QK norm + RoPE + cache writes + ``m3::PagedAttention`` -> ``com.microsoft.PagedAttention``
-    (module docstring). Raises _Skip, touching nothing, when the layer is not the shape this pass knows."""
-    q, k_new_pool, v_new_pool, block_tables, qsl, seq_lens, _positions = node.inputs
-    (out,) = node.outputs
+def _cache_writes(node, types: dict[str, int]) -> tuple[list, int]:
+    """The two cache ``ScatterND`` feeding one ``m3::PagedAttention`` node (its K and V pools), checked: each writes
+    a graph-input pool, only the attention reads its result, and the pools are of one 16-bit dtype. Returns (the
+    scatters, the pools' ONNX type); raises _Skip, touching nothing, otherwise. Shared by both ORT lowerings."""
     scatters = []
-    for pool in (k_new_pool, v_new_pool):
+    for pool in node.inputs[1:3]:
         sc = _producer(pool)
         if sc is None or sc.op != "ScatterND" or sc.inputs[0].name not in types:
             raise _Skip(f"{pool.name} is not a ScatterND over a graph-input pool")
         if [c for c in pool.outputs if c is not node]:
             raise _Skip(f"{pool.name} is read by other nodes than the attention")
         scatters.append(sc)
-    (k_pool, _, k_rotated), (v_pool, _, v_rows) = (sc.inputs for sc in scatters)
+    k_pool, v_pool = (sc.inputs[0] for sc in scatters)
     onnx_type = types[k_pool.name]
     if onnx_type not in _FLOAT16 or types[v_pool.name] != onnx_type:
         from ..dtypes import BY_ONNX
@@ -284,46 +326,101 @@ def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[st
         name = BY_ONNX[onnx_type].name if onnx_type in BY_ONNX else onnx.TensorProto.DataType.Name(onnx_type)
         raise _Skip(f"{name} pools: ORT's PagedAttention takes float16 / bfloat16 activations with pools of the "
                     "same dtype")
+    return scatters, onnx_type
+
+
+def _ort_paged_attention(graph, node, e: _Emit, config, scatters: list, query, key, value, rotary=None,
+                         gains=None) -> None:
+    """``com.microsoft.PagedAttention`` in place of ``node`` and its two cache writes ``scatters`` (both lowerings):
+    ``query`` / ``key`` / ``value`` ``[T, heads * D]``, the pools (updated in place; the op's cache outputs are the
+    graph's ``*_cache_out`` outputs the scatters produced), ``query_start_loc``, ``past_seqlens = seq_lens - q_len``,
+    ``block_tables``, ``slot_mapping`` as int32 (absent from the graph: ORT derives the slots from past_seqlens) and
+    the m3 node's ``scale``. ``rotary``: (cos, sin), ``do_rotary=1`` (else 0 and no tables); ``gains``: (q, k) norm
+    gains, ``qk_norm_epsilon`` = the model's ``rms_norm_eps`` (else no norm). Then a Reshape to the node's
+    ``[T, H, D]`` output."""
+    _q, k_new_pool, v_new_pool, block_tables, qsl, seq_lens, _positions = node.inputs
+    (out,) = node.outputs
+    c = config
+    i32 = onnx.TensorProto.INT32
+    q_len = e("Sub", e("Slice", qsl, e.const([1]), e.const([2**62])), e("Slice", qsl, e.const([0]), e.const([-1])))
+    past = e("Sub", seq_lens, q_len)
+    slots = next((t for t in graph.inputs if t.name == "slot_mapping"), None)
+    slots = None if slots is None else e("Cast", slots, to=i32)  # absent: ORT derives them from past_seqlens
+    k_pool, v_pool = (sc.inputs[0] for sc in scatters)
+    for sc in scatters:
+        sc.outputs.clear()  # the op writes the pools in place and produces the *_cache_out outputs itself
+    attrs = dict(num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, scale=float(node.attrs["scale"]),
+                 do_rotary=int(rotary is not None))
+    if rotary is not None:
+        attrs["rotary_interleaved"] = 0
+    if gains is not None:
+        attrs["qk_norm_epsilon"] = float(c.rms_norm_eps)
+    attrs["is_causal"] = 1
+    none = e.gs.Variable.empty
+    cos, sin = rotary if rotary is not None else (None, None)
+    inputs = [query, key, value, k_pool, v_pool, qsl, past, block_tables, cos, sin, slots, None,  # no head sink
+              *(gains if gains is not None else ())]
+    while inputs[-1] is None:  # trailing optional inputs left out
+        inputs.pop()
+    flat = e.gs.Variable(f"{e.prefix}/ort_paged_attention:0")
+    graph.nodes.append(e.gs.Node("PagedAttention", f"{e.prefix}/ort_paged_attention", attrs,
+                                 [none() if i is None else i for i in inputs], [flat, k_new_pool, v_new_pool],
+                                 domain=MS))
+    node.outputs.clear()
+    graph.nodes.append(e.gs.Node("Reshape", f"{e.prefix}/heads", {},
+                                 [flat, e.const([0, c.num_attention_heads, c.head_dim])], [out]))
+
+
+def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[str, int]) -> dict:
+    """One dense layer's QK norm + RoPE + cache writes + ``m3::PagedAttention`` -> ``com.microsoft.PagedAttention``
+    (module docstring). Raises _Skip, touching nothing, when the layer is not the shape this pass knows."""
+    q = node.inputs[0]
+    scatters, onnx_type = _cache_writes(node, types)
+    (k_pool, _, k_rotated), (_, _, v_rows) = (sc.inputs for sc in scatters)
     query, q_gain = _projection_and_gain(q, "q")
     key, k_gain = _projection_and_gain(k_rotated, "k")
     value, _ = _projection_and_gain(v_rows, "v")
     page_size = k_pool.shape[1] if k_pool.shape else None
     if not isinstance(page_size, int):
         raise _Skip(f"{k_pool.name}: the page size (dim 1) is not static")
-    c = config
     e = _Emit(graph, node.name or "paged_attention")
-    f32, i32 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT32
-    cos, sin = rope(block_tables, page_size, onnx_type)
-    q_len = e("Sub", e("Slice", qsl, e.const([1]), e.const([2**62])), e("Slice", qsl, e.const([0]), e.const([-1])))
-    past = e("Sub", seq_lens, q_len)
-    slots = next((t for t in graph.inputs if t.name == "slot_mapping"), None)
-    slots = None if slots is None else e("Cast", slots, to=i32)  # absent: ORT derives them from past_seqlens
+    f32 = onnx.TensorProto.FLOAT
 
     def gain(w):  # M3's (1 + w) in fp32, rounded to the activation dtype (ORT's gain is a T tensor)
         return e("Cast", e("Add", e("Cast", w, to=f32), e.const(1.0, np.float32)), to=onnx_type)
 
-    for sc in scatters:
-        sc.outputs.clear()  # the op writes the pools in place and produces the *_cache_out outputs itself
-    attrs = dict(num_heads=c.num_attention_heads, kv_num_heads=c.num_key_value_heads, scale=float(node.attrs["scale"]),
-                 do_rotary=1, rotary_interleaved=0, qk_norm_epsilon=float(c.rms_norm_eps), is_causal=1)
-    flat = e.gs.Variable(f"{e.prefix}/ort_paged_attention:0")
-    none = e.gs.Variable.empty
-    graph.nodes.append(e.gs.Node(
-        "PagedAttention", f"{e.prefix}/ort_paged_attention", attrs,
-        [query, key, value, k_pool, v_pool, qsl, past, block_tables, cos, sin, none() if slots is None else slots,
-         none(), gain(q_gain), gain(k_gain)],  # no head sink
-        [flat, k_new_pool, v_new_pool], domain=MS))
-    node.outputs.clear()
-    graph.nodes.append(e.gs.Node("Reshape", f"{e.prefix}/heads", {},
-                                 [flat, e.const([0, c.num_attention_heads, c.head_dim])], [out]))
+    rotary = rope(node.inputs[3], page_size, onnx_type)
+    _ort_paged_attention(graph, node, e, config, scatters, query, key, value, rotary=rotary,
+                         gains=(gain(q_gain), gain(k_gain)))
     return {"q_gain": q_gain, "k_gain": k_gain}
+
+
+def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> None:
+    """One dense layer's cache writes + ``m3::PagedAttention`` -> ``com.microsoft.PagedAttention`` with
+    ``do_rotary=0`` and no norm gains (module docstring, ``PagedAttentionCore``): the op gets the m3 node's own
+    query and the rows the two ``ScatterND`` write (the graph's normed, rotated keys and its values), each
+    ``[T, heads, D]`` flattened to ``[T, heads * D]``; the norm and RoPE nodes stay. Raises _Skip, touching nothing,
+    when the layer is not the shape this pass knows."""
+    q = node.inputs[0]
+    scatters, _ = _cache_writes(node, types)
+    c = config
+    for rows, heads, what in ((q, c.num_attention_heads, "query"), (scatters[0].inputs[2], c.num_key_value_heads,
+                                                                     "key rows"),
+                              (scatters[1].inputs[2], c.num_key_value_heads, "value rows")):
+        dims = list(rows.shape) if rows.shape is not None else None
+        if dims is None or len(dims) != 3 or dims[1:] != [heads, c.head_dim]:
+            raise _Skip(f"{what} {rows.name}: shape {dims}, expected [T, {heads}, {c.head_dim}] (one row per token)")
+    e = _Emit(graph, node.name or "paged_attention")
+    query, key, value = (e("Reshape", t, e.const([0, -1])) for t in (q, scatters[0].inputs[2], scatters[1].inputs[2]))
+    _ort_paged_attention(graph, node, e, config, scatters, query, key, value)
 
 
 def lower(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, config=None
           ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """``model`` with its ``m3`` nodes of the given op types lowered (see the module docstring); returns the new
     model and how many nodes of each op type were lowered. Functions no node uses any more are dropped.
-    ``config`` (the model's ``M3Config``) is needed for ``PagedAttention`` (RoPE and norm constants)."""
+    ``config`` (the model's ``M3Config``) is needed for ``PagedAttention`` (RoPE and norm constants) and
+    ``PagedAttentionCore`` (head counts)."""
     lowered, done, _ = lower_with_report(model, ops, config)
     return lowered, done
 
@@ -336,8 +433,13 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
     unknown = sorted(set(ops) - set(LOWERABLE))
     if unknown:
         raise ValueError(f"cannot lower {unknown}: lowerable m3 ops are {list(LOWERABLE)}")
+    for one_of in EXCLUSIVE:
+        if len(set(one_of) & set(ops)) > 1:
+            raise ValueError(f"lower at most one of {list(one_of)}: they lower the same m3 nodes")
     if "PagedAttention" in ops and config is None:
         raise ValueError("lowering PagedAttention needs the model's config (rotary_dim, rope_theta, rms_norm_eps)")
+    if "PagedAttentionCore" in ops and config is None:
+        raise ValueError("lowering PagedAttentionCore needs the model's config (attention heads, head_dim)")
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     graph = gs.import_onnx(model)
     done = dict.fromkeys(ops, 0)
@@ -347,8 +449,9 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
         if op in ops:
             report["kept"][op] = "decode graphs only: lowered in <graph>.ort.decode.onnx (the ort-contrib-decode " \
                                  "flavour's decode_attention record)"
+    target = {TARGET.get(op, op): op for op in ops if op not in DECODE_ONLY}  # m3 op -> the lowering asked for
     for node in list(graph.nodes):
-        if node.domain != "m3" or node.op not in ops:
+        if node.domain != "m3" or node.op not in target:
             continue
         if node.op == "MoE":
             _lower_moe(graph, node)
@@ -358,6 +461,13 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
                 done["MXFP8Linear"] += 1
             else:
                 report["kept"]["MXFP8Linear"] = "float32 activations: ORT's op takes float16 / bfloat16"
+        elif target[node.op] == "PagedAttentionCore":
+            try:
+                _lower_paged_attention_core(graph, node, config, types)
+            except _Skip as why:
+                report["kept"]["PagedAttentionCore"] = f"{node.name}: {why}"
+                continue
+            done["PagedAttentionCore"] += 1
         elif node.op == "PagedAttention":
             try:
                 gains = _lower_paged_attention(graph, node, config, rope, types)
