@@ -68,7 +68,8 @@ if [ "$DRY" = 1 ]; then
   export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}"
 else
   # GPU_ORT_LOWER: the ort-contrib lowerings of the `mini` export, e.g. MoE,MXFP8Linear,DecodeAttention (the opt-in
-  # decode-graph attention as ONNX Attention-24, export/decode_attention.py: the lowered-decode-graph rows time it)
+  # decode-graph attention as ONNX Attention-24, export/decode_attention.py: the lowered-decode-graph rows time it) or
+  # MoE,MXFP8Linear,PagedAttentionCore (com.microsoft.PagedAttention on the graph's own normed, rotated q and k rows)
   PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER="${GPU_ORT_LOWER:-MoE,MXFP8Linear}" BENCH_ARGS=""
   PROFILE_SHAPES="--shapes 1x4096"
   if ! ls .c1/part.* >/dev/null 2>&1; then

@@ -55,10 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the manifest's 'flavours' with that status")
     p.add_argument("--lower", metavar="OP[,OP...]", type=lambda text: tuple(filter(None, text.split(","))),
                    help="with --flavour ort-contrib: the m3 ops to lower (MoE, MXFP8Linear, PagedAttention, "
-                        "DecodeAttention; default MoE,MXFP8Linear). PagedAttention (dense layers -> "
-                        "com.microsoft.PagedAttention, which also does the QK norm, RoPE and cache write) is opt-in: "
-                        "its norm gain (1 + w) is rounded to the activation dtype, and it needs float16 / bfloat16 "
-                        "graphs. DecodeAttention (opt-in): in the lowered decode graphs only, dense attention as the "
+                        "PagedAttentionCore, DecodeAttention; default MoE,MXFP8Linear). PagedAttention (dense layers "
+                        "-> com.microsoft.PagedAttention, which also does the QK norm, RoPE and cache write) is "
+                        "opt-in: its norm gain (1 + w) is rounded to the activation dtype, and it needs float16 / "
+                        "bfloat16 graphs. PagedAttentionCore (opt-in; not with PagedAttention): the same op for the "
+                        "dense layers' cache writes and attention only, the graph's own QK norm and RoPE feeding it. "
+                        "DecodeAttention (opt-in): in the lowered decode graphs only, dense attention as the "
                         "standard ONNX Attention-24 op on 16-bit pools")
     add_kv_cache_dtype_argument(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=bounded_int(1), default=1, metavar="N",
