@@ -328,8 +328,12 @@ def main() -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS,
                     help=f"the variants, comma-separated, `none` among them (default: %(default)s; all: "
                          f"{','.join(VARIANTS)})")
-    ap.add_argument("--json", default=str(RESULTS / "ort_passes_h200.json"))
+    ap.add_argument("--json", default=None, help="default: bench/results/ort_passes_h200.json with --provider cuda, "
+                    "ort_passes_<provider>.json otherwise (a CPU run never overwrites the H200's)")
     args = ap.parse_args()
+    if args.json is None:
+        ep = args.provider.split(":")[0]
+        args.json = str(RESULTS / f"ort_passes_{'h200' if ep == 'cuda' else ep}.json")
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or "none" not in variants:
