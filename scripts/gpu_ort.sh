@@ -15,8 +15,10 @@
 #
 # onnxruntime-gpu is not on the machine: carry it in parts .c1 .. .cN (`scripts/pack_ort_gpu.py ... --parts 2`:
 # two ~28.6 MiB parts, since a call carries the ~8.5 MiB working tree too and 64 MiB in all; `chunk-for-gpu`'s
-# layout, so its parts of a plain wheel work too), one part per call, back to back (the machine keeps the earlier
-# parts only while warm), this script in the call with the last part. It joins them under /tmp/ortgpu (a zip or an xz
+# layout, so its parts of a plain wheel work too), one part per call, back to back, this script in the call with the
+# last part. A carried folder does not outlive its call in the tree (the next call removes an ignored path it does not
+# carry; seen 2026-12-01), so each earlier call copies its part out, `cp -r .c1 /tmp/c1`, and the last links it back,
+# `ln -sfn /tmp/c1 .c1` (the machine keeps /tmp only while warm). It joins them under /tmp/ortgpu (a zip or an xz
 # tar), ahead of the machine's CPU onnxruntime on sys.path, with the CUDA libraries of the machine's torch wheels
 # on LD_LIBRARY_PATH.
 #   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
