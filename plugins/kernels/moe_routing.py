@@ -80,6 +80,7 @@ import triton.language as tl
 
 from triton import cdiv, next_power_of_2 as next_pow2
 from . import _interpreter
+from .mxfp8_linear import _INTERPRETED, dot_acc  # acc += a @ b, in fp32 under the interpreter (its bf16 dot is wrong)
 
 _interpreter.apply()  # ``_group``'s loops have run-time bounds; see _interpreter.py
 
@@ -138,17 +139,6 @@ def _router_logits(x_ptr, w_ptr, out_ptr, E, s_xt, s_we, s_ot, H: tl.constexpr, 
     tl.store(out_ptr + t.to(tl.int64) * s_ot + e, tl.sum(acc, axis=1), mask=e_ok)
 
 
-_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
-
-
-@triton.jit
-def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-    if INTERPRETED:  # Triton 3.6's interpreter multiplies bf16 as integers: its exact fp32 products instead
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
 @triton.jit
 def _router_logits_tc(x_ptr, w3_ptr, out_ptr, T, E, s_xt, s_ot, H: tl.constexpr, X_SPLIT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -178,14 +168,14 @@ def _router_logits_tc(x_ptr, w3_ptr, out_ptr, T, E, s_xt, s_ot, H: tl.constexpr,
             xh = (xf.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
             x_hi = xh.to(tl.bfloat16)
             x_lo = (xf - xh).to(tl.bfloat16)
-            small = _dot(x_lo, hi, small, INTERPRETED)
-            small = _dot(x_lo, mid, small, INTERPRETED)
-            small = _dot(x_lo, lo, small, INTERPRETED)
+            small = dot_acc(x_lo, hi, small, INTERPRETED, "tf32")
+            small = dot_acc(x_lo, mid, small, INTERPRETED, "tf32")
+            small = dot_acc(x_lo, lo, small, INTERPRETED, "tf32")
         else:
             x_hi = x
-        big = _dot(x_hi, hi, big, INTERPRETED)
-        small = _dot(x_hi, mid, small, INTERPRETED)
-        small = _dot(x_hi, lo, small, INTERPRETED)
+        big = dot_acc(x_hi, hi, big, INTERPRETED, "tf32")
+        small = dot_acc(x_hi, mid, small, INTERPRETED, "tf32")
+        small = dot_acc(x_hi, lo, small, INTERPRETED, "tf32")
     tl.store(out_ptr + t[:, None].to(tl.int64) * s_ot + e[None, :], big + small, mask=t_ok[:, None] & e_ok[None, :])
 
 
