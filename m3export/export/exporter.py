@@ -163,12 +163,12 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
             raise ArtifactError("--lower applies to --flavour ort-contrib only")
         if not lower or set(lower) - set(LOWERABLE):
             raise ArtifactError(f"--lower takes m3 ops among {', '.join(LOWERABLE)}, got {','.join(lower)!r}")
-        from .lowering import EXCLUSIVE
+        from .lowering import exclusive_conflict
 
-        for one_of in EXCLUSIVE:
-            if len(set(one_of) & set(lower)) > 1:
-                raise ArtifactError(f"--lower takes at most one of {', '.join(one_of)} (they lower the same m3 "
-                                    f"nodes), got {','.join(lower)!r}")
+        one_of = exclusive_conflict(lower)
+        if one_of:
+            raise ArtifactError(f"--lower takes at most one of {', '.join(one_of)} (they lower the same m3 nodes), "
+                                f"got {','.join(lower)!r}")
         from .lowering import warn_rejected
 
         warn_rejected(tuple(lower))

@@ -415,6 +415,11 @@ def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> N
     _ort_paged_attention(graph, node, e, config, scatters, query, key, value)
 
 
+def exclusive_conflict(ops) -> tuple[str, ...] | None:
+    """The first ``EXCLUSIVE`` group of which ``ops`` names more than one lowering, else None."""
+    return next((one_of for one_of in EXCLUSIVE if len(set(one_of) & set(ops)) > 1), None)
+
+
 def lower(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, config=None
           ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """``model`` with its ``m3`` nodes of the given op types lowered (see the module docstring); returns the new
@@ -433,9 +438,9 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
     unknown = sorted(set(ops) - set(LOWERABLE))
     if unknown:
         raise ValueError(f"cannot lower {unknown}: lowerable m3 ops are {list(LOWERABLE)}")
-    for one_of in EXCLUSIVE:
-        if len(set(one_of) & set(ops)) > 1:
-            raise ValueError(f"lower at most one of {list(one_of)}: they lower the same m3 nodes")
+    one_of = exclusive_conflict(ops)
+    if one_of:
+        raise ValueError(f"lower at most one of {list(one_of)}: they lower the same m3 nodes")
     if "PagedAttention" in ops and config is None:
         raise ValueError("lowering PagedAttention needs the model's config (rotary_dim, rope_theta, rms_norm_eps)")
     if "PagedAttentionCore" in ops and config is None:
