@@ -1,4 +1,4 @@
-"""EXPERIMENTAL, opt-in (``--flavour ort-contrib --lower ...,DecodeAttention``): in the lowered DECODE graphs
+"""Opt-in (``--flavour ort-contrib --lower ...,DecodeAttention``): in the lowered DECODE graphs
 (``<graph>.ort.decode.onnx``) each dense layer's ``m3::PagedAttention`` node becomes the standard ONNX
 ``Attention`` op (opset 24, domain ""), which ONNX Runtime's CUDA EP runs as one flash-attention kernel.
 
@@ -31,8 +31,8 @@ Not lowered (the ``m3`` node kept, with the reason in the manifest): float32 poo
 reference form; the CUDA Flash path takes 16-bit types only) and FP8 pools (uint8 codes with scale pools: no
 standard op decodes them). ORT's CPU EP has float32 / float16 kernels for Attention-24 but none for bfloat16
 (it falls back to the op's function body, whose ``Expand`` has no CPU bfloat16 kernel): CI checks the numbers in
-float16 (``tests/test_lowering_decode_attention.py``); the bf16 numbers are the H200's (``scripts/gpu_ort.sh``).
-**Unverified on GPU** until the H200 shows the lowered decode graph matches the torch backend.
+float16 (``tests/test_lowering_decode_attention.py``); the bf16 numbers are the H200's (``scripts/gpu_ort.sh``):
+``STATUS`` says what they showed and why the lowering is not a default yet.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def _lower(graph, node, emit, slots: _Slots, types: dict) -> None:
     if len(node.inputs) != 7:
         raise _Skip(f"{len(node.inputs)} inputs: FP8 pools (uint8 codes with scale pools) keep the m3 node")
     q, k_pool, v_pool, block_tables, _qsl, seq_lens, positions = node.inputs
-    pool_type = types.get(next((n for n in types if n.split(".")[0] == "k_cache"), None))
+    writer = k_pool.inputs[0] if len(k_pool.inputs) == 1 else None  # the cache write of this layer's K pool
+    pool_type = types.get(writer.inputs[0].name) if writer is not None and writer.inputs else None
     if pool_type not in _16BIT:
         name = onnx.TensorProto.DataType.Name(pool_type) if pool_type is not None else "unknown"
         raise _Skip(f"{name} pools: the lowering takes float16 / bfloat16 pools (an fp32 graph is the reference "
