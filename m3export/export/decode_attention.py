@@ -129,7 +129,7 @@ def lower_decode_attention(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int
     where a node was lowered: of the ops these graphs use, those with a newer version by 24 (Cast, CastLike,
     Constant, Cos, Sin, Flatten, If, Pad, Reshape, Shape, Squeeze, TopK, Transpose, Unsqueeze) only widen their
     types; functions no node uses any more are dropped."""
-    from .lowering import _Emit, _gs
+    from .lowering import _Emit, _gs, exported
 
     gs = _gs()
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
@@ -147,25 +147,7 @@ def lower_decode_attention(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int
         count += 1
     if not count:
         return model, 0, kept
-    graph.cleanup().toposort()
-    out = gs.export_onnx(graph)
-    used = {(n.domain, n.op_type) for n in out.graph.node}
-    del out.functions[:]
-    out.functions.extend(f for f in model.functions if (f.domain, f.name) in used)
-    del out.opset_import[:]
-    seen = set()
-    for o in model.opset_import:
-        if o.domain in seen:
-            continue
-        seen.add(o.domain)
-        out.opset_import.append(onnx.helper.make_opsetid(o.domain, max(o.version, OPSET) if o.domain == "" else
-                                                         o.version))
-    for f in out.functions:  # a function's default-domain opset must be the model's (onnx.checker)
-        for o in f.opset_import:
-            if o.domain == "" and o.version < OPSET:
-                o.version = OPSET
-    out.ir_version = model.ir_version
-    return out, count, kept
+    return exported(graph, model, default_opset=OPSET), count, kept
 
 
 def record(count: int, kept: dict[str, str]) -> dict:

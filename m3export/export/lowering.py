@@ -481,18 +481,35 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
                 continue
             report["gains"] += [gains["q_gain"].name, gains["k_gain"].name]
             done["PagedAttention"] += 1
+    return exported(graph, model), done, report
+
+
+def exported(graph, model: onnx.ModelProto, default_opset: int | None = None) -> onnx.ModelProto:
+    """A lowering pass's graphsurgeon ``graph`` (imported from ``model``), cleaned up and sorted, back to ONNX with
+    ``model``'s IR version, the functions of ``model`` its nodes still use (the others dropped), ``model``'s opsets
+    plus ``com.microsoft`` where a node is of that domain; ``default_opset``: the default domain's raised to at
+    least that, in the functions too (``onnx.checker`` wants a function's default opset to be the model's)."""
     graph.cleanup().toposort()
-    out = gs.export_onnx(graph)
+    out = _gs().export_onnx(graph)
     used = {(n.domain, n.op_type) for n in out.graph.node}
     kept = [f for f in model.functions if (f.domain, f.name) in used]
     del out.functions[:]
     out.functions.extend(kept)
     del out.opset_import[:]
-    out.opset_import.extend(model.opset_import)
-    if any(n.domain == MS for n in out.graph.node):
+    for o in model.opset_import:
+        if o.domain in {p.domain for p in out.opset_import}:  # one per domain, the first kept
+            continue
+        version = max(o.version, default_opset) if o.domain == "" and default_opset else o.version
+        out.opset_import.append(onnx.helper.make_opsetid(o.domain, version))
+    if any(n.domain == MS for n in out.graph.node) and MS not in {o.domain for o in out.opset_import}:
         out.opset_import.append(onnx.helper.make_opsetid(MS, 1))
+    if default_opset:
+        for f in out.functions:
+            for o in f.opset_import:
+                if o.domain == "" and o.version < default_opset:
+                    o.version = default_opset
     out.ir_version = model.ir_version
-    return out, done, report
+    return out
 
 
 def gain_rounding(model: onnx.ModelProto, directory: Path, names: list[str], onnx_type: int) -> float:
