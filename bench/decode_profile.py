@@ -23,6 +23,8 @@ measures nothing meaningful.
 
   python bench/decode_profile.py                      # H200: table + bench/results/decode_profile_h200.json
   python bench/decode_profile.py --device cpu         # CPU logic check
+  python bench/decode_profile.py --shapes 1x131072 --settings default={} \
+      --settings 'w16={"lightning_indexer": {"topk": {"num_warps": 16}}}'   # a launch setting in the model
 """
 
 from __future__ import annotations
@@ -363,9 +365,64 @@ def profile_shape(model, cfg, b: int, ctx: int, args, device: str, elt: int, bw:
     return row
 
 
+def parse_settings(items: list[str]) -> dict:
+    """``NAME=JSON`` items -> {name: {module: {part: {setting: value}}}}, each checked against the module's DEFAULTS
+    (an unknown module, part or setting is an error naming it, before any model is built)."""
+    import importlib
+    import json
+
+    out = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--settings {item!r}: expected NAME=JSON")
+        try:
+            over = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--settings {name}: not JSON ({e})") from None
+        if not isinstance(over, dict):
+            raise SystemExit(f"--settings {name}: expected a JSON object {{module: {{part: {{...}}}}}}")
+        for module, parts in over.items():
+            try:
+                defaults = importlib.import_module(f"m3export.plugins.kernels.{module}").DEFAULTS
+            except (ImportError, AttributeError):
+                raise SystemExit(f"--settings {name}: no kernel module {module!r} with DEFAULTS") from None
+            for part, entries in parts.items():
+                if part not in defaults:
+                    raise SystemExit(f"--settings {name}: {module} has no part {part!r}; known: {sorted(defaults)}")
+                unknown = set(entries) - set(defaults[part])
+                if unknown:
+                    raise SystemExit(f"--settings {name}: {module} {part} has no settings {sorted(unknown)}; "
+                                     f"known: {sorted(defaults[part])}")
+        out[name] = over
+    return out
+
+
+class launch_defaults:
+    """Within the block, the kernel modules' DEFAULTS carry ``over``'s entries (what the model's ops launch with);
+    restored on exit."""
+
+    def __init__(self, over: dict):
+        import importlib
+
+        self.parts = [(importlib.import_module(f"m3export.plugins.kernels.{m}").DEFAULTS[part], entries)
+                      for m, parts in over.items() for part, entries in parts.items()]
+
+    def __enter__(self):
+        self.saved = [dict(table) for table, _ in self.parts]
+        for table, entries in self.parts:
+            table.update(entries)
+
+    def __exit__(self, *exc):
+        for (table, _), saved in zip(self.parts, self.saved):
+            table.clear()
+            table.update(saved)
+
+
 def print_table(res: dict) -> None:
     for r in res["rows"]:
-        print(f"\nbatch {r['batch']}, context {r['context']} ({'graph replay' if r['graph_replayed'] else 'eager'}): "
+        print(f"\n[{r.get('settings', 'default')}] batch {r['batch']}, context {r['context']} "
+              f"({'graph replay' if r['graph_replayed'] else 'eager'}): "
               f"device span {r['span_us']:.0f} us = busy {r['busy_us']:.0f} + gaps {r['gaps_us']:.0f}; "
               f"{r['launches']:.0f} launches per step (eager step: {r['eager_launches']}); "
               f"{r['bytes_needed'] / 1e6:.0f} MB must be read; host {r['host_ms_per_step']:.2f} ms per step and sync")
@@ -394,9 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default="auto",
                     help="K/V and index-key pools: the model dtype (auto), bf16, or fp8 (E4M3 codes with per-row "
                          "fp32 scales, as `--kv-cache-dtype fp8` of the engine) (default: %(default)s)")
+    ap.add_argument("--settings", action="append", default=None, metavar="NAME=JSON",
+                    help="profile every shape under these kernel launch settings too, in the same process (one "
+                         "model): NAME=JSON, JSON {kernel module: {part: {setting: value}}} over that module's "
+                         "DEFAULTS, e.g. 'w16={\"lightning_indexer\": {\"topk\": {\"num_warps\": 16}}}'; "
+                         "repeatable; the rows say which (default: the DEFAULTS alone, named 'default')")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured copy bandwidth)")
     ap.add_argument("--json", default=None, help="default bench/results/decode_profile_{h200,cpu}.json")
     args = ap.parse_args(argv)
+    settings = parse_settings(args.settings or ["default={}"])
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("bench/decode_profile.py needs a CUDA device (or --device cpu)", file=sys.stderr)
@@ -427,10 +490,14 @@ def main(argv: list[str] | None = None) -> int:
            "preset": "mini" if cuda else "tiny", "experts": cfg.num_local_experts, "weights": args.weights,
            "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "bandwidth_TBps": bw / 1e12, "families": list(FAMILIES), "rows": []}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
-    for b, ctx in shapes:
-        res["rows"].append(profile_shape(model, cfg, b, ctx, args, args.device, elt, bw))
-        if cuda:
-            torch.cuda.empty_cache()
+    res["settings"] = settings
+    for name, over in settings.items():
+        with launch_defaults(over):
+            for b, ctx in shapes:
+                res["rows"].append(dict(settings=name, **profile_shape(model, cfg, b, ctx, args, args.device, elt,
+                                                                       bw)))
+                if cuda:
+                    torch.cuda.empty_cache()
     out = args.json or str(RESULTS / f"decode_profile_{'h200' if cuda else 'cpu'}.json")
     write_results(res, out)
     print_table(res)

@@ -5,6 +5,7 @@ sizes (host ops stand in for kernels; it measures nothing meaningful here)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -178,3 +179,22 @@ def test_fp8_cache_profile_counts_a_byte_and_a_scale_per_cached_element(tmp_path
     head_dim = 32  # the tiny preset's head_dim and index_head_dim; its model dtype is fp32 (4 bytes)
     assert f8["indexer scan"]["bytes"] == pytest.approx(f16["indexer scan"]["bytes"] * (1 + 4 / head_dim) / 4)
     assert f8["lm_head"]["bytes"] == f16["lm_head"]["bytes"]
+
+
+def test_settings_are_checked_by_name_and_applied_only_inside_their_block(cpu_run):
+    """``--settings NAME=JSON``: an unknown module, part or setting stops the run naming it (before any model is
+    built); inside ``launch_defaults`` the module's DEFAULTS carry the entries the ops launch with, restored after;
+    the default run labels its rows 'default'."""
+    from m3export.plugins.kernels import lightning_indexer as li
+
+    for bad, says in [("x", "expected NAME=JSON"), ("a={", "not JSON"), ('a={"nope": {}}', "no kernel module 'nope'"),
+                      ('a={"lightning_indexer": {"topq": {}}}', "has no part 'topq'"),
+                      ('a={"lightning_indexer": {"topk": {"warps": 8}}}', "has no settings ['warps']")]:
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            dp.parse_settings([bad])
+    over = dp.parse_settings(['w16={"lightning_indexer": {"topk": {"num_warps": 16, "group": 16}}}'])["w16"]
+    before = dict(li.DEFAULTS["topk"])
+    with dp.launch_defaults(over):
+        assert li.DEFAULTS["topk"] == {**before, "num_warps": 16, "group": 16}
+    assert li.DEFAULTS["topk"] == before
+    assert {r["settings"] for r in cpu_run["rows"]} == {"default"} and cpu_run["settings"] == {"default": {}}

@@ -61,7 +61,8 @@ def distinct(defaults: dict, variants: dict) -> list[str]:
 def describe(kernel: str, part: str, s: dict) -> str:
     """The name a variant with settings ``s`` must have: every setting, in the order of the modules' comments."""
     if kernel == "lightning_indexer" and part == "topk":
-        return f"{s['method']}-w{s['num_warps']}" + (f"-c{s['chunk']}" if s["chunk"] else "")
+        return (f"{s['method']}-w{s['num_warps']}" + (f"-c{s['chunk']}" if s["chunk"] else "")
+                + (f"-g{s['group']}" if s["group"] else ""))
     if kernel == "lightning_indexer":
         words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
@@ -260,6 +261,10 @@ def test_settings_refuse_unknown_names():
         LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"method": "rounds", "chunk": 64}})
     with pytest.raises(ValueError, match="topk chunk 48 needs"):
         LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"chunk": 48}})
+    with pytest.raises(ValueError, match="topk group 3 needs the 'bitonic' method, no chunk, and a power of two"):
+        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"group": 3}})
+    with pytest.raises(ValueError, match="topk group 4 needs"):
+        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"group": 4, "chunk": 8}})
     sel = torch.zeros(1, 2, 2, dtype=torch.int32)
     qa, k = paged.randn(1, 4, 16), paged.pool(2, 16)
     with pytest.raises(ValueError, match="loop 'spiral'"):
@@ -268,8 +273,9 @@ def test_settings_refuse_unknown_names():
         SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"tile_tokens": 2}})
 
 
-@pytest.mark.parametrize("method, chunk", [("rounds", 0), ("bitonic", 0), ("bitonic", 8), ("bitonic", 16)])
-def test_block_topk_orders_like_a_stable_descending_sort(method, chunk):
+@pytest.mark.parametrize("method, chunk, group", [("rounds", 0, 0), ("bitonic", 0, 0), ("bitonic", 8, 0),
+                                                  ("bitonic", 16, 0), ("bitonic", 0, 2)])
+def test_block_topk_orders_like_a_stable_descending_sort(method, chunk, group):
     """block_topk alone on hand-made block maxima full of exact ties, 0.0 next to -0.0, +-inf and NaN past each
     token's own block, against torch's stable descending sort: forced blocks (+inf) first, larger score first,
     the lower id among equals (0.0 == -0.0), -1 where only not-visible blocks are left."""
@@ -289,5 +295,30 @@ def test_block_topk_orders_like_a_stable_descending_sort(method, chunk):
     want = torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
     assert (want == -1).any() and (scores == 0).sum() > 20
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
-                        config={"topk": {"method": method, "chunk": chunk}})
+                        config={"topk": {"method": method, "chunk": chunk, "group": group}})
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_grouped_topk_on_long_rows_of_ties_orders_like_a_stable_sort(group):
+    """The two-level top-k (setting ``group``) where it runs (rows of at least GROUPED_LEAST x group x top-k
+    blocks): block maxima from four values, so every group's largest score is tied with many others and the
+    groups' order rests on the lowest id; short rows beside the long one (own block 0, 9, 137), forced local /
+    init blocks, -1 where fewer visible blocks than the top-k are left. Oracle: torch's stable descending sort."""
+    gen = torch.Generator().manual_seed(11)
+    t, h, nb, bs, topk, local, init = 4, 2, 300, 2, 16, 2, 1
+    values = torch.tensor([-0.0, 0.0, 1.0, 2.5])
+    scores = values[torch.randint(0, len(values), (t, h, nb), generator=gen)]
+    positions = torch.tensor([1, 19, 275, 599])  # own blocks 0, 9, 137, 299
+    own = positions // bs
+    c = torch.arange(nb)
+    visible = c[None, :] <= own[:, None]
+    v = torch.where(visible[:, None, :], scores, float("-inf"))
+    forced = visible & ((c[None, :] > own[:, None] - local) | (c[None, :] < init))
+    v = torch.where(forced[:, None, :], float("inf"), v)
+    order = torch.sort(v, dim=-1, descending=True, stable=True)
+    want = torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
+    assert (want == -1).any() and 512 >= LI.GROUPED_LEAST * group * topk  # 300 blocks pad to 512: two levels
+    got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
+                        config={"topk": {"method": "bitonic", "group": group}})
     assert torch.equal(got.cpu(), want)

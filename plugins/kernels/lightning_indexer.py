@@ -18,6 +18,9 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
    first, as float comparison has them equal).
    With the top-k setting ``chunk`` the bitonic top-k walks only the blocks up to the row's own, a chunk at a time
    (the same ids; the whole row padded to a power of two costs the widest table's blocks in every row).
+   With the top-k setting ``group`` a long row is ranked in two levels (``_grouped_topk``): the top-k groups of
+   ``group`` consecutive blocks by their largest key, then the top-k of those groups' blocks (the same ids; two
+   small sorts instead of one over the whole padded row).
    With ``fold_topk`` the scan's last program per query tile (an atomic ticket) runs this top-k itself (whole
    rows, whatever ``chunk`` says): one launch.
 
@@ -78,7 +81,10 @@ DEFAULTS = {
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys); chunk: 0 ranks a
     # row's blocks padded to a power of two at once, > 0 ("bitonic" only) walks the blocks up to the row's own in
     # chunks of that many, merging each chunk's top-k into a running one (``_block_topk``).
-    "topk": dict(method="bitonic", num_warps=4, chunk=0),
+    # group: 0 ranks a row's blocks at once, > 0 ("bitonic", chunk 0) in two levels for rows of at least
+    # ``GROUPED_LEAST`` x group x top-k blocks: the largest key of each group of that many blocks, the top-k groups
+    # by it, then the top-k of those groups' blocks (``_grouped_topk``: the same ids).
+    "topk": dict(method="bitonic", num_warps=4, chunk=0, group=0),
 }
 
 
@@ -136,20 +142,26 @@ VARIANTS = {
         "tma-host-n128-w4-s8-waves4-max1024-tf32": _scan(128, 4, 8, 4, 1024, loads="tma-host", fp8_dot="tf32"),
     },
     "topk": {
-        "rounds-w4": dict(method="rounds", num_warps=4, chunk=0),  # the defaults before 2026-11-30 22:12
-        "rounds-w1": dict(method="rounds", num_warps=1, chunk=0),
-        "rounds-w2": dict(method="rounds", num_warps=2, chunk=0),
-        "bitonic-w1": dict(method="bitonic", num_warps=1, chunk=0),
-        "bitonic-w4": dict(method="bitonic", num_warps=4, chunk=0),
+        "rounds-w4": dict(method="rounds", num_warps=4, chunk=0, group=0),  # the defaults before 2026-11-30 22:12
+        "rounds-w1": dict(method="rounds", num_warps=1, chunk=0, group=0),
+        "rounds-w2": dict(method="rounds", num_warps=2, chunk=0, group=0),
+        "bitonic-w1": dict(method="bitonic", num_warps=1, chunk=0, group=0),
+        "bitonic-w4": dict(method="bitonic", num_warps=4, chunk=0, group=0),
         # 2026-12-01, not yet timed: at batch 1 / 128k the widest table has 1025 blocks (131072 keys and the new
         # token), which the whole-row sort pads to 2048 (8.4 us a layer on the H200, 13:46 UTC): four programs
         # (one per head), each a long dependent chain. sm_90 code (``scripts/compile_indexer_sm90.py --part topk``):
         # 3544 SASS instructions per thread at w4, 2144 at w8, 1328 at w16; chunks of 256 walk only the blocks up
         # to each row's own (872 per chunk, 5 chunks at 1025 blocks: no fewer in all, but a short row of a wide
         # batch walks few).
-        "bitonic-w4-c256": dict(method="bitonic", num_warps=4, chunk=256),
-        "bitonic-w8": dict(method="bitonic", num_warps=8, chunk=0),
-        "bitonic-w16": dict(method="bitonic", num_warps=16, chunk=0),
+        "bitonic-w4-c256": dict(method="bitonic", num_warps=4, chunk=256, group=0),
+        "bitonic-w8": dict(method="bitonic", num_warps=8, chunk=0, group=0),
+        "bitonic-w16": dict(method="bitonic", num_warps=16, chunk=0, group=0),
+        # 2026-12-01 (seventh session), not yet timed: the two-level top-k (``_grouped_topk``). At 1025 blocks (padded to 2048) in
+        # groups of 16: a max over each group's 16 keys, a top-16 of 128 group maxima, a top-16 of the 256 blocks
+        # of the 16 groups it picks, reloaded (L2): sorts of 128 and 256 keys instead of one of 2048.
+        "bitonic-w4-g16": dict(method="bitonic", num_warps=4, chunk=0, group=16),
+        "bitonic-w4-g32": dict(method="bitonic", num_warps=4, chunk=0, group=32),
+        "bitonic-w8-g16": dict(method="bitonic", num_warps=8, chunk=0, group=16),
     },
 }
 
@@ -328,7 +340,7 @@ def _store_picks(top, out_row, row_ok, NB_PAD: tl.constexpr, TOPK: tl.constexpr,
 def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
     NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, CHUNK: tl.constexpr = 0,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, CHUNK: tl.constexpr = 0, GROUP: tl.constexpr = 0,
 ):
     """CHUNK > 0 ("bitonic"): the blocks 0..own in chunks of CHUNK (>= TOPK_PAD; NB_PAD >= CHUNK is then only the
     keys' id base, every id of a chunk below it); each chunk's top keys merge with
@@ -352,10 +364,42 @@ def _block_topk(
             best = tl.topk(tl.reshape(tl.join(best, top), (1, 2 * TOPK_PAD)), TOPK_PAD)
         _store_picks(best, base, own >= 0, NB_PAD, TOPK, TOPK_PAD)
         return
+    if GROUP > 0:
+        _grouped_topk(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h, own, base, NB, NB_PAD, TOPK_PAD, TOPK, LOCAL,
+                      INIT, GROUP)
+        return
     c = tl.arange(0, NB_PAD)
     visible = (c[None, :] <= own[:, None]) & (c[None, :] < NB)
     v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c[None, :], mask=visible, other=float("-inf"))
     _select_blocks(v, visible, own, base, own >= 0, 1, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
+
+
+@triton.jit
+def _row_keys(row, c, own, NB: tl.constexpr, NB_PAD: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr):
+    """The keys (``_block_keys``) of one row's blocks ``c`` [1, N], read from ``row``: forced blocks (local / init)
+    as +inf, blocks past the row's own (or the table) as -inf."""
+    visible = (c <= own[:, None]) & (c < NB)
+    v = tl.load(row + c, mask=visible, other=float("-inf"))
+    forced = visible & ((c > own[:, None] - LOCAL) | (c < INIT))
+    return _block_keys(tl.where(forced, float("inf"), v), c, NB_PAD)
+
+
+@triton.jit
+def _grouped_topk(row, own, base, NB: tl.constexpr, NB_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
+                  TOPK: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, GROUP: tl.constexpr):
+    """The top-k of one row in two levels (NB_PAD >= 2 x GROUP x TOPK_PAD): the row's keys in NB_PAD / GROUP groups
+    of GROUP consecutive blocks, each group's largest key, the TOPK_PAD groups with the largest of those, then the
+    top keys of those groups' blocks (read again from ``row``). The same ids as one top-k of the whole row: keys are
+    distinct, so if a block's group is not among the chosen ones, each chosen group's largest key is larger than
+    that block's, TOPK_PAD >= TOPK keys above it, and it is not in the top TOPK."""
+    NG: tl.constexpr = NB_PAD // GROUP
+    keys = _row_keys(row, tl.arange(0, NB_PAD)[None, :], own, NB, NB_PAD, LOCAL, INIT)  # [1, NB_PAD]
+    largest = tl.max(tl.reshape(keys, (NG, GROUP)), axis=1)  # [NG]: each group's largest key
+    groups = tl.topk(tl.reshape(largest, (1, NG)), TOPK_PAD)  # [1, TOPK_PAD]
+    first = (NB_PAD - 1 - (groups & 0xFFFFFFFF)).to(tl.int32) // GROUP * GROUP  # each chosen group's first block
+    c = tl.reshape(tl.reshape(first, (TOPK_PAD, 1)) + tl.arange(0, GROUP)[None, :], (1, TOPK_PAD * GROUP))
+    top = tl.topk(_row_keys(row, c, own, NB, NB_PAD, LOCAL, INIT), TOPK_PAD)
+    _store_picks(top, base, own >= 0, NB_PAD, TOPK, TOPK_PAD)
 
 
 def forward(
@@ -540,6 +584,11 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     return scores, (sel if fold is not None else None)
 
 
+# The two-level top-k (setting ``group``) runs for rows padded to at least this many x group x top-k blocks; below
+# that the groups' blocks it ranks again are half the row or more.
+GROUPED_LEAST = 2
+
+
 def _check_method(method: str) -> None:
     if method not in ("rounds", "bitonic"):
         raise ValueError(f"lightning_indexer: topk method {method!r} is not 'rounds' or 'bitonic'")
@@ -566,10 +615,17 @@ def block_topk(
     if chunk and (cfg["method"] != "bitonic" or chunk & (chunk - 1) or chunk < 2):
         raise ValueError(f"lightning_indexer: topk chunk {chunk} needs the 'bitonic' method and a power of two")
     chunk = max(chunk, topk_pad) if chunk else 0
+    group = cfg["group"]
+    if group and (cfg["method"] != "bitonic" or chunk or group & (group - 1) or group < 2):
+        raise ValueError(f"lightning_indexer: topk group {group} needs the 'bitonic' method, no chunk, and a power "
+                         "of two")
+    nb_pad = max(next_pow2(max(nb, 2)), topk_pad, chunk)
+    if nb_pad < GROUPED_LEAST * group * topk_pad:
+        group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        NB=nb, NB_PAD=max(next_pow2(max(nb, 2)), topk_pad, chunk), BS=block_size, TOPK=topk_blocks,
-        TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], CHUNK=chunk,
+        NB=nb, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
+        TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], CHUNK=chunk, GROUP=group,
         num_warps=cfg["num_warps"],
     )
     return out
