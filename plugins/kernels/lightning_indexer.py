@@ -84,7 +84,13 @@ DEFAULTS = {
     # group: 0 ranks a row's blocks at once, > 0 ("bitonic", chunk 0) in two levels for rows of at least
     # ``GROUPED_LEAST`` x group x top-k blocks: the largest key of each group of that many blocks, the top-k groups
     # by it, then the top-k of those groups' blocks (``_grouped_topk``: the same ids).
-    "topk": dict(method="bitonic", num_warps=4, chunk=0, group=0),
+    # H200 2026-12-01 22:45 UTC (bench/results/attention_sweep_topk_group_h200.json,
+    # decode_profile_h200_s18_fp8.json; every selection equal to the reference's): group 16 ("bitonic-w4-g16") in
+    # the `mini` model at batch 1 / 128k 19.8 us a step for its three layers against 24.9 (6.6 against 8.3 a layer;
+    # sweep 3.9 against 4.4 us), at 4k 4.9 against 5.0 (rows of 33 blocks: one top-k, as before); sweep at
+    # 8 / 32k and 64 / 32k 2.7 / 3.0 us against 2.7 / 3.1. "bitonic-w8-g16" 17.3 us in the model at 128k but
+    # slower in the sweep at 8 / 32k and 64 / 32k.
+    "topk": dict(method="bitonic", num_warps=4, chunk=0, group=16),
 }
 
 
@@ -156,9 +162,10 @@ VARIANTS = {
         "bitonic-w4-c256": dict(method="bitonic", num_warps=4, chunk=256, group=0),
         "bitonic-w8": dict(method="bitonic", num_warps=8, chunk=0, group=0),
         "bitonic-w16": dict(method="bitonic", num_warps=16, chunk=0, group=0),
-        # 2026-12-01 (seventh session), not yet timed: the two-level top-k (``_grouped_topk``). At 1025 blocks (padded to 2048) in
+        # 2026-12-01 (seventh session): the two-level top-k (``_grouped_topk``). At 1025 blocks (padded to 2048) in
         # groups of 16: a max over each group's 16 keys, a top-16 of 128 group maxima, a top-16 of the 256 blocks
-        # of the 16 groups it picks, reloaded (L2): sorts of 128 and 256 keys instead of one of 2048.
+        # of the 16 groups it picks, reloaded (L2): sorts of 128 and 256 keys instead of one of 2048 (2936 SASS
+        # instructions a thread against 3544; w8: 1824). "g16" is the default since 22:45 UTC (see DEFAULTS).
         "bitonic-w4-g16": dict(method="bitonic", num_warps=4, chunk=0, group=16),
         "bitonic-w4-g32": dict(method="bitonic", num_warps=4, chunk=0, group=32),
         "bitonic-w8-g16": dict(method="bitonic", num_warps=8, chunk=0, group=16),
