@@ -15,7 +15,7 @@ differ from the no-pass graph, and whether the greedy tokens agree. The RoPE pas
 (its rewrite rounds where the traced nodes round), so any difference in its row is a kernel's doing; the RMSNorm
 pass moves a few fp32 ulps, which a routing near-tie can turn into another expert (a large difference in one row).
 
-The ``decode_attention`` variant is the opt-in ``DecodeAttention`` lowering (``decode_attention.py``: each dense
+The ``decode_attention`` variant is the ``DecodeAttention`` lowering (a default of the ort-contrib decode graphs) (``decode_attention.py``: each dense
 ``m3::PagedAttention`` node as ONNX ``Attention``-24, the graph's opset raised to 24) applied to the same plain
 decode graph (its ``m3`` MoE nodes stay, so the router taps report its routing beside the passes';
 ``both+decode_attention``: the lowering, then both passes, on request with ``--variants``). Issue 16: on the H200

@@ -124,6 +124,10 @@ def test_export_records_the_ort_contrib_flavour(tmp_path):
     # the tiny fp32 graphs apply the MoE lowering only, which the H200 has shown to match (lowering.VERIFIED)
     assert all(r["file"] in art.manifest.files and r["status"].startswith("verified on GPU: MoE:")
                for r in record.values())
+    # DecodeAttention is a default too (lowering.DEFAULT): the decode graphs' pass ran and kept the fp32 pools' node
+    decode = art.manifest.flavours["ort-contrib-decode"]["model"]["decode_attention"]
+    assert decode["lowered"] == 0 and list(decode["kept"].values()) == [decode["kept"]["node_paged_attention"]]
+    assert decode["kept"]["node_paged_attention"].startswith("FLOAT pools"), decode
     manifest = json.loads((root / "manifest.json").read_text())
     outs = []
     for flavour in (None, "ort-contrib"):

@@ -55,13 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the manifest's 'flavours' with that status")
     p.add_argument("--lower", metavar="OP[,OP...]", type=lambda text: tuple(filter(None, text.split(","))),
                    help="with --flavour ort-contrib: the m3 ops to lower (MoE, MXFP8Linear, PagedAttention, "
-                        "PagedAttentionCore, DecodeAttention; default MoE,MXFP8Linear). PagedAttention (dense layers "
-                        "-> com.microsoft.PagedAttention, which also does the QK norm, RoPE and cache write) is "
-                        "opt-in: its norm gain (1 + w) is rounded to the activation dtype, and it needs float16 / "
-                        "bfloat16 graphs. PagedAttentionCore (opt-in; not with PagedAttention): the same op for the "
-                        "dense layers' cache writes and attention only, the graph's own QK norm and RoPE feeding it. "
-                        "DecodeAttention (opt-in): in the lowered decode graphs only, dense attention as the "
-                        "standard ONNX Attention-24 op on 16-bit pools")
+                        "PagedAttentionCore, DecodeAttention; default MoE,MXFP8Linear,DecodeAttention). "
+                        "DecodeAttention (matched the torch backend on an H200): in the lowered decode graphs only, "
+                        "dense attention as the standard ONNX Attention-24 op on 16-bit pools. PagedAttention (dense "
+                        "layers -> com.microsoft.PagedAttention, which also does the QK norm, RoPE and cache write) is "
+                        "opt-in and rejected: its norm gain (1 + w) is rounded to the activation dtype, and it needs "
+                        "float16 / bfloat16 graphs. PagedAttentionCore (opt-in; not with PagedAttention): the same op "
+                        "for the dense layers' cache writes and attention only, the graph's own QK norm and RoPE "
+                        "feeding it; rejected for speed (ORT's paged decode kernel: 28 ms a batch-8 / 32k step on an "
+                        "H200)")
     add_kv_cache_dtype_argument(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=bounded_int(1), default=1, metavar="N",
                    help="N >= 2: a per-rank artifact instead (rank{r}.safetensors with only the rank's slices, its "

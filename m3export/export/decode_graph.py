@@ -145,7 +145,7 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
     only tip near-ties; until the H200 shows that at the benchmark's seed, a lowering that changes greedy tokens is
     not the default (the two passes together saved 0.37 ms of a 5.95 ms batch-1 step at 07:42 UTC). Returns the
     manifest's record of the flavour ``flavour_name`` (per graph: file, source, external data, ``status``, ``moe``,
-    ``graph_passes``: pass name -> nodes it rewrote). ``decode_attention`` (opt-in, ``--lower DecodeAttention``):
+    ``graph_passes``: pass name -> nodes it rewrote). ``decode_attention`` (``DecodeAttention``, in ``lowering.DEFAULT``):
     each dense ``m3::PagedAttention`` as ONNX ``Attention``-24 (``decode_attention.py``), applied first; its record
     (lowered, kept and why, status) in ``decode_attention``."""
     from types import SimpleNamespace

@@ -384,7 +384,7 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
             if flavour == "ort-contrib":  # and of the lowered graphs (com.microsoft nodes kept)
                 lowered = flavours["ort-contrib"]
                 flavours[flavour_name(flavour)] = write_decode_graphs(
-                    tmp, graphs, kv_fp8, of=lowered, decode_attention="DecodeAttention" in (lower or ()))
+                    tmp, graphs, kv_fp8, of=lowered, decode_attention="DecodeAttention" in (lower or DEFAULT))
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)
