@@ -9,7 +9,7 @@ warpgroup MMAs (``HGMMA``) or ``HMMA``. Nothing is timed: it says where to look,
 
   python scripts/compile_indexer_sm90.py                         # scan and top-k, bf16 and FP8 keys, defaults
   python scripts/compile_indexer_sm90.py --keys fp8 --scan-variants tma-host-n128-w4-s10-waves1-max1024
-  python scripts/compile_indexer_sm90.py --part topk --topk-variants bitonic-w4-c256 --context 131072
+  python scripts/compile_indexer_sm90.py --part topk --topk-variants bitonic-w4 --context 131072
 """
 
 from __future__ import annotations

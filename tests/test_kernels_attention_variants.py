@@ -61,8 +61,7 @@ def distinct(defaults: dict, variants: dict) -> list[str]:
 def describe(kernel: str, part: str, s: dict) -> str:
     """The name a variant with settings ``s`` must have: every setting, in the order of the modules' comments."""
     if kernel == "lightning_indexer" and part == "topk":
-        return (f"{s['method']}-w{s['num_warps']}" + (f"-c{s['chunk']}" if s["chunk"] else "")
-                + (f"-g{s['group']}" if s["group"] else ""))
+        return f"{s['method']}-w{s['num_warps']}" + (f"-g{s['group']}" if s["group"] else "")
     if kernel == "lightning_indexer":
         words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
@@ -257,14 +256,12 @@ def test_settings_refuse_unknown_names():
         LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"scan": {"blok_n": 32}})
     with pytest.raises(ValueError, match="topk method 'heap'"):
         LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"method": "heap"}})
-    with pytest.raises(ValueError, match="topk chunk 64 needs the 'bitonic' method"):
-        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"method": "rounds", "chunk": 64}})
-    with pytest.raises(ValueError, match="topk chunk 48 needs"):
-        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"chunk": 48}})
-    with pytest.raises(ValueError, match="topk group 3 needs the 'bitonic' method, no chunk, and a power of two"):
+    with pytest.raises(ValueError, match="topk group 3 needs the 'bitonic' method and a power of two"):
         LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"group": 3}})
     with pytest.raises(ValueError, match="topk group 4 needs"):
-        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"group": 4, "chunk": 8}})
+        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"group": 4, "method": "rounds"}})
+    with pytest.raises(ValueError, match=r"unknown topk settings \['chunk'\]"):
+        LI.forward(q, pool, *paged.args("cpu"), 4, 2, 1, 0, config={"topk": {"chunk": 256}})
     sel = torch.zeros(1, 2, 2, dtype=torch.int32)
     qa, k = paged.randn(1, 4, 16), paged.pool(2, 16)
     with pytest.raises(ValueError, match="loop 'spiral'"):
@@ -273,9 +270,8 @@ def test_settings_refuse_unknown_names():
         SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"tile_tokens": 2}})
 
 
-@pytest.mark.parametrize("method, chunk, group", [("rounds", 0, 0), ("bitonic", 0, 0), ("bitonic", 8, 0),
-                                                  ("bitonic", 16, 0), ("bitonic", 0, 2)])
-def test_block_topk_orders_like_a_stable_descending_sort(method, chunk, group):
+@pytest.mark.parametrize("method, group", [("rounds", 0), ("bitonic", 0), ("bitonic", 2)])
+def test_block_topk_orders_like_a_stable_descending_sort(method, group):
     """block_topk alone on hand-made block maxima full of exact ties, 0.0 next to -0.0, +-inf and NaN past each
     token's own block, against torch's stable descending sort: forced blocks (+inf) first, larger score first,
     the lower id among equals (0.0 == -0.0), -1 where only not-visible blocks are left."""
@@ -295,7 +291,7 @@ def test_block_topk_orders_like_a_stable_descending_sort(method, chunk, group):
     want = torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
     assert (want == -1).any() and (scores == 0).sum() > 20
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
-                        config={"topk": {"method": method, "chunk": chunk, "group": group}})
+                        config={"topk": {"method": method, "group": group}})
     assert torch.equal(got.cpu(), want)
 
 

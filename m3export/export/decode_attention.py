@@ -1,4 +1,5 @@
-"""A default of ``--flavour ort-contrib`` (``lowering.DEFAULT``; ``--lower`` without it leaves it out): in the lowered DECODE graphs
+"""A default of ``--flavour ort-contrib`` (``lowering.DEFAULT``; a ``--lower`` list without it leaves it out): in the
+lowered DECODE graphs
 (``<graph>.ort.decode.onnx``) each dense layer's ``m3::PagedAttention`` node becomes the standard ONNX
 ``Attention`` op (opset 24, domain ""), which ONNX Runtime's CUDA EP runs as one flash-attention kernel.
 

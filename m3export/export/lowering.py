@@ -83,7 +83,8 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   products of the 16-bit inputs, P rounded to 16 bits for the P.V product), so the bound of the project's own kernel
   applies (``plugins/kernels/paged_attention.output_error_bound``). The paged decode kernel is a CUDA-core
   kernel (one CTA per query token, query head and split; each query head reads its KV head's rows itself): on the
-  H200 it took 22.1 ms of the batch-8 / 32k step (it splits the context into few pieces, ``REJECTED``). CI: ``tests/test_lowering_attention.py`` checks the structure and
+  H200 it took 22.1 ms of the batch-8 / 32k step (``REJECTED``; why it is that slow was not looked into). CI:
+  ``tests/test_lowering_attention.py`` checks the structure and
   the wiring (the documented op emulated with ``do_rotary=0``, no norm) against the plain graph in float16.
 
 * ``DecodeAttention`` (dense layers; **a default** since 2026-12-01 23:00 UTC, decode graphs only;
@@ -129,7 +130,8 @@ OPT_IN = {  # lowerable but not by default, and why
     "PagedAttentionCore": "opt-in (--lower): dense layers' cache writes + attention as com.microsoft.PagedAttention "
                           "(do_rotary=0, no norm: the graph's own QK norm and RoPE feed it); REJECTED for speed",
 }
-# Lowerings the H200 measured NOT to match the reference, or to match it slower than the graph they replace. ``--lower`` still writes them (so they can be measured
+# Lowerings the H200 measured NOT to match the reference, or to match it slower than the graph they replace.
+# ``--lower`` still writes them (so they can be measured
 # again, e.g. on a newer onnxruntime-gpu), with a warning (``warn_rejected``) and the reason in the manifest's
 # flavour record (``rejected``); nothing picks a flavour graph by default.
 REJECTED = {

@@ -16,13 +16,11 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
    one int64 key per block, (order-preserving bits of the score) << 32 | (NB_PAD - 1 - id): keys are distinct and
    their descending order is "larger score first, lower id among equal scores" (0.0 and -0.0 made one value
    first, as float comparison has them equal).
-   With the top-k setting ``chunk`` the bitonic top-k walks only the blocks up to the row's own, a chunk at a time
-   (the same ids; the whole row padded to a power of two costs the widest table's blocks in every row).
    With the top-k setting ``group`` a long row is ranked in two levels (``_grouped_topk``): the top-k groups of
    ``group`` consecutive blocks by their largest key, then the top-k of those groups' blocks (the same ids; two
    small sorts instead of one over the whole padded row).
    With ``fold_topk`` the scan's last program per query tile (an atomic ticket) runs this top-k itself (whole
-   rows, whatever ``chunk`` says): one launch.
+   rows, whatever ``group`` says): one launch.
 
 Launch parameters are the table ``DEFAULTS``; ``forward(..., config=...)`` overrides entries of it (how
 ``bench/attention.py --sweep`` times the alternatives in one run). Every entry keeps the op's exact result.
@@ -78,10 +76,8 @@ DEFAULTS = {
     # batch 1 / 4k 4.7 -> 4.6 us, 1 / 128k 11.1 -> 10.5 us, 8 / 32k 18.4 -> 17.2 us); bf16 keys are not affected.
     "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
                  loads="tma-host", fold_topk=0, fp8_dot="tf32"),
-    # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys); chunk: 0 ranks a
-    # row's blocks padded to a power of two at once, > 0 ("bitonic" only) walks the blocks up to the row's own in
-    # chunks of that many, merging each chunk's top-k into a running one (``_block_topk``).
-    # group: 0 ranks a row's blocks at once, > 0 ("bitonic", chunk 0) in two levels for rows of at least
+    # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys);
+    # group: 0 ranks a row's blocks padded to a power of two at once, > 0 ("bitonic") in two levels for rows of at least
     # ``GROUPED_LEAST`` x group x top-k blocks: the largest key of each group of that many blocks, the top-k groups
     # by it, then the top-k of those groups' blocks (``_grouped_topk``: the same ids).
     # H200 2026-12-01 22:45 UTC (bench/results/attention_sweep_topk_group_h200.json,
@@ -90,7 +86,7 @@ DEFAULTS = {
     # sweep 3.9 against 4.4 us), at 4k 4.9 against 5.0 (rows of 33 blocks: one top-k, as before); sweep at
     # 8 / 32k and 64 / 32k 2.7 / 3.0 us against 2.7 / 3.1. "bitonic-w8-g16" 17.3 us in the model at 128k but
     # slower in the sweep at 8 / 32k and 64 / 32k.
-    "topk": dict(method="bitonic", num_warps=4, chunk=0, group=16),
+    "topk": dict(method="bitonic", num_warps=4, group=16),
 }
 
 
@@ -148,27 +144,26 @@ VARIANTS = {
         "tma-host-n128-w4-s8-waves4-max1024-tf32": _scan(128, 4, 8, 4, 1024, loads="tma-host", fp8_dot="tf32"),
     },
     "topk": {
-        "rounds-w4": dict(method="rounds", num_warps=4, chunk=0, group=0),  # the defaults before 2026-11-30 22:12
-        "rounds-w1": dict(method="rounds", num_warps=1, chunk=0, group=0),
-        "rounds-w2": dict(method="rounds", num_warps=2, chunk=0, group=0),
-        "bitonic-w1": dict(method="bitonic", num_warps=1, chunk=0, group=0),
-        "bitonic-w4": dict(method="bitonic", num_warps=4, chunk=0, group=0),
+        "rounds-w4": dict(method="rounds", num_warps=4, group=0),  # the defaults before 2026-11-30 22:12
+        "rounds-w1": dict(method="rounds", num_warps=1, group=0),
+        "rounds-w2": dict(method="rounds", num_warps=2, group=0),
+        "bitonic-w1": dict(method="bitonic", num_warps=1, group=0),
+        "bitonic-w4": dict(method="bitonic", num_warps=4, group=0),
         # 2026-12-01, not yet timed: at batch 1 / 128k the widest table has 1025 blocks (131072 keys and the new
         # token), which the whole-row sort pads to 2048 (8.4 us a layer on the H200, 13:46 UTC): four programs
         # (one per head), each a long dependent chain. sm_90 code (``scripts/compile_indexer_sm90.py --part topk``):
-        # 3544 SASS instructions per thread at w4, 2144 at w8, 1328 at w16; chunks of 256 walk only the blocks up
-        # to each row's own (872 per chunk, 5 chunks at 1025 blocks: no fewer in all, but a short row of a wide
-        # batch walks few).
-        "bitonic-w4-c256": dict(method="bitonic", num_warps=4, chunk=256, group=0),
-        "bitonic-w8": dict(method="bitonic", num_warps=8, chunk=0, group=0),
-        "bitonic-w16": dict(method="bitonic", num_warps=16, chunk=0, group=0),
+        # 3544 SASS instructions per thread at w4, 2144 at w8, 1328 at w16. (A setting ``chunk``, walking the blocks
+        # up to each row's own 256 at a time, lost at every shape in two H200 sweeps, 9.8 against 4.4 us at 128k;
+        # removed after the two-level top-k replaced the whole-row sort for long rows.)
+        "bitonic-w8": dict(method="bitonic", num_warps=8, group=0),
+        "bitonic-w16": dict(method="bitonic", num_warps=16, group=0),
         # 2026-12-01 (seventh session): the two-level top-k (``_grouped_topk``). At 1025 blocks (padded to 2048) in
         # groups of 16: a max over each group's 16 keys, a top-16 of 128 group maxima, a top-16 of the 256 blocks
         # of the 16 groups it picks, reloaded (L2): sorts of 128 and 256 keys instead of one of 2048 (2936 SASS
         # instructions a thread against 3544; w8: 1824). "g16" is the default since 22:45 UTC (see DEFAULTS).
-        "bitonic-w4-g16": dict(method="bitonic", num_warps=4, chunk=0, group=16),
-        "bitonic-w4-g32": dict(method="bitonic", num_warps=4, chunk=0, group=32),
-        "bitonic-w8-g16": dict(method="bitonic", num_warps=8, chunk=0, group=16),
+        "bitonic-w4-g16": dict(method="bitonic", num_warps=4, group=16),
+        "bitonic-w4-g32": dict(method="bitonic", num_warps=4, group=32),
+        "bitonic-w8-g16": dict(method="bitonic", num_warps=8, group=16),
     },
 }
 
@@ -347,30 +342,14 @@ def _store_picks(top, out_row, row_ok, NB_PAD: tl.constexpr, TOPK: tl.constexpr,
 def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
     NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, CHUNK: tl.constexpr = 0, GROUP: tl.constexpr = 0,
+    LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, GROUP: tl.constexpr = 0,
 ):
-    """CHUNK > 0 ("bitonic"): the blocks 0..own in chunks of CHUNK (>= TOPK_PAD; NB_PAD >= CHUNK is then only the
-    keys' id base, every id of a chunk below it); each chunk's top keys merge with
-    the running top by a top-k of the two. Keys are distinct, so the top of the union is the top of the chunks'
-    tops: the same ids as the whole row at once, at the cost of the row's own blocks, not the widest table's."""
+    """One program per (token, head): the row's top-k at once (``_select_blocks``) or, GROUP > 0 ("bitonic"), in
+    two levels (``_grouped_topk``)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     own = (tl.load(pos_ptr + t + tl.arange(0, 1)) // BS).to(tl.int32)  # [1]: one row of _select_blocks
     base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
-    if CHUNK > 0:
-        row = scores_ptr + t.to(tl.int64) * ss_t + h * ss_h
-        last = tl.minimum(tl.max(own, axis=0), NB - 1)  # the row's last block to walk
-        best = tl.full((1, TOPK_PAD), -9223372036854775807 - 1, tl.int64)  # below every key: never picked
-        for c0 in range(0, last + 1, CHUNK):
-            c = c0 + tl.arange(0, CHUNK)[None, :]
-            visible = (c <= own[:, None]) & (c < NB)
-            v = tl.load(row + c, mask=visible, other=float("-inf"))
-            forced = visible & ((c > own[:, None] - LOCAL) | (c < INIT))
-            v = tl.where(forced, float("inf"), v)
-            top = tl.topk(_block_keys(v, c, NB_PAD), TOPK_PAD)
-            best = tl.topk(tl.reshape(tl.join(best, top), (1, 2 * TOPK_PAD)), TOPK_PAD)
-        _store_picks(best, base, own >= 0, NB_PAD, TOPK, TOPK_PAD)
-        return
     if GROUP > 0:
         _grouped_topk(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h, own, base, NB, NB_PAD, TOPK_PAD, TOPK, LOCAL,
                       INIT, GROUP)
@@ -618,21 +597,16 @@ def block_topk(
     pos = positions.contiguous()
     _check_method(cfg["method"])
     topk_pad = next_pow2(max(topk_blocks, 2))
-    chunk = cfg["chunk"]
-    if chunk and (cfg["method"] != "bitonic" or chunk & (chunk - 1) or chunk < 2):
-        raise ValueError(f"lightning_indexer: topk chunk {chunk} needs the 'bitonic' method and a power of two")
-    chunk = max(chunk, topk_pad) if chunk else 0
     group = cfg["group"]
-    if group and (cfg["method"] != "bitonic" or chunk or group & (group - 1) or group < 2):
-        raise ValueError(f"lightning_indexer: topk group {group} needs the 'bitonic' method, no chunk, and a power "
-                         "of two")
-    nb_pad = max(next_pow2(max(nb, 2)), topk_pad, chunk)
+    if group and (cfg["method"] != "bitonic" or group & (group - 1) or group < 2):
+        raise ValueError(f"lightning_indexer: topk group {group} needs the 'bitonic' method and a power of two")
+    nb_pad = max(next_pow2(max(nb, 2)), topk_pad)
     if nb_pad < GROUPED_LEAST * group * topk_pad:
         group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         NB=nb, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
-        TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], CHUNK=chunk, GROUP=group,
+        TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], GROUP=group,
         num_warps=cfg["num_warps"],
     )
     return out
