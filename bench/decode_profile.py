@@ -419,6 +419,25 @@ class launch_defaults:
             table.update(saved)
 
 
+ATTENTION_PART = ("indexer scan", "top-k", "sparse attention")
+"""The families of the sparse layers' attention, whose sum at batch 1 the attention-kernels issue compares across
+contexts (its target: 128k within 1.2x of 4k)."""
+
+
+def attention_part(rows: list[dict]) -> dict:
+    """Per settings, the batch-1 rows' ``ATTENTION_PART`` sum in us per step by context, and each context's sum over
+    that of the shortest context profiled ({settings: {"us": {ctx: us}, "over_shortest": {ctx: ratio}}})."""
+    out: dict = {}
+    for r in rows:
+        if r["batch"] == 1:
+            us = sum(r["families"].get(f, {}).get("us", 0.0) for f in ATTENTION_PART)
+            out.setdefault(r.get("settings", "default"), {"us": {}})["us"][r["context"]] = us
+    for part in out.values():
+        first = part["us"][min(part["us"])]
+        part["over_shortest"] = {c: (u / first if first else float("nan")) for c, u in part["us"].items()}
+    return out
+
+
 def print_table(res: dict) -> None:
     for r in res["rows"]:
         print(f"\n[{r.get('settings', 'default')}] batch {r['batch']}, context {r['context']} "
@@ -438,6 +457,9 @@ def print_table(res: dict) -> None:
               f"{100 * r['gaps_us'] / r['span_us'] if r['span_us'] else float('nan'):5.1f}")
         for gp in r["widest_gaps"][:3]:
             print(f"    gap {gp['us']:.1f} us between {gp['after'][:50]} and {gp['before'][:50]}")
+    for name, part in res.get("attention_part", {}).items():
+        cells = ", ".join(f"{c}: {u:.1f} us ({part['over_shortest'][c]:.2f}x)" for c, u in sorted(part["us"].items()))
+        print(f"\n[{name}] batch 1, {' + '.join(ATTENTION_PART)} per step: {cells}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -498,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                        bw)))
                 if cuda:
                     torch.cuda.empty_cache()
+    res["attention_part"] = attention_part(res["rows"])
     out = args.json or str(RESULTS / f"decode_profile_{'h200' if cuda else 'cpu'}.json")
     write_results(res, out)
     print_table(res)

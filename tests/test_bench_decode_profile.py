@@ -198,3 +198,20 @@ def test_settings_are_checked_by_name_and_applied_only_inside_their_block(cpu_ru
         assert li.DEFAULTS["topk"] == {**before, "num_warps": 16, "group": 16}
     assert li.DEFAULTS["topk"] == before
     assert {r["settings"] for r in cpu_run["rows"]} == {"default"} and cpu_run["settings"] == {"default": {}}
+
+
+def test_attention_part_sums_the_batch_1_rows_per_settings():
+    """The issue's last attention target reads the indexer scan + top-k + sparse attention of a batch-1 step at
+    each context over the shortest; rows of other batches are left out, each settings on its own."""
+    def row(settings, b, ctx, scan, topk, sparse):
+        fams = {"indexer scan": {"us": scan}, "top-k": {"us": topk}, "sparse attention": {"us": sparse},
+                "lm_head": {"us": 500.0}}
+        return {"settings": settings, "batch": b, "context": ctx, "families": fams}
+
+    rows = [row("default", 1, 4096, 10.0, 5.0, 30.0), row("default", 1, 131072, 30.0, 20.0, 30.0),
+            row("default", 8, 4096, 99.0, 99.0, 99.0), row("g16", 1, 131072, 30.0, 10.0, 30.0),
+            row("g16", 1, 4096, 10.0, 5.0, 30.0)]
+    part = dp.attention_part(rows)
+    assert part["default"]["us"] == {4096: 45.0, 131072: 80.0}
+    assert part["default"]["over_shortest"][131072] == pytest.approx(80.0 / 45.0)
+    assert part["g16"]["over_shortest"] == {4096: 1.0, 131072: pytest.approx(70.0 / 45.0)}
