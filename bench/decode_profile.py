@@ -367,9 +367,12 @@ def profile_shape(model, cfg, b: int, ctx: int, args, device: str, elt: int, bw:
 
 def parse_settings(items: list[str]) -> dict:
     """``NAME=JSON`` items -> {name: {module: {part: {setting: value}}}}, each checked against the module's DEFAULTS
-    (an unknown module, part or setting is an error naming it, before any model is built)."""
+    (an unknown module, part or setting is an error naming it, before any model is built; the settings by
+    ``_batch.launch_settings``, which every launcher reads them through)."""
     import importlib
     import json
+
+    from m3export.plugins.kernels._batch import launch_settings
 
     out = {}
     for item in items:
@@ -390,10 +393,10 @@ def parse_settings(items: list[str]) -> dict:
             for part, entries in parts.items():
                 if part not in defaults:
                     raise SystemExit(f"--settings {name}: {module} has no part {part!r}; known: {sorted(defaults)}")
-                unknown = set(entries) - set(defaults[part])
-                if unknown:
-                    raise SystemExit(f"--settings {name}: {module} {part} has no settings {sorted(unknown)}; "
-                                     f"known: {sorted(defaults[part])}")
+                try:
+                    launch_settings(module, defaults, {part: entries}, part)
+                except ValueError as e:
+                    raise SystemExit(f"--settings {name}: {e}") from None
         out[name] = over
     return out
 

@@ -15,19 +15,20 @@ differ from the no-pass graph, and whether the greedy tokens agree. The RoPE pas
 (its rewrite rounds where the traced nodes round), so any difference in its row is a kernel's doing; the RMSNorm
 pass moves a few fp32 ulps, which a routing near-tie can turn into another expert (a large difference in one row).
 
-The ``decode_attention`` variant is the ``DecodeAttention`` lowering (a default of the ort-contrib decode graphs) (``decode_attention.py``: each dense
-``m3::PagedAttention`` node as ONNX ``Attention``-24, the graph's opset raised to 24) applied to the same plain
-decode graph (its ``m3`` MoE nodes stay, so the router taps report its routing beside the passes';
-``both+decode_attention``: the lowering, then both passes, on request with ``--variants``). Issue 16: on the H200
-the lowered decode graph was 2.68 from the torch backend in one row at batch 1 / 4k (0.06-0.08 at three other
-shapes, the plain graph 2.24 at batch 8 / 4k): a routing near-tie's signature, which its routing rows here confirm
-or rule out. For each lowering variant the dense layers' attention outputs (tapped, ``dense_attention.<i>``) are
-compared with the no-pass graph's: at the first dense layer every node upstream is the same node on the same
-inputs, so there the difference is the attention op's own and ``output_error_bound`` (the lowering's CPU test's
-bound, on the tapped max|V| of that layer's pool) applies; deeper layers and the logits carry everything upstream
-(another expert where a routing margin is a near-tie), for which no such bound exists. An fp32 or FP8 artifact's
-nodes are kept (``kept (reason)``, the variant not run). Exit status 1: the RoPE variant not bit-equal to the
-no-pass graph, or a lowered first dense layer past its bound.
+The ``decode_attention`` variant is the ``DecodeAttention`` lowering, a default of the ort-contrib decode graphs
+(``decode_attention.py``: each dense ``m3::PagedAttention`` node as ONNX ``Attention``-24, the graph's opset raised
+to 24), applied to the same plain decode graph (its ``m3`` MoE nodes stay, so the router taps report its routing
+beside the passes'; ``both+decode_attention``: the lowering, then both passes, on request with ``--variants``).
+Issue 16: on the H200 the lowered decode graph was 2.68 from the torch backend in one row at batch 1 / 4k (0.06-0.08
+at three other shapes, the plain graph 2.24 at batch 8 / 4k), a routing near-tie's signature; these rows confirmed
+it (22:35 UTC: the op 0.000977 from the body, one token rerouted at a 0.0047 margin). For each lowering variant the
+dense layers' attention outputs (tapped, ``dense_attention.<i>``) are compared with the no-pass graph's: at the
+first dense layer every node upstream is the same node on the same inputs, so there the difference is the attention
+op's own and ``output_error_bound`` (the lowering's CPU test's bound, on the tapped max|V| of that layer's pool)
+applies; deeper layers and the logits carry everything upstream (another expert where a routing margin is a
+near-tie), for which no such bound exists. An fp32 or FP8 artifact's nodes are kept (``kept (reason)``, the variant
+not run). Exit status 1: the RoPE variant not bit-equal to the no-pass graph, or a lowered first dense layer past
+its bound.
 
   python bench/ort_passes.py --artifact art/mini-bf16 --json $OUT/ort_passes_h200.json      # H200 + onnxruntime-gpu
   python bench/ort_passes.py --artifact /tmp/art/tiny --provider cpu --context 40           # CPU: the script

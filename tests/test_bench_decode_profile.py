@@ -189,7 +189,8 @@ def test_settings_are_checked_by_name_and_applied_only_inside_their_block(cpu_ru
 
     for bad, says in [("x", "expected NAME=JSON"), ("a={", "not JSON"), ('a={"nope": {}}', "no kernel module 'nope'"),
                       ('a={"lightning_indexer": {"topq": {}}}', "has no part 'topq'"),
-                      ('a={"lightning_indexer": {"topk": {"warps": 8}}}', "has no settings ['warps']")]:
+                      ('a={"lightning_indexer": {"topk": {"warps": 8}}}',
+                       "lightning_indexer: unknown topk settings ['warps']")]:
         with pytest.raises(SystemExit, match=re.escape(says)):
             dp.parse_settings([bad])
     over = dp.parse_settings(['w16={"lightning_indexer": {"topk": {"num_warps": 16, "group": 16}}}'])["w16"]

@@ -157,20 +157,16 @@ def export_artifact(source: str, out: str | Path | None, dtype: str = AUTO, weig
     if flavour not in (None, "tensorrt", "ort-contrib"):
         raise ArtifactError(f"--flavour must be 'tensorrt' or 'ort-contrib', got {flavour!r}")
     if lower is not None:
-        from .lowering import LOWERABLE
+        from .lowering import LOWERABLE, exclusive_conflict, warn_rejected
 
         if flavour != "ort-contrib":
             raise ArtifactError("--lower applies to --flavour ort-contrib only")
         if not lower or set(lower) - set(LOWERABLE):
             raise ArtifactError(f"--lower takes m3 ops among {', '.join(LOWERABLE)}, got {','.join(lower)!r}")
-        from .lowering import exclusive_conflict
-
         one_of = exclusive_conflict(lower)
         if one_of:
             raise ArtifactError(f"--lower takes at most one of {', '.join(one_of)} (they lower the same m3 nodes), "
                                 f"got {','.join(lower)!r}")
-        from .lowering import warn_rejected
-
         warn_rejected(tuple(lower))
     kv_fp8 = _kv_fp8(kv_cache_dtype, dtype, flavour, lower)
     opts = dict(dtype=dtype, weights=weights, page_size=page_size, progress=progress, split_layers=split_layers,
@@ -372,10 +368,12 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
             from .tensorrt_flavour import write_flavour_files
 
             flavours["tensorrt"] = write_flavour_files(tmp, graphs, cfg.max_position_embeddings)
+        ops = ()
         if flavour == "ort-contrib":  # experimental: m3 nodes lowered to ONNX Runtime's contrib kernels
             from .lowering import DEFAULT, FLAVOUR, write_flavour_files as write_lowered
 
-            flavours[FLAVOUR] = write_lowered(tmp, graphs, tuple(lower or DEFAULT), cfg)
+            ops = tuple(lower or DEFAULT)
+            flavours[FLAVOUR] = write_lowered(tmp, graphs, ops, cfg)
         if not mxfp8:  # the decode-only step graphs (``decode_graph.py``; MXFP8 experts have no such form)
             from .decode_graph import MOE_FORMS, flavour_name, write_decode_graphs
 
@@ -383,8 +381,10 @@ def _export_into(tmp: Path, source: str, dtype: str, weights: str | None, page_s
                 flavours[flavour_name(moe=form)] = write_decode_graphs(tmp, graphs, kv_fp8, moe=form)
             if flavour == "ort-contrib":  # and of the lowered graphs (com.microsoft nodes kept)
                 lowered = flavours["ort-contrib"]
+                from .decode_attention import PASS as DECODE_ATTENTION
+
                 flavours[flavour_name(flavour)] = write_decode_graphs(
-                    tmp, graphs, kv_fp8, of=lowered, decode_attention="DecodeAttention" in (lower or DEFAULT))
+                    tmp, graphs, kv_fp8, of=lowered, decode_attention=DECODE_ATTENTION in ops)
         steps.set_postfix_str("manifest")
         if not in_place:  # in place, the checkpoint's own tokenizer files are already beside the graphs
             _tokenizer_files(source, cfg, tmp)

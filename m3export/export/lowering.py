@@ -143,14 +143,14 @@ REJECTED = {
                       "documents cos_cache as (max seqlen, head_size / 2), a full-head rotation, while M3 rotates "
                       "rotary_dim < head_size dims (pairs i, i + rotary_dim / 2), passed as a narrower table that "
                       "ORT accepts but does not document; a full-width table cannot express M3's pairs",
+    "PagedAttentionCore": "REJECTED on the H200 for speed (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-01 22:33 UTC, "
+                          "mini bf16 decode graph replayed, bench/results/ort_gpu_decode_h200_2231_core.json): "
+                          "greedy tokens and logits at the plain graph's distance from the torch backend (0.049 / "
+                          "0.074 / 2.32 / 0.078 against 0.055 / 0.078 / 2.24 / 0.078), but 3.67 / 7.57 / 7.22 / "
+                          "28.10 ms at batch 1 / 4k, 1 / 32k, 8 / 4k, 8 / 32k against DecodeAttention's 3.10 / 3.36"
+                          " / 4.66 / 7.30: ORT's PagedDecodeSplitKV kernel took 22.1 ms of the batch-8 / 32k step "
+                          "for the one dense layer (ort_kernels_lowered_h200_2231_core.json)",
 }
-REJECTED["PagedAttentionCore"] = (
-    "REJECTED on the H200 for speed (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-01 22:33 UTC, mini bf16 decode graph "
-    "replayed, bench/results/ort_gpu_decode_h200_2231_core.json): greedy tokens and logits at the plain graph's "
-    "distance from the torch backend (0.049 / 0.074 / 2.32 / 0.078 against 0.055 / 0.078 / 2.24 / 0.078), but "
-    "3.67 / 7.57 / 7.22 / 28.10 ms at batch 1 / 4k, 1 / 32k, 8 / 4k, 8 / 32k against DecodeAttention's 3.10 / 3.36 "
-    "/ 4.66 / 7.30: ORT's PagedDecodeSplitKV kernel took 22.1 ms of the batch-8 / 32k step for the one dense layer "
-    "(ort_kernels_lowered_h200_2231_core.json)")
 NEG = -10000.0  # router logit of an expert M3 did not choose: exp(-10000 - max) is 0 in every float type
 
 

@@ -305,8 +305,7 @@ def _select_blocks(v, visible, own, out_row, row_ok, R: tl.constexpr, NB_PAD: tl
     top-k stored at ``out_row`` [R] + 0..TOPK-1 (rows where ``row_ok``): forced blocks (local / init) as +inf, then
     "largest value, lowest id among equals"; -inf -> -1. ("rounds" never uses TOPK_PAD.)"""
     c = tl.arange(0, NB_PAD)
-    forced = visible & ((c[None, :] > own[:, None] - LOCAL) | (c[None, :] < INIT))
-    v = tl.where(forced, float("inf"), v)
+    v = _forced_first(v, c[None, :], own, visible, LOCAL, INIT)
     if METHOD == "rounds":
         for r in tl.static_range(TOPK):
             top = tl.max(v, axis=1)
@@ -316,6 +315,14 @@ def _select_blocks(v, visible, own, out_row, row_ok, R: tl.constexpr, NB_PAD: tl
     else:  # "bitonic": one key per block, (order-preserving score bits) << 32 | (NB_PAD - 1 - id), top-k of keys
         top = tl.topk(_block_keys(v, c[None, :], NB_PAD), TOPK_PAD)  # descending, along the blocks
         _store_picks(top, out_row, row_ok, NB_PAD, TOPK, TOPK_PAD)
+
+
+@triton.jit
+def _forced_first(v, c, own, visible, LOCAL: tl.constexpr, INIT: tl.constexpr):
+    """Block maxima ``v`` of blocks ``c`` with the forced ones (visible, and local to the row's own block ``own``
+    [R] or among the first INIT) at +inf: ranked before every score."""
+    forced = visible & ((c > own[:, None] - LOCAL) | (c < INIT))
+    return tl.where(forced, float("inf"), v)
 
 
 @triton.jit
@@ -366,8 +373,7 @@ def _row_keys(row, c, own, NB: tl.constexpr, NB_PAD: tl.constexpr, LOCAL: tl.con
     as +inf, blocks past the row's own (or the table) as -inf."""
     visible = (c <= own[:, None]) & (c < NB)
     v = tl.load(row + c, mask=visible, other=float("-inf"))
-    forced = visible & ((c > own[:, None] - LOCAL) | (c < INIT))
-    return _block_keys(tl.where(forced, float("inf"), v), c, NB_PAD)
+    return _block_keys(_forced_first(v, c, own, visible, LOCAL, INIT), c, NB_PAD)
 
 
 @triton.jit
