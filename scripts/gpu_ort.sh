@@ -25,6 +25,8 @@
 #   GPU_ORT_DRY=1 bash scripts/gpu_ort.sh    # CPU dry run of the same commands: the installed onnxruntime, the CPU
 #                                            # EP, tiny artifacts only, PagedAttention not lowered (no CPU kernel)
 #   GPU_ORT_LOWER=MoE,MXFP8Linear  # (with either) the `mini` export's --lower (default MoE,MXFP8Linear,DecodeAttention)
+#   GPU_ORT_PAGE=128               # (with either) the `mini` export's --page-size (default 16; ORT's paged
+#                                  # FlashAttention needs a multiple of 128 at head size 128)
 #   GPU_ORT_DECODE=1 bash scripts/gpu_ort.sh # the decode-only graph's steps only (GPU tests, the graph passes'
 #                                            # GPU tests, mini bf16 export, plain / decode / decode-graph rows ->
 #                                            # ort_gpu_decode_h200.json; DECODE_STEPS picks and orders them, e.g.
@@ -134,7 +136,7 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
       shared) step "gpu_tests test_ort_shared_weights" 60 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
           --tb=short tests/test_ort_shared_weights.py ;;
       export) step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib \
-          --lower "$LOWER" --out /tmp/ortgpu-art/big --force ;;
+          --lower "$LOWER" --page-size "${GPU_ORT_PAGE:-16}" --out /tmp/ortgpu-art/big --force ;;
       kernels) step kernel_profile "${KERNELS_LIMIT:-240}" python3 bench/ort_kernels.py --artifact /tmp/ortgpu-art/big \
           --provider "$PROVIDER" --shapes "${KERNEL_SHAPES:-1x4096,8x4096}" \
           --all-experts-shapes "${KERNEL_ALL_EXPERTS_SHAPES-1x4096}" --steps "${KERNEL_STEPS:-5}" \
@@ -178,7 +180,7 @@ for f in tests/test_ort_cuda_stream.py tests/test_runtime_onnxruntime.py tests/t
       --durations=3 "$f"
 done
 step export_big 200 $M export --preset "$BIG_PRESET" --dtype "$BIG_DTYPE" --flavour ort-contrib --lower "$LOWER" \
-    --out /tmp/ortgpu-art/big --force
+    --page-size "${GPU_ORT_PAGE:-16}" --out /tmp/ortgpu-art/big --force
 timeout 30 python3 -c "import json; r = json.load(open('/tmp/ortgpu-art/big/manifest.json'))['flavours']['ort-contrib']
 print(json.dumps(r, indent=1))" > "$OUT/flavour_record.json" 2>&1
 # the big artifact through `verify` (its PyTorch reference runs on the host), before the benchmarks: a verdict is

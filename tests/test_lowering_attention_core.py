@@ -24,7 +24,7 @@ from onnx import helper
 
 from m3export.config import M3Config
 from m3export.export import polygraphy_loader
-from m3export.export.lowering import DEFAULT, MS, OPT_IN, lower, lower_with_report
+from m3export.export.lowering import DECODE_BOUNDS, DEFAULT, METADATA_INPUT, MS, OPT_IN, lower, lower_with_report
 
 from tests.test_lowering_attention import _emulate_ort_paged_attention, _run_until
 
@@ -178,3 +178,8 @@ def test_the_lowered_decode_graph_keeps_the_op_and_its_wiring(fp16_trt_artifact,
             dims = [d.dim_value if d.HasField("dim_value") else 40 for d in i.type.tensor_type.shape.dim]
             feeds[i.name] = rng.standard_normal(dims).astype(np.float16)
     _check_numbers(plain, lowered, tmp_path, feeds, cfg)
+    # the one-token bounds (lowering.decode_bounds): [1, table width x page size] as int32, from shapes alone
+    assert decode_record["model"]["graph_passes"][DECODE_BOUNDS] == 1 and len(op.input) == METADATA_INPUT + 1
+    got = _run_until(lowered, tmp_path, {"metadata": op.input[METADATA_INPUT]}, feeds)["metadata"]
+    assert got.dtype == np.int32 and got.tolist() == [1, feeds["block_tables"].shape[1] * page]
+    assert page * feeds["block_tables"].shape[1] >= max(lengths) + 1  # a bound on every sequence's keys

@@ -147,7 +147,8 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
     manifest's record of the flavour ``flavour_name`` (per graph: file, source, external data, ``status``, ``moe``,
     ``graph_passes``: pass name -> nodes it rewrote). ``decode_attention`` (``DecodeAttention``, in ``lowering.DEFAULT``):
     each dense ``m3::PagedAttention`` as ONNX ``Attention``-24 (``decode_attention.py``), applied first; its record
-    (lowered, kept and why, status) in ``decode_attention``."""
+    (lowered, kept and why, status) in ``decode_attention``. Dense layers lowered to ``com.microsoft.PagedAttention``
+    (``PagedAttentionCore``) get the one-token bounds (``lowering.decode_bounds``)."""
     from types import SimpleNamespace
 
     sources = graphs if of is None else {g: SimpleNamespace(file=r["file"]) for g, r in of.items() if g in graphs}
@@ -165,6 +166,11 @@ def write_decode_graphs(directory: Path, graphs: dict, kv_fp8: bool = False, of:
 
             decoded, passes[PASS], kept = lower_decode_attention(decoded)
             fields["decode_attention"] = record(passes[PASS], kept)
+        if any(n.domain == "com.microsoft" and n.op_type == "PagedAttention" for n in decoded.graph.node):
+            # a lowered dense layer (PagedAttentionCore): tell the op every sequence has one query token
+            from .lowering import DECODE_BOUNDS, decode_bounds
+
+            decoded, passes[DECODE_BOUNDS] = decode_bounds(decoded)
         if fuse_norms:  # fewer kernels per step: each RMSNorm one ORT kernel (``fused_norms.py``, its bound)
             decoded, passes[FUSED_NORMS] = fuse_rms_norms(decoded)
         if compact_rope:  # and each RoPE four nodes, bit-exact (``compact_rope.py``)

@@ -426,6 +426,42 @@ def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> N
     _ort_paged_attention(graph, node, e, config, scatters, query, key, value)
 
 
+DECODE_BOUNDS = "PagedAttentionDecodeBounds"  # the decode graphs' pass below (their record's ``graph_passes``)
+METADATA_INPUT = 16  # com.microsoft.PagedAttention's ``attention_metadata`` (1.31.1 and 1.32 input order)
+
+
+def decode_bounds(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """The decode graphs' ``com.microsoft.PagedAttention`` nodes (``PagedAttentionCore``) given ``attention_metadata``
+    = ``[1, block-table width x page size]`` (int32; computed from shapes only, so ONNX Runtime keeps it in host
+    memory, as the op wants it): every sequence of a decode step has one query token, and none holds more keys
+    than its table addresses. Why: without the input the op bounds a sequence's query tokens by the step's token
+    count, so a batch-8 decode step is not a one-token decode to it, and onnxruntime-gpu 1.31.1 runs its decode
+    tiers only for "one-token decode with attention_metadata" (its cuDNN paged SDPA, cuDNN >= 9.5, sm >= 90; the
+    wheel's own message) and otherwise its paged FlashAttention (a page size that is a multiple of 128 at head
+    size 128; per query head, so each of the 16 heads of a KV head reads that head's K / V again) or its scalar
+    paged decode kernel. Bounds only size launches and pick the tier: the lengths that mask keys are still read
+    from ``past_seqlens`` on the device. Only for decode graphs (one token per sequence, ``decode_graph``): the
+    general graphs keep the op's static bounds. Returns the model and how many nodes got the input."""
+    gs = _gs()
+    graph = gs.import_onnx(model)
+    done = 0
+    for node in [n for n in graph.nodes if n.domain == MS and n.op == "PagedAttention"]:
+        k_pool, block_tables = node.inputs[3], node.inputs[7]
+        page = k_pool.shape[1] if k_pool.shape else None
+        if not isinstance(page, int):
+            raise ValueError(f"{node.name}: the key pool's page size (dim 1) is not static")
+        e = _Emit(graph, f"{node.name}/decode_bounds")
+        keys = e("Mul", e("Shape", block_tables, start=1, end=2), e.const([page]))
+        metadata = e("Concat", e.const([1], np.int32), e("Cast", keys, to=onnx.TensorProto.INT32), axis=0)
+        metadata.dtype, metadata.shape = np.int32, [2]
+        inputs = list(node.inputs)[:METADATA_INPUT]
+        inputs += [gs.Variable.empty() for _ in range(METADATA_INPUT - len(inputs))] + [metadata]
+        node.inputs.clear()
+        node.inputs.extend(inputs)
+        done += 1
+    return (exported(graph, model) if done else model), done
+
+
 def exclusive_conflict(ops) -> tuple[str, ...] | None:
     """The first ``EXCLUSIVE`` group of which ``ops`` names more than one lowering, else None."""
     return next((one_of for one_of in EXCLUSIVE if len(set(one_of) & set(ops)) > 1), None)
