@@ -24,7 +24,7 @@
 #   bash scripts/gpu_ort.sh                  # on the H200, with .c1 .. .cN carried
 #   GPU_ORT_DRY=1 bash scripts/gpu_ort.sh    # CPU dry run of the same commands: the installed onnxruntime, the CPU
 #                                            # EP, tiny artifacts only, PagedAttention not lowered (no CPU kernel)
-#   GPU_ORT_LOWER=MoE,MXFP8Linear  # (with either) the `mini` export's --lower (default MoE,MXFP8Linear,DecodeAttention)
+#   GPU_ORT_LOWER=MoE,MXFP8Linear  # (with either) the `mini` export's --lower (default MoE,MXFP8Linear,PagedAttentionCore,DecodeAttention)
 #   GPU_ORT_PAGE=128               # (with either) the `mini` export's --page-size (default 16; ORT's paged
 #                                  # FlashAttention needs a multiple of 128 at head size 128)
 #   GPU_ORT_DECODE=1 bash scripts/gpu_ort.sh # the decode-only graph's steps only (GPU tests, the graph passes'
@@ -71,11 +71,11 @@ if [ "$DRY" = 1 ]; then
   PROVIDER=cpu BIG_PRESET=tiny BIG_DTYPE=float16 LOWER=MoE,MXFP8Linear BENCH_ARGS="--smoke" PROFILE_SHAPES=""
   export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}"
 else
-  # GPU_ORT_LOWER: the ort-contrib lowerings of the `mini` export; default MoE,MXFP8Linear,DecodeAttention (the
+  # GPU_ORT_LOWER: the ort-contrib lowerings of the `mini` export; default MoE,MXFP8Linear,PagedAttentionCore,DecodeAttention (the
   # decode-graph attention as ONNX Attention-24, export/decode_attention.py: the lowered-decode-graph rows time it);
   # e.g. MoE,MXFP8Linear (without it) or MoE,MXFP8Linear,PagedAttentionCore (com.microsoft.PagedAttention on the
   # graph's own normed, rotated q and k rows; rejected for speed, lowering.REJECTED)
-  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER="${GPU_ORT_LOWER:-MoE,MXFP8Linear,DecodeAttention}" BENCH_ARGS=""
+  PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER="${GPU_ORT_LOWER:-MoE,MXFP8Linear,PagedAttentionCore,DecodeAttention}" BENCH_ARGS=""
   PROFILE_SHAPES="--shapes 1x4096"
   if ! ls .c1/part.* >/dev/null 2>&1; then
     echo "no .c1/part.*: carry onnxruntime-gpu (scripts/pack_ort_gpu.py + chunk-for-gpu)" | tee -a "$OUT/summary.txt"

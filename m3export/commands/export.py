@@ -55,15 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the manifest's 'flavours' with that status")
     p.add_argument("--lower", metavar="OP[,OP...]", type=lambda text: tuple(filter(None, text.split(","))),
                    help="with --flavour ort-contrib: the m3 ops to lower (MoE, MXFP8Linear, PagedAttention, "
-                        "PagedAttentionCore, DecodeAttention; default MoE,MXFP8Linear,DecodeAttention). "
-                        "DecodeAttention (matched the torch backend on an H200): in the lowered decode graphs only, "
-                        "dense attention as the standard ONNX Attention-24 op on 16-bit pools. PagedAttention (dense "
-                        "layers -> com.microsoft.PagedAttention, which also does the QK norm, RoPE and cache write) is "
-                        "opt-in and rejected: its norm gain (1 + w) is rounded to the activation dtype, and it needs "
-                        "float16 / bfloat16 graphs. PagedAttentionCore (opt-in; not with PagedAttention): the same op "
-                        "for the dense layers' cache writes and attention only, the graph's own QK norm and RoPE "
-                        "feeding it; rejected for speed (ORT's paged decode kernel: 28 ms a batch-8 / 32k step on an "
-                        "H200)")
+                        "PagedAttentionCore, DecodeAttention; default MoE,MXFP8Linear,PagedAttentionCore,"
+                        "DecodeAttention). PagedAttentionCore (matched the torch backend on an H200; not with "
+                        "PagedAttention): the dense layers' cache writes and attention as com.microsoft.PagedAttention "
+                        "on 16-bit pools, the graph's own QK norm and RoPE feeding it; in the decode graphs with "
+                        "one-token bounds, so ONNX Runtime reads K / V in place (cuDNN paged attention). "
+                        "DecodeAttention (matched too): in the lowered decode graphs, the dense nodes still there as "
+                        "the standard ONNX Attention-24 op on gathered 16-bit rows. PagedAttention (dense layers -> "
+                        "com.microsoft.PagedAttention doing the QK norm, RoPE and cache write too) is opt-in and "
+                        "rejected: its norm gain (1 + w) is rounded to the activation dtype")
     add_kv_cache_dtype_argument(p)
     p.add_argument("--tensor-parallel-size", "-tp", type=bounded_int(1), default=1, metavar="N",
                    help="N >= 2: a per-rank artifact instead (rank{r}.safetensors with only the rank's slices, its "

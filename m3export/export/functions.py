@@ -332,7 +332,10 @@ def lightning_indexer_decode(sizes: DecodeSizes, kv_fp8: bool = False) -> Functi
     b = Builder("")
     ctx = DecodeContext(b, "block_tables", "seq_lens", "positions", sizes)
     keys = ctx.gather("index_k_cache", "index_k_scale" if kv_fp8 else None)  # [T, L, D]
-    scores = b.MatMul(b.Cast("index_q", to=F32), b.Transpose(keys, perm=[0, 2, 1]))  # [T, H, L]
+    # keys [T, L, D] x q^T [T, D, H]: the long axis L is the product's rows (cuBLAS's n, as ONNX Runtime hands a
+    # row-major product to it), the H = 4 index heads its columns; then [T, H, L]
+    q_t = b.Transpose(b.Cast("index_q", to=F32), perm=[0, 2, 1])  # [T, D, H]
+    scores = b.Transpose(b.MatMul(keys, q_t), perm=[0, 2, 1])  # [T, H, L]
     scores = b.Where(b.Unsqueeze(ctx.visible, b.const([1])), scores, b.const(-INF, np.float32))
     return _function("LightningIndexer", b, [_select_blocks(b, scores, ctx.length)], kv_fp8)
 

@@ -46,8 +46,7 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   structure and the wiring (the documented op emulated on the CPU, ``tests/test_lowering_attention.py``); the
   numbers are the H200's (``scripts/gpu_ort.sh``).
 
-* ``PagedAttentionCore`` (dense layers; **opt-in**; **REJECTED for speed**, :data:`REJECTED`: on the H200 it
-  matched the torch backend but ran batch 8 / 32k in 28.1 ms, 22.1 of them in ORT's paged decode kernel) -> the same
+* ``PagedAttentionCore`` (dense layers; **a default** since 2026-12-02, :data:`VERIFIED`) -> the same
   ``com.microsoft.PagedAttention`` with ``do_rotary=0`` and no ``q_norm_weight`` / ``k_norm_weight`` / cos / sin:
   none of the inexact parts of ``PagedAttention`` above. The graph's own nodes keep computing M3's QK norm (fp32,
   ``(1 + w)`` in fp32, one rounding) and RoPE; the op gets what the ``m3`` node and the cache writes got: the
@@ -83,11 +82,22 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   products of the 16-bit inputs, P rounded to 16 bits for the P.V product), so the bound of the project's own kernel
   applies (``plugins/kernels/paged_attention.output_error_bound``). The paged decode kernel is a CUDA-core
   kernel (one CTA per query token, query head and split; each query head reads its KV head's rows itself): on the
-  H200 it took 22.1 ms of the batch-8 / 32k step (``REJECTED``; why it is that slow was not looked into). CI:
+  H200 it took 22.1 ms of the batch-8 / 32k step (2026-12-01, when this lowering was rejected for speed). At page
+  128 the paged FlashAttention ran instead (2026-12-02 00:59 UTC): 1.75 ms, one CTA per query head, no split-K
+  without ``attention_metadata``. **The decode graphs therefore give the op ``attention_metadata`` = ``[1, table
+  width x page size]``** (:func:`decode_bounds`; computed from shapes, in host memory as the op wants it): every
+  sequence of a decode step has one query token. With it ORT runs its cuDNN paged SDPA ("one-token decode with
+  attention_metadata", cuDNN >= 9.5, sm >= 90), which reads K / V in place at any page size: 0.13 ms of the
+  batch-8 / 32k step, which took 5.92 ms against 7.30 with ``DecodeAttention`` (its gathers of K / V were 1.5 ms);
+  greedy tokens equal to the torch backend's at batch 1 / 8 x 4k / 32k (:data:`VERIFIED`). cuDNN's kernel
+  (``sdpa ... flash_fprop``) keeps fp32 scores, softmax and accumulators and rounds P to 16 bits for P.V, as
+  FlashAttention does, so the same bound applies. CI:
   ``tests/test_lowering_attention.py`` checks the structure and
   the wiring (the documented op emulated with ``do_rotary=0``, no norm) against the plain graph in float16.
 
-* ``DecodeAttention`` (dense layers; **a default** since 2026-12-01 23:00 UTC, decode graphs only;
+* ``DecodeAttention`` (dense layers; **a default** since 2026-12-01 23:00 UTC, decode graphs only; since
+  ``PagedAttentionCore`` became a default it lowers only the dense m3 nodes a decode graph still holds, which for
+  16-bit pools is none;
   ``decode_attention.py``) -> the standard ONNX ``Attention`` op (opset 24) on K / V rows gathered in the pool's
   16-bit dtype, ``nonpad_kv_seqlen`` the step's lengths: ONNX Runtime's CUDA EP runs it as flash attention (fp32
   scores and softmax). Applied by ``decode_graph.write_decode_graphs`` to ``<graph>.ort.decode.onnx`` (the
@@ -123,12 +133,12 @@ EXCLUSIVE = (("PagedAttention", "PagedAttentionCore"),)  # lowerings of the same
 # lowerings of the decode graphs only (``<graph>.ort.decode.onnx``, ``decode_graph.write_decode_graphs``): the
 # ``<graph>.ort.onnx`` graphs keep these nodes, their record says why (``kept``)
 DECODE_ONLY = ("DecodeAttention",)
-DEFAULT = ("MoE", "MXFP8Linear", "DecodeAttention")  # what ``--flavour ort-contrib`` lowers unless ``--lower`` says
+# what ``--flavour ort-contrib`` lowers unless ``--lower`` says; ``DecodeAttention`` lowers the dense m3 nodes the
+# decode graphs still hold (none where ``PagedAttentionCore`` lowered them: 16-bit pools)
+DEFAULT = ("MoE", "MXFP8Linear", "PagedAttentionCore", "DecodeAttention")
 OPT_IN = {  # lowerable but not by default, and why
     "PagedAttention": "opt-in (--lower): ORT's QK-norm gain is a 16-bit tensor, so M3's fp32 (1 + w) is rounded to "
                       "the activation dtype (bf16: up to 2^-8 per channel)",
-    "PagedAttentionCore": "opt-in (--lower): dense layers' cache writes + attention as com.microsoft.PagedAttention "
-                          "(do_rotary=0, no norm: the graph's own QK norm and RoPE feed it); REJECTED for speed",
 }
 # Lowerings the H200 measured NOT to match the reference, or to match it slower than the graph they replace.
 # ``--lower`` still writes them (so they can be measured
@@ -143,13 +153,6 @@ REJECTED = {
                       "documents cos_cache as (max seqlen, head_size / 2), a full-head rotation, while M3 rotates "
                       "rotary_dim < head_size dims (pairs i, i + rotary_dim / 2), passed as a narrower table that "
                       "ORT accepts but does not document; a full-width table cannot express M3's pairs",
-    "PagedAttentionCore": "REJECTED on the H200 for speed (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-01 22:33 UTC, "
-                          "mini bf16 decode graph replayed, bench/results/ort_gpu_decode_h200_2231_core.json): "
-                          "greedy tokens and logits at the plain graph's distance from the torch backend (0.049 / "
-                          "0.074 / 2.32 / 0.078 against 0.055 / 0.078 / 2.24 / 0.078), but 3.67 / 7.57 / 7.22 / "
-                          "28.10 ms at batch 1 / 4k, 1 / 32k, 8 / 4k, 8 / 32k against DecodeAttention's 3.10 / 3.36"
-                          " / 4.66 / 7.30: ORT's PagedDecodeSplitKV kernel took 22.1 ms of the batch-8 / 32k step "
-                          "for the one dense layer (ort_kernels_lowered_h200_2231_core.json)",
 }
 NEG = -10000.0  # router logit of an expert M3 did not choose: exp(-10000 - max) is 0 in every float type
 
@@ -406,6 +409,18 @@ def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[st
     return {"q_gain": q_gain, "k_gain": k_gain}
 
 
+def _heads_of(query, key_rows):
+    """The head counts and size ``PagedAttentionCore`` needs, read off the m3 node's query ``[T, H, D]`` and the
+    key rows ``[T, Hkv, D]`` when no config is given (``lower(model)`` with the default lowerings)."""
+    from types import SimpleNamespace
+
+    dims = [list(t.shape) if t.shape is not None else [] for t in (query, key_rows)]
+    if any(len(d) != 3 or not all(isinstance(x, int) for x in d[1:]) for d in dims):
+        raise _Skip(f"no config given and the query / key rows' shapes {dims} do not give the head counts")
+    (_, h, d), (_, hkv, _) = dims
+    return SimpleNamespace(num_attention_heads=h, num_key_value_heads=hkv, head_dim=d)
+
+
 def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> None:
     """One dense layer's cache writes + ``m3::PagedAttention`` -> ``com.microsoft.PagedAttention`` with
     ``do_rotary=0`` and no norm gains (module docstring, ``PagedAttentionCore``): the op gets the m3 node's own
@@ -414,7 +429,7 @@ def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> N
     when the layer is not the shape this pass knows."""
     q = node.inputs[0]
     scatters, _ = _cache_writes(node, types)
-    c = config
+    c = config if config is not None else _heads_of(q, scatters[0].inputs[2])
     for rows, heads, what in ((q, c.num_attention_heads, "query"), (scatters[0].inputs[2], c.num_key_value_heads,
                                                                      "key rows"),
                               (scatters[1].inputs[2], c.num_key_value_heads, "value rows")):
@@ -423,7 +438,7 @@ def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> N
             raise _Skip(f"{what} {rows.name}: shape {dims}, expected [T, {heads}, {c.head_dim}] (one row per token)")
     e = _Emit(graph, node.name or "paged_attention")
     query, key, value = (e("Reshape", t, e.const([0, -1])) for t in (q, scatters[0].inputs[2], scatters[1].inputs[2]))
-    _ort_paged_attention(graph, node, e, config, scatters, query, key, value)
+    _ort_paged_attention(graph, node, e, c, scatters, query, key, value)
 
 
 DECODE_BOUNDS = "PagedAttentionDecodeBounds"  # the decode graphs' pass below (their record's ``graph_passes``)
@@ -471,8 +486,8 @@ def lower(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, config=None
           ) -> tuple[onnx.ModelProto, dict[str, int]]:
     """``model`` with its ``m3`` nodes of the given op types lowered (see the module docstring); returns the new
     model and how many nodes of each op type were lowered. Functions no node uses any more are dropped.
-    ``config`` (the model's ``M3Config``) is needed for ``PagedAttention`` (RoPE and norm constants) and
-    ``PagedAttentionCore`` (head counts)."""
+    ``config`` (the model's ``M3Config``) is needed for ``PagedAttention`` (RoPE and norm constants);
+    ``PagedAttentionCore`` reads the head counts off the graph's shapes without it."""
     lowered, done, _ = lower_with_report(model, ops, config)
     return lowered, done
 
@@ -490,8 +505,6 @@ def lower_with_report(model: onnx.ModelProto, ops: tuple[str, ...] = DEFAULT, co
         raise ValueError(f"lower at most one of {list(one_of)}: they lower the same m3 nodes")
     if "PagedAttention" in ops and config is None:
         raise ValueError("lowering PagedAttention needs the model's config (rotary_dim, rope_theta, rms_norm_eps)")
-    if "PagedAttentionCore" in ops and config is None:
-        raise ValueError("lowering PagedAttentionCore needs the model's config (attention heads, head_dim)")
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     graph = gs.import_onnx(model)
     done = dict.fromkeys(ops, 0)
@@ -590,6 +603,13 @@ VERIFIED = {
                        "lowered decode graph replayed): greedy tokens the torch backend's at batch 1 / 8 x 4k / 32k; "
                        "at 22:35 UTC the op's output 0.000488 / 0.000977 from the m3 body's at batch 1 / 8 (bound "
                        "0.063), its one logit excursion a routing near-tie (a 0.0047 expert-score margin)",
+    "PagedAttentionCore": "matched on the H200 (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-02 01:38 UTC, mini bf16, "
+                          "page 16, decode graph with the one-token bounds replayed, "
+                          "bench/results/ort_gpu_decode_h200_s19_core_bounds.json): greedy tokens the torch backend's "
+                          "at batch 1 / 8 x 4k / 32k, logits 2.69 / 0.063 / 0.078 / 0.071 apart (the plain graph's "
+                          "0.055 / 0.078 / 2.24 / 0.078; the 2.69 at batch 1 / 4k is DecodeAttention's near-tie "
+                          "excursion again, 2.68 then), general graphs' greedy tokens equal too; 3.19 / 3.22 / 4.54 / "
+                          "5.92 ms against DecodeAttention's 3.10 / 3.36 / 4.66 / 7.30",
 }
 
 
