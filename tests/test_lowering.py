@@ -137,6 +137,22 @@ def test_export_records_the_ort_contrib_flavour(tmp_path):
         outs.append(sess.run({k: v for k, v in feeds.items() if k not in sess.pool_inputs}))
     for name in ("logits", "hidden"):
         assert np.abs(outs[1][name] - outs[0][name]).max() <= 1e-4 * np.abs(outs[0][name]).max()
+    # the onnxruntime backend runs this verified flavour on the CUDA EP only (auto_flavour); the plain graphs elsewhere
+    from m3export.plugins.onnxruntime.providers import parse_provider
+    from m3export.runtime.backends.onnxruntime_backend import auto_flavour
+
+    assert auto_flavour(art, parse_provider("cuda")) == "ort-contrib"
+    assert auto_flavour(art, parse_provider("cpu")) is None
+    record["mtp0"]["status"] = lowering_status(["MXFP8Linear"])  # one graph with an unverified lowering: plain
+    assert auto_flavour(art, parse_provider("cuda")) is None
+    del art.manifest.flavours["ort-contrib"]  # an artifact exported without the flavour: plain
+    assert auto_flavour(art, parse_provider("cuda")) is None
+
+
+def lowering_status(applied):
+    from m3export.export.lowering import status
+
+    return status(applied)
 
 
 def test_flavour_status_names_what_the_gpu_has_not_verified():

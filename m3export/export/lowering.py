@@ -603,13 +603,13 @@ VERIFIED = {
                        "lowered decode graph replayed): greedy tokens the torch backend's at batch 1 / 8 x 4k / 32k; "
                        "at 22:35 UTC the op's output 0.000488 / 0.000977 from the m3 body's at batch 1 / 8 (bound "
                        "0.063), its one logit excursion a routing near-tie (a 0.0047 expert-score margin)",
-    "PagedAttentionCore": "matched on the H200 (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-02 01:38 UTC, mini bf16, "
-                          "page 16, decode graph with the one-token bounds replayed, "
-                          "bench/results/ort_gpu_decode_h200_s19_core_bounds.json): greedy tokens the torch backend's "
-                          "at batch 1 / 8 x 4k / 32k, logits 2.69 / 0.063 / 0.078 / 0.071 apart (the plain graph's "
-                          "0.055 / 0.078 / 2.24 / 0.078; the 2.69 at batch 1 / 4k is DecodeAttention's near-tie "
-                          "excursion again, 2.68 then), general graphs' greedy tokens equal too; 3.19 / 3.22 / 4.54 / "
-                          "5.92 ms against DecodeAttention's 3.10 / 3.36 / 4.66 / 7.30",
+    "PagedAttentionCore": "matched on the H200 (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-02 01:38 and 01:58 UTC, "
+                          "mini bf16, page 16, decode graph with the one-token bounds replayed, "
+                          "bench/results/ort_gpu_decode_h200_s19_core_bounds.json, ..._s19_default.json): greedy "
+                          "tokens the torch backend's at batch 1 / 8 x 4k / 32k in both runs, general graphs' too; "
+                          "logits at the plain graph's distance but at batch 1 / 4k (2.69 and 3.02 against 0.055), "
+                          "where DecodeAttention's flash kernel parted the same way (2.68), diagnosed then as a "
+                          "routing near-tie; 5.54 ms at batch 8 / 32k (1.90x torch) against DecodeAttention's 7.30",
 }
 
 

@@ -24,6 +24,10 @@ MTP modules' one-token steps (the drafter's chain steps) go through ``mtp{k}.dec
 Every session of the backend reads its weights from one copy in the EP's memory (``SharedWeights``,
 ``plugins/onnxruntime/shared_weights.py``; ``share_weights=False``: each session loads its own, as before).
 
+Which graphs: ``from_artifact`` (the CLI's path) runs the artifact's ``ort-contrib`` flavour on the CUDA EP where it
+is recorded as verified on GPU (``auto_flavour``: ONNX Runtime's own kernels for the MoE and the dense layers' paged
+attention, ``m3export/export/lowering.py``), the plain graphs otherwise, and logs the choice.
+
 Images and video (a vision-language artifact): ``vision.onnx`` encodes each media item once (``encode_media``),
 and the step graph takes the media tokens of a step as ``media_rows`` / ``media_embeds`` (``MEDIA_INPUTS``),
 placed over the token embeddings; steps without media feed zero rows.
@@ -44,6 +48,7 @@ from .base import Backend
 from .cuda_graph import DEFAULT_BUCKETS, DecodeInputs, step_shape
 
 CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option (plugins/onnxruntime/session.py CUDA_GRAPH)
+FAST_FLAVOUR = "ort-contrib"  # the flavour ``auto_flavour`` picks on the CUDA EP
 
 
 def provider_for(device: str | torch.device = "cpu", provider=None):
@@ -64,6 +69,24 @@ def provider_for(device: str | torch.device = "cpu", provider=None):
     if device.type != "cpu" and torch.device(chosen.device) != device:
         raise BackendUnavailable(f"execution provider {chosen} keeps its tensors on {chosen.device}, not on "
                                  f"{device}: leave the device out or make them agree")
+    return chosen
+
+
+def auto_flavour(artifact, provider) -> str | None:
+    """The flavour the onnxruntime backend runs unless told otherwise: ``ort-contrib`` (ONNX Runtime's own CUDA
+    kernels for the MoE and the dense layers' paged attention, ``m3export/export/lowering.py``) on the CUDA EP when
+    the artifact has it and every graph's record says ``verified on GPU`` (every lowering it applied matched the
+    torch backend on the H200, ``lowering.VERIFIED``); else None (the plain graphs: any EP runs them). The choice
+    is logged, so a user sees which graphs run."""
+    import logging
+
+    record = artifact.manifest.flavours.get(FAST_FLAVOUR, {})
+    verified = bool(record) and all(str(r.get("status", "")).startswith("verified on GPU") for r in record.values())
+    chosen = FAST_FLAVOUR if provider.name == "CUDAExecutionProvider" and verified else None
+    why = ("" if chosen else "not the CUDA EP" if provider.name != "CUDAExecutionProvider" else
+           "not in the artifact (export --flavour ort-contrib)" if not record else "a lowering not verified on GPU")
+    logging.getLogger(__name__).info("onnxruntime backend: %s graphs%s", chosen or "plain",
+                                     f" ({FAST_FLAVOUR}: {why})" if why else "")
     return chosen
 
 
@@ -239,13 +262,18 @@ class OnnxRuntimeBackend(Backend):
         return run_vision_onnx(self._vision, pixel_values.cpu(), grid_thw, self.config.vision.spatial_merge_size)
 
     @classmethod
-    def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None, threads: int | None = None
-                      ) -> OnnxRuntimeBackend:
+    def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None, threads: int | None = None,
+                      flavour: str | None = "auto") -> OnnxRuntimeBackend:
+        """``flavour``: ``auto`` (the default) runs the verified ``ort-contrib`` flavour where ``auto_flavour`` finds
+        one, else the plain graphs; None: the plain graphs; a name: that flavour."""
         from m3export.export.artifact import load_artifact
 
         chosen = provider_for(device, provider)
         # structure at start-up; hashes: verify
-        return cls(load_artifact(path, verify_checksums=False), chosen, threads=threads)
+        artifact = load_artifact(path, verify_checksums=False)
+        if flavour == "auto":
+            flavour = auto_flavour(artifact, chosen)
+        return cls(artifact, chosen, flavour=flavour, threads=threads)
 
     def close(self) -> None:
         """Close every ONNX Runtime session this backend opened (``PagedSession.close``; the vision session is
