@@ -71,10 +71,10 @@ if [ "$DRY" = 1 ]; then
   PROVIDER=cpu BIG_PRESET=tiny BIG_DTYPE=float16 LOWER=MoE,MXFP8Linear BENCH_ARGS="--smoke" PROFILE_SHAPES=""
   export PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}"
 else
-  # GPU_ORT_LOWER: the ort-contrib lowerings of the `mini` export; default MoE,MXFP8Linear,PagedAttentionCore,DecodeAttention (the
-  # decode-graph attention as ONNX Attention-24, export/decode_attention.py: the lowered-decode-graph rows time it);
-  # e.g. MoE,MXFP8Linear (without it) or MoE,MXFP8Linear,PagedAttentionCore (com.microsoft.PagedAttention on the
-  # graph's own normed, rotated q and k rows; rejected for speed, lowering.REJECTED)
+  # GPU_ORT_LOWER: the ort-contrib lowerings of the `mini` export; default MoE,MXFP8Linear,PagedAttentionCore,
+  # DecodeAttention (lowering.DEFAULT: the dense layers as com.microsoft.PagedAttention, the decode graphs' with
+  # one-token bounds; the lowered-decode-graph rows time it); e.g. MoE,MXFP8Linear,DecodeAttention for the dense
+  # decode attention as ONNX Attention-24 on gathered rows instead (export/decode_attention.py)
   PROVIDER=cuda BIG_PRESET=mini BIG_DTYPE=bfloat16 LOWER="${GPU_ORT_LOWER:-MoE,MXFP8Linear,PagedAttentionCore,DecodeAttention}" BENCH_ARGS=""
   PROFILE_SHAPES="--shapes 1x4096"
   if ! ls .c1/part.* >/dev/null 2>&1; then
