@@ -31,11 +31,12 @@ ALL_BUT_CORE = tuple(op for op in LOWERABLE if op != "PagedAttentionCore")
 
 @pytest.fixture(scope="module")
 def fp16_artifact(tmp_path_factory):
-    """The tiny preset in float16 (ORT's PagedAttention takes 16-bit activations only), page size 8, with the
-    ort-contrib flavour lowering every lowerable op but PagedAttentionCore (PagedAttention lowers those nodes)."""
+    """The tiny preset in float16 (ORT's PagedAttention takes 16-bit activations only), page size 16 (the least it
+    takes, ``lowering.MIN_PAGE``), with the ort-contrib flavour lowering every lowerable op but PagedAttentionCore
+    (PagedAttention lowers those nodes)."""
     from m3export.export.exporter import export_artifact
 
-    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16", dtype="float16", page_size=8,
+    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16", dtype="float16", page_size=16,
                            progress=False, flavour="ort-contrib", lower=ALL_BUT_CORE)
 
 

@@ -34,6 +34,23 @@ CORE = ("MoE", "PagedAttentionCore")
 LABELS = ("query", "key", "value", "k_pool", "v_pool", "qsl", "past", "block_tables", None, None, "slots")
 
 
+@pytest.fixture(scope="module")
+def fp16_p16(tmp_path_factory):
+    """The tiny preset in float16 at pages of 16, the least ORT's PagedAttention takes (``lowering.MIN_PAGE``)."""
+    from m3export.export.exporter import export_artifact
+
+    return export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-fp16-p16", dtype="float16", page_size=16,
+                           progress=False)
+
+
+def test_pages_ort_refuses_keep_the_m3_node(fp16_trt_artifact):  # noqa: F811
+    """Pages of 8 (ORT's PagedAttention takes a power of two of at least 16): the node stays, with the reason."""
+    plain = onnx.load(str(fp16_trt_artifact / "model.onnx"), load_external_data=False)
+    lowered, done, report = lower_with_report(plain, ("PagedAttentionCore",), _config(fp16_trt_artifact))
+    assert done == {"PagedAttentionCore": 0} and "page size 8" in report["kept"]["PagedAttentionCore"]
+    assert len(_dense_m3(lowered)) == len(_dense_m3(plain)) == 1 and not _ops(lowered)
+
+
 def _config(art) -> M3Config:
     return M3Config.from_dict(json.loads((art / "manifest.json").read_text())["config"])
 
@@ -76,9 +93,9 @@ def _check_structure(plain: onnx.ModelProto, lowered: onnx.ModelProto, cfg: M3Co
     assert all(after[k] == before[k] for k in set(before) & set(after))
 
 
-def test_core_lowering_structure_and_record(fp16_trt_artifact):
-    cfg = _config(fp16_trt_artifact)
-    plain = onnx.load(str(fp16_trt_artifact / "model.onnx"), load_external_data=False)
+def test_core_lowering_structure_and_record(fp16_p16):
+    cfg = _config(fp16_p16)
+    plain = onnx.load(str(fp16_p16 / "model.onnx"), load_external_data=False)
     lowered, done, report = lower_with_report(plain, ("PagedAttentionCore",), cfg)
     assert done == {"PagedAttentionCore": len(_dense_m3(plain))} and report == {"kept": {}, "gains": []}
     _check_structure(plain, lowered, cfg)
@@ -133,18 +150,18 @@ def _random_pools(feeds: dict, seed: int) -> dict:
     return feeds
 
 
-def test_core_wiring_matches_the_plain_graph(fp16_trt_artifact):
+def test_core_wiring_matches_the_plain_graph(fp16_p16):
     """A step with a prefill and a chunk after cached tokens on shuffled pages, random pools."""
-    cfg = _config(fp16_trt_artifact)
-    manifest = json.loads((fp16_trt_artifact / "manifest.json").read_text())
+    cfg = _config(fp16_p16)
+    manifest = json.loads((fp16_p16 / "manifest.json").read_text())
     feeds = _random_pools(polygraphy_loader.step_feeds(manifest, "model"), 1)
-    plain = onnx.load(str(fp16_trt_artifact / "model.onnx"), load_external_data=False)
+    plain = onnx.load(str(fp16_p16 / "model.onnx"), load_external_data=False)
     lowered, done = lower(plain, ("PagedAttentionCore",), cfg)
     assert done["PagedAttentionCore"] >= 1
-    _check_numbers(plain, lowered, fp16_trt_artifact, feeds, cfg)
+    _check_numbers(plain, lowered, fp16_p16, feeds, cfg)
 
 
-def test_the_lowered_decode_graph_keeps_the_op_and_its_wiring(fp16_trt_artifact, tmp_path):
+def test_the_lowered_decode_graph_keeps_the_op_and_its_wiring(fp16_p16, tmp_path):
     """``--flavour ort-contrib --lower MoE,PagedAttentionCore``'s files, written as the exporter writes them (the
     flavour, then its decode graph from the lowered graph): ``model.ort.decode.onnx`` holds the op in place of the
     dense layer's scatters and m3 node, as the plain decode graph's other nodes, and on a decode step (three
@@ -154,7 +171,7 @@ def test_the_lowered_decode_graph_keeps_the_op_and_its_wiring(fp16_trt_artifact,
     from m3export.export.lowering import write_flavour_files
     from m3export.model.batch import Segment, build_batch
 
-    art = fp16_trt_artifact
+    art = fp16_p16
     for f in os.listdir(art):  # tiny: a few MB beside the copies, where their external data resolves
         if not f.endswith(".onnx") or f in ("model.onnx", "model.decode.onnx"):
             shutil.copy(art / f, tmp_path / f)
@@ -170,7 +187,7 @@ def test_the_lowered_decode_graph_keeps_the_op_and_its_wiring(fp16_trt_artifact,
     (op,) = _ops(lowered)
     assert [helper.get_attribute_value(a) for a in op.attribute if a.name == "do_rotary"] == [0]
     assert op.output[1:] == ["k_cache_out.0", "v_cache_out.0"]
-    page, rng = 8, np.random.default_rng(2)
+    page, rng = 16, np.random.default_rng(2)
     lengths = (37, 9, 58)
     pages = [list(range(i, 3 * 13, 3))[: -(-(n + 1) // page)] for i, n in enumerate(lengths)]  # interleaved pages
     ids, batch = build_batch([Segment(p, n, [int(rng.integers(0, 100))]) for p, n in zip(pages, lengths)], page)

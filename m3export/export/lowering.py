@@ -68,7 +68,8 @@ bound verify uses); until then every lowering here is **unverified on GPU**. Wha
   near that release): cos / sin may be absent with ``do_rotary=0`` (only "both present or both absent" and "required
   when do_rotary = 1" are checked); with neither norm nor rotary and unpacked q, no prologue kernel runs; the cache
   outputs must be the input buffers (the runtime binds ``*_cache_out`` to the pools, as for the ``ScatterND``);
-  the page size must be a power of two of at least 16 (1.31.1's input check; the export default 16 is). Without
+  the page size must be a power of two of at least 16 (1.31.1's input check; the export default 16 is; other
+  pages keep the m3 node, the reason in ``kept``: ``MIN_PAGE``). Without
   ``attention_metadata`` (a CPU-memory tensor of replay-wide bounds, not given here) the kernel sizes its launches
   from static capacities (``token_count``; ``block_table`` width x page size) and reads nothing back on a
   decode-shaped step (``T <= B``) with a 16-bit cache: such a step runs the paged decode kernel (FlashAttention
@@ -394,9 +395,8 @@ def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[st
     query, q_gain = _projection_and_gain(q, "q")
     key, k_gain = _projection_and_gain(k_rotated, "k")
     value, _ = _projection_and_gain(v_rows, "v")
-    page_size = k_pool.shape[1] if k_pool.shape else None
-    if not isinstance(page_size, int):
-        raise _Skip(f"{k_pool.name}: the page size (dim 1) is not static")
+    _check_page_size(k_pool)
+    page_size = k_pool.shape[1]
     e = _Emit(graph, node.name or "paged_attention")
     f32 = onnx.TensorProto.FLOAT
 
@@ -407,6 +407,17 @@ def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[st
     _ort_paged_attention(graph, node, e, config, scatters, query, key, value, rotary=rotary,
                          gains=(gain(q_gain), gain(k_gain)))
     return {"q_gain": q_gain, "k_gain": k_gain}
+
+
+MIN_PAGE = 16  # onnxruntime-gpu 1.31.1's PagedAttention refuses other pages: a power of two of at least 16
+
+
+def _check_page_size(pool) -> None:
+    """Raises _Skip unless ``pool``'s page size (dim 1) is one ORT's ``PagedAttention`` takes (``MIN_PAGE``): an
+    export at ``--page-size 8`` keeps its m3 nodes, with the reason, rather than writing a graph ORT refuses."""
+    page = pool.shape[1] if pool.shape is not None and len(pool.shape) > 1 else None
+    if not isinstance(page, int) or page < MIN_PAGE or page & (page - 1):
+        raise _Skip(f"{pool.name}: page size {page}; ORT's PagedAttention takes a power of two of at least {MIN_PAGE}")
 
 
 def _heads_of(query, key_rows):
@@ -436,6 +447,7 @@ def _lower_paged_attention_core(graph, node, config, types: dict[str, int]) -> N
         dims = list(rows.shape) if rows.shape is not None else None
         if dims is None or len(dims) != 3 or dims[1:] != [heads, c.head_dim]:
             raise _Skip(f"{what} {rows.name}: shape {dims}, expected [T, {heads}, {c.head_dim}] (one row per token)")
+    _check_page_size(scatters[0].inputs[0])
     e = _Emit(graph, node.name or "paged_attention")
     query, key, value = (e("Reshape", t, e.const([0, -1])) for t in (q, scatters[0].inputs[2], scatters[1].inputs[2]))
     _ort_paged_attention(graph, node, e, c, scatters, query, key, value)
