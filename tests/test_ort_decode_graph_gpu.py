@@ -113,3 +113,40 @@ def test_ort_cuda_graph_generation_equals_torch(artifact, k):
         finally:
             eng.close()
     assert outs["replayed"] == outs["eager"] == outs["torch"]
+
+
+@pytest.fixture(scope="module")
+def contrib_artifact(tmp_path_factory):
+    """The tiny preset in float16 at pages of 16 with the ort-contrib flavour and its default lowerings (the MoE as
+    com.microsoft.MoE, the dense layer as com.microsoft.PagedAttention, the decode graphs with one-token bounds)."""
+    return load_artifact(export_artifact("tiny", tmp_path_factory.mktemp("art") / "tiny-ort", dtype="float16",
+                                         page_size=16, progress=False, flavour="ort-contrib"))
+
+
+def test_the_cli_path_runs_the_verified_flavour_and_generates_the_torch_tokens(contrib_artifact):
+    """``create_backend`` (what ``generate`` / ``serve`` open) on the CUDA EP runs the artifact's ort-contrib flavour
+    (``auto_flavour``: every graph verified on GPU), its decode steps replayed as CUDA graphs, and generates the torch
+    backend's greedy tokens."""
+    from m3export.export.decode_graph import MOE_FORMS, flavour_name
+    from m3export.runtime.backends import create_backend
+
+    art = contrib_artifact
+    assert all(r["status"].startswith("verified on GPU") for r in art.manifest.flavours["ort-contrib"].values())
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (23, 40, 7)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for name in ("torch", "onnxruntime"):
+        if name == "torch":
+            eng = Engine.from_artifact(art.root, backend="torch", num_pages=48, max_num_batched_tokens=32)
+        else:
+            be = create_backend("onnxruntime", art.root, device="cuda", provider="cuda:enable_cuda_graph=1")
+            assert be._decode_flavours[MOE_FORMS[0]] == flavour_name("ort-contrib")
+            eng = Engine(be, num_pages=48, max_num_batched_tokens=32)
+        try:
+            outs[name] = [o.token_ids for o in eng.generate(prompts, [params] * len(prompts))]
+            if name == "onnxruntime":
+                assert eng.backend.replays > 0
+        finally:
+            eng.close()
+    assert outs["onnxruntime"] == outs["torch"]
