@@ -69,6 +69,13 @@ def test_page_size_and_device_are_checked(artifact):
             Engine.from_artifact(artifact, backend="onnxruntime", device="cuda")
     with pytest.raises(BackendUnavailable, match="keeps its tensors on cpu, not on cuda"):
         Engine.from_artifact(artifact, backend="onnxruntime", device="cuda", provider="openvino")
+    # "cuda" is the first GPU, where a CUDA provider without device_id keeps its tensors (--device cuda --provider
+    # cuda:enable_cuda_graph=1 agree)
+    from m3export.runtime.backends.onnxruntime_backend import provider_for
+
+    assert provider_for("cuda", "cuda:enable_cuda_graph=1").options == {"enable_cuda_graph": "1"}
+    with pytest.raises(BackendUnavailable, match="not on cuda:1"):
+        provider_for("cuda:1", "cuda")
 
 
 @pytest.mark.gpu

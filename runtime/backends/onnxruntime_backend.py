@@ -58,6 +58,8 @@ def provider_for(device: str | torch.device = "cpu", provider=None):
     from m3export.plugins.onnxruntime.providers import parse_provider
 
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the first GPU, as a provider without device_id
+        device = torch.device("cuda", 0)
     if provider is None:
         if device.type == "cpu":
             return parse_provider("cpu")
