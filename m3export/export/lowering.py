@@ -615,7 +615,7 @@ VERIFIED = {
                        "lowered decode graph replayed): greedy tokens the torch backend's at batch 1 / 8 x 4k / 32k; "
                        "at 22:35 UTC the op's output 0.000488 / 0.000977 from the m3 body's at batch 1 / 8 (bound "
                        "0.063), its one logit excursion a routing near-tie (a 0.0047 expert-score margin)",
-    "PagedAttentionCore": "matched on the H200 (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-02 01:38 and 01:58 UTC, "
+    "PagedAttentionCore": "matched on the H200 (onnxruntime-gpu 1.31.1, CUDA EP, 2026-12-02 01:13 and 01:32 UTC, "
                           "mini bf16, page 16, decode graph with the one-token bounds replayed, "
                           "bench/results/ort_gpu_decode_h200_s19_core_bounds.json, ..._s19_default.json): greedy "
                           "tokens the torch backend's at batch 1 / 8 x 4k / 32k in both runs, general graphs' too; "
