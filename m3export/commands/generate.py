@@ -19,6 +19,8 @@ EXAMPLES = """\
   m3export generate --prompt "def parse_args(argv):" --max-tokens 48 --temperature 0   # embedded trained model
   m3export generate art/tiny --prompt "Once upon a time" --backend onnxruntime --max-tokens 32
   m3export generate art/mini --prompt "Hello" --backend onnxruntime --provider cuda:device_id=0
+  m3export generate art/mini-ort --prompt "Hello" --backend onnxruntime --provider cuda:enable_cuda_graph=1
+      # (exported with --flavour ort-contrib: its verified ONNX Runtime CUDA kernels run, decode steps replayed)
   m3export generate art/tiny --prompt "Hello" --speculative 2 --temperature 0.8 --top-p 0.9 --seed 0
   m3export generate tiny --prompt-ids 1,2,3 --temperature 0        # preset, random weights, token ids out
   m3export generate ckpt/m3 --prompt "Hello" --device cuda --tensor-parallel-size 2 --expert-parallel
