@@ -133,5 +133,7 @@ def _generate(args: argparse.Namespace, engine, prompt, params) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
-    print(engine.stats.summary() + f" [backend {engine.backend.name}, finish: {out.finish_reason}]", file=sys.stderr)
+    graphs = getattr(engine.backend, "graphs_description", None)  # the onnxruntime backend: which graphs ran
+    print(engine.stats.summary() + f" [backend {engine.backend.name}, finish: {out.finish_reason}"
+          + (f", {graphs}" if graphs else "") + "]", file=sys.stderr)
     return 0

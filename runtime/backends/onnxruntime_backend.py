@@ -172,6 +172,7 @@ class OnnxRuntimeBackend(Backend):
         self._main = PagedSession.from_artifact(artifact, "model", flavour=flavour, providers=general, threads=threads,
                                                 weights=self._weights)
         self.provider = self._main.provider
+        self.flavour = flavour  # which graphs run (``auto_flavour``): None for the plain ones
         self.device = self._main.device  # where the engine builds batches: the EP's memory
         self._mtp = [PagedSession.from_artifact(artifact, f"mtp{k}", flavour=flavour, providers=self.provider,
                                                 threads=threads, weights=self._weights)
@@ -262,6 +263,11 @@ class OnnxRuntimeBackend(Backend):
                                                 providers=self.provider.session_providers())
 
         return run_vision_onnx(self._vision, pixel_values.cpu(), grid_thw, self.config.vision.spatial_merge_size)
+
+    @property
+    def graphs_description(self) -> str:
+        """Which graphs run on which provider, for the CLI's summary line (``generate``)."""
+        return f"{self.flavour or 'plain'} graphs on {self.provider.name}"
 
     @classmethod
     def from_artifact(cls, path: str | Path, device: str = "cpu", provider=None, threads: int | None = None,
