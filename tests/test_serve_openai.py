@@ -509,3 +509,29 @@ def test_serve_command_listens_before_it_prints_the_url(monkeypatch, capsys):
     assert serve_command.run(args) == 0
     assert seen == {"listening": 1, "connected": True} and closed == [1]
     assert "[3/3] serving 'm' at http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_serve_takes_an_execution_provider(tiny_artifact, monkeypatch):  # noqa: F811
+    """``serve --provider`` as ``generate`` / ``triton-repo`` take it: refused without the onnxruntime backend before
+    anything loads, else checked and handed to the engine (its ``provider`` argument)."""
+    from m3export.cli import build_parser
+    from m3export.commands import serve as serve_command
+    from m3export.errors import M3Error
+    from m3export.serve import repo
+
+    args = build_parser().parse_args(["serve", str(tiny_artifact), "--provider", "cuda:enable_cuda_graph=1"])
+    with pytest.raises(M3Error, match="add --backend onnxruntime"):
+        serve_command.build_server(args)  # the default torch backend
+
+    class Loaded(Exception):
+        pass
+
+    def capture(parameters, version_dir):
+        raise Loaded(json.loads(parameters["engine_args"]))
+
+    monkeypatch.setattr(repo, "load_engine", capture)
+    args = build_parser().parse_args(["serve", str(tiny_artifact), "--backend", "onnxruntime", "--provider",
+                                      "cuda:enable_cuda_graph=1"])
+    with pytest.raises(Loaded) as got:
+        serve_command.build_server(args)
+    assert got.value.args[0]["provider"] == "CUDAExecutionProvider:enable_cuda_graph=1"

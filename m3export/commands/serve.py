@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from .arguments import add_kv_cache_dtype_argument, add_parallel_arguments, check_parallel, parallel_engine_args
 
 NAME = "serve"
@@ -17,6 +18,7 @@ HELP = ("Serve an artifact, checkpoint or preset through an OpenAI-compatible HT
 EXAMPLES = """\
   m3export serve --speculative 2                                # the embedded trained checkpoint (small, CPU)
   m3export serve art/m3 --backend onnxruntime                   # http://127.0.0.1:8000/v1
+  m3export serve art/mini --backend onnxruntime --provider cuda:enable_cuda_graph=1   # ONNX Runtime on a GPU
   m3export serve ckpt/m3 --port 9000 --served-model-name m3 --speculative 2
   m3export serve tiny --chat-template chat_template.jinja       # random-weight preset; it ships no template
   curl 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -58,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype_argument(p)
     add_parallel_arguments(p)
     p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: the source's)")
+    add_provider_argument(p, default=None)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default: %(default)s)")
 
@@ -97,6 +100,14 @@ def build_server(args: argparse.Namespace):
         engine_args["enforce_eager"] = True
     if args.kv_cache_dtype != "auto":
         engine_args["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "provider", None) is not None:  # checked before the engine loads, as triton-repo does
+        from ..errors import M3Error
+        from ..plugins.onnxruntime.providers import parse_provider
+
+        if args.backend != "onnxruntime":
+            raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend "
+                          "onnxruntime")
+        engine_args["provider"] = str(parse_provider(args.provider))
     check_parallel(args)
     engine_args.update(parallel_engine_args(args))
     for key in ("max_model_len", "num_pages", "dtype"):
