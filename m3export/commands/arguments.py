@@ -105,3 +105,21 @@ def parallel_engine_args(args: argparse.Namespace) -> dict:
     if args.tensor_parallel_size == 1:
         return {}
     return {"tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.expert_parallel}
+
+
+def check_provider_backend(provider: str | None, backend: str | None) -> None:
+    """``--provider`` names an ONNX Runtime execution provider: refused (before anything loads) with another
+    backend."""
+    if provider is not None and backend != "onnxruntime":
+        raise M3Error(f"--provider {provider} is an ONNX Runtime execution provider: add --backend onnxruntime")
+
+
+def provider_engine_arg(provider: str | None, backend: str | None) -> str | None:
+    """``--provider`` checked (``check_provider_backend``, then parsed: a bad name or option fails here, not in a
+    server's log) and spelled as the engine's ``provider`` argument takes it; None without the option."""
+    check_provider_backend(provider, backend)
+    if provider is None:
+        return None
+    from ..plugins.onnxruntime.providers import parse_provider
+
+    return str(parse_provider(provider))

@@ -9,7 +9,7 @@ from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
 from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, bounded_int, check_device,
-                        check_parallel, check_text, parallel_engine_args)
+                        check_parallel, check_provider_backend, check_text, parallel_engine_args)
 from .synth import has_random_weights
 
 NAME = "generate"
@@ -82,8 +82,7 @@ def _engine(args: argparse.Namespace):
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager,
               "kv_cache_dtype": args.kv_cache_dtype, **parallel_engine_args(args)}
-    if args.provider is not None and args.backend != "onnxruntime":
-        raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend onnxruntime")
+    check_provider_backend(args.provider, args.backend)
     if source_kind(args.artifact) == ARTIFACT:
         return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype,
                                     provider=args.provider, **sizing)

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
-from .arguments import add_kv_cache_dtype_argument, add_parallel_arguments, check_parallel, parallel_engine_args
+from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, check_parallel, parallel_engine_args,
+                        provider_engine_arg)
 
 NAME = "serve"
 HELP = ("Serve an artifact, checkpoint or preset through an OpenAI-compatible HTTP API (/v1/models, "
@@ -100,14 +101,9 @@ def build_server(args: argparse.Namespace):
         engine_args["enforce_eager"] = True
     if args.kv_cache_dtype != "auto":
         engine_args["kv_cache_dtype"] = args.kv_cache_dtype
-    if getattr(args, "provider", None) is not None:  # checked before the engine loads, as triton-repo does
-        from ..errors import M3Error
-        from ..plugins.onnxruntime.providers import parse_provider
-
-        if args.backend != "onnxruntime":
-            raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend "
-                          "onnxruntime")
-        engine_args["provider"] = str(parse_provider(args.provider))
+    provider = provider_engine_arg(getattr(args, "provider", None), args.backend)  # before the engine loads
+    if provider is not None:
+        engine_args["provider"] = provider
     check_parallel(args)
     engine_args.update(parallel_engine_args(args))
     for key in ("max_model_len", "num_pages", "dtype"):

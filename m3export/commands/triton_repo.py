@@ -6,7 +6,7 @@ import argparse
 
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import BACKENDS, default_backend
-from .arguments import add_kv_cache_dtype_argument
+from .arguments import add_kv_cache_dtype_argument, provider_engine_arg
 
 NAME = "triton-repo"
 HELP = ("Write a Triton model repository (Python backend, decoupled/streaming, vLLM-style inputs) that runs "
@@ -59,14 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.backend is None:  # what the source was built for; the onnxruntime backend runs on the CPU only
         cpu = str(engine_args.get("device", "cpu")) == "cpu"
         args.backend = default_backend(args.artifact) if cpu or args.provider is not None else "torch"
-    if args.provider is not None:
-        from ..errors import M3Error
-        from ..plugins.onnxruntime.providers import parse_provider
-
-        if args.backend != "onnxruntime":
-            raise M3Error(f"--provider {args.provider} is an ONNX Runtime execution provider: add --backend "
-                          "onnxruntime")
-        engine_args["provider"] = str(parse_provider(args.provider))  # checked here, not in Triton's log
+    provider = provider_engine_arg(args.provider, args.backend)  # checked here, not in Triton's log
+    if provider is not None:
+        engine_args["provider"] = provider
     model_dir = write_repository(
         args.artifact, args.out, backend=args.backend, instances=args.instances, name=args.name, copy=args.copy,
         engine_args=engine_args, force=args.force,

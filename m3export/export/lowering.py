@@ -412,10 +412,15 @@ def _lower_paged_attention(graph, node, config, rope: _RopeTable, types: dict[st
 MIN_PAGE = 16  # onnxruntime-gpu 1.31.1's PagedAttention refuses other pages: a power of two of at least 16
 
 
+def _page_of(pool):
+    """``pool``'s page size (dim 1 of ``[pages, page, ...]``) where the graph gives it statically, else None."""
+    return pool.shape[1] if pool.shape is not None and len(pool.shape) > 1 else None
+
+
 def _check_page_size(pool) -> None:
     """Raises _Skip unless ``pool``'s page size (dim 1) is one ORT's ``PagedAttention`` takes (``MIN_PAGE``): an
     export at ``--page-size 8`` keeps its m3 nodes, with the reason, rather than writing a graph ORT refuses."""
-    page = pool.shape[1] if pool.shape is not None and len(pool.shape) > 1 else None
+    page = _page_of(pool)
     if not isinstance(page, int) or page < MIN_PAGE or page & (page - 1):
         raise _Skip(f"{pool.name}: page size {page}; ORT's PagedAttention takes a power of two of at least {MIN_PAGE}")
 
@@ -474,7 +479,7 @@ def decode_bounds(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     done = 0
     for node in [n for n in graph.nodes if n.domain == MS and n.op == "PagedAttention"]:
         k_pool, block_tables = node.inputs[3], node.inputs[7]
-        page = k_pool.shape[1] if k_pool.shape else None
+        page = _page_of(k_pool)
         if not isinstance(page, int):
             raise ValueError(f"{node.name}: the key pool's page size (dim 1) is not static")
         e = _Emit(graph, f"{node.name}/decode_bounds")
@@ -604,6 +609,7 @@ def gain_rounding(model: onnx.ModelProto, directory: Path, names: list[str], onn
 
 FLAVOUR = "ort-contrib"
 STATUS = "experimental: unverified on GPU (kept only once the H200 shows it matches the reference)"
+VERIFIED_STATUS = "verified on GPU: "  # how a flavour record whose lowerings are all in VERIFIED begins
 # Lowerings the H200 has shown to match the torch backend (greedy tokens equal, logits within twice the plain
 # graph's own distance, bench/ort_gpu.py): a flavour whose applied lowerings are all here is recorded as verified.
 VERIFIED = {
@@ -630,7 +636,7 @@ def status(applied: list[str]) -> str:
     naming the unverified ones."""
     unverified = [op for op in applied if op not in VERIFIED]
     if applied and not unverified:
-        return "verified on GPU: " + "; ".join(f"{op}: {VERIFIED[op]}" for op in applied)
+        return VERIFIED_STATUS + "; ".join(f"{op}: {VERIFIED[op]}" for op in applied)
     return STATUS + (f"; unverified: {', '.join(unverified)}" if unverified else "")
 
 

@@ -35,6 +35,7 @@ placed over the token embeddings; steps without media feed zero rows.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,7 @@ from .cuda_graph import DEFAULT_BUCKETS, DecodeInputs, step_shape
 
 CUDA_GRAPH = "enable_cuda_graph"  # the CUDA EP's provider option (plugins/onnxruntime/session.py CUDA_GRAPH)
 FAST_FLAVOUR = "ort-contrib"  # the flavour ``auto_flavour`` picks on the CUDA EP
+log = logging.getLogger(__name__)
 
 
 def provider_for(device: str | torch.device = "cpu", provider=None):
@@ -80,15 +82,14 @@ def auto_flavour(artifact, provider) -> str | None:
     the artifact has it and every graph's record says ``verified on GPU`` (every lowering it applied matched the
     torch backend on the H200, ``lowering.VERIFIED``); else None (the plain graphs: any EP runs them). The choice
     is logged, so a user sees which graphs run."""
-    import logging
+    from m3export.export.lowering import VERIFIED_STATUS
 
     record = artifact.manifest.flavours.get(FAST_FLAVOUR, {})
-    verified = bool(record) and all(str(r.get("status", "")).startswith("verified on GPU") for r in record.values())
+    verified = bool(record) and all(str(r.get("status", "")).startswith(VERIFIED_STATUS) for r in record.values())
     chosen = FAST_FLAVOUR if provider.name == "CUDAExecutionProvider" and verified else None
     why = ("" if chosen else "not the CUDA EP" if provider.name != "CUDAExecutionProvider" else
            "not in the artifact (export --flavour ort-contrib)" if not record else "a lowering not verified on GPU")
-    logging.getLogger(__name__).info("onnxruntime backend: %s graphs%s", chosen or "plain",
-                                     f" ({FAST_FLAVOUR}: {why})" if why else "")
+    log.info("onnxruntime backend: %s graphs%s", chosen or "plain", f" ({FAST_FLAVOUR}: {why})" if why else "")
     return chosen
 
 
