@@ -123,11 +123,14 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
   # each pass alone at batch 8 / 7 / 1, eager and replayed; what ORT's CUDA optimiser made of each pass, written to
   # optimized_ops_<dtype>.json); `passes_mini` (after `export`) is bench/ort_passes.py: the same passes applied to
   # the `mini` artifact's own decode graph, each against the no-pass graph and the torch backend at batch 8 and 1
-  # (ort_passes_h200.json)
+  # (ort_passes_h200.json); `ties` the indexer / MoE bodies' tie rule and the bodies' index checks under ORT's CUDA
+  # kernels (tests/test_indexer_tie_order.py, tests/test_onnx_body_indices.py)
   for s in $(echo "${DECODE_STEPS:-tests,passes,shared,export,bench,runtime}" | tr , ' '); do
     case "$s" in
       tests) step "gpu_tests test_ort_decode_graph_gpu" 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
           --tb=short --durations=3 tests/test_ort_decode_graph_gpu.py tests/test_onnx_decode_bodies.py ;;
+      ties) step "gpu_tests test_indexer_tie_order" 120 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
+          --tb=short tests/test_indexer_tie_order.py tests/test_onnx_body_indices.py ;;
       passes)
         step "gpu_tests test_ort_fused_norms_decode" "${PASSES_LIMIT:-200}" python3 -m pytest -v -p no:cacheprovider \
             -m gpu -rfs --tb=short --durations=5 tests/test_ort_fused_norms_decode.py
@@ -152,7 +155,7 @@ if [ "${GPU_ORT_DECODE:-0}" = 1 ]; then
           ${DECODE_SHAPES:---shapes 1x4096,8x4096,1x32768} --json "$OUT/ort_gpu_decode_h200.json" ;;
       runtime) step "gpu_tests test_runtime_onnxruntime" 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfs \
           --tb=short tests/test_runtime_onnxruntime.py ;;
-      *) echo "DECODE_STEPS: unknown step $s (tests, passes, shared, export, kernels, kernels_lowered, passes_mini, bench, runtime)" \
+      *) echo "DECODE_STEPS: unknown step $s (tests, ties, passes, shared, export, kernels, kernels_lowered, passes_mini, bench, runtime)" \
              | tee -a "$OUT/summary.txt"
          status=1 ;;
     esac

@@ -161,9 +161,12 @@ def test_tma_usable_names_what_a_descriptor_cannot_read():
 
 
 @pytest.mark.parametrize("loads", ["gather", "tma-host"])
-def test_fp8_pool_with_a_tf32_dot(loads, monkeypatch):
-    """bf16 queries over an E4M3 pool with ``fp8_dot="tf32"``: queries and keys widened to fp32 (exact), the dot in
-    TF32 (the interpreter multiplies in fp32; the compiled lowering is ``tests/test_indexer_sm90_compile.py``'s)."""
+@pytest.mark.parametrize("dot, flag", [("tf32", "FP8_TF32"), ("bits", "FP8_BITS")])
+def test_fp8_pool_with_another_dot(loads, dot, flag, monkeypatch):
+    """bf16 queries over an E4M3 pool with ``fp8_dot="tf32"`` (queries and keys widened to fp32, exact, the dot in
+    TF32) or ``"bits"`` (keys widened to bf16 by bit placement, the dot in bf16): the interpreter multiplies in
+    fp32 and widens with ``widen``; the compiled lowering is ``tests/test_indexer_sm90_compile.py``'s and the bit
+    placement's every byte ``tests/test_fp8_widen_gpu.py``'s."""
     seen = []
     kernel = LI._index_scan
 
@@ -177,13 +180,14 @@ def test_fp8_pool_with_a_tf32_dot(loads, monkeypatch):
 
     monkeypatch.setattr(LI, "_index_scan", Spy())
     paged, attrs = _case("many-blocks-top16")
-    config = {"scan": dict(loads=loads, block_n=16, fp8_dot="tf32")}
+    config = {"scan": dict(loads=loads, block_n=16, fp8_dot=dot)}
     got, ref = _run(paged, attrs, config, dtype=torch.bfloat16, scale=True)
     assert torch.equal(got, ref)
-    assert [kw["FP8_TF32"] for kw in seen] == [True]
+    assert [kw[flag] for kw in seen] == [True]
     _run(paged, attrs, config, dtype=torch.float32, scale=True)  # fp32 queries keep their IEEE dot
     _run(paged, attrs, config, dtype=torch.bfloat16)  # 16-bit keys: no FP8 dot to change
-    assert [kw["FP8_TF32"] for kw in seen] == [True, False, False]
+    assert [kw[flag] for kw in seen] == [True, False, False]
+    assert not any(kw["FP8_TF32"] and kw["FP8_BITS"] for kw in seen)
 
 
 def test_unknown_loads_are_refused():

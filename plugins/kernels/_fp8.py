@@ -70,3 +70,37 @@ def store_quantized(row_ptrs, scale_ptrs, x, keep, scale_keep, INTERPRETED: tl.c
     scale = row_scale(x, keep, INTERPRETED)
     tl.store(row_ptrs, encode_e4m3(x, scale, INTERPRETED), mask=keep)
     tl.store(scale_ptrs, scale, mask=scale_keep)
+
+
+# E4M3 -> bf16 without a conversion instruction, four bytes at a time (sm_90; ``widen_by_bits``): each byte
+# sign-extended to 16 bits (PRMT's sign-replicate mode), shifted left by 4 and masked, which puts its sign at bit 15,
+# its 4 exponent bits at the bottom of bf16's 8 and its 3 mantissa bits at the top of bf16's 7: the bf16 value is the
+# E4M3 value x 2^-120, subnormals included (both formats' subnormals have the same 2^-6 / 2^-126 place); one exact
+# bf16 multiply by 2^120 (0x7B80) restores it. E4M3's NaN codes (0x7F, 0xFF) would come out as +-480: the cache
+# writers never store them (values are clamped to +-448).
+_E4M3_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 lo, hi, k;
+mov.b32 k, 0x7B807B80;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, 4;
+shl.b32 hi, hi, 4;
+and.b32 lo, lo, 0x87F087F0;
+and.b32 hi, hi, 0x87F087F0;
+mul.rn.bf16x2 $0, lo, k;
+mul.rn.bf16x2 $1, hi, k;
+}""")
+
+
+@triton.jit
+def widen_by_bits(x, INTERPRETED: tl.constexpr):
+    """E4M3 values as bf16 for the tensor-core dot, exact as ``widen``'s, by integer bit placement and one bf16
+    multiply per two values (``_E4M3_TO_BF16_ASM``) instead of sm_90's e4m3x2 -> f16x2 and f16 -> bf16 conversions,
+    which issue at a quarter of the integer rate. The interpreter runs ``widen`` (it has no PTX); the GPU test
+    ``tests/test_fp8_widen_gpu.py`` checks every byte against PyTorch's conversion."""
+    if INTERPRETED:
+        return widen(x, tl.bfloat16)
+    else:
+        return tl.inline_asm_elementwise(_E4M3_TO_BF16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+

@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, num_sms,
                      sequence_of, splits_for, ticket_counters, tokens_per_tile)
-from ._fp8 import widen
+from ._fp8 import widen, widen_by_bits
 from ._tile_plan import tile_lists
 from ._tma import ensure_descriptor_allocator
 
@@ -47,7 +47,9 @@ LOADS = ("gather", "tma", "tma-host")  # the scan's key loads (DEFAULTS["scan"][
 # cycle, a quarter of the integer rate. "tf32": the f16 -> f32 step is a full-rate add (HADD2.F32), so 64 slow
 # conversions per tile are left, and the dot runs TF32 (twice the HMMA instructions, on otherwise idle tensor
 # cores). Same products (exact in either), the same fp32 accumulation; fp32 queries keep their IEEE dot.
-FP8_DOTS = ("bf16", "tf32")
+# "bits": keys widened to bf16 by bit placement (``_fp8.widen_by_bits``: integer ops and one bf16 multiply per two
+# keys, no conversion instruction), the dot in bf16; bf16 queries only (others run "bf16").
+FP8_DOTS = ("bf16", "tf32", "bits")
 
 DEFAULTS = {
     # block_n: key tile (gather: raised to block_size when blocks are longer, a tile never splits a block; tma:
@@ -74,8 +76,12 @@ DEFAULTS = {
     # H200 sweep 2026-12-01 19:40 UTC (commit ef59edc, FP8 index keys, bench/results/attention_sweep_scan_fp8_h200.json,
     # every selection equal to the reference's): the same launch with fp8_dot "tf32" 0.955x the time (geometric mean;
     # batch 1 / 4k 4.7 -> 4.6 us, 1 / 128k 11.1 -> 10.5 us, 8 / 32k 18.4 -> 17.2 us); bf16 keys are not affected.
+    # H200 sweep 2026-12-02 04:33 UTC (bench/results/attention_sweep_scan_fp8_bits_h200.json, every selection equal
+    # to the reference's): fp8_dot "bits" (FP8 keys widened by bit placement, the dot in bf16) at the same launch
+    # 4.4 / 9.8 / 15.4 us at batch 1 / 4k, 1 / 128k, 8 / 32k against "tf32"'s 4.7 / 10.6 / 17.2; in the `mini`
+    # model (pages of 64, three layers) 36.0 against 39.9 us a step at 128k. 16-bit keys are not affected.
     "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
-                 loads="tma-host", fold_topk=0, fp8_dot="tf32"),
+                 loads="tma-host", fold_topk=0, fp8_dot="bits"),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys);
     # group: 0 ranks a row's blocks padded to a power of two at once, > 0 ("bitonic") in two levels for rows of at least
     # ``GROUPED_LEAST`` x group x top-k blocks: the largest key of each group of that many blocks, the top-k groups
@@ -137,11 +143,17 @@ VARIANTS = {
         "tma-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma", fold_topk=1),
         "tma-host-n128-w4-s10-waves1-max1024-fold": _scan(128, 4, 10, 1, 1024, loads="tma-host", fold_topk=1),
         "n64-w4-s3-waves4-max1024-fold": _scan(64, 4, 3, 4, 1024, fold_topk=1),
-        # 2026-12-01, not yet timed: FP8 keys in a TF32 dot (``FP8_DOTS``), at the defaults' loads and with more
-        # tiles in flight or more programs (an FP8 tile is 16 KB, half a bf16 one); 16-bit keys run them as without.
+        # 2026-12-01: FP8 keys in a TF32 dot (``FP8_DOTS``), at the defaults' loads and with more tiles in flight or
+        # more programs (an FP8 tile is 16 KB, half a bf16 one); 16-bit keys run them as without. The first was
+        # the default from 2026-12-01 19:40 to 2026-12-02 04:33 UTC.
         "tma-host-n128-w4-s8-waves2-max1024-tf32": _scan(128, 4, 8, 2, 1024, loads="tma-host", fp8_dot="tf32"),
         "tma-host-n128-w4-s10-waves2-max1024-tf32": _scan(128, 4, 10, 2, 1024, loads="tma-host", fp8_dot="tf32"),
         "tma-host-n128-w4-s8-waves4-max1024-tf32": _scan(128, 4, 8, 4, 1024, loads="tma-host", fp8_dot="tf32"),
+        # 2026-12-02 (ninth session): FP8 keys widened by bit placement (``FP8_DOTS`` "bits", the default's), with
+        # more programs or warps. H200 04:33 UTC: waves 3 9.6 / 14.5 us at 1 / 128k and 8 / 32k (the default's
+        # 9.8 / 15.4), 8 warps 10.9 / 18.3; waves changes 16-bit keys' launch too, where it is not yet timed.
+        "tma-host-n128-w4-s8-waves3-max1024-bits": _scan(128, 4, 8, 3, 1024, loads="tma-host", fp8_dot="bits"),
+        "tma-host-n128-w8-s8-waves2-max1024-bits": _scan(128, 8, 8, 2, 1024, loads="tma-host", fp8_dot="bits"),
     },
     "topk": {
         "rounds-w4": dict(method="rounds", num_warps=4, group=0),  # the defaults before 2026-11-30 22:12
@@ -184,7 +196,7 @@ def _index_scan(
     HOST_DESC: tl.constexpr = False,
     STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB: tl.constexpr = 1, NB_PAD: tl.constexpr = 2,
     TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 2, LOCAL: tl.constexpr = 0, INIT: tl.constexpr = 0,
-    METHOD: tl.constexpr = "bitonic", FP8_TF32: tl.constexpr = False,
+    METHOD: tl.constexpr = "bitonic", FP8_TF32: tl.constexpr = False, FP8_BITS: tl.constexpr = False,
 ):
     """TMA: key tiles of BLOCK_N keys (<= PAGE, so one page each) copied by a tensor descriptor over the pool
     viewed [pages * PAGE, D] (made in the kernel, or with HOST_DESC the host-made ``k_desc``: no descriptor write
@@ -238,7 +250,7 @@ def _index_scan(
             k = desc.load([page * PAGE + j0 % PAGE, 0])
             j = j0 + tl.arange(0, BLOCK_N)
             if FP8:
-                k = widen(k, q.dtype)
+                k = widen_by_bits(k, INTERPRETED) if FP8_BITS else widen(k, q.dtype)
                 ks = tl.load(ks_ptr + page.to(tl.int64) * sks_p + (j % PAGE) * sks_r, mask=j <= last, other=0.0)
                 s = mma(q, tl.trans(k), "tf32" if FP8_TF32 else PREC, INTERPRETED) * ks[None, :]
             else:
@@ -267,7 +279,7 @@ def _index_scan(
             k = tl.load(k_ptr + page[:, None] * sk_p + (j % PAGE)[:, None] * sk_r + d[None, :],
                         mask=kmask[:, None] & (d[None, :] < D), other=0.0)
             if FP8:  # E4M3 keys: the dot on the exact values, each key's scale on its score column
-                k = widen(k, q.dtype)
+                k = widen_by_bits(k, INTERPRETED) if FP8_BITS else widen(k, q.dtype)
                 ks = tl.load(ks_ptr + page * sks_p + (j % PAGE) * sks_r, mask=kmask, other=0.0)
                 s = mma(q, tl.trans(k), "tf32" if FP8_TF32 else PREC, INTERPRETED) * ks[None, :]
             else:
@@ -571,6 +583,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         cnt_ptr=counters, sel_ptr=sel, ssel_t=sel.stride(0), ssel_h=sel.stride(1), k_desc=k_desc, TMA=tma,
         HOST_DESC=host_desc, STAGES=cfg["num_stages"],
         FP8_TF32=index_k_scale is not None and cfg["fp8_dot"] == "tf32" and index_q.element_size() == 2,
+        FP8_BITS=index_k_scale is not None and cfg["fp8_dot"] == "bits" and index_q.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fold_args,
     )
     return scores, (sel if fold is not None else None)
