@@ -214,3 +214,40 @@ def test_ticket_counters_grow_but_never_inside_a_capture(monkeypatch):
     cuda = torch.device("cuda", 0)
     with pytest.raises(RuntimeError, match="not allocated before CUDA graph capture"):
         _batch.ticket_counters(cuda, 1)
+
+
+class _Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("page, config, tma", [
+    (16, None, False),  # the engine's default page: gathered 128-key tiles, not TMA tiles of 16 keys
+    (64, {"scan": {"fp8_dot": "tf32"}}, False),  # settings that leave the loads to the defaults
+    (128, None, True),  # a page holds the default's whole key tile: TMA
+    (16, {"scan": {"loads": "tma-host"}}, True),  # the caller's own loads are kept (the sweep's variants)
+])
+def test_pages_below_the_key_tile_gather_unless_the_loads_are_asked_for(page, config, tma, monkeypatch):
+    """``SMALL_PAGE_SCAN``: a bulk copy never crosses a page, so with the defaults' TMA loads the tiles would shrink
+    to the page; such pools gather whole-block tiles instead (H200: 2x faster at pages of 16). The launch is
+    captured, not run: its kwargs say which walk and tile it compiled."""
+    seen = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(kwargs)
+                raise _Captured
+
+            return launch
+
+    monkeypatch.setattr(LI, "_index_scan", Capture())
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    pool = torch.zeros(2 * 4096 // page, page, 128, dtype=torch.bfloat16)
+    table = torch.arange(4096 // page, dtype=torch.int32).view(1, -1)
+    with pytest.raises(_Captured):
+        LI.scan(q, pool, table, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4096], dtype=torch.int32),
+                torch.tensor([4095]), 128, config=config)
+    assert bool(seen["TMA"]) == tma
+    assert seen["BLOCK_N"] == (min(page, LI.DEFAULTS["scan"]["block_n"]) if tma else 128)
+    if not tma:
+        assert seen["num_stages"] == LI.SMALL_PAGE_SCAN["num_stages"]

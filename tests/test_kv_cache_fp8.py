@@ -168,6 +168,57 @@ def test_attention_kernels_on_fp8_pools_match_the_fp8_references(fp8_case):
     _assert_attention_close(got, ref, v_read)
 
 
+@pytest.mark.parametrize("settings", [
+    {"fp8_widen": "bits"},
+    {"fp8_widen": "bits", "block_n": 16, "max_splits": 64, "waves": 8, "num_stages": 3},
+    {"fp8_widen": "convert", "block_n": 128, "max_splits": 2},
+])
+def test_dense_attention_launch_settings_on_fp8_pools(settings, monkeypatch):
+    """``paged_attention.DEFAULTS`` entries (what ``bench/decode_profile.py --settings`` tries in the model): the key
+    tile, the split count and K / V widened by bit placement keep the FP8 reference's bound; the launch runs the
+    settings (bit placement only for bf16 queries over FP8 pools); unknown values are refused by name."""
+    monkeypatch.setattr(_batch, "num_sms", lambda device: 16)
+    seen = []
+    kernel = paged_attention._paged_attention
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((grid, kwargs))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(paged_attention, "_paged_attention", Spy())
+    ctx, new, page, *_ = CASES["mixed-with-empty-seq"]
+    paged = Paged(ctx, new, page, 21)
+    hq, hkv, d = 4, 2, 32
+    (k, ks), (v, vs) = quantized_pool(paged, hkv, d), quantized_pool(paged, hkv, d)
+    config = {"attention_fp8": settings}
+    for dtype in (torch.bfloat16, torch.float32):
+        q = paged.randn(paged.tokens, hq, d, dtype=dtype)
+        ref = paged_attention_reference(q, k, v, *paged.args("cpu"), d**-0.5, ks, vs)
+        got = paged_attention.forward(*_dev(q, k, v), *paged.args(), d**-0.5, *_dev(ks, vs), config=config)
+        _assert_attention_close(got, ref, dequantize_rows(v, vs).to(dtype))
+    bits = settings["fp8_widen"] == "bits"
+    assert [kw["FP8_BITS"] for _, kw in seen] == [bits, False]  # fp32 queries: no bit placement
+    fp8 = paged_attention.DEFAULTS["attention_fp8"]
+    assert all(kw["BLOCK_N"] == settings.get("block_n", fp8["block_n"]) for _, kw in seen)
+    splits = seen[0][0][2]
+    assert splits <= settings.get("max_splits", fp8["max_splits"]) and (splits > 2 if settings.get("block_n") == 16
+                                                                         else True)
+    with pytest.raises(ValueError, match="fp8_widen 'fast' is not one of"):
+        paged_attention.forward(*_dev(q, k, v), *paged.args(), d**-0.5, *_dev(ks, vs),
+                                config={"attention_fp8": {"fp8_widen": "fast"}})
+    with pytest.raises(ValueError, match="unknown attention_fp8 settings"):
+        paged_attention.forward(*_dev(q, k, v), *paged.args(), d**-0.5, *_dev(ks, vs),
+                                config={"attention_fp8": {"splits": 4}})
+    k16 = paged.pool(hkv, d, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"unknown attention settings \['fp8_widen'\]"):  # 16-bit pools' part
+        paged_attention.forward(*_dev(q.bfloat16(), k16, k16), *paged.args(), d**-0.5,
+                                config={"attention": {"fp8_widen": "bits"}})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_cache_write_quantises_as_the_model_steps(dtype):
     """``norm_rope`` into FP8 pools (K with V alongside, and the single-head index-key form) against the model's

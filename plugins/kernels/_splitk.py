@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._batch import mma
-from ._fp8 import widen
+from ._fp8 import widen, widen_by_bits
 
 LOG2E = 1.4426950408889634
 
@@ -48,18 +48,21 @@ def online_softmax_step_scaled(s, v, vs, m_i, l_i, acc, PREC: tl.constexpr, INTE
 
 @triton.jit
 def attend_tile(q, k, v, ks_ptrs, vs_ptrs, kmask, allowed, qk_scale, m_i, l_i, acc, FP8: tl.constexpr,
-                PREC: tl.constexpr, INTERPRETED: tl.constexpr):
+                PREC: tl.constexpr, INTERPRETED: tl.constexpr, FP8_BITS: tl.constexpr = False):
     """One key tile of either attention kernel: q [M, D] against k [N, D] and v [N, Dv] as loaded from the pools,
     ``allowed`` [M, N], ``qk_scale`` already times log2(e) -> (m_i, l_i, acc).
 
     FP8 pools (E4M3 bytes; ``ks_ptrs`` / ``vs_ptrs`` [N] address the rows' scales, read where ``kmask``): the dot
     runs on the exact E4M3 values widened to q's dtype and each key's scale multiplies its score column; V's
     scales are folded into P's columns (``online_softmax_step_scaled``), except in fp16, where P * scale could fall
-    below fp16's normal range and V is dequantised to fp16 (one more rounding, 2^-11) instead."""
+    below fp16's normal range and V is dequantised to fp16 (one more rounding, 2^-11) instead. ``FP8_BITS`` (bf16
+    queries only): K and V widened by bit placement (``_fp8.widen_by_bits``), the same values without sm_90's slow
+    conversions."""
     if FP8:
         ks = tl.load(ks_ptrs, mask=kmask, other=0.0)
         vs = tl.load(vs_ptrs, mask=kmask, other=0.0)
-        s = mma(q, tl.trans(widen(k, q.dtype)), PREC, INTERPRETED) * (ks * qk_scale)[None, :]
+        k16 = widen_by_bits(k, INTERPRETED) if FP8_BITS else widen(k, q.dtype)
+        s = mma(q, tl.trans(k16), PREC, INTERPRETED) * (ks * qk_scale)[None, :]
     else:
         s = mma(q, tl.trans(k), PREC, INTERPRETED) * qk_scale
     s = tl.where(allowed, s, float("-inf"))
@@ -68,7 +71,8 @@ def attend_tile(q, k, v, ks_ptrs, vs_ptrs, kmask, allowed, qk_scale, m_i, l_i, a
             v16 = (v.to(tl.float32) * vs[:, None]).to(tl.float16)
             m_i, l_i, acc = online_softmax_step(s, v16, m_i, l_i, acc, PREC, INTERPRETED)
         else:
-            m_i, l_i, acc = online_softmax_step_scaled(s, widen(v, q.dtype), vs, m_i, l_i, acc, PREC, INTERPRETED)
+            v16 = widen_by_bits(v, INTERPRETED) if FP8_BITS else widen(v, q.dtype)
+            m_i, l_i, acc = online_softmax_step_scaled(s, v16, vs, m_i, l_i, acc, PREC, INTERPRETED)
     else:
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PREC, INTERPRETED)
     return m_i, l_i, acc

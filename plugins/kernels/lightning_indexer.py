@@ -76,7 +76,7 @@ DEFAULTS = {
     # H200 sweep 2026-12-01 19:40 UTC (commit ef59edc, FP8 index keys, bench/results/attention_sweep_scan_fp8_h200.json,
     # every selection equal to the reference's): the same launch with fp8_dot "tf32" 0.955x the time (geometric mean;
     # batch 1 / 4k 4.7 -> 4.6 us, 1 / 128k 11.1 -> 10.5 us, 8 / 32k 18.4 -> 17.2 us); bf16 keys are not affected.
-    # H200 sweep 2026-12-02 04:33 UTC (bench/results/attention_sweep_scan_fp8_bits_h200.json, every selection equal
+    # H200 sweep 2026-12-02 04:13 UTC (bench/results/attention_sweep_scan_fp8_bits_h200.json, every selection equal
     # to the reference's): fp8_dot "bits" (FP8 keys widened by bit placement, the dot in bf16) at the same launch
     # 4.4 / 9.8 / 15.4 us at batch 1 / 4k, 1 / 128k, 8 / 32k against "tf32"'s 4.7 / 10.6 / 17.2; in the `mini`
     # model (pages of 64, three layers) 36.0 against 39.9 us a step at 128k. 16-bit keys are not affected.
@@ -145,12 +145,12 @@ VARIANTS = {
         "n64-w4-s3-waves4-max1024-fold": _scan(64, 4, 3, 4, 1024, fold_topk=1),
         # 2026-12-01: FP8 keys in a TF32 dot (``FP8_DOTS``), at the defaults' loads and with more tiles in flight or
         # more programs (an FP8 tile is 16 KB, half a bf16 one); 16-bit keys run them as without. The first was
-        # the default from 2026-12-01 19:40 to 2026-12-02 04:33 UTC.
+        # the default from 2026-12-01 19:40 to 2026-12-02 04:13 UTC.
         "tma-host-n128-w4-s8-waves2-max1024-tf32": _scan(128, 4, 8, 2, 1024, loads="tma-host", fp8_dot="tf32"),
         "tma-host-n128-w4-s10-waves2-max1024-tf32": _scan(128, 4, 10, 2, 1024, loads="tma-host", fp8_dot="tf32"),
         "tma-host-n128-w4-s8-waves4-max1024-tf32": _scan(128, 4, 8, 4, 1024, loads="tma-host", fp8_dot="tf32"),
         # 2026-12-02 (ninth session): FP8 keys widened by bit placement (``FP8_DOTS`` "bits", the default's), with
-        # more programs or warps. H200 04:33 UTC: waves 3 9.6 / 14.5 us at 1 / 128k and 8 / 32k (the default's
+        # more programs or warps. H200 04:13 UTC: waves 3 9.6 / 14.5 us at 1 / 128k and 8 / 32k (the default's
         # 9.8 / 15.4), 8 warps 10.9 / 18.3; waves changes 16-bit keys' launch too, where it is not yet timed.
         "tma-host-n128-w4-s8-waves3-max1024-bits": _scan(128, 4, 8, 3, 1024, loads="tma-host", fp8_dot="bits"),
         "tma-host-n128-w8-s8-waves2-max1024-bits": _scan(128, 8, 8, 2, 1024, loads="tma-host", fp8_dot="bits"),
@@ -182,6 +182,16 @@ VARIANTS = {
 # The scan settings fp32 index-key pools run when the settings ask for TMA loads (see ``_scan_launch``): the default
 # before 2026-12-01 06:35 UTC, keeping the caller's fold choice.
 FP32_POOL_SCAN = {k: v for k, v in VARIANTS["scan"]["n64-w4-s3-waves4-max1024"].items() if k != "fold_topk"}
+
+# The scan settings pools with pages smaller than the default's key tile run when the settings leave the loads to
+# the defaults (``_scan_launch``): a bulk copy never crosses a page, so the TMA walk's tiles shrink to the page (16
+# keys at the engine's default page, ``runtime.engine.default_page_size``), while the gather walk's tiles stay a
+# whole index block. H200 2026-12-02 04:30 UTC (`mini`, pages of 16, three layers, us a step at 4k / 128k; every
+# selection the references' in the tests): bf16 keys 18.5 / 62.2 by TMA, 11.5 / 34.3 with these; FP8 keys
+# 20.4 / 69.3 and 10.9 / 27.5 (bench/results/decode_profile_h200_s20_p16_{bf16,fp8}.json). The caller's fold and
+# FP8 dot are kept.
+SMALL_PAGE_SCAN = {k: v for k, v in VARIANTS["scan"]["n128-w4-s2-waves8-max1024"].items()
+                   if k not in ("fold_topk", "fp8_dot")}
 
 
 @triton.jit
@@ -535,6 +545,8 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         # scan of the earlier default, which those tests passed with (the interpreter has no shared memory to run
         # out of: its fp32 tests keep the TMA walk). 16-bit and FP8 pools keep the TMA settings.
         cfg = dict(cfg, **FP32_POOL_SCAN)
+    elif cfg["loads"] != "gather" and page < cfg["block_n"] and "loads" not in ((config or {}).get("scan") or {}):
+        cfg = dict(cfg, **SMALL_PAGE_SCAN)  # pages below the key tile, loads left to the defaults: gathered tiles
     tma = cfg["loads"] != "gather" and tma_usable(kc) is None  # any other pool: the same launch by gathering
     if tma:
         block_n = min(max(cfg["block_n"], MIN_TMA_TILE), page, MAX_TMA_BOX)  # one page per key tile, or part of one

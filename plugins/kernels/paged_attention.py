@@ -18,15 +18,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ._batch import (cdiv, dot_precision, interpreted, log2_ceil, next_pow2, sequence_of, splits_for,
-                     tokens_per_tile)
+from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, sequence_of,
+                     splits_for, tokens_per_tile)
 from ._splitk import LOG2E, Partials, attend_tile, finish_rows
 from ._tile_plan import tile_lists
 
 OP = "m3::paged_attention"
 
-_BLOCK_N = 64
-_MAX_SPLITS = 32
+# FP8 pools' widening of K and V for bf16 queries (DEFAULTS["attention_fp8"]["fp8_widen"]): "convert" (sm_90's
+# e4m3x2 -> f16x2 and f16 -> bf16 conversions) or "bits" (``_fp8.widen_by_bits``); other queries always convert.
+FP8_WIDENS = ("convert", "bits")
+
+DEFAULTS = {
+    # One part per pool format: "attention" for 16-bit and fp32 pools, "attention_fp8" for E4M3 ones. block_n: key
+    # tile; max_splits: most pieces a (query tile, KV head)'s context is cut into (about ``waves`` programs per
+    # multiprocessor, no more splits than key tiles); fp8_widen: ``FP8_WIDENS``. Until 2026-12-02 both ran the first
+    # kernel's block_n 64, max_splits 32, waves 2, converting: at batch 1 that is 4 KV heads x 32 splits, 128
+    # programs of 4 warps for 132 multiprocessors, so a long context streamed from one program per SM.
+    # H200 2026-12-02 04:38 UTC (`mini`, pages of 16, `bench/decode_profile.py --settings`, dense attention us a step
+    # at batch 1 / 4k, 1 / 128k, 8 / 32k; bench/results/decode_profile_h200_s20_dense_{bf16,fp8}.json):
+    #   bf16 pools: 11.3 / 139.8 / 164.8 before; block_n 64, max_splits 256, waves 4: 8.9 / 69.6 / 132.1 (97 % of
+    #   copy bandwidth at 8 / 32k); block_n 128, max_splits 128: 9.3 / 69.1 / 187.1;
+    #   FP8 pools: 14.2 / 197.0 / 223.7 before; bits alone 12.9 / 173.6 / 205.0; with max_splits 128 9.3 / 103.6 /
+    #   204.9; with block_n 128 and max_splits 128 9.7 / 70.9 / 133.7 (a 128-key FP8 tile is a 64-key bf16 tile's
+    #   bytes); with max_splits 256, waves 4 9.2 / 104.5 / 203.0.
+    "attention": dict(block_n=64, num_warps=4, num_stages=2, max_splits=256, waves=4),
+    "attention_fp8": dict(block_n=128, num_warps=4, num_stages=2, max_splits=128, waves=2, fp8_widen="bits"),
+}
 
 
 def output_error_bound(dtype: torch.dtype, v_abs_max: float, fp8: bool = False) -> float:
@@ -69,7 +87,7 @@ def _paged_attention(
     FP8: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr, FP8_BITS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
@@ -114,7 +132,7 @@ def _paged_attention(
                     mask=kmask[:, None] & (dv[None, :] < DV), other=0.0)
         m_i, l_i, acc = attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g,
                                     vs_ptr + page * svs_p + row * svs_r + g, kmask, j[None, :] <= pos[:, None],
-                                    qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
+                                    qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED, FP8_BITS)
 
     finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv, HQ, DV, SPLITS)
 
@@ -130,11 +148,21 @@ def forward(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v_cache [pages, page, Hkv, D] -> [T, Hq, Dv]; key j visible to token t iff j <= pos[t].
-    FP8 pools come with their fp32 scale pools [pages, page, Hkv]."""
+    FP8 pools come with their fp32 scale pools [pages, page, Hkv]. ``config``: {"attention": {...},
+    "attention_fp8": {...}}, entries overriding ``DEFAULTS`` (None for the op; the part of the pools' format runs)."""
     t, hq, d = q.shape
     _check(q, k_cache, v_cache, "paged_attention", k_scale, v_scale)
+    fp8 = k_scale is not None
+    cfg = launch_settings("paged_attention", DEFAULTS, config, "attention_fp8" if fp8 else "attention")
+    if fp8 and cfg["fp8_widen"] not in FP8_WIDENS:
+        raise ValueError(f"paged_attention: fp8_widen {cfg['fp8_widen']!r} is not one of {FP8_WIDENS}")
+    if cfg["block_n"] < 16 or cfg["block_n"] & (cfg["block_n"] - 1) or cfg["max_splits"] < 1:
+        raise ValueError(f"paged_attention: block_n {cfg['block_n']} must be a power of two >= 16 and max_splits "
+                         f"{cfg['max_splits']} >= 1")
     hkv, dv, page = k_cache.shape[2], v_cache.shape[3], k_cache.shape[1]
     out = torch.empty((t, hq, dv), dtype=q.dtype, device=q.device)
     b = seq_lens.shape[0]
@@ -154,8 +182,8 @@ def forward(
         slots = t
     else:
         seq, start, end, slots = tile_lists(qsl, t, tokens)  # one launch (_tile_plan)
-    most = min(_MAX_SPLITS, cdiv(bt.shape[1] * page, _BLOCK_N))
-    splits = splits_for(q.device, slots * hkv, most)
+    most = min(cfg["max_splits"], cdiv(bt.shape[1] * page, cfg["block_n"]))
+    splits = splits_for(q.device, slots * hkv, most, cfg["waves"])
     parts = Partials(t, hq, dv, splits, q.device) if splits > 1 else None
     scratch = (parts.acc, parts.m, parts.l) if parts else (out, out, out)
     ks, vs = scale_pools(k_scale, v_scale, kc)
@@ -165,8 +193,10 @@ def forward(
         vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), out.stride(0),
         out.stride(1), scale * LOG2E, FP8=k_scale is not None,
         HQ=hq, G=group, G_PAD=g_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
-        PAGE=page, TOKENS=tokens, ROWS=max(16, tokens * g_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=_BLOCK_N, SPLITS=splits, PREC=dot_precision(q.dtype),
-        INTERPRETED=interpreted(q), num_warps=4, num_stages=2,
+        PAGE=page, TOKENS=tokens, ROWS=max(16, tokens * g_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=cfg["block_n"],
+        SPLITS=splits, PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
+        FP8_BITS=fp8 and cfg["fp8_widen"] == "bits" and q.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return parts.merge_into(out) if parts else out
 
