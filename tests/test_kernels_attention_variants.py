@@ -40,7 +40,7 @@ ATTENTION_CASES = {
 }
 INDEXER_CASES = ("decode-one-token-seqs", "many-blocks-top16")
 # (fp8_dot changes only FP8 pools' dots, which these cases do not have: tests/test_indexer_tma_fold.py runs it.)
-SCHEDULE_ONLY = ("num_warps", "num_stages", "fp8_dot")
+SCHEDULE_ONLY = ("num_warps", "num_stages", "fp8_dot", "fp8_widen")  # (the two FP8 ones: the same values)
 # Settings the launcher accepts that no variant uses now: the "union" loop with one token per program.
 UNLISTED = {"decode": {"union-decode": {**SPA.DEFAULTS["decode"], "loop": "union"}},
             "prefill": {"union-one-token": {**SPA.DEFAULTS["prefill"], "tile_tokens": 1, "loop": "union"}}}
@@ -69,7 +69,8 @@ def describe(kernel: str, part: str, s: dict) -> str:
     else:
         tiles = [f"t{s['tile_tokens'] or 'auto'}"] if part == "prefill" else []
         words = [s["loop"], *tiles, f"n{s['block_n']}"]
-        tail = [f"max{s['max_splits']}"] if s["max_splits"] else []
+        tail = ([f"max{s['max_splits']}"] if s["max_splits"] else []) + (
+            [s["fp8_widen"]] if s["fp8_widen"] != "bits" else [])
     return "-".join(words + [f"w{s['num_warps']}", f"s{s['num_stages']}", f"waves{s['waves']}"] + tail)
 
 

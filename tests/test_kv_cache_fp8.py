@@ -219,6 +219,43 @@ def test_dense_attention_launch_settings_on_fp8_pools(settings, monkeypatch):
                                 config={"attention": {"fp8_widen": "bits"}})
 
 
+def test_sparse_attention_widens_fp8_by_bits_for_bf16_queries(monkeypatch):
+    """``sparse_paged_attention`` settings ``fp8_widen``: its kernel's FP8 flag is 2 (bit placement) for bf16 queries
+    over FP8 pools by default, 1 (conversion) when asked or for other queries, 0 for 16-bit pools; results within the
+    FP8 reference's bound either way; an unknown value refused by name."""
+    seen = []
+    kernel = sparse_paged_attention._sparse_paged_attention
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["FP8"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(sparse_paged_attention, "_sparse_paged_attention", Spy())
+    ctx, new, page, bs, topk, local, init = CASES["decode-one-token-seqs"]
+    paged = Paged(ctx, new, page, 5)
+    hq, hkv, d = 4, 2, 32
+    (k, ks), (v, vs) = quantized_pool(paged, hkv, d), quantized_pool(paged, hkv, d)
+    sel = lightning_indexer_reference(paged.randn(paged.tokens, hkv, d), paged.pool(d), *paged.args("cpu"), bs, topk,
+                                      local, init)
+    for dtype, config in ((torch.bfloat16, None), (torch.bfloat16, {"decode": {"fp8_widen": "convert"}}),
+                          (torch.float32, None)):
+        q = paged.randn(paged.tokens, hq, d, dtype=dtype)
+        ref = sparse_paged_attention_reference(q, k, v, *paged.args("cpu"), sel, bs, d**-0.5, ks, vs)
+        got = sparse_paged_attention.forward(*_dev(q, k, v), *paged.args(), sel.to(DEVICE), bs, d**-0.5,
+                                             *_dev(ks, vs), config=config)
+        _assert_attention_close(got, ref, dequantize_rows(v, vs).to(dtype))
+    k16 = paged.pool(hkv, d, dtype=torch.bfloat16)
+    sparse_paged_attention.forward(*_dev(q.bfloat16(), k16, k16), *paged.args(), sel.to(DEVICE), bs, d**-0.5)
+    assert seen == [2, 1, 1, 0]
+    with pytest.raises(ValueError, match="fp8_widen 'fast' is not one of"):
+        sparse_paged_attention.forward(*_dev(q, k, v), *paged.args(), sel.to(DEVICE), bs, d**-0.5, *_dev(ks, vs),
+                                       config={"decode": {"fp8_widen": "fast"}})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_cache_write_quantises_as_the_model_steps(dtype):
     """``norm_rope`` into FP8 pools (K with V alongside, and the single-head index-key form) against the model's

@@ -107,10 +107,16 @@ DEFAULTS = {
     # lead_call6_attn_prefill.json, eager / graph TFLOP/s): this setting 325 / 325 at 4k and 307 / 303 at 16k, the same
     # tile without the bits 310 / 309 and 279 / 288, so it serves launches of every size (the short launches' own
     # setting, "union_tma_lean_rescale-t4-n64-w4-s3-waves2" below 8192 new tokens, was dropped).
-    "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat_tma_fused"),
+    # fp8_widen (FP8 pools, bf16 queries; ``FP8_WIDENS``): "bits" widens E4M3 K / V by bit placement
+    # (``_fp8.widen_by_bits``, the same values as "convert"'s sm_90 conversions; since 2026-12-02). H200 04:56 UTC
+    # (`mini`, FP8 cache, pages of 16, decode, three layers, bench/results/decode_profile_h200_s20_sparse_fp8.json):
+    # 28.8 / 46.8 / 231.5 us a step at batch 1 / 128k, 8 / 32k, 64 / 4k against "convert"'s 29.2 / 48.8 / 310.5.
+    "decode": dict(block_n=128, num_warps=4, num_stages=3, waves=2, max_splits=None, loop="flat_tma_fused",
+                   fp8_widen="bits"),
     "prefill": dict(tile_tokens=4, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
-                    loop="union_tma_lean_chosen_rescale"),
+                    loop="union_tma_lean_chosen_rescale", fp8_widen="bits"),
 }
+FP8_WIDENS = ("convert", "bits")
 _LOOPS = ("nested", "flat", "union")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
@@ -150,13 +156,13 @@ def loop_form(loop: str) -> tuple[str, bool, bool, bool, bool]:
     return walk, "tma" in mods, "host" in mods, "fused" in mods, "lean" in mods
 
 
-def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None):
+def _decode(loop, block_n, num_warps, num_stages, waves, max_splits=None, fp8_widen="bits"):
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, waves=waves, max_splits=max_splits,
-                loop=loop)
+                loop=loop, fp8_widen=fp8_widen)
 
 
-def _prefill(loop, tile_tokens, block_n, num_warps, num_stages, waves=2, max_splits=None):
-    return dict(tile_tokens=tile_tokens, **_decode(loop, block_n, num_warps, num_stages, waves, max_splits))
+def _prefill(loop, tile_tokens, block_n, num_warps, num_stages, waves=2, max_splits=None, fp8_widen="bits"):
+    return dict(tile_tokens=tile_tokens, **_decode(loop, block_n, num_warps, num_stages, waves, max_splits, fp8_widen))
 
 
 # Alternatives ``bench/attention.py --sweep`` times against DEFAULTS in one run (every one checked on CPU by
@@ -271,6 +277,8 @@ def settings(config: dict | None, mode: str) -> dict:
     """DEFAULTS[mode] with the entries of ``config[mode]`` (unknown names or loop forms refused by name)."""
     cfg = launch_settings("sparse_paged_attention", DEFAULTS, config, mode)
     loop_form(cfg["loop"])
+    if cfg["fp8_widen"] not in FP8_WIDENS:
+        raise ValueError(f"sparse_paged_attention: fp8_widen {cfg['fp8_widen']!r} is not one of {FP8_WIDENS}")
     return cfg
 
 
@@ -407,12 +415,13 @@ def _attend_block(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, c, sub, use, wants, p
                   sv_p, sv_r, sv_h, sks_p, sks_r, svs_p, svs_r, qk_scale, m_i, l_i, acc, FP8: tl.constexpr,
                   D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                   TILE_IN_PAGE: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr, TMA: tl.constexpr):
-    """Key tile ``sub`` of block ``c`` for the rows that ``wants`` (causally); nothing is read unless ``use``."""
+    """Key tile ``sub`` of block ``c`` for the rows that ``wants`` (causally); nothing is read unless ``use``. FP8: 0
+    16-bit / fp32 pools, 1 E4M3 pools widened by conversion, 2 by bit placement (``_fp8.widen_by_bits``)."""
     j, kmask, page, row, k, v = _load_kv(k_ptr, v_ptr, bt_row, c, sub, use, last, d, dv, g, sk_p, sk_r, sk_h, sv_p,
                                          sv_r, sv_h, D, DV, PAGE, BS, BLOCK_N, TILE_IN_PAGE, TMA)
     allowed = wants[:, None] & kmask[None, :] & (j[None, :] <= pos[:, None])
     return attend_tile(q, k, v, ks_ptr + page * sks_p + row * sks_r + g, vs_ptr + page * svs_p + row * svs_r + g,
-                       kmask, allowed, qk_scale, m_i, l_i, acc, FP8, PREC, INTERPRETED)
+                       kmask, allowed, qk_scale, m_i, l_i, acc, FP8 > 0, PREC, INTERPRETED, FP8 == 2)
 
 
 @triton.jit
@@ -704,7 +713,8 @@ def forward(
         q, kc, vc, ks, vs, bt, pos, qsl, tseq, tstart, tend, sel, uni, cnt, out, *scratch, b,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), sel.stride(0),
-        sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E, FP8=k_scale is not None,
+        sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
+        FP8=0 if k_scale is None else 2 if cfg["fp8_widen"] == "bits" and q.dtype == torch.bfloat16 else 1,
         HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=rows, D=d,
         BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page, BS=block_size, K=topk,
         K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
