@@ -1,7 +1,7 @@
 """What sm_90 makes of the indexer launches the interpreter cannot lower: the two-level top-k of a 128k row (a group
-max, two ``tl.topk`` and a reload) and the FP8 key scan's TF32 and bit-placement dots. ``scripts/compile_indexer_sm90.py`` builds the launches
-``block_topk`` / ``scan`` make, with Triton's own compiler and ptxas, without a GPU, in a process without the
-interpreter."""
+max, two ``tl.topk`` and a reload) and the FP8 key scan's TF32 and bit-placement dots.
+``scripts/compile_indexer_sm90.py`` builds the launches ``block_topk`` / ``scan`` make, with Triton's own compiler
+and ptxas, without a GPU, in a process without the interpreter."""
 
 from __future__ import annotations
 

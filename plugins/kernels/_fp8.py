@@ -72,6 +72,17 @@ def store_quantized(row_ptrs, scale_ptrs, x, keep, scale_keep, INTERPRETED: tl.c
     tl.store(scale_ptrs, scale, mask=scale_keep)
 
 
+# How the attention kernels widen E4M3 K / V for bf16 queries (their settings ``fp8_widen``): "convert" (sm_90's
+# e4m3x2 -> f16x2 and f16 -> bf16 conversions, ``widen``) or "bits" (``widen_by_bits``); the same values either way.
+WIDENS = ("convert", "bits")
+
+
+def check_widen(kernel: str, value: str) -> None:
+    """Refuse an ``fp8_widen`` setting that is not one of ``WIDENS``, naming the kernel."""
+    if value not in WIDENS:
+        raise ValueError(f"{kernel}: fp8_widen {value!r} is not one of {WIDENS}")
+
+
 # E4M3 -> bf16 without a conversion instruction, four bytes at a time (sm_90; ``widen_by_bits``): each byte
 # sign-extended to 16 bits (PRMT's sign-replicate mode), shifted left by 4 and masked, which puts its sign at bit 15,
 # its 4 exponent bits at the bottom of bf16's 8 and its 3 mantissa bits at the top of bf16's 7: the bf16 value is the

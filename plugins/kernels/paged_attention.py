@@ -20,21 +20,19 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, sequence_of,
                      splits_for, tokens_per_tile)
+from ._fp8 import check_widen
 from ._splitk import LOG2E, Partials, attend_tile, finish_rows
 from ._tile_plan import tile_lists
 
 OP = "m3::paged_attention"
 
-# FP8 pools' widening of K and V for bf16 queries (DEFAULTS["attention_fp8"]["fp8_widen"]): "convert" (sm_90's
-# e4m3x2 -> f16x2 and f16 -> bf16 conversions) or "bits" (``_fp8.widen_by_bits``); other queries always convert.
-FP8_WIDENS = ("convert", "bits")
-
 DEFAULTS = {
     # One part per pool format: "attention" for 16-bit and fp32 pools, "attention_fp8" for E4M3 ones. block_n: key
     # tile; max_splits: most pieces a (query tile, KV head)'s context is cut into (about ``waves`` programs per
-    # multiprocessor, no more splits than key tiles); fp8_widen: ``FP8_WIDENS``. Until 2026-12-02 both ran the first
-    # kernel's block_n 64, max_splits 32, waves 2, converting: at batch 1 that is 4 KV heads x 32 splits, 128
-    # programs of 4 warps for 132 multiprocessors, so a long context streamed from one program per SM.
+    # multiprocessor, no more splits than key tiles); fp8_widen: ``_fp8.WIDENS`` (bf16 queries; others convert).
+    # Until 2026-12-02 both ran the first kernel's block_n 64, max_splits 32, waves 2, converting: at batch 1 that is
+    # 4 KV heads x 32 splits, 128 programs of 4 warps for 132 multiprocessors, so a long context streamed from one
+    # program per SM.
     # H200 2026-12-02 04:38 UTC (`mini`, pages of 16, `bench/decode_profile.py --settings`, dense attention us a step
     # at batch 1 / 4k, 1 / 128k, 8 / 32k; bench/results/decode_profile_h200_s20_dense_{bf16,fp8}.json):
     #   bf16 pools: 11.3 / 139.8 / 164.8 before; block_n 64, max_splits 256, waves 4: 8.9 / 69.6 / 132.1 (97 % of
@@ -158,8 +156,8 @@ def forward(
     _check(q, k_cache, v_cache, "paged_attention", k_scale, v_scale)
     fp8 = k_scale is not None
     cfg = launch_settings("paged_attention", DEFAULTS, config, "attention_fp8" if fp8 else "attention")
-    if fp8 and cfg["fp8_widen"] not in FP8_WIDENS:
-        raise ValueError(f"paged_attention: fp8_widen {cfg['fp8_widen']!r} is not one of {FP8_WIDENS}")
+    if fp8:
+        check_widen("paged_attention", cfg["fp8_widen"])
     if cfg["block_n"] < 16 or cfg["block_n"] & (cfg["block_n"] - 1) or cfg["max_splits"] < 1:
         raise ValueError(f"paged_attention: block_n {cfg['block_n']} must be a power of two >= 16 and max_splits "
                          f"{cfg['max_splits']} >= 1")

@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
                      sequence_of, splits_for, ticket_counters, tokens_per_tile)
+from ._fp8 import check_widen
 from ._splitk import LOG2E, Partials, attend_tile, attend_tile_lean, finish_rows, finish_rows_fused
 from ._tile_plan import tile_plan
 from ._tma import ensure_descriptor_allocator
@@ -107,7 +108,7 @@ DEFAULTS = {
     # lead_call6_attn_prefill.json, eager / graph TFLOP/s): this setting 325 / 325 at 4k and 307 / 303 at 16k, the same
     # tile without the bits 310 / 309 and 279 / 288, so it serves launches of every size (the short launches' own
     # setting, "union_tma_lean_rescale-t4-n64-w4-s3-waves2" below 8192 new tokens, was dropped).
-    # fp8_widen (FP8 pools, bf16 queries; ``FP8_WIDENS``): "bits" widens E4M3 K / V by bit placement
+    # fp8_widen (FP8 pools, bf16 queries; ``_fp8.WIDENS``): "bits" widens E4M3 K / V by bit placement
     # (``_fp8.widen_by_bits``, the same values as "convert"'s sm_90 conversions; since 2026-12-02). H200 04:56 UTC
     # (`mini`, FP8 cache, pages of 16, decode, three layers, bench/results/decode_profile_h200_s20_sparse_fp8.json):
     # 28.8 / 46.8 / 231.5 us a step at batch 1 / 128k, 8 / 32k, 64 / 4k against "convert"'s 29.2 / 48.8 / 310.5.
@@ -116,7 +117,6 @@ DEFAULTS = {
     "prefill": dict(tile_tokens=4, block_n=64, num_warps=4, num_stages=3, waves=2, max_splits=None,
                     loop="union_tma_lean_chosen_rescale", fp8_widen="bits"),
 }
-FP8_WIDENS = ("convert", "bits")
 _LOOPS = ("nested", "flat", "union")
 # Modifiers a loop form takes after "_" (e.g. "flat_tma_fused"): "tma", K / V tiles as bulk tensor copies where the
 # pools allow it (``tma_usable``; else the same walk with pointer loads); "host" (after "tma"), their descriptors made
@@ -277,8 +277,7 @@ def settings(config: dict | None, mode: str) -> dict:
     """DEFAULTS[mode] with the entries of ``config[mode]`` (unknown names or loop forms refused by name)."""
     cfg = launch_settings("sparse_paged_attention", DEFAULTS, config, mode)
     loop_form(cfg["loop"])
-    if cfg["fp8_widen"] not in FP8_WIDENS:
-        raise ValueError(f"sparse_paged_attention: fp8_widen {cfg['fp8_widen']!r} is not one of {FP8_WIDENS}")
+    check_widen("sparse_paged_attention", cfg["fp8_widen"])
     return cfg
 
 
