@@ -255,7 +255,9 @@ def main() -> int:
                     help="batch x context pairs where transformers' own model is timed (its prefill is quadratic)")
     ap.add_argument("--prefill-tokens", type=int, default=65536)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
-    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens per cache page (default: the engine's, runtime.engine.default_page_size: 16 for "
+                         "M3's index blocks of 128; the benchmark used 64 until 2026-12-02)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=str(RESULTS / "decode_h200.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, Triton interpreter")
@@ -268,6 +270,7 @@ def main() -> int:
         return 2
 
     from m3export.config import preset
+    from m3export.runtime.engine import default_page_size
     from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
 
     device = "cpu" if SMOKE else "cuda"
@@ -287,7 +290,7 @@ def main() -> int:
     if SMOKE:
         shapes = [(1, 40), (3, 70)]
         ref_shapes = set(shapes)
-    page = 4 if SMOKE else args.page_size
+    page = 4 if SMOKE else args.page_size or default_page_size(cfg)
     res = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
            "preset": "tiny" if SMOKE else "mini", "experts": cfg.num_local_experts, "weights": args.weights,
            "weight_bytes": weight_bytes, "copy_bandwidth_TBps": bw / 1e12, "page_size": page, "rows": []}

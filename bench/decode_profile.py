@@ -472,7 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", choices=["mxfp8", "bf16"], default="mxfp8")
     ap.add_argument("--shapes", default="1x4096,8x32768", help="batch x context pairs")
     ap.add_argument("--steps", type=int, default=5, help="profiled steady steps per shape")
-    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens per cache page (default: the engine's, runtime.engine.default_page_size: 16 for "
+                         "M3's index blocks of 128; the profile used 64 until 2026-12-02)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"], default="auto",
                     help="K/V and index-key pools: the model dtype (auto), bf16, or fp8 (E4M3 codes with per-row "
                          "fp32 scales, as `--kv-cache-dtype fp8` of the engine) (default: %(default)s)")
@@ -492,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import decode
     from m3export.config import preset
+    from m3export.runtime.engine import default_page_size
 
     if not cuda:  # the routing kernel that counts the experts a step touches runs interpreted on the CPU
         os.environ["TRITON_INTERPRET"] = "1"
@@ -502,9 +505,10 @@ def main(argv: list[str] | None = None) -> int:
 
         register()
         bw = args.bandwidth or decode.copy_bandwidth()
+        args.page_size = args.page_size or default_page_size(cfg)
     else:  # tiny, fp32, the reference ops: the logic check
         cfg, dtype = preset("tiny"), torch.float32
-        args.page_size = min(args.page_size, 4)
+        args.page_size = min(args.page_size or 4, 4)
         bw = args.bandwidth or float("nan")
         decode.SMOKE = True
     elt = torch.empty((), dtype=dtype).element_size()
