@@ -194,7 +194,7 @@ def test_unknown_loads_are_refused():
     paged, attrs = _case("decode-one-token-seqs")
     with pytest.raises(ValueError, match="scan loads 'bulk'"):
         _run(paged, attrs, {"scan": dict(loads="bulk")})
-    assert LI.LOADS == ("gather", "tma", "tma-host")
+    assert LI.LOADS == ("gather", "tma", "tma-host", "auto")
     with pytest.raises(ValueError, match="scan fp8_dot 'fp16' is not one of"):
         _run(paged, attrs, {"scan": dict(fp8_dot="fp16")})
 
@@ -222,14 +222,14 @@ class _Captured(Exception):
 
 @pytest.mark.parametrize("page, config, tma", [
     (16, None, False),  # the engine's default page: gathered 128-key tiles, not TMA tiles of 16 keys
-    (64, {"scan": {"fp8_dot": "tf32"}}, False),  # settings that leave the loads to the defaults
+    (64, {"scan": {"fp8_dot": "tf32"}}, False),  # settings that keep the default loads, "auto"
     (128, None, True),  # a page holds the default's whole key tile: TMA
-    (16, {"scan": {"loads": "tma-host"}}, True),  # the caller's own loads are kept (the sweep's variants)
+    (16, {"scan": {"loads": "tma-host"}}, True),  # loads asked for are kept (the sweep's variants)
 ])
-def test_pages_below_the_key_tile_gather_unless_the_loads_are_asked_for(page, config, tma, monkeypatch):
-    """``SMALL_PAGE_SCAN``: a bulk copy never crosses a page, so with the defaults' TMA loads the tiles would shrink
-    to the page; such pools gather whole-block tiles instead (H200: 2x faster at pages of 16). The launch is
-    captured, not run: its kwargs say which walk and tile it compiled."""
+def test_auto_loads_gather_pages_below_the_key_tile(page, config, tma, monkeypatch):
+    """Loads "auto" (the default): a bulk copy never crosses a page, so TMA tiles would shrink to the page; such
+    pools gather whole-block tiles instead (``SMALL_PAGE_SCAN``; H200: 2x faster at pages of 16), others run
+    "tma-host". The launch is captured, not run: its kwargs say which walk and tile it compiled."""
     seen = {}
 
     class Capture:
@@ -247,7 +247,7 @@ def test_pages_below_the_key_tile_gather_unless_the_loads_are_asked_for(page, co
     with pytest.raises(_Captured):
         LI.scan(q, pool, table, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4096], dtype=torch.int32),
                 torch.tensor([4095]), 128, config=config)
-    assert bool(seen["TMA"]) == tma
+    assert bool(seen["TMA"]) == tma and seen["HOST_DESC"] == tma
     assert seen["BLOCK_N"] == (min(page, LI.DEFAULTS["scan"]["block_n"]) if tma else 128)
     if not tma:
         assert seen["num_stages"] == LI.SMALL_PAGE_SCAN["num_stages"]

@@ -40,7 +40,9 @@ from ._tile_plan import tile_lists
 from ._tma import ensure_descriptor_allocator
 
 OP = "m3::lightning_indexer"
-LOADS = ("gather", "tma", "tma-host")  # the scan's key loads (DEFAULTS["scan"]["loads"])
+# The scan's key loads (DEFAULTS["scan"]["loads"]); "auto": "tma-host" where a page holds the key tile, else the
+# gathered whole-block tiles of ``SMALL_PAGE_SCAN``.
+LOADS = ("gather", "tma", "tma-host", "auto")
 # How FP8 keys meet 16-bit queries (DEFAULTS["scan"]["fp8_dot"]). "bf16": each key widened to the query's dtype, on
 # sm_90 an e4m3x2 -> f16x2 conversion per two keys and an f16 -> bf16 one per key (64 + 128 per thread for a tile of
 # 128 keys of 128 dims at 4 warps, ``scripts/compile_indexer_sm90.py``), which the multiprocessor issues at 16 per
@@ -55,8 +57,8 @@ DEFAULTS = {
     # block_n: key tile (gather: raised to block_size when blocks are longer, a tile never splits a block; tma:
     # lowered to the page, a tile never crosses a page, and a longer block keeps its max across its tiles);
     # loads: "gather" (each key row's address from its page id, cp.async), "tma" (one bulk tensor copy per
-    # page-sized tile, descriptor made in the kernel) or "tma-host" (the same, descriptor made at launch; pools a
-    # descriptor cannot address, ``tma_usable``, are gathered); fold_topk: 1 runs the block top-k in the scan
+    # page-sized tile, descriptor made in the kernel), "tma-host" (the same, descriptor made at launch; pools a
+    # descriptor cannot address, ``tma_usable``, are gathered) or "auto" (``LOADS``; since 2026-12-02); fold_topk: 1 runs the block top-k in the scan
     # launch (``forward`` only, decode-like batches up to ``FOLD_MOST_KEYS``); waves: programs per multiprocessor
     # the context splits aim for (tma: at most); max_splits: most splits of one tile's context (the launch has
     # slots x splits programs); min_split_tiles: when > 0, no more splits than ceil(key tiles of the widest block
@@ -81,7 +83,7 @@ DEFAULTS = {
     # 4.4 / 9.8 / 15.4 us at batch 1 / 4k, 1 / 128k, 8 / 32k against "tf32"'s 4.7 / 10.6 / 17.2; in the `mini`
     # model (pages of 64, three layers) 36.0 against 39.9 us a step at 128k. 16-bit keys are not affected.
     "scan": dict(block_n=128, num_warps=4, num_stages=8, waves=2, max_splits=1024, min_split_tiles=0,
-                 loads="tma-host", fold_topk=0, fp8_dot="bits"),
+                 loads="auto", fold_topk=0, fp8_dot="bits"),
     # method: "rounds" (topk rounds of max / min) or "bitonic" (tl.topk over packed int64 keys);
     # group: 0 ranks a row's blocks padded to a power of two at once, > 0 ("bitonic") in two levels for rows of at least
     # ``GROUPED_LEAST`` x group x top-k blocks: the largest key of each group of that many blocks, the top-k groups
@@ -183,8 +185,8 @@ VARIANTS = {
 # before 2026-12-01 06:35 UTC, keeping the caller's fold choice.
 FP32_POOL_SCAN = {k: v for k, v in VARIANTS["scan"]["n64-w4-s3-waves4-max1024"].items() if k != "fold_topk"}
 
-# The scan settings pools with pages smaller than the default's key tile run when the settings leave the loads to
-# the defaults (``_scan_launch``): a bulk copy never crosses a page, so the TMA walk's tiles shrink to the page (16
+# The scan settings pools with pages smaller than the key tile run with loads "auto" (the default's;
+# ``_scan_launch``): a bulk copy never crosses a page, so the TMA walk's tiles shrink to the page (16
 # keys at the engine's default page, ``runtime.engine.default_page_size``), while the gather walk's tiles stay a
 # whole index block. H200 2026-12-02 04:30 UTC (`mini`, pages of 16, three layers, us a step at 4k / 128k; every
 # selection the references' in the tests): bf16 keys 18.5 / 62.2 by TMA, 11.5 / 34.3 with these; FP8 keys
@@ -545,8 +547,8 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         # scan of the earlier default, which those tests passed with (the interpreter has no shared memory to run
         # out of: its fp32 tests keep the TMA walk). 16-bit and FP8 pools keep the TMA settings.
         cfg = dict(cfg, **FP32_POOL_SCAN)
-    elif cfg["loads"] != "gather" and page < cfg["block_n"] and "loads" not in ((config or {}).get("scan") or {}):
-        cfg = dict(cfg, **SMALL_PAGE_SCAN)  # pages below the key tile, loads left to the defaults: gathered tiles
+    elif cfg["loads"] == "auto":  # pages below the key tile: gathered whole-block tiles; else bulk copies
+        cfg = dict(cfg, **SMALL_PAGE_SCAN) if page < cfg["block_n"] else dict(cfg, loads="tma-host")
     tma = cfg["loads"] != "gather" and tma_usable(kc) is None  # any other pool: the same launch by gathering
     if tma:
         block_n = min(max(cfg["block_n"], MIN_TMA_TILE), page, MAX_TMA_BOX)  # one page per key tile, or part of one
