@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 
-from tests.test_kernels_attention import CASES, DEVICE, Paged  # sets TRITON_INTERPRET without a GPU
+from tests.test_kernels_attention import CASES, DEVICE, Paged, spy_launches  # sets TRITON_INTERPRET without a GPU
 
 from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
 from m3export.plugins.kernels import _batch  # noqa: E402
@@ -167,18 +167,7 @@ def test_fp8_pool_with_another_dot(loads, dot, flag, monkeypatch):
     TF32) or ``"bits"`` (keys widened to bf16 by bit placement, the dot in bf16): the interpreter multiplies in
     fp32 and widens with ``widen``; the compiled lowering is ``tests/test_indexer_sm90_compile.py``'s and the bit
     placement's every byte ``tests/test_fp8_widen_gpu.py``'s."""
-    seen = []
-    kernel = LI._index_scan
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs)
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(LI, "_index_scan", Spy())
+    seen = spy_launches(monkeypatch, LI, "_index_scan")
     paged, attrs = _case("many-blocks-top16")
     config = {"scan": dict(loads=loads, block_n=16, fp8_dot=dot)}
     got, ref = _run(paged, attrs, config, dtype=torch.bfloat16, scale=True)

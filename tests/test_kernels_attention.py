@@ -110,6 +110,24 @@ def _dev(*ts):
     return [t.to(DEVICE) for t in ts]
 
 
+def spy_launches(monkeypatch, module, kernel_name: str) -> list[dict]:
+    """``module.<kernel_name>``'s launches, recorded as its launcher makes them (keyword arguments, with the grid
+    under "grid"), each still run: what the launch-setting tests read back."""
+    seen = []
+    kernel = getattr(module, kernel_name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(dict(kwargs, grid=grid))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, kernel_name, Spy())
+    return seen
+
+
 # ------------------------------------------------------------------------------------------------ indexer
 def test_indexer_selects_exactly_as_reference(case):
     paged, attrs, dtype = case

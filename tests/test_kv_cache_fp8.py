@@ -13,7 +13,8 @@ import zlib
 import pytest
 import torch
 
-from tests.test_kernels_attention import CASES, DEVICE, Paged, _assert_attention_close, _dev  # sets the interpreter
+from tests.test_kernels_attention import (CASES, DEVICE, Paged, _assert_attention_close,  # sets the interpreter
+                                         _dev, spy_launches)
 
 from m3export.ops.attention import paged_attention_reference, sparse_paged_attention_reference  # noqa: E402
 from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
@@ -178,18 +179,7 @@ def test_dense_attention_launch_settings_on_fp8_pools(settings, monkeypatch):
     tile, the split count and K / V widened by bit placement keep the FP8 reference's bound; the launch runs the
     settings (bit placement only for bf16 queries over FP8 pools); unknown values are refused by name."""
     monkeypatch.setattr(_batch, "num_sms", lambda device: 16)
-    seen = []
-    kernel = paged_attention._paged_attention
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append((grid, kwargs))
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(paged_attention, "_paged_attention", Spy())
+    seen = spy_launches(monkeypatch, paged_attention, "_paged_attention")
     ctx, new, page, *_ = CASES["mixed-with-empty-seq"]
     paged = Paged(ctx, new, page, 21)
     hq, hkv, d = 4, 2, 32
@@ -201,10 +191,10 @@ def test_dense_attention_launch_settings_on_fp8_pools(settings, monkeypatch):
         got = paged_attention.forward(*_dev(q, k, v), *paged.args(), d**-0.5, *_dev(ks, vs), config=config)
         _assert_attention_close(got, ref, dequantize_rows(v, vs).to(dtype))
     bits = settings["fp8_widen"] == "bits"
-    assert [kw["FP8_BITS"] for _, kw in seen] == [bits, False]  # fp32 queries: no bit placement
+    assert [kw["FP8_BITS"] for kw in seen] == [bits, False]  # fp32 queries: no bit placement
     fp8 = paged_attention.DEFAULTS["attention_fp8"]
-    assert all(kw["BLOCK_N"] == settings.get("block_n", fp8["block_n"]) for _, kw in seen)
-    splits = seen[0][0][2]
+    assert all(kw["BLOCK_N"] == settings.get("block_n", fp8["block_n"]) for kw in seen)
+    splits = seen[0]["grid"][2]
     assert splits <= settings.get("max_splits", fp8["max_splits"]) and (splits > 2 if settings.get("block_n") == 16
                                                                          else True)
     with pytest.raises(ValueError, match="fp8_widen 'fast' is not one of"):
@@ -223,18 +213,7 @@ def test_sparse_attention_widens_fp8_by_bits_for_bf16_queries(monkeypatch):
     """``sparse_paged_attention`` settings ``fp8_widen``: its kernel's FP8 flag is 2 (bit placement) for bf16 queries
     over FP8 pools by default, 1 (conversion) when asked or for other queries, 0 for 16-bit pools; results within the
     FP8 reference's bound either way; an unknown value refused by name."""
-    seen = []
-    kernel = sparse_paged_attention._sparse_paged_attention
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs["FP8"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(sparse_paged_attention, "_sparse_paged_attention", Spy())
+    seen = spy_launches(monkeypatch, sparse_paged_attention, "_sparse_paged_attention")
     ctx, new, page, bs, topk, local, init = CASES["decode-one-token-seqs"]
     paged = Paged(ctx, new, page, 5)
     hq, hkv, d = 4, 2, 32
@@ -250,7 +229,7 @@ def test_sparse_attention_widens_fp8_by_bits_for_bf16_queries(monkeypatch):
         _assert_attention_close(got, ref, dequantize_rows(v, vs).to(dtype))
     k16 = paged.pool(hkv, d, dtype=torch.bfloat16)
     sparse_paged_attention.forward(*_dev(q.bfloat16(), k16, k16), *paged.args(), sel.to(DEVICE), bs, d**-0.5)
-    assert seen == [2, 1, 1, 0]
+    assert [kw["FP8"] for kw in seen] == [2, 1, 1, 0]
     with pytest.raises(ValueError, match="fp8_widen 'fast' is not one of"):
         sparse_paged_attention.forward(*_dev(q, k, v), *paged.args(), sel.to(DEVICE), bs, d**-0.5, *_dev(ks, vs),
                                        config={"decode": {"fp8_widen": "fast"}})

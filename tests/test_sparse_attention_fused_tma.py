@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_kernels_attention import DEVICE, Paged, _assert_attention_close  # sets TRITON_INTERPRET
+from tests.test_kernels_attention import (DEVICE, Paged, _assert_attention_close,  # sets TRITON_INTERPRET
+                                         spy_launches)
 
 from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E402
 from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
@@ -59,18 +60,7 @@ def _sixteen_sms(monkeypatch):
 @pytest.fixture
 def launches(monkeypatch):
     """The kernel's launches (grid and keyword arguments) as ``forward`` made them; each still runs."""
-    seen = []
-    kernel = SPA._sparse_paged_attention
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(dict(kwargs, grid=grid))
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(SPA, "_sparse_paged_attention", Spy())
-    return seen
+    return spy_launches(monkeypatch, SPA, "_sparse_paged_attention")
 
 
 def _case(batch: str, page: int, dtype=torch.bfloat16, fp8: bool = False):

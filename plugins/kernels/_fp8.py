@@ -12,6 +12,7 @@ interpreter-checked code and the GPU code are one and the same here.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -81,6 +82,13 @@ def check_widen(kernel: str, value: str) -> None:
     """Refuse an ``fp8_widen`` setting that is not one of ``WIDENS``, naming the kernel."""
     if value not in WIDENS:
         raise ValueError(f"{kernel}: fp8_widen {value!r} is not one of {WIDENS}")
+
+
+def by_bits(setting: str, fp8_pool: bool, query_dtype) -> bool:
+    """Whether a launch widens its E4M3 pool by bit placement (``widen_by_bits``): the setting ("bits" of the
+    attention kernels' ``fp8_widen`` or the indexer scan's ``fp8_dot``) asks for it, the pool is FP8 and the
+    queries are bf16 (the placement makes bf16; other queries widen by conversion to their own dtype)."""
+    return fp8_pool and setting == "bits" and query_dtype == torch.bfloat16
 
 
 # E4M3 -> bf16 without a conversion instruction, four bytes at a time (sm_90; ``widen_by_bits``): each byte

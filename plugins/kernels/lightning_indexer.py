@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, mma, next_pow2, num_sms,
                      sequence_of, splits_for, ticket_counters, tokens_per_tile)
-from ._fp8 import widen, widen_by_bits
+from ._fp8 import by_bits, widen, widen_by_bits
 from ._tile_plan import tile_lists
 from ._tma import ensure_descriptor_allocator
 
@@ -597,7 +597,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
         cnt_ptr=counters, sel_ptr=sel, ssel_t=sel.stride(0), ssel_h=sel.stride(1), k_desc=k_desc, TMA=tma,
         HOST_DESC=host_desc, STAGES=cfg["num_stages"],
         FP8_TF32=index_k_scale is not None and cfg["fp8_dot"] == "tf32" and index_q.element_size() == 2,
-        FP8_BITS=index_k_scale is not None and cfg["fp8_dot"] == "bits" and index_q.dtype == torch.bfloat16,
+        FP8_BITS=by_bits(cfg["fp8_dot"], index_k_scale is not None, index_q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **fold_args,
     )
     return scores, (sel if fold is not None else None)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, next_pow2, sequence_of,
                      splits_for, tokens_per_tile)
-from ._fp8 import check_widen
+from ._fp8 import by_bits, check_widen
 from ._splitk import LOG2E, Partials, attend_tile, finish_rows
 from ._tile_plan import tile_lists
 
@@ -193,7 +193,7 @@ def forward(
         HQ=hq, G=group, G_PAD=g_pad, D=d, BLOCK_D=next_pow2(max(d, 16)), DV=dv, BLOCK_DV=next_pow2(max(dv, 16)),
         PAGE=page, TOKENS=tokens, ROWS=max(16, tokens * g_pad), LOG2_SEQS=log2_ceil(b), BLOCK_N=cfg["block_n"],
         SPLITS=splits, PREC=dot_precision(q.dtype), INTERPRETED=interpreted(q),
-        FP8_BITS=fp8 and cfg["fp8_widen"] == "bits" and q.dtype == torch.bfloat16,
+        FP8_BITS=fp8 and by_bits(cfg["fp8_widen"], fp8, q.dtype),  # (16-bit pools: no fp8_widen setting)
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return parts.merge_into(out) if parts else out

@@ -47,7 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._batch import (cdiv, dot_precision, interpreted, launch_settings, log2_ceil, max_shared_memory, next_pow2,
                      sequence_of, splits_for, ticket_counters, tokens_per_tile)
-from ._fp8 import check_widen
+from ._fp8 import by_bits, check_widen
 from ._splitk import LOG2E, Partials, attend_tile, attend_tile_lean, finish_rows, finish_rows_fused
 from ._tile_plan import tile_plan
 from ._tma import ensure_descriptor_allocator
@@ -713,7 +713,7 @@ def forward(
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
         vc.stride(2), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), bt.stride(0), sel.stride(0),
         sel.stride(1), out.stride(0), out.stride(1), scale * LOG2E,
-        FP8=0 if k_scale is None else 2 if cfg["fp8_widen"] == "bits" and q.dtype == torch.bfloat16 else 1,
+        FP8=0 if k_scale is None else 2 if by_bits(cfg["fp8_widen"], True, q.dtype) else 1,
         HQ=hq, G=group, G_PAD=g_pad, TOKENS=tokens, ROWS=rows, D=d,
         BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, PAGE=page, BS=block_size, K=topk,
         K_PAD=next_pow2(max(topk, 2)), LOG2_SEQS=log2_ceil(b), BLOCK_N=block_n, SPLITS=splits, LOOP=loop,
