@@ -22,7 +22,8 @@ import zlib
 import pytest
 import torch
 
-from tests.test_kernels_attention import CASES, DEVICE, Paged, _assert_attention_close  # sets TRITON_INTERPRET
+from tests.test_kernels_attention import (CASES, DEVICE, Paged, _assert_attention_close,  # sets TRITON_INTERPRET
+                                          spy_launches)
 
 from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E402
 from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
@@ -61,7 +62,8 @@ def distinct(defaults: dict, variants: dict) -> list[str]:
 def describe(kernel: str, part: str, s: dict) -> str:
     """The name a variant with settings ``s`` must have: every setting, in the order of the modules' comments."""
     if kernel == "lightning_indexer" and part == "topk":
-        return f"{s['method']}-w{s['num_warps']}" + (f"-g{s['group']}" if s["group"] else "")
+        return f"{s['method']}-w{s['num_warps']}" + (f"-g{s['group']}" if s["group"] else "") + (
+            f"-long{s['long_warps']}" if s["long_warps"] else "")
     if kernel == "lightning_indexer":
         words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
@@ -319,3 +321,27 @@ def test_grouped_topk_on_long_rows_of_ties_orders_like_a_stable_sort(group):
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group}})
     assert torch.equal(got.cpu(), want)
+
+
+def test_long_rows_run_the_long_warps_setting(monkeypatch):
+    """Rows padded to at least ``LONG_ROW`` blocks launch ``long_warps`` warps, shorter ones ``num_warps`` (the
+    H200's choice at 128k; ``DEFAULTS["topk"]``), with the same ids as torch's stable descending sort either way.
+    LONG_ROW is lowered so that a 300-block row (padded to 512) is long: the interpreter ignores warps, so what is
+    checked here is the launch each row length gets and that its ids stay the oracle's."""
+    monkeypatch.setattr(LI, "LONG_ROW", 512)
+    launches = spy_launches(monkeypatch, LI, "_block_topk")
+    gen = torch.Generator().manual_seed(5)
+    bs, topk, local, init = 2, 16, 1, 0
+    for nb, warps in ((300, 8), (100, 4)):
+        scores = torch.randint(-3, 4, (2, 2, nb), generator=gen).float()  # ties everywhere
+        positions = torch.tensor([2 * nb - 1, nb])  # own blocks nb - 1 and nb / 2
+        c = torch.arange(nb)
+        own = positions // bs
+        visible = c[None, :] <= own[:, None]
+        v = torch.where(visible[:, None, :], scores, float("-inf"))
+        v = torch.where((visible & (c[None, :] > own[:, None] - local))[:, None, :], float("inf"), v)
+        want = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
+        got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
+                            config={"topk": {"num_warps": 4, "long_warps": 8}})
+        assert launches[-1]["num_warps"] == warps
+        assert torch.equal(got.cpu(), want)

@@ -94,8 +94,16 @@ DEFAULTS = {
     # sweep 3.9 against 4.4 us), at 4k 4.9 against 5.0 (rows of 33 blocks: one top-k, as before); sweep at
     # 8 / 32k and 64 / 32k 2.7 / 3.0 us against 2.7 / 3.1. "bitonic-w8-g16" 17.3 us in the model at 128k but
     # slower in the sweep at 8 / 32k and 64 / 32k.
-    "topk": dict(method="bitonic", num_warps=4, group=16),
+    # long_warps: the warps of rows padded to at least ``LONG_ROW`` blocks (0: num_warps). H200 2026-12-02 06:40 UTC
+    # (one launch each, profiler; every selection the reference's): at batch 1 / 128k (1025 blocks) 8 warps 5.44 us
+    # against 4 warps' 6.11, at 32k (257 blocks, padded to 512) 3.07 against 2.94; in the `mini` model (FP8 keys,
+    # pages of 16, three layers) 16.2 against 19.7 us a step at 128k.
+    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8),
 }
+
+
+def _topk(method, num_warps, group, long_warps=0):
+    return dict(method=method, num_warps=num_warps, group=group, long_warps=long_warps)
 
 
 def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, loads="gather", fold_topk=0,
@@ -158,26 +166,31 @@ VARIANTS = {
         "tma-host-n128-w8-s8-waves2-max1024-bits": _scan(128, 8, 8, 2, 1024, loads="tma-host", fp8_dot="bits"),
     },
     "topk": {
-        "rounds-w4": dict(method="rounds", num_warps=4, group=0),  # the defaults before 2026-11-30 22:12
-        "rounds-w1": dict(method="rounds", num_warps=1, group=0),
-        "rounds-w2": dict(method="rounds", num_warps=2, group=0),
-        "bitonic-w1": dict(method="bitonic", num_warps=1, group=0),
-        "bitonic-w4": dict(method="bitonic", num_warps=4, group=0),
+        "rounds-w4": _topk("rounds", 4, 0),  # the defaults before 2026-11-30 22:12
+        "rounds-w1": _topk("rounds", 1, 0),
+        "rounds-w2": _topk("rounds", 2, 0),
+        "bitonic-w1": _topk("bitonic", 1, 0),
+        "bitonic-w4": _topk("bitonic", 4, 0),
         # 2026-12-01, not yet timed: at batch 1 / 128k the widest table has 1025 blocks (131072 keys and the new
         # token), which the whole-row sort pads to 2048 (8.4 us a layer on the H200, 13:46 UTC): four programs
         # (one per head), each a long dependent chain. sm_90 code (``scripts/compile_indexer_sm90.py --part topk``):
         # 3544 SASS instructions per thread at w4, 2144 at w8, 1328 at w16. (A setting ``chunk``, walking the blocks
         # up to each row's own 256 at a time, lost at every shape in two H200 sweeps, 9.8 against 4.4 us at 128k;
         # removed after the two-level top-k replaced the whole-row sort for long rows.)
-        "bitonic-w8": dict(method="bitonic", num_warps=8, group=0),
-        "bitonic-w16": dict(method="bitonic", num_warps=16, group=0),
+        "bitonic-w8": _topk("bitonic", 8, 0),
+        "bitonic-w16": _topk("bitonic", 16, 0),
         # 2026-12-01 (seventh session): the two-level top-k (``_grouped_topk``). At 1025 blocks (padded to 2048) in
         # groups of 16: a max over each group's 16 keys, a top-16 of 128 group maxima, a top-16 of the 256 blocks
         # of the 16 groups it picks, reloaded (L2): sorts of 128 and 256 keys instead of one of 2048 (2936 SASS
         # instructions a thread against 3544; w8: 1824). "g16" is the default since 22:45 UTC (see DEFAULTS).
-        "bitonic-w4-g16": dict(method="bitonic", num_warps=4, group=16),
-        "bitonic-w4-g32": dict(method="bitonic", num_warps=4, group=32),
-        "bitonic-w8-g16": dict(method="bitonic", num_warps=8, group=16),
+        "bitonic-w4-g16": _topk("bitonic", 4, 16),
+        "bitonic-w4-g32": _topk("bitonic", 4, 32),
+        "bitonic-w8-g16": _topk("bitonic", 8, 16),
+        # "bitonic-w4-g16" is the default before ``long_warps`` (2026-12-02, tenth session). Tried the same day
+        # and not kept: a radix selection (four 256-bin histograms of the score bits, then the blocks above the
+        # threshold and the lowest-id ties, sorted): 8.5 us at batch 1 / 128k and 4.4 at 4k against the grouped
+        # sort's 6.1 / 1.3 (H200, one launch each): each of its four rounds of histogram, prefix sum and
+        # reductions across the warps cost ~0.75 us.
     },
 }
 
@@ -603,6 +616,10 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     return scores, (sel if fold is not None else None)
 
 
+# Rows padded to at least this many blocks (a context past 128k tokens at M3's blocks of 128) run the top-k setting
+# ``long_warps``.
+LONG_ROW = 2048
+
 # The two-level top-k (setting ``group``) runs for rows padded to at least this many x group x top-k blocks; below
 # that the groups' blocks it ranks again are half the row or more.
 GROUPED_LEAST = 2
@@ -636,10 +653,11 @@ def block_topk(
     nb_pad = max(next_pow2(max(nb, 2)), topk_pad)
     if nb_pad < GROUPED_LEAST * group * topk_pad:
         group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
+    warps = cfg["long_warps"] if cfg["long_warps"] and nb_pad >= LONG_ROW else cfg["num_warps"]
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         NB=nb, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
         TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], GROUP=group,
-        num_warps=cfg["num_warps"],
+        num_warps=warps,
     )
     return out
