@@ -108,7 +108,7 @@ def attend_tile_lean(q, k, v, need_mask, allowed, qk_scale, m_i, l_i, acc, PREC:
 
 @triton.jit
 def finish_rows(out_ptr, acc_ptr, m_ptr, l_ptr, acc, m_i, l_i, tok, hq, row_ok, split, so_t, so_h, dv,
-                HQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr):
+                HQ: tl.constexpr, DV: tl.constexpr, SPLITS):
     """The rows' output (one split), or their partial (m, l, acc) for ``_merge`` (the end of every split-K
     attention program: dense and sparse)."""
     if SPLITS == 1:
@@ -166,7 +166,7 @@ def finish_rows_fused(out_ptr, acc_ptr, m_ptr, l_ptr, tick_ptr, acc, m_i, l_i, t
 
 @triton.jit
 def _merge(acc_ptr, m_ptr, l_ptr, out_ptr, so_t, so_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-           SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+           SPLITS, SPLITS_PAD: tl.constexpr):
     row = tl.program_id(0)  # (token, query head) flattened: partials are [T * Hq, SPLITS, (DV)]
     hq = tl.num_programs(1)
     hd = tl.program_id(1)

@@ -215,11 +215,11 @@ def _index_scan(
     num_seqs, sq_t, sq_h, sk_p, sk_r, sks_p, sks_r, sbt_b, so_t, so_h,
     FP8: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BS: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
+    SPLITS, PREC: tl.constexpr, INTERPRETED: tl.constexpr,
     # the TMA loads and the fold (defaults: neither, so callers of the gather scan pass none of these)
     num_rows=0, cnt_ptr=None, sel_ptr=None, ssel_t=0, ssel_h=0, k_desc=None, TMA: tl.constexpr = False,
     HOST_DESC: tl.constexpr = False,
-    STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB: tl.constexpr = 1, NB_PAD: tl.constexpr = 2,
+    STAGES: tl.constexpr = 1, FOLD: tl.constexpr = False, NB=1, NB_PAD: tl.constexpr = 2,
     TOPK: tl.constexpr = 1, TOPK_PAD: tl.constexpr = 2, LOCAL: tl.constexpr = 0, INIT: tl.constexpr = 0,
     METHOD: tl.constexpr = "bitonic", FP8_TF32: tl.constexpr = False, FP8_BITS: tl.constexpr = False,
 ):
@@ -385,7 +385,7 @@ def _store_picks(top, out_row, row_ok, NB_PAD: tl.constexpr, TOPK: tl.constexpr,
 @triton.jit
 def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
-    NB: tl.constexpr, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    NB, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, GROUP: tl.constexpr = 0,
 ):
     """One program per (token, head): the row's top-k at once (``_select_blocks``) or, GROUP > 0 ("bitonic"), in
@@ -405,7 +405,7 @@ def _block_topk(
 
 
 @triton.jit
-def _row_keys(row, c, own, NB: tl.constexpr, NB_PAD: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr):
+def _row_keys(row, c, own, NB, NB_PAD: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr):
     """The keys (``_block_keys``) of one row's blocks ``c`` [1, N], read from ``row``: forced blocks (local / init)
     as +inf, blocks past the row's own (or the table) as -inf."""
     visible = (c <= own[:, None]) & (c < NB)
@@ -414,7 +414,7 @@ def _row_keys(row, c, own, NB: tl.constexpr, NB_PAD: tl.constexpr, LOCAL: tl.con
 
 
 @triton.jit
-def _grouped_topk(row, own, base, NB: tl.constexpr, NB_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
+def _grouped_topk(row, own, base, NB, NB_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
                   TOPK: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, GROUP: tl.constexpr):
     """The top-k of one row in two levels (NB_PAD >= 2 x GROUP x TOPK_PAD): the row's keys in NB_PAD / GROUP groups
     of GROUP consecutive blocks, each group's largest key, the TOPK_PAD groups with the largest of those, then the

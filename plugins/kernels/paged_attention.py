@@ -85,7 +85,7 @@ def _paged_attention(
     FP8: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, LOG2_SEQS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PREC: tl.constexpr, INTERPRETED: tl.constexpr, FP8_BITS: tl.constexpr = False,
+    SPLITS, PREC: tl.constexpr, INTERPRETED: tl.constexpr, FP8_BITS: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     g = tl.program_id(1)
