@@ -94,10 +94,11 @@ DEFAULTS = {
     # sweep 3.9 against 4.4 us), at 4k 4.9 against 5.0 (rows of 33 blocks: one top-k, as before); sweep at
     # 8 / 32k and 64 / 32k 2.7 / 3.0 us against 2.7 / 3.1. "bitonic-w8-g16" 17.3 us in the model at 128k but
     # slower in the sweep at 8 / 32k and 64 / 32k.
-    # long_warps: the warps of rows padded to at least ``LONG_ROW`` blocks (0: num_warps). H200 2026-12-02 06:40 UTC
-    # (one launch each, profiler; every selection the reference's): at batch 1 / 128k (1025 blocks) 8 warps 5.44 us
-    # against 4 warps' 6.11, at 32k (257 blocks, padded to 512) 3.07 against 2.94; in the `mini` model (FP8 keys,
-    # pages of 16, three layers) 16.2 against 19.7 us a step at 128k.
+    # long_warps: the warps of rows padded to at least ``LONG_ROW`` blocks (0: num_warps). H200 2026-12-02
+    # (``bench/topk_launch.py``, one launch at a time, bench/results/topk_launch_h200.json; every selection the
+    # stable sort's): at batch 1 / 128k (1025 blocks) 5.76 us against 4 warps' 6.14; at 32k (257 blocks, padded to
+    # 512) 8 warps were slower (3.10 against 2.94), hence only long rows; in the `mini` model (FP8 keys, pages of
+    # 16, three layers) 16.2 against 19.7 us a step at 128k.
     "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8),
 }
 
@@ -189,8 +190,8 @@ VARIANTS = {
         # "bitonic-w4-g16" is the default before ``long_warps`` (2026-12-02, tenth session). Tried the same day
         # and not kept: a radix selection (four 256-bin histograms of the score bits, then the blocks above the
         # threshold and the lowest-id ties, sorted): 8.5 us at batch 1 / 128k and 4.4 at 4k against the grouped
-        # sort's 6.1 / 1.3 (H200, one launch each): each of its four rounds of histogram, prefix sum and
-        # reductions across the warps cost ~0.75 us.
+        # sort's 6.1 / 1.3 (H200, one launch each, a probe of that session): each of its four rounds of
+        # histogram, prefix sum and reductions across the warps cost ~0.75 us.
     },
 }
 
