@@ -146,3 +146,11 @@ def test_artifacts_of_random_weights_are_recognised(tmp_path):
     (ckpt / "manifest.json").write_text(json.dumps({"source": f"checkpoint:{ckpt}"}))  # exported in place
     assert has_random_weights(str(ckpt))
     assert not has_random_weights(str(default_model()))
+
+
+def test_generate_parses_the_provider_before_anything_loads(capsys):
+    """``generate`` reads ``--provider`` as ``serve`` and ``triton-repo`` do (``provider_engine_arg``): an unknown
+    execution provider is the one error, before the source is even looked at."""
+    rc, err = _run(capsys, ["generate", "tiny", "--prompt-ids", "1,2", "--backend", "onnxruntime",
+                            "--provider", "nosuchep"])
+    assert rc == 2 and "error: unknown execution provider 'nosuchep'" in err and "Traceback" not in err

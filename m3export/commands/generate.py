@@ -9,7 +9,7 @@ from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
 from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, bounded_int, check_device,
-                        check_parallel, check_provider_backend, check_text, parallel_engine_args)
+                        check_parallel, check_text, parallel_engine_args, provider_engine_arg)
 from .synth import has_random_weights
 
 NAME = "generate"
@@ -82,10 +82,10 @@ def _engine(args: argparse.Namespace):
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager,
               "kv_cache_dtype": args.kv_cache_dtype, **parallel_engine_args(args)}
-    check_provider_backend(args.provider, args.backend)
+    provider = provider_engine_arg(args.provider, args.backend)  # a bad name or option fails before any load
     if source_kind(args.artifact) == ARTIFACT:
         return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype,
-                                    provider=args.provider, **sizing)
+                                    provider=provider, **sizing)
     if args.backend != "torch":
         raise M3Error(f"{args.artifact} is not an exported artifact (no manifest.json): checkpoints and presets run "
                       f"on the torch backend; export it first (m3export export) to use {args.backend}")
