@@ -9,8 +9,8 @@ launched ``--reps`` times, one launch at a time, and torch.profiler gives each l
   step's MoE weights went through L2.
 
 Inputs: batch-1 decode rows at M3's dims (4 index heads, blocks of 128 keys, top-16, one local block), random block
-maxima of a context of ``--contexts`` tokens. Every setting's ids are checked against torch's stable descending sort
-(the reference's order) before it is timed.
+maxima of a context of ``--contexts`` tokens. Every setting's ids are checked against the reference's selection
+(``m3export.ops.indexer.select_blocks``) before it is timed.
 
   python bench/topk_launch.py                                   # H200: default + every top-k variant, 4k / 32k / 128k
   python bench/topk_launch.py --contexts 131072 --variants bitonic-w8-g16 --reps 50
@@ -32,20 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: results_file
 from results_file import RESULTS, write_results  # noqa: E402
 
 HEADS, BLOCK, TOPK, LOCAL, INIT = 4, 128, 16, 1, 0
-
-
-def oracle(scores: torch.Tensor, position: int) -> torch.Tensor:
-    """Ids of one decode token's top-k blocks per head: forced local blocks first, then larger maxima, lower ids
-    among equals (a stable descending sort), -1 past the visible blocks."""
-    nb = scores.shape[-1]
-    own = position // BLOCK
-    c = torch.arange(nb)
-    visible = c <= own
-    v = torch.where(visible, scores.cpu(), float("-inf"))
-    v = torch.where(visible & ((c > own - LOCAL) | (c < INIT)), float("inf"), v)
-    v = torch.nn.functional.pad(v, (0, max(0, TOPK - nb)), value=float("-inf"))  # fewer blocks than the top-k: -1
-    order = torch.sort(v, dim=-1, descending=True, stable=True)
-    return torch.where(order.values[..., :TOPK] == float("-inf"), -1, order.indices[..., :TOPK]).to(torch.int32)
 
 
 def time_launches(run, reps: int, flush: torch.Tensor | None) -> float:
@@ -77,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from m3export.ops.indexer import select_blocks
     from m3export.plugins.kernels import lightning_indexer as LI
 
     names = [v for v in args.variants.split(",") if v] or list(LI.VARIANTS["topk"])
@@ -94,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         nb = -(-(ctx + 1) // BLOCK)
         scores = torch.randn(1, HEADS, nb, generator=gen).to(args.device)
         pos = torch.tensor([ctx], device=args.device)
-        want = oracle(scores[0], ctx)
+        want = select_blocks(scores.cpu(), pos.cpu(), BLOCK, TOPK, LOCAL, INIT)
         for name, config in settings.items():
             def run():
                 return LI.block_topk(scores, pos, BLOCK, TOPK, LOCAL, INIT, config=config)
-            if not torch.equal(run()[0].cpu(), want):
-                raise SystemExit(f"{name} at context {ctx}: ids differ from the stable sort's")
+            if not torch.equal(run().cpu(), want):
+                raise SystemExit(f"{name} at context {ctx}: ids differ from the reference's (ops.indexer.select_blocks)")
             row = dict(context=ctx, blocks=nb, setting=name, config=(config or {}).get("topk", LI.DEFAULTS["topk"]))
             if cuda:
                 row["warm_us"] = time_launches(run, args.reps, None)

@@ -1,4 +1,4 @@
-"""bench/topk_launch.py on the CPU (Triton interpreter): every setting's ids are checked against the stable sort
+"""bench/topk_launch.py on the CPU (Triton interpreter): every setting's ids are checked against the reference
 before anything is timed, and the rows it promises are written (nothing is timed here)."""
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ no sequence owns, and launches with one and with several context splits (merge k
 
 from __future__ import annotations
 
+import inspect
 import os
 import zlib
 
@@ -111,18 +112,23 @@ def _dev(*ts):
 
 
 def spy_launches(monkeypatch, module, kernel_name: str) -> list[dict]:
-    """``module.<kernel_name>``'s launches, recorded as its launcher makes them (keyword arguments, with the grid
-    under "grid"), each still run: what the launch-setting tests read back."""
+    """``module.<kernel_name>``'s launches, recorded as its launcher makes them (keyword arguments, positional ones
+    under their parameters' names, the grid under "grid"), each still run: what the launch-setting tests read back.
+    A call of it from inside another kernel (a ``@triton.jit`` helper) goes straight through."""
     seen = []
     kernel = getattr(module, kernel_name)
+    params = list(inspect.signature(kernel.fn).parameters)
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.append(dict(kwargs, grid=grid))
+                seen.append(dict(zip(params, args), **kwargs, grid=grid))
                 return kernel[grid](*args, **kwargs)
 
             return launch
+
+        def __call__(self, *args, **kwargs):
+            return kernel(*args, **kwargs)
 
     monkeypatch.setattr(module, kernel_name, Spy())
     return seen

@@ -26,7 +26,7 @@ from tests.test_kernels_attention import (CASES, DEVICE, Paged, _assert_attentio
                                           spy_launches)
 
 from m3export.ops.attention import sparse_paged_attention_reference  # noqa: E402
-from m3export.ops.indexer import lightning_indexer_reference  # noqa: E402
+from m3export.ops.indexer import lightning_indexer_reference, select_blocks  # noqa: E402
 from m3export.plugins.kernels import _batch  # noqa: E402
 from m3export.plugins.kernels import lightning_indexer as LI  # noqa: E402
 from m3export.plugins.kernels import sparse_paged_attention as SPA  # noqa: E402
@@ -325,7 +325,7 @@ def test_grouped_topk_on_long_rows_of_ties_orders_like_a_stable_sort(group):
 
 def test_long_rows_run_the_long_warps_setting(monkeypatch):
     """Rows padded to at least ``LONG_ROW`` blocks launch ``long_warps`` warps, shorter ones ``num_warps`` (the
-    H200's choice at 128k; ``DEFAULTS["topk"]``), with the same ids as torch's stable descending sort either way.
+    H200's choice at 128k; ``DEFAULTS["topk"]``), with the reference's ids (``select_blocks``) either way.
     LONG_ROW is lowered so that a 300-block row (padded to 512) is long: the interpreter ignores warps, so what is
     checked here is the launch each row length gets and that its ids stay the oracle's."""
     monkeypatch.setattr(LI, "LONG_ROW", 512)
@@ -335,12 +335,7 @@ def test_long_rows_run_the_long_warps_setting(monkeypatch):
     for nb, warps in ((300, 8), (100, 4)):
         scores = torch.randint(-3, 4, (2, 2, nb), generator=gen).float()  # ties everywhere
         positions = torch.tensor([2 * nb - 1, nb])  # own blocks nb - 1 and nb / 2
-        c = torch.arange(nb)
-        own = positions // bs
-        visible = c[None, :] <= own[:, None]
-        v = torch.where(visible[:, None, :], scores, float("-inf"))
-        v = torch.where((visible & (c[None, :] > own[:, None] - local))[:, None, :], float("inf"), v)
-        want = torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
+        want = select_blocks(scores, positions, bs, topk, local, init)
         got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                             config={"topk": {"num_warps": 4, "long_warps": 8}})
         assert launches[-1]["num_warps"] == warps

@@ -15,13 +15,12 @@ Triton interpreter on CPU, compiled on a GPU.
 
 from __future__ import annotations
 
-import collections
 import inspect
 
 import pytest
 import torch
 
-from tests.test_kernels_attention import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before the kernels import)
+from tests.test_kernels_attention import DEVICE, spy_launches  # sets TRITON_INTERPRET before the kernels import
 
 from m3export.ops import OPS  # noqa: E402
 from m3export.ops import conformance as C  # noqa: E402
@@ -33,55 +32,33 @@ INDEX = C._attrs(block_size=8, topk=2, local=1, init=1)
 PAGE = 4
 
 
-def _compile_keys(monkeypatch) -> list:
-    """Every launch of a kernel of ``MODULES`` from now on, as (module.kernel, its constexpr arguments)."""
+def _compile_keys(monkeypatch) -> dict:
+    """Every kernel of ``MODULES`` spied on from now on (``spy_launches``): {module.kernel: (its constexpr
+    parameters, its launches)}."""
     import importlib
 
     import triton
 
-    seen = []
+    spies = {}
     for name in MODULES:
         module = importlib.import_module(f"m3export.plugins.kernels.{name}")
         for attr, kernel in list(vars(module).items()):
-            if not isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction)):
-                continue
-            params = inspect.signature(kernel.fn).parameters
-            const = [p for p, v in params.items() if "constexpr" in str(v.annotation)]
-            monkeypatch.setattr(module, attr, _Spy(kernel, f"{name}.{attr}", list(params), const, seen))
-    return seen
+            if isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction)):
+                params = inspect.signature(kernel.fn).parameters
+                const = [p for p, v in params.items() if "constexpr" in str(v.annotation)]
+                spies[f"{name}.{attr}"] = (const, spy_launches(monkeypatch, module, attr))
+    return spies
 
 
-class _Spy:
-    """Stands for a kernel: records the constexpr arguments of each ``kernel[grid](...)`` launch and runs it; a
-    call from inside another kernel (a ``@triton.jit`` helper) goes straight through."""
-
-    def __init__(self, kernel, name, params, const, seen):
-        self.kernel, self.name, self.params, self.const, self.seen = kernel, name, params, const, seen
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            values = dict(zip(self.params, args), **kwargs)
-            self.seen.append((self.name, tuple((c, values[c]) for c in self.const if c in values)))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-    def __call__(self, *args, **kwargs):
-        return self.kernel(*args, **kwargs)
-
-    def __getattr__(self, attr):
-        return getattr(self.kernel, attr)
-
-
-def _launches(seen: list, op: str, build, dtype=torch.bfloat16) -> dict:
-    case = C.Case(f"compile-keys-{len(seen)}-{id(build)}", op, frozenset(), build)
+def _launches(spies: dict, op: str, build, dtype=torch.bfloat16) -> dict:
+    """{module.kernel: the set of its launches' constexpr arguments} of one run of ``op`` on ``build``'s inputs."""
+    case = C.Case(f"compile-keys-{id(build)}", op, frozenset(), build)
     inputs, attrs = case.inputs(dtype, DEVICE)
-    seen.clear()
+    for _, seen in spies.values():
+        seen.clear()
     K.kernels()[OPS[op]](*inputs, **attrs)
-    out = collections.defaultdict(set)
-    for kernel, keys in seen:
-        out[kernel].add(keys)
-    return dict(out)
+    return {name: {tuple((c, launch[c]) for c in const if c in launch) for launch in seen}
+            for name, (const, seen) in spies.items() if seen}
 
 
 # (contexts after the step, new tokens) pairs: the same tokens and sequences; the second's contexts are longer but
@@ -102,10 +79,10 @@ BUILDERS = {
 @pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("op", sorted(BUILDERS))
 def test_longer_contexts_compile_nothing_new(monkeypatch, op, step):
-    seen = _compile_keys(monkeypatch)
+    spies = _compile_keys(monkeypatch)
     (ctx_a, new_a), (ctx_b, new_b) = STEPS[step]
-    a = _launches(seen, op, BUILDERS[op](ctx_a, new_a))
-    b = _launches(seen, op, BUILDERS[op](ctx_b, new_b))
+    a = _launches(spies, op, BUILDERS[op](ctx_a, new_a))
+    b = _launches(spies, op, BUILDERS[op](ctx_b, new_b))
     assert a, f"{op}: no kernel launch was seen (the spy missed the launcher's kernels)"
     assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
 
@@ -113,16 +90,13 @@ def test_longer_contexts_compile_nothing_new(monkeypatch, op, step):
 def test_the_check_sees_a_length_in_a_compile_time_argument(monkeypatch):
     """The spy reads what the compiler keys on: a block count passed as a constexpr (as the block top-k's was
     before 2026-12-02) differs between the two contexts of a step above."""
-    from m3export.plugins.kernels import lightning_indexer as LI
-
-    seen = _compile_keys(monkeypatch)
-    a = _launches(seen, "LightningIndexer", BUILDERS["LightningIndexer"](*STEPS["decode"][0]))
+    spies = _compile_keys(monkeypatch)
+    a = _launches(spies, "LightningIndexer", BUILDERS["LightningIndexer"](*STEPS["decode"][0]))
     keys = dict(next(iter(a["lightning_indexer._block_topk"])))
     assert keys["NB_PAD"] == 8 and "NB" not in keys  # NB: a runtime argument
-    spy = getattr(LI, "_block_topk")
-    spy.const.append("NB")  # as if NB were compile-time again
-    a = _launches(seen, "LightningIndexer", BUILDERS["LightningIndexer"](*STEPS["decode"][0]))
-    b = _launches(seen, "LightningIndexer", BUILDERS["LightningIndexer"](*STEPS["decode"][1]))
+    spies["lightning_indexer._block_topk"][0].append("NB")  # as if NB were compile-time again
+    a = _launches(spies, "LightningIndexer", BUILDERS["LightningIndexer"](*STEPS["decode"][0]))
+    b = _launches(spies, "LightningIndexer", BUILDERS["LightningIndexer"](*STEPS["decode"][1]))
     assert a["lightning_indexer._block_topk"] != b["lightning_indexer._block_topk"]
 
 
@@ -133,5 +107,5 @@ def test_the_check_sees_a_length_in_a_compile_time_argument(monkeypatch):
 ])
 def test_a_chunk_one_token_shorter_compiles_nothing_new(monkeypatch, op, build):
     """A prompt's last chunk is shorter than the others: the token count is a runtime size too."""
-    seen = _compile_keys(monkeypatch)
-    assert _launches(seen, op, build(8)) == _launches(seen, op, build(7))
+    spies = _compile_keys(monkeypatch)
+    assert _launches(spies, op, build(8)) == _launches(spies, op, build(7))
