@@ -299,8 +299,9 @@ def profile_shape(model, cfg, b: int, ctx: int, args, device: str, elt: int, bw:
     from m3export.ops.kv_fp8 import resolve_cache_dtype
 
     cache_dtype = resolve_cache_dtype(args.kv_cache_dtype, model.lm_head.weight.dtype)
-    be = GraphedTorchBackend(model, cache_dtype, use_graphs=cuda, max_model_len=ctx + 1)
-    be.allocate(pages, args.page_size)
+    max_len = max(ctx + 1, args.max_model_len or 0)  # the replayed step's block tables are this wide
+    be = GraphedTorchBackend(model, cache_dtype, use_graphs=cuda, max_model_len=max_len)
+    be.allocate(max(pages, -(-max_len // args.page_size)), args.page_size)
     for layer in be._caches:
         for pool in layer:
             fill_pool(pool, g, cache_dtype == torch.float8_e4m3fn)
@@ -483,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
                          "model): NAME=JSON, JSON {kernel module: {part: {setting: value}}} over that module's "
                          "DEFAULTS, e.g. 'w16={\"lightning_indexer\": {\"topk\": {\"num_warps\": 16}}}'; "
                          "repeatable; the rows say which (default: the DEFAULTS alone, named 'default')")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len, which sets the width of a replayed step's block tables "
+                         "(at least each shape's context + 1; default: that, an engine sized to each shape): a "
+                         "4k-context step of a server configured for 128k is '--shapes 1x4096 --max-model-len 131073'")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured copy bandwidth)")
     ap.add_argument("--json", default=None, help="default bench/results/decode_profile_{h200,cpu}.json")
     args = ap.parse_args(argv)
@@ -517,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     model = decode.build_model(cfg, args.weights == "mxfp8", args.device, dtype)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (logic check)", "torch": torch.__version__,
            "preset": "mini" if cuda else "tiny", "experts": cfg.num_local_experts, "weights": args.weights,
-           "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "bandwidth_TBps": bw / 1e12, "families": list(FAMILIES), "rows": []}
+           "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
+           "bandwidth_TBps": bw / 1e12, "families": list(FAMILIES), "rows": []}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     res["settings"] = settings
     for name, over in settings.items():

@@ -14,6 +14,7 @@ maxima of a context of ``--contexts`` tokens. Every setting's ids are checked ag
 
   python bench/topk_launch.py                                   # H200: default + every top-k variant, 4k / 32k / 128k
   python bench/topk_launch.py --contexts 131072 --variants bitonic-w8-g16 --reps 50
+  python bench/topk_launch.py --contexts 4096,32768,131072 --table-context 131072   # rows of a 128k engine
   python bench/topk_launch.py --device cpu --contexts 2048 --reps 1   # interpreter: checks the script only
 """
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="4096,32768,131072", help="decode positions (default: %(default)s)")
     ap.add_argument("--variants", default="", help="comma-separated lightning_indexer.VARIANTS['topk'] names "
                     "beside the defaults (default: all of them)")
+    ap.add_argument("--table-context", type=int, default=None,
+                    help="each row's block maxima as wide as this context's blocks (a decode graph's block table is "
+                         "as wide as max_model_len, whatever the row's own context) (default: the row's own)")
     ap.add_argument("--reps", type=int, default=30, help="launches per setting and mode (default: %(default)s)")
     ap.add_argument("--json", default=None, help="default bench/results/topk_launch_{h200,cpu}.json")
     args = ap.parse_args(argv)
@@ -74,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                                     if LI.VARIANTS["topk"][n] != LI.DEFAULTS["topk"]}}
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda") if cuda else None
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "torch": torch.__version__,
-           "reps": args.reps, "defaults": LI.DEFAULTS["topk"], "rows": []}
+           "reps": args.reps, "table_context": args.table_context, "defaults": LI.DEFAULTS["topk"], "rows": []}
     gen = torch.Generator().manual_seed(0)
     print(f"{'context':>8} {'blocks':>6} {'setting':<24} {'warm us':>8} {'cold us':>8}")
     for ctx in (int(c) for c in args.contexts.split(",")):
-        nb = -(-(ctx + 1) // BLOCK)
+        nb = -(-(max(ctx, args.table_context or 0) + 1) // BLOCK)
         scores = torch.randn(1, HEADS, nb, generator=gen).to(args.device)
         pos = torch.tensor([ctx], device=args.device)
         want = select_blocks(scores.cpu(), pos.cpu(), BLOCK, TOPK, LOCAL, INIT)

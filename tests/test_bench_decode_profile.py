@@ -171,9 +171,11 @@ def test_cpu_run_writes_a_profile_per_shape(cpu_run):
 def test_fp8_cache_profile_counts_a_byte_and_a_scale_per_cached_element(tmp_path, cpu_run):
     """``--kv-cache-dtype fp8``: E4M3 pools (with fp32 row scales) filled and run; the cache families' bytes are
     those of one code plus a 4-byte scale per head_dim elements, not the model dtype's (``cpu_run``'s 1x40 row)."""
-    r8 = _run(tmp_path / "dp8.json", "--shapes", "1x40", "--steps", "1", "--kv-cache-dtype", "fp8")
+    r8 = _run(tmp_path / "dp8.json", "--shapes", "1x40", "--steps", "1", "--kv-cache-dtype", "fp8",
+              "--max-model-len", "200")  # an engine wider than the context: the same bytes must be read
     r16 = cpu_run
     assert r8["kv_cache_dtype"] == "fp8" and r16["kv_cache_dtype"] == "auto"
+    assert r8["max_model_len"] == 200 and r16["max_model_len"] is None
     assert (r8["rows"][0]["batch"], r8["rows"][0]["context"]) == (r16["rows"][0]["batch"], r16["rows"][0]["context"])
     f8, f16 = r8["rows"][0]["families"], r16["rows"][0]["families"]
     head_dim = 32  # the tiny preset's head_dim and index_head_dim; its model dtype is fp32 (4 bytes)

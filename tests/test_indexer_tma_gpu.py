@@ -120,3 +120,25 @@ def test_fold_replayed_from_a_cuda_graph():
             assert torch.equal(out, eager), name
             assert int(counters.count_nonzero()) == 0, name
         _check(eager, iq, ikc, args)
+
+
+@pytest.mark.parametrize("table_tokens", [131072, 1 << 20])
+def test_tiered_topk_on_rows_of_every_length_in_a_wide_table(table_tokens):
+    """The block top-k compiled at M3's dims, block maxima as wide as a decode graph's block table (max_model_len
+    of 128k or 1M tokens) for rows from one token to the whole table, on both sides of every tier boundary
+    (``topk_tiers``), scores with ties everywhere: the ids of the reference's ``select_blocks``, with the tiers and
+    without (the whole padded row)."""
+    from m3export.ops.indexer import select_blocks
+    from m3export.plugins.kernels import lightning_indexer as LI
+
+    gen = torch.Generator().manual_seed(table_tokens % 1000)
+    nb = table_tokens // BS + 1
+    own = sorted({0, 1, 15, 16, 17, 32, 63, 64, 65, 66, 255, 256, 257, 1023, 1024, 1025, 4095, 4096, 4097, nb - 1}
+                 - {b for b in range(nb, 1 << 20)})
+    pos = torch.tensor(own) * BS + torch.randint(0, BS, (len(own),), generator=gen)
+    pos = torch.minimum(pos, torch.tensor(table_tokens))
+    scores = torch.randint(-20, 20, (len(own), HI, nb), generator=gen).float() / 4
+    want = select_blocks(scores, pos, BS, TOPK, LOCAL, INIT)
+    for tiers in (1, 0):
+        got = LI.block_topk(scores.cuda(), pos.cuda(), BS, TOPK, LOCAL, INIT, config={"topk": {"tiers": tiers}})
+        assert torch.equal(got.cpu(), want), f"tiers={tiers}"

@@ -63,7 +63,7 @@ def describe(kernel: str, part: str, s: dict) -> str:
     """The name a variant with settings ``s`` must have: every setting, in the order of the modules' comments."""
     if kernel == "lightning_indexer" and part == "topk":
         return f"{s['method']}-w{s['num_warps']}" + (f"-g{s['group']}" if s["group"] else "") + (
-            f"-long{s['long_warps']}" if s["long_warps"] else "")
+            f"-long{s['long_warps']}" if s["long_warps"] else "") + ("-tiered" if s["tiers"] else "")
     if kernel == "lightning_indexer":
         words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
@@ -273,6 +273,20 @@ def test_settings_refuse_unknown_names():
         SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"tile_tokens": 2}})
 
 
+def _stable_topk(scores, positions, bs, topk, local, init):
+    """The oracle of the top-k tests: torch's stable descending sort with forced blocks at +inf and blocks past each
+    token's own at -inf; -1 where only those are left."""
+    nb = scores.shape[-1]
+    own = positions // bs
+    c = torch.arange(nb)
+    visible = c[None, :] <= own[:, None]
+    v = torch.where(visible[:, None, :], scores, float("-inf"))
+    forced = visible & ((c[None, :] > own[:, None] - local) | (c[None, :] < init))
+    v = torch.where(forced[:, None, :], float("inf"), v)
+    order = torch.sort(v, dim=-1, descending=True, stable=True)
+    return torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
+
+
 @pytest.mark.parametrize("method, group", [("rounds", 0), ("bitonic", 0), ("bitonic", 2)])
 def test_block_topk_orders_like_a_stable_descending_sort(method, group):
     """block_topk alone on hand-made block maxima full of exact ties, 0.0 next to -0.0, +-inf and NaN past each
@@ -283,15 +297,9 @@ def test_block_topk_orders_like_a_stable_descending_sort(method, group):
     values = torch.tensor([-0.0, 0.0, 1.0, -1.0, 2.5, float("-inf"), float("inf")])
     scores = values[torch.randint(0, len(values), (t, h, nb), generator=gen)]
     positions = torch.tensor([0, 3, 13, 30, 64, 83])  # own blocks 0, 0, 3, 7, 16, 20
-    own = positions // bs
-    c = torch.arange(nb)
-    visible = c[None, :] <= own[:, None]
+    visible = torch.arange(nb)[None, :] <= (positions // bs)[:, None]
     scores[~visible[:, None, :].expand(t, h, nb)] = float("nan")  # never read
-    v = torch.where(visible[:, None, :], scores, float("-inf"))
-    forced = visible & ((c[None, :] > own[:, None] - local) | (c[None, :] < init))
-    v = torch.where(forced[:, None, :], float("inf"), v)
-    order = torch.sort(v, dim=-1, descending=True, stable=True)
-    want = torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
+    want = _stable_topk(scores, positions, bs, topk, local, init)
     assert (want == -1).any() and (scores == 0).sum() > 20
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": method, "group": group}})
@@ -309,18 +317,52 @@ def test_grouped_topk_on_long_rows_of_ties_orders_like_a_stable_sort(group):
     values = torch.tensor([-0.0, 0.0, 1.0, 2.5])
     scores = values[torch.randint(0, len(values), (t, h, nb), generator=gen)]
     positions = torch.tensor([1, 19, 275, 599])  # own blocks 0, 9, 137, 299
-    own = positions // bs
-    c = torch.arange(nb)
-    visible = c[None, :] <= own[:, None]
-    v = torch.where(visible[:, None, :], scores, float("-inf"))
-    forced = visible & ((c[None, :] > own[:, None] - local) | (c[None, :] < init))
-    v = torch.where(forced[:, None, :], float("inf"), v)
-    order = torch.sort(v, dim=-1, descending=True, stable=True)
-    want = torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
+    want = _stable_topk(scores, positions, bs, topk, local, init)
     assert (want == -1).any() and 512 >= LI.GROUPED_LEAST * group * topk  # 300 blocks pad to 512: two levels
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group}})
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("group", [0, 4])
+@pytest.mark.parametrize("local, init", [(0, 0), (1, 0), (3, 2)])
+def test_tiered_topk_ranks_each_row_over_its_own_tier(monkeypatch, group, local, init):
+    """Setting ``tiers``: each row is ranked over the smallest tier that holds its blocks before the local ones
+    (tiers of 16, 32, ... 512 here: ``TIER_FIRST`` / ``TIER_STEP`` lowered so that the interpreter crosses six of
+    them), and the local blocks are put among the picks. Rows on each side of every tier boundary in one launch
+    of a 300-block table, scores of a few values (ties everywhere) with +inf among the ranked blocks (ranked
+    before the local blocks when their ids are lower, which they always are), -0.0 beside 0.0, NaN past each own
+    block (never read). Oracle: torch's stable descending sort."""
+    monkeypatch.setattr(LI, "TIER_FIRST", 16)
+    monkeypatch.setattr(LI, "TIER_STEP", 2)
+    launches = spy_launches(monkeypatch, LI, "_block_topk")
+    gen = torch.Generator().manual_seed(13 + local)
+    bs, topk, nb = 2, 8, 300
+    blocks = [0, 1, 2, 15, 16, 17, 18, 31, 32, 33, 34, 63, 64, 65, 66, 127, 128, 129, 130, 255, 256, 257, 258, 299]
+    positions = torch.tensor(blocks) * bs + torch.randint(0, bs, (len(blocks),), generator=gen)
+    values = torch.tensor([-0.0, 0.0, 1.0, -1.0, 2.5, float("inf")])
+    weights = torch.tensor([4.0, 4.0, 4.0, 4.0, 4.0, 1.0])
+    scores = values[torch.multinomial(weights, len(blocks) * 2 * nb, replacement=True, generator=gen)]
+    scores = scores.reshape(len(blocks), 2, nb)
+    past = torch.arange(nb)[None, None, :] > (positions // bs)[:, None, None]
+    scores[past.expand_as(scores)] = float("nan")
+    want = _stable_topk(scores, positions, bs, topk, local, init)
+    got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
+                        config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
+    assert [launches[-1][f"T{i}"] for i in range(6)] == [16, 32, 64, 128, 256, 512]
+    assert torch.equal(got.cpu(), want)
+    monkeypatch.setattr(LI, "TIER_FIRST", 512)  # one tier, the padded table: the untiered launch
+    got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
+                        config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
+    assert "T0" not in launches[-1] and torch.equal(got.cpu(), want)
+
+
+def test_topk_tiers_end_with_the_padded_table():
+    assert LI.topk_tiers(64, 16) == [64]
+    assert LI.topk_tiers(2048, 16) == [64, 256, 1024, 2048]
+    assert LI.topk_tiers(16384, 16) == [64, 256, 1024, 4096, 16384]
+    assert LI.topk_tiers(1 << 20, 16) == [64, 256, 1024, 4096, 16384, 1 << 20]  # MAX_TIERS: the rest merged
+    assert LI.topk_tiers(32, 32) == [32]
 
 
 def test_long_rows_run_the_long_warps_setting(monkeypatch):

@@ -19,6 +19,10 @@ Semantics: ``m3export.ops.indexer.lightning_indexer_reference`` (``docs/ops.md``
    With the top-k setting ``group`` a long row is ranked in two levels (``_grouped_topk``): the top-k groups of
    ``group`` consecutive blocks by their largest key, then the top-k of those groups' blocks (the same ids; two
    small sorts instead of one over the whole padded row).
+   With ``tiers`` (the default) each row is ranked over the smallest of a few row sizes that holds its blocks
+   before the local ones (a runtime branch per program), and the local blocks, forced, are put in their place
+   among the picks: what a row costs follows its own length, not the width of the block table (a decode graph's
+   is max_model_len's).
    With ``fold_topk`` the scan's last program per query tile (an atomic ticket) runs this top-k itself (whole
    rows, whatever ``group`` says): one launch.
 
@@ -99,12 +103,22 @@ DEFAULTS = {
     # stable sort's): at batch 1 / 128k (1025 blocks) 5.76 us against 4 warps' 6.14; at 32k (257 blocks, padded to
     # 512) 8 warps were slower (3.10 against 2.94), hence only long rows; in the `mini` model (FP8 keys, pages of
     # 16, three layers) 16.2 against 19.7 us a step at 128k.
-    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8),
+    # tiers: 1 ("bitonic" only) ranks each row over the smallest of the launch's row sizes (``topk_tiers``: 64, 256,
+    # 1024, ... blocks, then the padded table) that holds its blocks before the local ones, which are forced: only
+    # their place among the ranked picks is found; 0 ranks every row over the whole padded table. A decode graph's
+    # block table is as wide as max_model_len, so without tiers a 4k-token row of a 128k engine was ranked over 2048
+    # padded blocks (16384 in a 1M-token engine), and the 1025-block row of a 128k context over 2048 where its 1024
+    # ranked blocks need 1024. H200 2026-12-02 (``bench/topk_launch.py``, one launch, us, every id the reference's):
+    # rows of a 128k table at 4k / 32k / 128k 1.58 / 1.98 / 4.16 against 5.60 / 5.66 / 5.73; of a 1M table at 4k /
+    # 128k / 1M 1.57 / 3.39 / 8.42 against 8.22 / 8.35 / 8.80; tables as wide as the row 1.41 / 1.95 / 4.13 against
+    # 1.41 / 2.91 / 5.70. In the `mini` model (FP8 keys, pages of 16, three layers, us a step): 13.4 against 17.9
+    # at 128k; at 4k in a 128k engine 5.9 against 17.4.
+    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8, tiers=1),
 }
 
 
-def _topk(method, num_warps, group, long_warps=0):
-    return dict(method=method, num_warps=num_warps, group=group, long_warps=long_warps)
+def _topk(method, num_warps, group, long_warps=0, tiers=0):
+    return dict(method=method, num_warps=num_warps, group=group, long_warps=long_warps, tiers=tiers)
 
 
 def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, loads="gather", fold_topk=0,
@@ -192,6 +206,13 @@ VARIANTS = {
         # threshold and the lowest-id ties, sorted): 8.5 us at batch 1 / 128k and 4.4 at 4k against the grouped
         # sort's 6.1 / 1.3 (H200, one launch each, a probe of that session): each of its four rounds of
         # histogram, prefix sum and reductions across the warps cost ~0.75 us.
+        "bitonic-w4-g16-long8": _topk("bitonic", 4, 16, 8),  # the default before tiers (2026-12-02, 11th session)
+        "bitonic-w8-g16-tiered": _topk("bitonic", 8, 16, 0, 1),
+        # a 1024-block tier in groups of 8: sorts of 128 group maxima and 128 blocks, against 64 and 256 in groups
+        # of 16
+        "bitonic-w4-g8-tiered": _topk("bitonic", 4, 8, 0, 1),
+        "bitonic-w4-g8-long8-tiered": _topk("bitonic", 4, 8, 8, 1),
+        "bitonic-w4-g16-tiered": _topk("bitonic", 4, 16, 0, 1),
     },
 }
 
@@ -388,21 +409,92 @@ def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
     NB, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, GROUP: tl.constexpr = 0,
+    T0: tl.constexpr = 0, T1: tl.constexpr = 0, T2: tl.constexpr = 0, T3: tl.constexpr = 0, T4: tl.constexpr = 0,
+    T5: tl.constexpr = 0, GROUPED_FROM: tl.constexpr = 0, LOCAL_PAD: tl.constexpr = 1,
 ):
     """One program per (token, head): the row's top-k at once (``_select_blocks``) or, GROUP > 0 ("bitonic"), in
-    two levels (``_grouped_topk``)."""
+    two levels (``_grouped_topk``). With row sizes T0 < T1 < ... (``topk_tiers``; T0 = 0: none) the row's blocks
+    before its local ones are ranked over the smallest size that holds them (``_tier``) and the local blocks are
+    put in their place among the picks (``_store_with_local``)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     own = (tl.load(pos_ptr + t + tl.arange(0, 1)) // BS).to(tl.int32)  # [1]: one row of _select_blocks
     base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
+    row = scores_ptr + t.to(tl.int64) * ss_t + h * ss_h
+    if T0 > 0:  # one runtime branch per tier, each compiled at its own size (written out: sizes are constexpr)
+        ranked = tl.max(own, axis=0) - LOCAL + 1  # scalar: the blocks 0 .. own - LOCAL ranked by score
+        _tier(row, own, base, ranked, NB, -2147483647, T0, T1 == 0,
+              TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        if T1 > 0:
+            _tier(row, own, base, ranked, NB, T0, T1, T2 == 0,
+                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        if T2 > 0:
+            _tier(row, own, base, ranked, NB, T1, T2, T3 == 0,
+                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        if T3 > 0:
+            _tier(row, own, base, ranked, NB, T2, T3, T4 == 0,
+                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        if T4 > 0:
+            _tier(row, own, base, ranked, NB, T3, T4, T5 == 0,
+                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        if T5 > 0:
+            _tier(row, own, base, ranked, NB, T4, T5, True,
+                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        return
     if GROUP > 0:
-        _grouped_topk(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h, own, base, NB, NB_PAD, TOPK_PAD, TOPK, LOCAL,
-                      INIT, GROUP)
+        top = _grouped_topk(row, own, NB, NB_PAD, TOPK_PAD, LOCAL, INIT, GROUP)
+        _store_picks(top, base, own >= 0, NB_PAD, TOPK, TOPK_PAD)
         return
     c = tl.arange(0, NB_PAD)
     visible = (c[None, :] <= own[:, None]) & (c[None, :] < NB)
-    v = tl.load(scores_ptr + t.to(tl.int64) * ss_t + h * ss_h + c[None, :], mask=visible, other=float("-inf"))
+    v = tl.load(row + c[None, :], mask=visible, other=float("-inf"))
     _select_blocks(v, visible, own, base, own >= 0, 1, NB_PAD, TOPK, TOPK_PAD, LOCAL, INIT, METHOD)
+
+
+@triton.jit
+def _tier(row, own, base, ranked, NB, LO: tl.constexpr, P: tl.constexpr, LAST: tl.constexpr, TOPK_PAD: tl.constexpr,
+          TOPK: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, GROUP: tl.constexpr, GROUPED_FROM: tl.constexpr,
+          LOCAL_PAD: tl.constexpr):
+    """When the row ranks more than LO and at most P blocks (the last tier: any number above LO), its top-k ids:
+    the blocks 0 .. own - LOCAL ranked over P (keys as ``_block_keys`` with P for the pad: the same order, as ids
+    are below P), two levels where GROUP asks and P has at least GROUPED_FROM blocks (``GROUPED_LEAST``), then the
+    local blocks placed among the picks (``_store_with_local``)."""
+    if LAST:
+        mine = ranked > LO
+    else:
+        mine = (ranked > LO) & (ranked <= P)
+    if mine:
+        before = own - LOCAL  # [1]: the last ranked block; the local ones after it are forced
+        if GROUP > 0 and P >= GROUPED_FROM:
+            top = _grouped_topk(row, before, NB, P, TOPK_PAD, 0, INIT, GROUP)
+        else:
+            c = tl.arange(0, P)[None, :]
+            top = tl.topk(_row_keys(row, c, before, NB, P, 0, INIT), TOPK_PAD)
+        _store_with_local(top, base, own, NB, P, TOPK, TOPK_PAD, LOCAL, LOCAL_PAD)
+
+
+@triton.jit
+def _store_with_local(top, out_row, own, NB, P: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                      LOCAL: tl.constexpr, LOCAL_PAD: tl.constexpr):
+    """The ranked blocks' top keys [1, TOPK_PAD] (descending, ids encoded with P) and the row's visible local blocks
+    max(own - LOCAL + 1, 0) .. min(own, NB - 1) -> ids at ``out_row`` [1] + 0..TOPK-1 in the order of one top-k of
+    the whole row, where the local blocks are +inf at their ids: after every pick whose score is +inf or a NaN
+    ordered above it (those are larger, or equal with a lower id: every ranked id is below the local ones), before
+    every other pick; -inf picks -> -1."""
+    NEG_INF: tl.constexpr = -2139095041  # float("-inf") after the order map of ``_block_keys``
+    POS_INF: tl.constexpr = 2139095040  # float("inf"), 0x7F800000, which the order map keeps
+    score = top >> 32
+    ids = tl.where(score == NEG_INF, -1, (P - 1 - (top & 0xFFFFFFFF)).to(tl.int32))
+    first = tl.maximum(own - LOCAL + 1, 0)  # [1]
+    n_local = tl.maximum(tl.minimum(own, NB - 1) - first + 1, 0)  # [1]
+    ahead = tl.sum((score >= POS_INF).to(tl.int32), axis=1)  # [1]: picks ranked before the local blocks
+    ok = own >= 0
+    i = tl.arange(0, TOPK_PAD)[None, :]
+    place = tl.where(i < ahead[:, None], i, i + n_local[:, None])
+    tl.store(out_row[:, None] + place, ids, mask=ok[:, None] & (place < TOPK))
+    li = tl.arange(0, LOCAL_PAD)[None, :]
+    at = ahead[:, None] + li
+    tl.store(out_row[:, None] + at, first[:, None] + li, mask=ok[:, None] & (li < n_local[:, None]) & (at < TOPK))
 
 
 @triton.jit
@@ -415,21 +507,20 @@ def _row_keys(row, c, own, NB, NB_PAD: tl.constexpr, LOCAL: tl.constexpr, INIT: 
 
 
 @triton.jit
-def _grouped_topk(row, own, base, NB, NB_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
-                  TOPK: tl.constexpr, LOCAL: tl.constexpr, INIT: tl.constexpr, GROUP: tl.constexpr):
-    """The top-k of one row in two levels (NB_PAD >= 2 x GROUP x TOPK_PAD): the row's keys in NB_PAD / GROUP groups
-    of GROUP consecutive blocks, each group's largest key, the TOPK_PAD groups with the largest of those, then the
-    top keys of those groups' blocks (read again from ``row``). The same ids as one top-k of the whole row: keys are
-    distinct, so if a block's group is not among the chosen ones, each chosen group's largest key is larger than
-    that block's, TOPK_PAD >= TOPK keys above it, and it is not in the top TOPK."""
+def _grouped_topk(row, own, NB, NB_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, LOCAL: tl.constexpr,
+                  INIT: tl.constexpr, GROUP: tl.constexpr):
+    """The top TOPK_PAD keys [1, TOPK_PAD] of one row in two levels (NB_PAD >= 2 x GROUP x TOPK_PAD): the row's keys
+    in NB_PAD / GROUP groups of GROUP consecutive blocks, each group's largest key, the TOPK_PAD groups with the
+    largest of those, then the top keys of those groups' blocks (read again from ``row``). The same keys as one
+    top-k of the whole row: keys are distinct, so if a block's group is not among the chosen ones, each chosen
+    group's largest key is larger than that block's, TOPK_PAD keys above it, and it is not among the top."""
     NG: tl.constexpr = NB_PAD // GROUP
     keys = _row_keys(row, tl.arange(0, NB_PAD)[None, :], own, NB, NB_PAD, LOCAL, INIT)  # [1, NB_PAD]
     largest = tl.max(tl.reshape(keys, (NG, GROUP)), axis=1)  # [NG]: each group's largest key
     groups = tl.topk(tl.reshape(largest, (1, NG)), TOPK_PAD)  # [1, TOPK_PAD]
     first = (NB_PAD - 1 - (groups & 0xFFFFFFFF)).to(tl.int32) // GROUP * GROUP  # each chosen group's first block
     c = tl.reshape(tl.reshape(first, (TOPK_PAD, 1)) + tl.arange(0, GROUP)[None, :], (1, TOPK_PAD * GROUP))
-    top = tl.topk(_row_keys(row, c, own, NB, NB_PAD, LOCAL, INIT), TOPK_PAD)
-    _store_picks(top, base, own >= 0, NB_PAD, TOPK, TOPK_PAD)
+    return tl.topk(_row_keys(row, c, own, NB, NB_PAD, LOCAL, INIT), TOPK_PAD)
 
 
 def forward(
@@ -631,6 +722,25 @@ def _check_method(method: str) -> None:
         raise ValueError(f"lightning_indexer: topk method {method!r} is not 'rounds' or 'bitonic'")
 
 
+def topk_tiers(nb_pad: int, topk_pad: int) -> list[int]:
+    """The row sizes the tiered top-k ranks over (setting ``tiers``): ``TIER_FIRST`` blocks (at least the top-k),
+    times ``TIER_STEP`` each, ending with the padded table ``nb_pad``; at most ``MAX_TIERS`` (the last ones merged
+    into ``nb_pad``). One size (a table of at most ``TIER_FIRST`` blocks) runs the untiered launch: no smaller row
+    to rank over, and the local blocks set aside cost 0.1 us (H200, 4k rows)."""
+    tiers, size = [], max(TIER_FIRST, topk_pad)
+    while size < nb_pad and len(tiers) < MAX_TIERS - 1:
+        tiers.append(size)
+        size *= TIER_STEP
+    return tiers + [nb_pad]
+
+
+# The tiered top-k's row sizes (``topk_tiers``): a 4k-token row (33 blocks) ranks over 64, a 32k one over 256, a
+# 128k one over 1024 (its own, local block set aside), whatever the table's width.
+TIER_FIRST = 64
+TIER_STEP = 4
+MAX_TIERS = 6  # the kernel's T0..T5
+
+
 def block_topk(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -652,13 +762,18 @@ def block_topk(
     if group and (cfg["method"] != "bitonic" or group & (group - 1) or group < 2):
         raise ValueError(f"lightning_indexer: topk group {group} needs the 'bitonic' method and a power of two")
     nb_pad = max(next_pow2(max(nb, 2)), topk_pad)
-    if nb_pad < GROUPED_LEAST * group * topk_pad:
+    tiers = {}
+    sizes = topk_tiers(nb_pad, topk_pad)
+    if cfg["tiers"] and cfg["method"] == "bitonic" and len(sizes) > 1:  # ("rounds" ranks whole rows)
+        tiers = {f"T{i}": size for i, size in enumerate(sizes)}
+        tiers.update(GROUPED_FROM=GROUPED_LEAST * group * topk_pad, LOCAL_PAD=next_pow2(max(local_blocks, 1)))
+    elif nb_pad < GROUPED_LEAST * group * topk_pad:
         group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
     warps = cfg["long_warps"] if cfg["long_warps"] and nb_pad >= LONG_ROW else cfg["num_warps"]
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         NB=nb, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
         TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], GROUP=group,
-        num_warps=warps,
+        num_warps=warps, **tiers,
     )
     return out
