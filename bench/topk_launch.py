@@ -87,8 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         pos = torch.tensor([ctx], device=args.device)
         want = select_blocks(scores.cpu(), pos.cpu(), BLOCK, TOPK, LOCAL, INIT)
         for name, config in settings.items():
+            align = (config or {}).get("topk", LI.DEFAULTS["topk"])["align"]
+            laid_out = LI.block_maxima_buffer(1, HEADS, nb, args.device, align)  # as ``forward``'s scan leaves them
+            laid_out.copy_(scores)
+
             def run():
-                return LI.block_topk(scores, pos, BLOCK, TOPK, LOCAL, INIT, config=config)
+                return LI.block_topk(laid_out, pos, BLOCK, TOPK, LOCAL, INIT, config=config)
             if not torch.equal(run().cpu(), want):
                 raise SystemExit(f"{name} at context {ctx}: ids differ from the reference's (ops.indexer.select_blocks)")
             row = dict(context=ctx, blocks=nb, setting=name, config=(config or {}).get("topk", LI.DEFAULTS["topk"]))

@@ -63,7 +63,8 @@ def describe(kernel: str, part: str, s: dict) -> str:
     """The name a variant with settings ``s`` must have: every setting, in the order of the modules' comments."""
     if kernel == "lightning_indexer" and part == "topk":
         return f"{s['method']}-w{s['num_warps']}" + (f"-g{s['group']}" if s["group"] else "") + (
-            f"-long{s['long_warps']}" if s["long_warps"] else "") + ("-tiered" if s["tiers"] else "")
+            f"-long{s['long_warps']}" if s["long_warps"] else "") + ("-tiered" if s["tiers"] else "") + (
+            f"-align{s['align']}" if s["align"] else "")
     if kernel == "lightning_indexer":
         words = ([s["loads"]] if s["loads"] != "gather" else []) + [f"n{s['block_n']}"]
         tail = [f"max{s['max_splits']}"] + ([f"min{s['min_split_tiles']}"] if s["min_split_tiles"] else []) + (
@@ -355,6 +356,28 @@ def test_tiered_topk_ranks_each_row_over_its_own_tier(monkeypatch, group, local,
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
     assert "T0" not in launches[-1] and torch.equal(got.cpu(), want)
+
+
+def test_aligned_block_maxima_pass_a_rounded_count_and_keep_the_ids(monkeypatch):
+    """Setting ``align``: the scan's block maxima rows start every 16 values (``block_maxima_buffer``) and the top-k
+    takes the block count rounded up to 16 (what Triton specialises), reading nothing past each row's own block:
+    the same ids as the reference. A contiguous table whose width is no multiple of 16 keeps its count."""
+    launches = spy_launches(monkeypatch, LI, "_block_topk")
+    gen = torch.Generator().manual_seed(17)
+    bs, topk, local, init, nb = 2, 8, 1, 0, 37
+    positions = torch.tensor([0, 9, 40, 73])  # own blocks 0, 4, 20, 36 (the last block of the table)
+    values = torch.randint(-3, 4, (4, 2, nb), generator=gen).float()
+    want = _stable_topk(values, positions, bs, topk, local, init)
+    scores = LI.block_maxima_buffer(4, 2, nb, DEVICE, 16)
+    assert scores.shape == (4, 2, nb) and scores.stride()[:2] == (96, 48)
+    scores.copy_(values)
+    cfg = {"topk": {"align": 16}}
+    got = LI.block_topk(scores, positions.to(DEVICE), bs, topk, local, init, config=cfg)
+    assert launches[-1]["NB"] == 48 and torch.equal(got.cpu(), want)
+    got = LI.block_topk(values.to(DEVICE), positions.to(DEVICE), bs, topk, local, init, config=cfg)
+    assert launches[-1]["NB"] == nb and torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="topk align 8 must be 0 or a multiple of 16"):
+        LI.block_topk(values, positions, bs, topk, local, init, config={"topk": {"align": 8}})
 
 
 def test_topk_tiers_end_with_the_padded_table():

@@ -113,12 +113,18 @@ DEFAULTS = {
     # 128k / 1M 1.57 / 3.39 / 8.42 against 8.22 / 8.35 / 8.80; tables as wide as the row 1.41 / 1.95 / 4.13 against
     # 1.41 / 2.91 / 5.70. In the `mini` model (FP8 keys, pages of 16, three layers, us a step): 13.4 against 17.9
     # at 128k; at 4k in a 128k engine 5.9 against 17.4.
-    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8, tiers=1),
+    # align: 0, or > 0 (a multiple of 16): ``forward``'s block maxima rows start every ``align`` values and the
+    # top-k takes their count rounded up to it (every read is also masked by the row's own block), so both integer
+    # arguments are multiples of 16, which Triton specialises. Not yet timed: H200 2026-12-02 (``bench/topk_launch.py
+    # --table-context``, bench/results/topk_launch_h200_s22_widths.json), a 128k row ranked in 3.39 us in an
+    # 8192-block table (both already multiples) and in 4.10-4.14 us in 1025, 2049 and 4097-block ones, where 4097
+    # and 8192 blocks compile the same tiers.
+    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8, tiers=1, align=0),
 }
 
 
-def _topk(method, num_warps, group, long_warps=0, tiers=0):
-    return dict(method=method, num_warps=num_warps, group=group, long_warps=long_warps, tiers=tiers)
+def _topk(method, num_warps, group, long_warps=0, tiers=0, align=0):
+    return dict(method=method, num_warps=num_warps, group=group, long_warps=long_warps, tiers=tiers, align=align)
 
 
 def _scan(block_n, num_warps, num_stages, waves, max_splits, min_split_tiles=0, loads="gather", fold_topk=0,
@@ -213,6 +219,8 @@ VARIANTS = {
         "bitonic-w4-g8-tiered": _topk("bitonic", 4, 8, 0, 1),
         "bitonic-w4-g8-long8-tiered": _topk("bitonic", 4, 8, 8, 1),
         "bitonic-w4-g16-tiered": _topk("bitonic", 4, 16, 0, 1),
+        # the default with its block maxima rows and count aligned to 16 (``align``: not yet timed)
+        "bitonic-w4-g16-long8-tiered-align16": _topk("bitonic", 4, 16, 8, 1, 16),
     },
 }
 
@@ -549,8 +557,9 @@ def forward(
     fold = None
     if launch_settings("lightning_indexer", DEFAULTS, config, "scan")["fold_topk"]:
         fold = (topk_blocks, local_blocks, init_blocks)
+    align = launch_settings("lightning_indexer", DEFAULTS, config, "topk")["align"]
     scores, ids = _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions,
-                               block_size, index_k_scale, config, fold)
+                               block_size, index_k_scale, config, fold, align)
     if ids is not None:
         return ids
     return block_topk(scores, positions, block_size, topk_blocks, local_blocks, init_blocks, config=config)
@@ -595,6 +604,13 @@ def scan(
                         index_k_scale, config, fold=None)[0]
 
 
+def block_maxima_buffer(t: int, h: int, nb: int, device, align: int = 0) -> torch.Tensor:
+    """The scan's output [T, H, NB] fp32; with ``align`` (the top-k setting) a view whose rows start every
+    ``align`` values (the columns past NB are never written or read)."""
+    width = -(-max(nb, 1) // align) * align if align else nb
+    return torch.empty((t, h, width), dtype=torch.float32, device=device)[:, :, :nb]
+
+
 MIN_TMA_TILE = 16  # keys: the tensor-core dot's smallest N
 MAX_TMA_BOX = 256  # a bulk tensor copy's box has at most 256 entries along each dimension
 
@@ -619,7 +635,7 @@ def tma_usable(index_k_cache: torch.Tensor) -> str | None:
 
 
 def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens, positions, block_size,
-                 index_k_scale, config, fold):
+                 index_k_scale, config, fold, align=0):
     """(block maxima, ids or None): the scan launch, with the top-k folded in when ``fold`` = (topk_blocks,
     local_blocks, init_blocks) and the batch is one the fold serves (``FOLD_MOST_KEYS``; otherwise ids is None)."""
     _check(index_q, index_k_cache, block_size, index_k_scale)
@@ -637,7 +653,7 @@ def _scan_launch(index_q, index_k_cache, block_tables, query_start_loc, seq_lens
     pos = positions.contiguous()
 
     nb = cdiv(block_tables.shape[1] * page, block_size)  # most blocks any sequence of this batch can have
-    scores = torch.empty((t, h, nb), dtype=torch.float32, device=index_q.device)
+    scores = block_maxima_buffer(t, h, nb, index_q.device, align)
     h_pad = next_pow2(h)
     qsl = query_start_loc.contiguous()
     tokens = tokens_per_tile(t, b, h_pad)
@@ -770,9 +786,15 @@ def block_topk(
     elif nb_pad < GROUPED_LEAST * group * topk_pad:
         group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
     warps = cfg["long_warps"] if cfg["long_warps"] and nb_pad >= LONG_ROW else cfg["num_warps"]
+    align = cfg["align"]
+    if align < 0 or align % 16:
+        raise ValueError(f"lightning_indexer: topk align {align} must be 0 or a multiple of 16")
+    nb_arg = nb
+    if align and nb_pad >= align and scores.stride(1) % align == 0 and scores.stride(0) % align == 0:
+        nb_arg = -(-nb // align) * align  # <= nb_pad; the columns past nb are masked by each row's own block
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        NB=nb, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
+        NB=nb_arg, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
         TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], GROUP=group,
         num_warps=warps, **tiers,
     )
