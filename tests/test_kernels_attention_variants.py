@@ -274,25 +274,11 @@ def test_settings_refuse_unknown_names():
         SPA.forward(qa, k, k, *paged.args("cpu"), sel, 4, 0.25, config={"decode": {"tile_tokens": 2}})
 
 
-def _stable_topk(scores, positions, bs, topk, local, init):
-    """The oracle of the top-k tests: torch's stable descending sort with forced blocks at +inf and blocks past each
-    token's own at -inf; -1 where only those are left."""
-    nb = scores.shape[-1]
-    own = positions // bs
-    c = torch.arange(nb)
-    visible = c[None, :] <= own[:, None]
-    v = torch.where(visible[:, None, :], scores, float("-inf"))
-    forced = visible & ((c[None, :] > own[:, None] - local) | (c[None, :] < init))
-    v = torch.where(forced[:, None, :], float("inf"), v)
-    order = torch.sort(v, dim=-1, descending=True, stable=True)
-    return torch.where(order.values[..., :topk] == float("-inf"), -1, order.indices[..., :topk]).to(torch.int32)
-
-
 @pytest.mark.parametrize("method, group", [("rounds", 0), ("bitonic", 0), ("bitonic", 2)])
 def test_block_topk_orders_like_a_stable_descending_sort(method, group):
     """block_topk alone on hand-made block maxima full of exact ties, 0.0 next to -0.0, +-inf and NaN past each
-    token's own block, against torch's stable descending sort: forced blocks (+inf) first, larger score first,
-    the lower id among equals (0.0 == -0.0), -1 where only not-visible blocks are left."""
+    token's own block, against the reference's ``select_blocks`` (a stable descending sort): forced blocks (+inf)
+    first, larger score first, the lower id among equals (0.0 == -0.0), -1 where only not-visible blocks are left."""
     gen = torch.Generator().manual_seed(7)
     t, h, nb, bs, topk, local, init = 6, 2, 21, 4, 8, 2, 1
     values = torch.tensor([-0.0, 0.0, 1.0, -1.0, 2.5, float("-inf"), float("inf")])
@@ -300,7 +286,7 @@ def test_block_topk_orders_like_a_stable_descending_sort(method, group):
     positions = torch.tensor([0, 3, 13, 30, 64, 83])  # own blocks 0, 0, 3, 7, 16, 20
     visible = torch.arange(nb)[None, :] <= (positions // bs)[:, None]
     scores[~visible[:, None, :].expand(t, h, nb)] = float("nan")  # never read
-    want = _stable_topk(scores, positions, bs, topk, local, init)
+    want = select_blocks(scores, positions, bs, topk, local, init)
     assert (want == -1).any() and (scores == 0).sum() > 20
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": method, "group": group}})
@@ -312,13 +298,13 @@ def test_grouped_topk_on_long_rows_of_ties_orders_like_a_stable_sort(group):
     """The two-level top-k (setting ``group``) where it runs (rows of at least GROUPED_LEAST x group x top-k
     blocks): block maxima from four values, so every group's largest score is tied with many others and the
     groups' order rests on the lowest id; short rows beside the long one (own block 0, 9, 137), forced local /
-    init blocks, -1 where fewer visible blocks than the top-k are left. Oracle: torch's stable descending sort."""
+    init blocks, -1 where fewer visible blocks than the top-k are left. Oracle: the reference's ``select_blocks``."""
     gen = torch.Generator().manual_seed(11)
     t, h, nb, bs, topk, local, init = 4, 2, 300, 2, 16, 2, 1
     values = torch.tensor([-0.0, 0.0, 1.0, 2.5])
     scores = values[torch.randint(0, len(values), (t, h, nb), generator=gen)]
     positions = torch.tensor([1, 19, 275, 599])  # own blocks 0, 9, 137, 299
-    want = _stable_topk(scores, positions, bs, topk, local, init)
+    want = select_blocks(scores, positions, bs, topk, local, init)
     assert (want == -1).any() and 512 >= LI.GROUPED_LEAST * group * topk  # 300 blocks pad to 512: two levels
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group}})
@@ -333,7 +319,7 @@ def test_tiered_topk_ranks_each_row_over_its_own_tier(monkeypatch, group, local,
     them), and the local blocks are put among the picks. Rows on each side of every tier boundary in one launch
     of a 300-block table, scores of a few values (ties everywhere) with +inf among the ranked blocks (ranked
     before the local blocks when their ids are lower, which they always are), -0.0 beside 0.0, NaN past each own
-    block (never read). Oracle: torch's stable descending sort."""
+    block (never read). Oracle: the reference's ``select_blocks``."""
     monkeypatch.setattr(LI, "TIER_FIRST", 16)
     monkeypatch.setattr(LI, "TIER_STEP", 2)
     launches = spy_launches(monkeypatch, LI, "_block_topk")
@@ -347,15 +333,15 @@ def test_tiered_topk_ranks_each_row_over_its_own_tier(monkeypatch, group, local,
     scores = scores.reshape(len(blocks), 2, nb)
     past = torch.arange(nb)[None, None, :] > (positions // bs)[:, None, None]
     scores[past.expand_as(scores)] = float("nan")
-    want = _stable_topk(scores, positions, bs, topk, local, init)
+    want = select_blocks(scores, positions, bs, topk, local, init)
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
-    assert [launches[-1][f"T{i}"] for i in range(6)] == [16, 32, 64, 128, 256, 512]
+    assert launches[-1]["TIERS"] == (16, 32, 64, 128, 256, 512)
     assert torch.equal(got.cpu(), want)
     monkeypatch.setattr(LI, "TIER_FIRST", 512)  # one tier, the padded table: the untiered launch
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
-    assert "T0" not in launches[-1] and torch.equal(got.cpu(), want)
+    assert "TIERS" not in launches[-1] and torch.equal(got.cpu(), want)
 
 
 def test_aligned_block_maxima_pass_a_rounded_count_and_keep_the_ids(monkeypatch):
@@ -367,7 +353,7 @@ def test_aligned_block_maxima_pass_a_rounded_count_and_keep_the_ids(monkeypatch)
     bs, topk, local, init, nb = 2, 8, 1, 0, 37
     positions = torch.tensor([0, 9, 40, 73])  # own blocks 0, 4, 20, 36 (the last block of the table)
     values = torch.randint(-3, 4, (4, 2, nb), generator=gen).float()
-    want = _stable_topk(values, positions, bs, topk, local, init)
+    want = select_blocks(values, positions, bs, topk, local, init)
     scores = LI.block_maxima_buffer(4, 2, nb, DEVICE, 16)
     assert scores.shape == (4, 2, nb) and scores.stride()[:2] == (96, 48)
     scores.copy_(values)

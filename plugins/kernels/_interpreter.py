@@ -44,12 +44,9 @@ def _column_independent_dot(interpreter) -> None:
         acc = d.data.dtype
         if acc not in (np.float32, np.float16) or not (a.dtype.is_floating() and b.dtype.is_floating()):
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)  # integer dots: exact already
-        a_data, b_data = a.data, b.data
-        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
-           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):  # FP8 operands: as the original does
-            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
-            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
-        exact = np.matmul(a_data.astype(np.float64), b_data.astype(np.float64))
+        # the original's own product (FP8 operands widened as it does) into a float64 accumulator of zeros
+        zero = interpreter.TensorHandle(np.zeros(d.data.shape, np.float64), interpreter.tl.float64)
+        exact = original(self, a, b, zero, input_precision, max_num_imprecise_acc).data
         return interpreter.TensorHandle(exact.astype(acc) + d.data, d.dtype.scalar)
 
     builder.create_dot = create_dot
