@@ -115,11 +115,13 @@ DEFAULTS = {
     # at 128k; at 4k in a 128k engine 5.9 against 17.4.
     # align: 0, or > 0 (a multiple of 16): ``forward``'s block maxima rows start every ``align`` values and the
     # top-k takes their count rounded up to it (every read is also masked by the row's own block), so both integer
-    # arguments are multiples of 16, which Triton specialises. Not yet timed: H200 2026-12-02 (``bench/topk_launch.py
-    # --table-context``, bench/results/topk_launch_h200_s22_widths.json), a 128k row ranked in 3.39 us in an
-    # 8192-block table (both already multiples) and in 4.10-4.14 us in 1025, 2049 and 4097-block ones, where 4097
-    # and 8192 blocks compile the same tiers.
-    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8, tiers=1, align=0),
+    # arguments are multiples of 16, which Triton specialises (a 128k row ranked in 3.39 us in an 8192-block table
+    # and in 4.10-4.14 us in 1025, 2049 and 4097-block ones, where 4097 and 8192 compile the same tiers). 16 since
+    # H200 2026-12-02 12:55 UTC (bench/results/topk_launch_s23_align_{128k,own}.json, decode_profile_s23_align_fp8.json;
+    # every id the reference's, and the GPU tests of the indexer and the `mini` model's greedy tokens with it):
+    # a 128k row 3.42 against 4.16 us (32k 1.86 against 1.95, 4k the same); in the `mini` model (FP8 keys, pages of
+    # 16, three layers) the top-k 11.1 against 13.3 us a step at 128k.
+    "topk": dict(method="bitonic", num_warps=4, group=16, long_warps=8, tiers=1, align=16),
 }
 
 
@@ -219,8 +221,8 @@ VARIANTS = {
         "bitonic-w4-g8-tiered": _topk("bitonic", 4, 8, 0, 1),
         "bitonic-w4-g8-long8-tiered": _topk("bitonic", 4, 8, 8, 1),
         "bitonic-w4-g16-tiered": _topk("bitonic", 4, 16, 0, 1),
-        # the default with its block maxima rows and count aligned to 16 (``align``: not yet timed)
-        "bitonic-w4-g16-long8-tiered-align16": _topk("bitonic", 4, 16, 8, 1, 16),
+        # the default before ``align`` (2026-12-02, 23rd session)
+        "bitonic-w4-g16-long8-tiered": _topk("bitonic", 4, 16, 8, 1),
     },
 }
 
