@@ -270,7 +270,11 @@ PREFILL_WS = {
     # (bench/results/moe_h200_prefill_ws_half.json): 22.15 against s4c2's 23.15 ms, the same bits; WS_TILE since.
     "prefill_ws_bm256_down128_s4c2_half": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
                                                num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1),
-    # Removed after the H200 call of 2026-12-02 ~13:05 UTC (bench/moe_prefill_ab.py: ten interleaved rounds of ten
+    # Removed after the H200 call of 2026-12-02 ~13:08 UTC (bench/moe_prefill_ab.py, ten interleaved rounds of ten
+    # calls, bench/results/moe_prefill_ab_s23_quarter{,_8k}.json): QUARTER_TAIL, a routed block whose rows from 64 on
+    # are padding as a 64-row wgmma (the two MMA warpgroups side by side along N), 22.94 against 22.90 ms at 16k and
+    # 13.13 against HALF_TAIL's 13.07 at 8k; the same bits.
+    # Removed after the H200 call of 2026-12-02 ~13:00 UTC (bench/moe_prefill_ab.py: ten interleaved rounds of ten
     # calls each, bench/results/moe_prefill_ab_s23_zeropad.json): ZERO_PAD, the routed padding rows the wgmmas read
     # set to zeros (a masked store launch after the gather, and the gate-up epilogue storing its padding rows as
     # zeros) so that the tensor cores draw less power for them, 22.53 against the default's 22.57 ms (the same bits;

@@ -9,7 +9,7 @@ median in the first and the last round. Each setting's output is compared with t
 (``same_bits``), or the relative difference.
 
   python3 bench/moe_prefill_ab.py --variants prefill_ws_bm256_down128_s4c2     # HALF_TAIL off against the default
-  python3 bench/moe_prefill_ab.py --tokens 16384 --rounds 8 --calls 6 --variants A,B --json bench/results/x.json
+  python3 bench/moe_prefill_ab.py --tokens 4096,8192,16384 --rounds 8 --calls 6 --variants A,B --json x.json
   python3 bench/moe_prefill_ab.py --smoke      # tiny dims on the CPU under the interpreter: checks the script only
 """
 
@@ -33,7 +33,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="prefill_ws_bm256_down128_s4c2",
                     help="comma list of bench/moe.py NAMES timed against the launcher's default (default: %(default)s)")
-    ap.add_argument("--tokens", type=int, default=16384, help="prefill tokens (default: %(default)s)")
+    ap.add_argument("--tokens", default="16384", help="comma list of prefill token counts, each timed in its own "
+                    "rounds (default: %(default)s)")
     ap.add_argument("--experts", type=int, default=128, help="routed experts (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=8, help="rounds over the settings (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=6, help="back-to-back calls per setting and round (default: "
@@ -50,7 +51,7 @@ def main() -> int:
 
         os.environ["TRITON_INTERPRET"] = "1"
         bench_moe.H, bench_moe.I, bench_moe.I_SHARED, bench_moe.TOP_K, bench_moe.DEV = 64, 32, 32, 2, "cpu"
-        args.tokens, args.experts, args.rounds, args.calls, names = 48, 4, 1, 1, []
+        args.tokens, args.experts, args.rounds, args.calls, names = "48", 4, 1, 1, []
     elif not torch.cuda.is_available():
         print("bench/moe_prefill_ab.py needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
@@ -58,26 +59,35 @@ def main() -> int:
 
     H, I, I_SHARED, TOP_K, dev = bench_moe.H, bench_moe.I, bench_moe.I_SHARED, bench_moe.TOP_K, bench_moe.DEV
     layer = bench_moe.Layer(args.experts, ["mxfp8"])
-    x = torch.randn(args.tokens, H, device=dev, generator=torch.Generator(device=dev).manual_seed(1)).bfloat16()
     attrs = (TOP_K, bench_moe.SCALING, bench_moe.ALPHA, bench_moe.LIMIT)
+    settings = {"default": None, **{n: bench_moe.NAMES[n] for n in names}}
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)", "torch": torch.__version__,
+           "experts": args.experts, "rounds": args.rounds, "calls": args.calls, "rows": []}
+    for tokens in [int(t) for t in args.tokens.split(",") if t]:
+        res["rows"].append(time_settings(kmoe, layer, attrs, settings, tokens, args, dev, (H, I, I_SHARED, TOP_K)))
+        write_results(res, args.json)  # after every row: a run cut by its time limit keeps what it measured
+    print(write_results(res, args.json))
+    return 0
+
+
+def time_settings(kmoe, layer, attrs, settings: dict, tokens: int, args, dev: str, dims: tuple) -> dict:
+    """One token count: each setting's output against the default's, then the interleaved rounds; the row."""
+    H, I, I_SHARED, TOP_K = dims
+    x = torch.randn(tokens, H, device=dev, generator=torch.Generator(device=dev).manual_seed(1)).bfloat16()
     a = layer.args("mxfp8", x)
 
     def run(config):
         return kmoe.run_moe(a[0], a[1], a[2], a[3], a[5], a[7], a[9], *attrs, scales=(a[4], a[6], a[8], a[10]),
                             config=config)
 
-    settings = {"default": None, **{n: bench_moe.NAMES[n] for n in names}}
-    flops = 2 * args.tokens * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
+    flops = 2 * tokens * (TOP_K * 3 * H * I + 3 * H * I_SHARED + H * args.experts)
     base = run(None)
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)", "torch": torch.__version__,
-           "tokens": args.tokens, "experts": args.experts, "rounds": args.rounds, "calls": args.calls,
-           "flops": flops, "default_config": kmoe.default_config(args.tokens, args.tokens * TOP_K, args.experts,
-                                                                  True), "settings": {}}
+    row = {"tokens": tokens, "flops": flops,
+           "default_config": kmoe.default_config(tokens, tokens * TOP_K, args.experts, True), "settings": {}}
     for name, cfg in settings.items():
         out = run(cfg)  # compiles; its output against the default's
-        same = bool(torch.equal(out, base))
         diff = float((out.float() - base.float()).norm() / base.float().norm().clamp_min(1e-30))
-        res["settings"][name] = dict(config=cfg, same_bits=same, rel_diff=diff, rounds=[])
+        row["settings"][name] = dict(config=cfg, same_bits=bool(torch.equal(out, base)), rel_diff=diff, rounds=[])
     t0 = time.time()
     for r in range(args.rounds):
         for name, cfg in settings.items():
@@ -94,21 +104,21 @@ def main() -> int:
                     t = time.perf_counter()
                     run(cfg)
                     times.append((time.perf_counter() - t) * 1e3)
-            res["settings"][name]["rounds"].append(times)
-        print(f"round {r + 1}/{args.rounds} done ({time.time() - t0:.0f} s)", flush=True)
-    print(f"\nMoE prefill, {args.tokens} tokens, {args.experts} experts, MXFP8; {args.rounds} rounds x {args.calls} "
+            row["settings"][name]["rounds"].append(times)
+        print(f"{tokens} tokens: round {r + 1}/{args.rounds} done ({time.time() - t0:.0f} s)", flush=True)
+    print(f"\nMoE prefill, {tokens} tokens, {args.experts} experts, MXFP8; {args.rounds} rounds x {args.calls} "
           f"calls per setting, interleaved")
-    print(f"{'setting':48} {'median ms':>9} {'TFLOP/s':>8} {'first rnd':>9} {'last rnd':>9} {'same bits':>9}")
-    for name, s in res["settings"].items():
+    print(f"{'setting':48} {'median ms':>9} {'TFLOP/s':>8} {'first rnd':>9} {'last rnd':>9} {'same bits':>9} "
+          f"{'rel diff':>8}")
+    for name, s in row["settings"].items():
         every = [t for rnd in s["rounds"] for t in rnd]
         s["median_ms"] = statistics.median(every)
         s["tflops"] = flops / (s["median_ms"] * 1e-3) / 1e12
         s["first_round_ms"] = statistics.median(s["rounds"][0])
         s["last_round_ms"] = statistics.median(s["rounds"][-1])
         print(f"{name:48} {s['median_ms']:>9.2f} {s['tflops']:>8.0f} {s['first_round_ms']:>9.2f} "
-              f"{s['last_round_ms']:>9.2f} {str(s['same_bits']):>9}")
-    print(write_results(res, args.json))
-    return 0
+              f"{s['last_round_ms']:>9.2f} {str(s['same_bits']):>9} {s['rel_diff']:>8.1e}")
+    return row
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ def test_smoke_run_writes_each_settings_rounds(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
-    s = res["settings"]["default"]
+    assert [row["tokens"] for row in res["rows"]] == [48]
+    s = res["rows"][0]["settings"]["default"]
     assert s["same_bits"] and s["rel_diff"] == 0.0
     assert len(s["rounds"]) == res["rounds"] and all(len(r) == res["calls"] for r in s["rounds"])
     assert s["median_ms"] > 0 and {"first_round_ms", "last_round_ms", "tflops"} <= set(s)

@@ -423,11 +423,14 @@ def test_moe_default_config_buckets():
     assert d(1, 4, 128, True) == moe_kernel.GEMV_DECODE and d(1, 4, 128, False) == moe_kernel.GEMV_DECODE_BF16
     assert d(8, 32, 128, True) == {"GU_FUSED": 1} == d(64, 256, 128, True)
     assert d(8, 32, 128, False) == {} == d(64, 256, 128, False)
-    # Prefill, bf16 activations (round 4): MXFP8 up to 256 assignments per expert and above, bf16 weights from
-    # block_m_for's 128-row bucket (mean > 48); its 64-row bucket (16 < mean <= 48) keeps block_m_for's tiles.
-    assert d(4096, 16384, 128, True) == moe_kernel.PREFILL_MXFP8 == d(8192, 32768, 128, True)
-    # Above 256 per expert: the warp-specialised GEMMs with bf16 activations, the 256-row Triton tile with fp16.
-    assert d(8193, 32772, 128, True) == moe_prefill_ws.WS_TILE == d(16384, 65536, 128, True)
+    # Prefill, bf16 activations: MXFP8 up to WS_LEAST_MEAN (64) assignments per expert the 64-row Triton tile, above
+    # it the warp-specialised GEMMs; bf16 weights from block_m_for's 128-row bucket (mean > 48); its 64-row bucket
+    # (16 < mean <= 48) keeps block_m_for's tiles.
+    assert moe_kernel.WS_LEAST_MEAN == 64
+    assert d(2048, 8192, 128, True) == moe_kernel.PREFILL_MXFP8  # 64 per expert
+    assert d(2049, 8196, 128, True) == moe_prefill_ws.WS_TILE == d(8192, 32768, 128, True) == d(16384, 65536, 128, True)
+    # fp16 activations (no WS): the 64-row Triton tile up to 256 per expert, the 256-row one above.
+    assert d(8192, 32768, 128, True, torch.float16) == moe_kernel.PREFILL_MXFP8
     assert d(16384, 65536, 128, True, torch.float16) == moe_kernel.PREFILL_MXFP8_LARGE
     assert d(4096, 16384, 128, False) == moe_kernel.PREFILL_BF16 == d(16384, 65536, 128, False)
     assert d(1024, 4096, 128, False) == {}  # 32 per expert

@@ -418,9 +418,9 @@ def test_gpu_ws_each_gemm_next_to_the_triton_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
-def test_gpu_ws_is_the_default_above_256_per_expert():
+def test_gpu_ws_is_the_default_in_prefill():
     # The op as the model calls it (m3::moe_mxfp8's launcher, no config): 2100 tokens x top-4 over 16 experts is 525
-    # assignments per expert, above PREFILL_MXFP8's 256, so moe.default_config takes WS_TILE; against the float64
+    # assignments per expert, above moe.WS_LEAST_MEAN, so moe.default_config takes WS_TILE; against the float64
     # reference with _close's bound (the Triton tile it replaced is the bench's comparison: its four kernels take
     # ~80 s to compile).
     from m3export.plugins.kernels import moe_mxfp8 as moe_mxfp8_kernel

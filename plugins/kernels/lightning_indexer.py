@@ -117,7 +117,7 @@ DEFAULTS = {
     # top-k takes their count rounded up to it (every read is also masked by the row's own block), so both integer
     # arguments are multiples of 16, which Triton specialises (a 128k row ranked in 3.39 us in an 8192-block table
     # and in 4.10-4.14 us in 1025, 2049 and 4097-block ones, where 4097 and 8192 compile the same tiers). 16 since
-    # H200 2026-12-02 12:55 UTC (bench/results/topk_launch_s23_align_{128k,own}.json, decode_profile_s23_align_fp8.json;
+    # H200 2026-12-02 12:50 UTC (bench/results/topk_launch_s23_align_{128k,own}.json, decode_profile_s23_align_fp8.json;
     # every id the reference's, and the GPU tests of the indexer and the `mini` model's greedy tokens with it):
     # a 128k row 3.42 against 4.16 us (32k 1.86 against 1.95, 4k the same); in the `mini` model (FP8 keys, pages of
     # 16, three layers) the top-k 11.1 against 13.3 us a step at 128k.

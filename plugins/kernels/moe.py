@@ -347,6 +347,13 @@ PREFILL_MXFP8 = dict(BLOCK_M=64, GU_FUSED=1, GROUP_M=8, TMA=1)
 # pipelined loop (``_check_tma``), refused since.
 PREFILL_MXFP8_LARGE = dict(BLOCK_M=256, GU_FUSED=1, BLOCK_N=64, num_warps=8, GROUP_M=8, TMA=1, BLOCK_N_DOWN=128)
 PREFILL_BF16 = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1)
+# MXFP8 weights and bf16 activations take the warp-specialised GEMMs (``moe_prefill_ws.WS_TILE``) above this many
+# assignments per expert. H200 2026-12-02 13:11 UTC (``bench/moe_prefill_ab.py``, 128 experts, top-4, interleaved
+# rounds, every output the same bits; bench/results/moe_prefill_ab_s23_crossover.json), ms against PREFILL_MXFP8:
+# 1024 tokens (32 per expert) 6.50 / 4.60, 2048 (64) 6.76 / 6.25, 4096 (128) 7.72 / 10.54, 6144 (192) 9.46 / 14.88,
+# 8192 (256) 12.74 / 19.46. Until then the split was 256 (not measured), which gave a prefill chunk of 8192 tokens
+# the 64-row Triton tile at 239 TFLOP/s.
+WS_LEAST_MEAN = 64
 
 
 def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
@@ -363,13 +370,14 @@ def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
       ``GU_FUSED`` (gate and up as one dot of twice the width, ``_gate_up``): it won at 8 and 64 tokens. bf16
       weights take the plain tiles there (they won at 8 tokens over the GEMV; GU_FUSED not measured with bf16).
       Batches 2-7 are not measured: they take the bucket of 8.
-    * MXFP8 in prefill: ``PREFILL_MXFP8`` (64-row blocks, TMA) up to 256 assignments per expert (measured at 4k
-      tokens = 128 per expert), ``PREFILL_MXFP8_LARGE`` (256-row blocks, TMA) above (measured at 16k = 512 per
-      expert; the split between the two is not measured); above it with bf16 activations the warp-specialised
-      Gluon GEMMs of ``moe_prefill_ws`` (``WS_TILE``: the same 256-row tiles, the E4M3 conversion on its own warps;
-      H200 2026-12-01 11:10 UTC, 16k tokens: 22.76 against 25.38 ms, outputs bit-equal), ``PREFILL_MXFP8_LARGE``
-      where they cannot run: ``weights`` given (the launcher's four stacks), where ``moe_prefill_ws.why_not`` gives
-      a reason (no CUDA device, weights TMA cannot read); without ``weights`` the choice by shapes. bf16 weights:
+    * MXFP8 in prefill with bf16 activations, above ``WS_LEAST_MEAN`` assignments per expert: the
+      warp-specialised Gluon GEMMs of ``moe_prefill_ws`` (``WS_TILE``: 256-row tiles, the E4M3 conversion on its
+      own warps; H200 2026-12-01 11:10 UTC, 16k tokens: 22.76 against 25.38 ms for ``PREFILL_MXFP8_LARGE``; 2026-12-02
+      at 4k / 8k tokens 7.72 / 12.74 against 10.54 / 19.46 ms for ``PREFILL_MXFP8``; outputs bit-equal), where they
+      can run: ``weights`` given (the launcher's four stacks) and ``moe_prefill_ws.why_not`` without a reason (no
+      CUDA device, weights TMA cannot read); without ``weights`` the choice by shapes. Otherwise ``PREFILL_MXFP8``
+      (64-row blocks, TMA) up to 256 assignments per expert (measured at 4k tokens = 128 per expert) and
+      ``PREFILL_MXFP8_LARGE`` (256-row blocks, TMA) above (measured at 16k = 512 per expert). bf16 weights:
       ``PREFILL_BF16`` (128 x 128 tiles, TMA) from ``block_m_for``'s 128-row bucket (mean > 48; measured at 128
       and 512 per expert); between 16 and 48 per expert (not measured) its 64-row blocks.
     * fp32 activations (tests, precision runs; none measured) keep the prefill tiles from before round 4: the
@@ -388,13 +396,13 @@ def default_config(t: int, num_assignments: int, num_experts: int, mxfp8: bool,
         return dict(PREFILL_BF16) if bm == 128 and wide else {}
     if bm <= 16:
         return {"GU_FUSED": 1}
-    if mean <= 256:
-        return dict(PREFILL_MXFP8) if wide else {"BLOCK_M": 64, "GU_FUSED": 1}
-    if dtype == torch.bfloat16:  # the warp-specialised Gluon GEMMs where they can run
+    if dtype == torch.bfloat16 and mean > WS_LEAST_MEAN:  # the warp-specialised Gluon GEMMs where they can run
         from .moe_prefill_ws import WS_TILE, why_not
 
         if weights is None or why_not(weights, dtype, WS_TILE) is None:
             return dict(WS_TILE)
+    if mean <= 256:
+        return dict(PREFILL_MXFP8) if wide else {"BLOCK_M": 64, "GU_FUSED": 1}
     return dict(PREFILL_MXFP8_LARGE) if wide else {"BLOCK_M": 128, "BLOCK_N": 128}
 
 

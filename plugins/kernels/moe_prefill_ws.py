@@ -32,8 +32,9 @@ warpgroups side by side along N (28.04-28.40: fewer bytes loaded per K step, eac
 rows instead of 256).
 
 Selected by the config key ``WS`` (``moe.run_moe``; ``bench/moe.py``'s ``prefill_ws_*`` variants): ``WS_TILE`` is
-the launcher's default above 256 assignments per expert with bf16 activations (``moe.default_config``), which
-takes ``moe.PREFILL_MXFP8_LARGE`` instead where ``why_not`` gives a reason. MXFP8 weights that TMA can read
+the launcher's default above ``moe.WS_LEAST_MEAN`` (64) assignments per expert with bf16 activations
+(``moe.default_config``), which takes the Triton tile of the size instead where ``why_not`` gives a reason
+(``moe.PREFILL_MXFP8`` up to 256 per expert, ``moe.PREFILL_MXFP8_LARGE`` above). MXFP8 weights that TMA can read
 (``moe.tma_unusable``) and bf16 activations only; Gluon kernels do not run under the Triton interpreter, so the CPU
 tests compile them for sm_90 (``tests/test_moe_prefill_ws.py``) and the GPU tests compare them with the reference.
 
@@ -61,6 +62,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # MX_MODE 3 labels the conversion's semantics (the module docstring): not the refused Triton MX_MODE 3 tiles.
 # HALF_TAIL since the H200 call of 2026-12-01 13:46 UTC (snapshot 16f43db, 16k tokens: 22.15 against 23.15 ms,
 # output bit-equal; routed gate-up 10.57 -> 9.97 ms, routed down 5.39 -> 5.27).
+# A QUARTER_TAIL key (a block whose rows from 64 on are padding as a 64-row wgmma, the two MMA warpgroups side by
+# side along N) was tried on the H200 on 2026-12-02 (bench/moe_prefill_ab.py, interleaved rounds, the same bits):
+# 22.94 against 22.90 ms at 16k, 13.13 against 13.07 at 8k; removed. Such a block still loads and converts whole
+# weight tiles, which is what its time follows, not its rows.
 WS_TILE = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8, num_warps=8, STAGES=4,
                CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1)
 CONVERTER_WARPS = 4
