@@ -172,6 +172,33 @@ def test_plugin_kernels_with_tensorrt_arguments_match_the_reference(case_id, tac
     assert verdict.ok, verdict
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs triton and TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")
+@pytest.mark.parametrize("local,init", [(1, 0), (3, 2)])
+def test_plugin_topk_ranks_rows_over_their_own_tier_as_the_reference(local, init):
+    """The TensorRT top-k is planned for max_blocks (the whole max_model_len) with the torch launcher's settings
+    (``lightning_indexer.topk_launch``): 1100 blocks pad to 2048, tiers 64 / 256 / 1024 / 2048, the grouped
+    two-level sort from 512. Rows ending in every tier and on both sides of its bounds, block maxima drawn from a
+    few values (ties to the lower id) with -inf and +inf among them: the same ids as the reference's selection."""
+    from m3export.ops.indexer import select_blocks
+    from m3export.plugins.kernels import lightning_indexer as li
+    from m3export.plugins.tensorrt.launch import run_wrapper, tensor_infos
+
+    h, topk, bs, nb = 2, 8, 4, 1100
+    own = torch.tensor([0, 5, 63, 64, 66, 200, 256, 258, 700, 1023, 1026, 1099])
+    positions = own * bs + torch.tensor([0, 3, 1, 2] * 3)
+    gen = torch.Generator().manual_seed(31 + local)
+    scores = torch.randint(-4, 5, (own.numel(), h, nb), generator=gen).float()
+    scores[scores == 4] = float("inf")
+    scores[scores == -4] = float("-inf")
+    attrs = dict(block_size=bs, topk_blocks=topk, local_blocks=local, init_blocks=init, max_blocks=nb)
+    plan = aot.plan("LightningIndexerTopK", tensor_infos([scores, positions]), attrs)
+    assert [plan.constexprs[f"T{i}"] for i in range(4)] == li.topk_tiers(2048, 8) == [64, 256, 1024, 2048]
+    assert plan.constexprs["METHOD"] == "bitonic" and plan.constexprs["GROUP"] == li.DEFAULTS["topk"]["group"]
+    out = torch.empty((own.numel(), h, topk), dtype=torch.int32)
+    run_wrapper(plan, [scores, positions], [out])
+    assert torch.equal(out, select_blocks(scores, positions, bs, topk, local, init))
+
+
 # ------------------------------------------------------------------------------------ AOT compile for sm_90
 @pytest.fixture(scope="module")
 def sm90_report(tmp_path_factory):

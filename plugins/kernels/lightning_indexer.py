@@ -774,20 +774,8 @@ def block_topk(
     t, h, nb = scores.shape
     out = torch.empty((t, h, topk_blocks), dtype=torch.int32, device=scores.device)  # every id is written
     pos = positions.contiguous()
-    _check_method(cfg["method"])
-    topk_pad = next_pow2(max(topk_blocks, 2))
-    group = cfg["group"]
-    if group and (cfg["method"] != "bitonic" or group & (group - 1) or group < 2):
-        raise ValueError(f"lightning_indexer: topk group {group} needs the 'bitonic' method and a power of two")
-    nb_pad = max(next_pow2(max(nb, 2)), topk_pad)
-    tiers = {}
-    sizes = topk_tiers(nb_pad, topk_pad)
-    if cfg["tiers"] and cfg["method"] == "bitonic" and len(sizes) > 1:  # ("rounds" ranks whole rows)
-        tiers = {f"T{i}": size for i, size in enumerate(sizes)}
-        tiers.update(GROUPED_FROM=GROUPED_LEAST * group * topk_pad, LOCAL_PAD=next_pow2(max(local_blocks, 1)))
-    elif nb_pad < GROUPED_LEAST * group * topk_pad:
-        group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
-    warps = cfg["long_warps"] if cfg["long_warps"] and nb_pad >= LONG_ROW else cfg["num_warps"]
+    consts, warps = topk_launch(nb, topk_blocks, local_blocks, cfg)
+    nb_pad = consts["NB_PAD"]
     align = cfg["align"]
     if align < 0 or align % 16:
         raise ValueError(f"lightning_indexer: topk align {align} must be 0 or a multiple of 16")
@@ -796,8 +784,29 @@ def block_topk(
         nb_arg = -(-nb // align) * align  # <= nb_pad; the columns past nb are masked by each row's own block
     _block_topk[(t, h)](
         scores, pos, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-        NB=nb_arg, NB_PAD=nb_pad, BS=block_size, TOPK=topk_blocks,
-        TOPK_PAD=topk_pad, LOCAL=local_blocks, INIT=init_blocks, METHOD=cfg["method"], GROUP=group,
-        num_warps=warps, **tiers,
+        NB=nb_arg, BS=block_size, TOPK=topk_blocks, LOCAL=local_blocks, INIT=init_blocks, num_warps=warps, **consts,
     )
     return out
+
+
+def topk_launch(nb: int, topk_blocks: int, local_blocks: int, cfg: dict) -> tuple[dict, int]:
+    """The top-k launch's compile-time constants for rows of at most ``nb`` blocks under the top-k settings
+    ``cfg`` (DEFAULTS["topk"] with overrides): NB_PAD, TOPK_PAD, METHOD, GROUP and, with ``tiers``, T0..T5,
+    GROUPED_FROM and LOCAL_PAD (absent: the kernel's defaults, untiered); and its warps. The one owner of that
+    choice: ``block_topk`` and the TensorRT plugin's top-k (``plugins/tensorrt/aot.py``) launch with it."""
+    _check_method(cfg["method"])
+    topk_pad = next_pow2(max(topk_blocks, 2))
+    group = cfg["group"]
+    if group and (cfg["method"] != "bitonic" or group & (group - 1) or group < 2):
+        raise ValueError(f"lightning_indexer: topk group {group} needs the 'bitonic' method and a power of two")
+    nb_pad = max(next_pow2(max(nb, 2)), topk_pad)
+    consts = dict(NB_PAD=nb_pad, TOPK_PAD=topk_pad, METHOD=cfg["method"])
+    sizes = topk_tiers(nb_pad, topk_pad)
+    if cfg["tiers"] and cfg["method"] == "bitonic" and len(sizes) > 1:  # ("rounds" ranks whole rows)
+        consts.update({f"T{i}": size for i, size in enumerate(sizes)})
+        consts.update(GROUPED_FROM=GROUPED_LEAST * group * topk_pad, LOCAL_PAD=next_pow2(max(local_blocks, 1)))
+    elif nb_pad < GROUPED_LEAST * group * topk_pad:
+        group = 0  # a row this short: one top-k of its blocks is no larger than the two levels
+    consts["GROUP"] = group
+    warps = cfg["long_warps"] if cfg["long_warps"] and nb_pad >= LONG_ROW else cfg["num_warps"]
+    return consts, warps

@@ -260,16 +260,20 @@ def lightning_indexer_scan(inputs: Sequence[TensorInfo], outputs: Sequence[Tenso
 
 def lightning_indexer_topk(inputs: Sequence[TensorInfo], outputs: Sequence[TensorInfo], attrs: dict,
                            tactic: int = 0) -> KernelPlan:
-    from m3export.plugins.kernels._batch import next_pow2
+    from m3export.plugins.kernels import lightning_indexer as li
 
     scores, pos = inputs
     op = "LightningIndexerTopK"
     h = static(op, "index heads", scores.shape[1])
     nb_max = int(attrs["max_blocks"])
-    c = dict(H=h, NB=nb_max, NB_PAD=next_pow2(max(nb_max, 2)), BS=int(attrs["block_size"]),
-             TOPK=int(attrs["topk_blocks"]), LOCAL=int(attrs["local_blocks"]), INIT=int(attrs["init_blocks"]))
+    topk, local = int(attrs["topk_blocks"]), int(attrs["local_blocks"])
+    # the torch launcher's top-k (``li.topk_launch`` with the defaults): the tiers rank each row over its own length,
+    # not over max_blocks (a plan is compiled for the whole max_model_len)
+    tiers, warps = li.topk_launch(nb_max, topk, local, li.DEFAULTS["topk"])
+    c = dict(H=h, NB=nb_max, BS=int(attrs["block_size"]), TOPK=topk, LOCAL=local, INIT=int(attrs["init_blocks"]),
+             T0=0, T1=0, T2=0, T3=0, T4=0, T5=0, GROUPED_FROM=0, LOCAL_PAD=1) | tiers
     sig = _sig(("scores_ptr", "pos_ptr"), inputs, ("num_blocks",), ("out_ptr",), outputs)
-    return KernelPlan(op, _wrappers()[op], sig, c, 4, 1, 2, 1, (scores.shape[2],), (scores.shape[0], h, 1))
+    return KernelPlan(op, _wrappers()[op], sig, c, warps, 1, 2, 1, (scores.shape[2],), (scores.shape[0], h, 1))
 
 
 #: MXFP8Linear tactics: the torch launcher's tiles for decode, medium and large row counts (mxfp8_linear.tile_config).
