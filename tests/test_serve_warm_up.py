@@ -25,17 +25,22 @@ class _Recording:
         return []
 
 
-def test_a_gpu_engine_also_prefills_one_full_chunk():
-    """On CUDA the kernels of a full prefill chunk compile during the warm-up, not in the first client's request."""
+def test_a_gpu_engine_also_prefills_a_full_chunk_and_shorter_ones():
+    """On CUDA the kernels of prefill chunks compile during the warm-up, not in the first client's request: a full
+    chunk, then a quarter, a sixteenth, ... of it (the MoE prefill tile and the context's bucket change with the
+    chunk's size), down to WARM_UP_SHORTEST."""
     engine = _Recording("cuda", budget=8192, max_model_len=131072)
     warm_up(engine)
-    assert engine.prompts == [1, 8192]
+    assert engine.prompts == [1, 8192, 2048, 512, 128, 32]
+    engine = _Recording("cuda", budget=64, max_model_len=131072)
+    warm_up(engine)
+    assert engine.prompts == [1, 64]  # 16 tokens: a decode-sized batch, as the one-token prompt's
 
 
 def test_the_chunk_stays_inside_the_context():
     engine = _Recording("cuda", budget=8192, max_model_len=1000)
     warm_up(engine)
-    assert engine.prompts == [1, 998]  # room for the two generated tokens
+    assert engine.prompts == [1, 998, 249, 62]  # room for the two generated tokens
 
 
 def test_a_cpu_engine_keeps_the_one_token_warm_up():

@@ -103,19 +103,29 @@ def warm_up(engine) -> None:
     """One prefill and one decode step before Triton reports the model ready: the first forward of a fresh
     engine pays one-time costs (seconds on CPU) that would otherwise land on the first client.
 
-    On a GPU, also one prompt as long as a step's token budget (the engine's ``max_num_batched_tokens``; at most
-    its context less two tokens): the kernels of a full prefill chunk are compiled on first use (Triton), which a
-    one-token prompt does not reach. On the H200 (`mini`, chunks of 8192, 2026-12-02) the first 16k-token request
-    after the one-token warm-up took 16.2 s, after this one 3.9 s (the same with two chunks and a tail: what is
-    left compiles per power-of-two bucket of the context and per divisibility of sizes, on first use), and 0.3 s
-    once compiled."""
+    On a GPU, also prompts as long as a step's token budget (the engine's ``max_num_batched_tokens``; at most its
+    context less two tokens) and a quarter, a sixteenth, ... of it (down to ``WARM_UP_SHORTEST`` tokens), one
+    request each: the kernels of a prefill chunk are compiled on first use (Triton), per power-of-two bucket of
+    the context and per tile the chunk's size selects (the MoE prefill takes the warp-specialised GEMMs above 64
+    assignments per expert and the 64-row Triton tile below, ``moe.default_config``), which a one-token prompt
+    and one full chunk do not all reach. On the H200 (`mini`, chunks of 8192, 2026-12-02) the first 16k-token
+    request after the one-token warm-up took 16.2 s, after one full chunk 3.9 s (what is left compiles per bucket of
+    the context and per divisibility of sizes), and 0.3 s once compiled (the shorter prompts are not timed yet)."""
     from ..runtime import SamplingParams
 
     engine.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True, seed=0))
     device = getattr(engine.backend, "device", None)
     length = min(engine.scheduler.max_num_batched_tokens, engine.max_model_len - 2)
-    if getattr(device, "type", None) == "cuda" and length > 1:
+    if getattr(device, "type", None) != "cuda":
+        return
+    while length > WARM_UP_SHORTEST:
         engine.generate([[0] * length], SamplingParams(max_tokens=2, ignore_eos=True, seed=0))
+        length //= 4
+
+
+# The shortest warm-up prompt after the one-token one (``warm_up``): shorter prefill chunks run the kernels of a
+# decode-sized batch, which the one-token prompt compiled.
+WARM_UP_SHORTEST = 16
 
 
 def _parameters(model_config: dict) -> dict[str, str]:
