@@ -336,12 +336,12 @@ def test_tiered_topk_ranks_each_row_over_its_own_tier(monkeypatch, group, local,
     want = select_blocks(scores, positions, bs, topk, local, init)
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
-    assert [launches[-1][f"T{i}"] for i in range(6)] == [16, 32, 64, 128, 256, 512]
+    assert launches[-1]["TIERS"] == (16, 32, 64, 128, 256, 512)
     assert torch.equal(got.cpu(), want)
     monkeypatch.setattr(LI, "TIER_FIRST", 512)  # one tier, the padded table: the untiered launch
     got = LI.block_topk(scores.to(DEVICE), positions.to(DEVICE), bs, topk, local, init,
                         config={"topk": {"method": "bitonic", "group": group, "tiers": 1}})
-    assert "T0" not in launches[-1] and torch.equal(got.cpu(), want)
+    assert "TIERS" not in launches[-1] and torch.equal(got.cpu(), want)
 
 
 def test_aligned_block_maxima_pass_a_rounded_count_and_keep_the_ids(monkeypatch):

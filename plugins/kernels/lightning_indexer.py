@@ -419,11 +419,10 @@ def _block_topk(
     scores_ptr, pos_ptr, out_ptr, ss_t, ss_h, so_t, so_h,
     NB, NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, GROUP: tl.constexpr = 0,
-    T0: tl.constexpr = 0, T1: tl.constexpr = 0, T2: tl.constexpr = 0, T3: tl.constexpr = 0, T4: tl.constexpr = 0,
-    T5: tl.constexpr = 0, GROUPED_FROM: tl.constexpr = 0, LOCAL_PAD: tl.constexpr = 1,
+    TIERS: tl.constexpr = (), GROUPED_FROM: tl.constexpr = 0, LOCAL_PAD: tl.constexpr = 1,
 ):
     """One program per (token, head): the row's top-k at once (``_select_blocks``) or, GROUP > 0 ("bitonic"), in
-    two levels (``_grouped_topk``). With row sizes T0 < T1 < ... (``topk_tiers``; T0 = 0: none) the row's blocks
+    two levels (``_grouped_topk``). With row sizes TIERS (ascending, ``topk_tiers``; empty: none) the row's blocks
     before its local ones are ranked over the smallest size that holds them (``_tier``) and the local blocks are
     put in their place among the picks (``_store_with_local``)."""
     t = tl.program_id(0)
@@ -431,25 +430,11 @@ def _block_topk(
     own = (tl.load(pos_ptr + t + tl.arange(0, 1)) // BS).to(tl.int32)  # [1]: one row of _select_blocks
     base = out_ptr + t.to(tl.int64) * so_t + h * so_h + own * 0  # [1]
     row = scores_ptr + t.to(tl.int64) * ss_t + h * ss_h
-    if T0 > 0:  # one runtime branch per tier, each compiled at its own size (written out: sizes are constexpr)
+    if len(TIERS) > 0:  # one runtime branch per tier, each compiled at its own size
         ranked = tl.max(own, axis=0) - LOCAL + 1  # scalar: the blocks 0 .. own - LOCAL ranked by score
-        _tier(row, own, base, ranked, NB, -2147483647, T0, T1 == 0,
-              TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
-        if T1 > 0:
-            _tier(row, own, base, ranked, NB, T0, T1, T2 == 0,
-                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
-        if T2 > 0:
-            _tier(row, own, base, ranked, NB, T1, T2, T3 == 0,
-                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
-        if T3 > 0:
-            _tier(row, own, base, ranked, NB, T2, T3, T4 == 0,
-                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
-        if T4 > 0:
-            _tier(row, own, base, ranked, NB, T3, T4, T5 == 0,
-                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
-        if T5 > 0:
-            _tier(row, own, base, ranked, NB, T4, T5, True,
-                  TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
+        for i in tl.static_range(len(TIERS)):
+            _tier(row, own, base, ranked, NB, TIERS[i - 1] if i > 0 else -2147483647, TIERS[i],
+                  i == len(TIERS) - 1, TOPK_PAD, TOPK, LOCAL, INIT, GROUP, GROUPED_FROM, LOCAL_PAD)
         return
     if GROUP > 0:
         top = _grouped_topk(row, own, NB, NB_PAD, TOPK_PAD, LOCAL, INIT, GROUP)
@@ -756,7 +741,7 @@ def topk_tiers(nb_pad: int, topk_pad: int) -> list[int]:
 # 128k one over 1024 (its own, local block set aside), whatever the table's width.
 TIER_FIRST = 64
 TIER_STEP = 4
-MAX_TIERS = 6  # the kernel's T0..T5
+MAX_TIERS = 6  # runtime branches (each a sort compiled at its size) at most
 
 
 def block_topk(
@@ -791,7 +776,7 @@ def block_topk(
 
 def topk_launch(nb: int, topk_blocks: int, local_blocks: int, cfg: dict) -> tuple[dict, int]:
     """The top-k launch's compile-time constants for rows of at most ``nb`` blocks under the top-k settings
-    ``cfg`` (DEFAULTS["topk"] with overrides): NB_PAD, TOPK_PAD, METHOD, GROUP and, with ``tiers``, T0..T5,
+    ``cfg`` (DEFAULTS["topk"] with overrides): NB_PAD, TOPK_PAD, METHOD, GROUP and, with ``tiers``, TIERS,
     GROUPED_FROM and LOCAL_PAD (absent: the kernel's defaults, untiered); and its warps. The one owner of that
     choice: ``block_topk`` and the TensorRT plugin's top-k (``plugins/tensorrt/aot.py``) launch with it."""
     _check_method(cfg["method"])
@@ -803,7 +788,7 @@ def topk_launch(nb: int, topk_blocks: int, local_blocks: int, cfg: dict) -> tupl
     consts = dict(NB_PAD=nb_pad, TOPK_PAD=topk_pad, METHOD=cfg["method"])
     sizes = topk_tiers(nb_pad, topk_pad)
     if cfg["tiers"] and cfg["method"] == "bitonic" and len(sizes) > 1:  # ("rounds" ranks whole rows)
-        consts.update({f"T{i}": size for i, size in enumerate(sizes)})
+        consts["TIERS"] = tuple(sizes)
         consts.update(GROUPED_FROM=GROUPED_LEAST * group * topk_pad, LOCAL_PAD=next_pow2(max(local_blocks, 1)))
     elif nb_pad < GROUPED_LEAST * group * topk_pad:
         group = 0  # a row this short: one top-k of its blocks is no larger than the two levels

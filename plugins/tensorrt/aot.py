@@ -271,7 +271,7 @@ def lightning_indexer_topk(inputs: Sequence[TensorInfo], outputs: Sequence[Tenso
     # not over max_blocks (a plan is compiled for the whole max_model_len)
     tiers, warps = li.topk_launch(nb_max, topk, local, li.DEFAULTS["topk"])
     c = dict(H=h, NB=nb_max, BS=int(attrs["block_size"]), TOPK=topk, LOCAL=local, INIT=int(attrs["init_blocks"]),
-             T0=0, T1=0, T2=0, T3=0, T4=0, T5=0, GROUPED_FROM=0, LOCAL_PAD=1) | tiers
+             TIERS=(), GROUPED_FROM=0, LOCAL_PAD=1) | tiers
     sig = _sig(("scores_ptr", "pos_ptr"), inputs, ("num_blocks",), ("out_ptr",), outputs)
     return KernelPlan(op, _wrappers()[op], sig, c, warps, 1, 2, 1, (scores.shape[2],), (scores.shape[0], h, 1))
 

@@ -66,13 +66,11 @@ def m3_lightning_indexer_scan(q_ptr, k_ptr, bt_ptr, qsl_ptr, pos_ptr, num_seqs, 
 def m3_lightning_indexer_topk(scores_ptr, pos_ptr, num_blocks, out_ptr, H: tl.constexpr, NB: tl.constexpr,
                               NB_PAD: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
                               LOCAL: tl.constexpr, INIT: tl.constexpr, METHOD: tl.constexpr, GROUP: tl.constexpr,
-                              T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
-                              T4: tl.constexpr, T5: tl.constexpr, GROUPED_FROM: tl.constexpr,
-                              LOCAL_PAD: tl.constexpr):
+                              TIERS: tl.constexpr, GROUPED_FROM: tl.constexpr, LOCAL_PAD: tl.constexpr):
     # every parameter passed (a jit-to-jit call leaves the rest at the callee's defaults, which Triton 3.6 does not
     # always compile); rows of the scores are ``num_blocks`` apart, ranked as ``li.block_topk`` ranks them
     li._block_topk(scores_ptr, pos_ptr, out_ptr, H * num_blocks, num_blocks, H * TOPK, TOPK, NB, NB_PAD, BS, TOPK,
-                   TOPK_PAD, LOCAL, INIT, METHOD, GROUP, T0, T1, T2, T3, T4, T5, GROUPED_FROM, LOCAL_PAD)
+                   TOPK_PAD, LOCAL, INIT, METHOD, GROUP, TIERS, GROUPED_FROM, LOCAL_PAD)
 
 @triton.jit
 def m3_mxfp8_linear(x_ptr, w_ptr, s_ptr, rows, y_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
