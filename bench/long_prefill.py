@@ -13,6 +13,7 @@ from 16k to 64k). The table prints each length's growth against the shortest.
 
   python bench/long_prefill.py --device cuda     # H200: mini, 128 experts, MXFP8, 16k/32k/64k in chunks of 8192
   python bench/long_prefill.py --device cpu      # tiny preset, short prompts: checks the script (memory not measured)
+  python bench/long_prefill.py --lengths 16384 --chunk 512,2048,8192   # one prompt length per step budget
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128, help="routed experts of mini (the release has 128)")
     ap.add_argument("--weights", choices=["mxfp8", "bf16"], default="mxfp8")
     ap.add_argument("--lengths", default=None, help="prompt lengths (default 16384,32768,65536; cpu 96,192,384)")
-    ap.add_argument("--chunk", type=int, default=None, help="max_num_batched_tokens (default 8192; cpu 64)")
+    ap.add_argument("--chunk", default=None,
+                    help="max_num_batched_tokens, comma-separated for several (default 8192; cpu 64)")
     ap.add_argument("--page-size", type=int, default=None,
                     help="default: the engine's (runtime.engine.default_page_size: 16 for M3; 64 until 2026-12-02; "
                          "cpu: 4, the tiny index block)")
@@ -105,7 +107,7 @@ def main() -> int:
     if cuda:
         cfg = dataclasses.replace(cfg, num_local_experts=args.experts).validate()
     lengths = [int(v) for v in (args.lengths or ("16384,32768,65536" if cuda else "96,192,384")).split(",")]
-    chunk = args.chunk or (8192 if cuda else 64)
+    chunks = [int(v) for v in (args.chunk or ("8192" if cuda else "64")).split(",")]
     page = args.page_size or (default_page_size(cfg) if cuda else 4)
     t0 = time.time()
     model = build_model(cfg, cuda and args.weights == "mxfp8", args.device, torch.bfloat16 if cuda else torch.float32)
@@ -114,10 +116,10 @@ def main() -> int:
           flush=True)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "preset": "mini" if cuda else "tiny", "experts": cfg.num_local_experts,
-           "weights": args.weights if cuda else "fp32", "weight_bytes": weights, "page_size": page, "chunk": chunk,
+           "weights": args.weights if cuda else "fp32", "weight_bytes": weights, "page_size": page, "chunks": chunks,
            "rows": []}
     json_path = args.json or RESULTS / f"long_prefill_{'cuda' if cuda else 'cpu'}.json"
-    for n in lengths:
+    for n, chunk in [(n, c) for c in chunks for n in lengths]:
         try:
             row = warm_prefill(model, n, chunk, page, graphs=not args.no_graphs)
         except Exception as exc:  # out of memory or a kernel that does not take this shape: reported, go on
@@ -128,22 +130,22 @@ def main() -> int:
         print(row, flush=True)
         out = write_results(res, json_path)  # after every length: a run cut short keeps what it measured
     ok = [r for r in res["rows"] if "seconds" in r]
-    print(f"\nchunked prefill, {res['preset']} ({cfg.num_local_experts} experts, {res['weights']}), chunks of {chunk}"
-          f" tokens, pages of {page}; {out}")
-    print(f"{'tokens':>7} {'steps':>5} {'s':>7} {'tok/s':>8} {'first s':>8} {'pool GB':>8} {'peak GB':>8} "
+    print(f"\nchunked prefill, {res['preset']} ({cfg.num_local_experts} experts, {res['weights']}), pages of {page};"
+          f" {out}")
+    print(f"{'tokens':>7} {'chunk':>6} {'steps':>5} {'s':>7} {'tok/s':>8} {'first s':>8} {'pool GB':>8} {'peak GB':>8} "
           f"{'rest GB':>8} {'x tokens':>8} {'x rest':>7}   (first s: the same prompt the first time, kernels compiled)")
-    first = ok[0] if ok else None
     for r in res["rows"]:
         if "error" in r:
-            print(f"{r['tokens']:>7} {r['error']}")
+            print(f"{r['tokens']:>7} {r['chunk']:>6} {r['error']}")
             continue
+        first = next(f for f in ok if f["chunk"] == r["chunk"])  # growth against the shortest of its chunk size
         gb = lambda k: f"{r[k] / 1e9:>8.2f}" if k in r else f"{'-':>8}"  # noqa: E731
         grow = (f"{r['peak_beyond_pools_bytes'] / first['peak_beyond_pools_bytes']:>7.2f}"
                 if "peak_beyond_pools_bytes" in r and first.get("peak_beyond_pools_bytes") else f"{'-':>7}")
-        print(f"{r['tokens']:>7} {r['steps']:>5} {r['seconds']:>7.2f} {r['tokens_per_s']:>8.0f} "
+        print(f"{r['tokens']:>7} {r['chunk']:>6} {r['steps']:>5} {r['seconds']:>7.2f} {r['tokens_per_s']:>8.0f} "
               f"{r['first_seconds']:>8.2f} {gb('pool_bytes')} "
               f"{gb('peak_bytes')} {gb('peak_beyond_pools_bytes')} {r['tokens'] / first['tokens']:>8.1f} {grow}")
-    return 0 if len(ok) == len(lengths) else 1
+    return 0 if len(ok) == len(lengths) * len(chunks) else 1
 
 
 if __name__ == "__main__":

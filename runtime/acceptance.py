@@ -137,7 +137,9 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     ignored); the drafts come back with the candidates, in the same one copy, as each result's ``draft``.
     Rows that are all greedy, without penalties or logprobs (greedy speculation), take a shorter pass
     (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. Same tokens as
-    ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). In a batch that
+    ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). A step whose rows
+    verify no draft computes the plain samples only (no residual resample, no acceptance test: on the H200 the pass at one row
+    1.6-2.8x faster, ``docs/performance.md``, thirteenth session). In a batch that
     mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
     rows), which keeps the pass free of index copies."""
     r = len(rows)
@@ -165,7 +167,10 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     token = x.argmax(-1)  # greedy rows; first index on ties, as torch.argmax
     accepted = token == drafts
     residual = torch.zeros_like(token)
-    if any(not w.params.greedy for w in rows):
+    plain = draft_ids is None and all(w.draft is None for w in rows)  # no row verifies a draft
+    if any(not w.params.greedy for w in rows) and plain:  # a plain sample: no residual, no acceptance test
+        token = torch.where(sampled, draw_rows(filtered_probs_rows(x, params), u[:, 0]), token)
+    elif any(not w.params.greedy for w in rows):
         probs = filtered_probs_rows(x, params)
         has = drafts >= 0
         d = drafts.clamp(min=0)[:, None]

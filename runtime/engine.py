@@ -35,7 +35,7 @@ from .outputs import RequestOutput
 from .params import SamplingParams
 from .request import Request
 from .sampling import PositionalRandom
-from .scheduler import ScheduledRequest, Scheduler
+from .scheduler import ScheduledRequest, Scheduler, default_token_budget
 from .stats import EngineStats
 from .tokenizer import TextTokenizer, find_tokenizer
 
@@ -98,11 +98,13 @@ def _pool_geometry(backend: Backend, page_size: int | None, num_pages: int | Non
 class Engine:
     def __init__(self, backend: Backend, tokenizer: TextTokenizer | None = None, *, page_size: int | None = None,
                  num_pages: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, num_speculative_tokens: int = 0, drafter: Drafter | None = None,
+                 max_num_batched_tokens: int | None = None, num_speculative_tokens: int = 0, drafter: Drafter | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, kv_cache_bytes: int | None = None):
         """Pool size: ``num_pages``, or as many pages as ``kv_cache_bytes`` holds (every pool counted: main K/V,
         index keys, MTP modules), or by default four sequences of ``max_model_len``. ``max_model_len`` defaults
-        to what the pool holds (min(4096, the model's position limit) when neither is given). ``drafter``
+        to what the pool holds (min(4096, the model's position limit) when neither is given).
+        ``max_num_batched_tokens`` (tokens per step) defaults by the backend's device
+        (``scheduler.default_token_budget``: 512 on the CPU, 8192 on an H100 / H200, 2048 on smaller GPUs). ``drafter``
         replaces the MTP drafter (tests, other draft models) when ``num_speculative_tokens`` > 0."""
         cfg: M3Config = backend.config
         self.backend = backend
@@ -110,6 +112,8 @@ class Engine:
         self.tokenizer = tokenizer
         page_size, num_pages, max_model_len = _pool_geometry(backend, page_size, num_pages, max_model_len,
                                                              kv_cache_bytes)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_token_budget(getattr(backend, "device", None))
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if num_speculative_tokens < 0:

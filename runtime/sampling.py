@@ -109,7 +109,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def draw(probs: torch.Tensor, u: float) -> int:
     """One token from ``probs`` [V] (need not be normalised) for the uniform ``u`` in [0, 1) (inverse CDF)."""
     cdf = probs.double().cumsum(-1)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    target = torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device=cdf.device)
+    idx = int(torch.searchsorted(cdf, target, right=True))
     # u * total can round up to total; the last token with mass is then the right answer.
     return min(idx, int(torch.nonzero(probs).max()))
 
@@ -143,7 +144,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     from torch's caching host allocator, which keeps it until the copy has run."""
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)  # already on a device (e.g. ids a graphed step left there): no host copy to pin
-    return t.pin_memory().to(device, non_blocking=True)
+    # A pinned block of the caching allocator filled here, not ``t.pin_memory()``: that first asks the driver
+    # whether ``t`` is pinned (``aten::is_pinned``), which took ~0.3 ms of every sampled step on the H200 while
+    # the device was busy (docs/performance.md, thirteenth session).
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(device, non_blocking=True)
 
 
 class RowParams:

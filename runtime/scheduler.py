@@ -25,6 +25,31 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager, page_digest
 from .request import Request, Status
 
+#: Tokens per step when the engine is not told (``default_token_budget``): on the CPU, what the runtime benchmarks
+#: run; on GPUs, vLLM's serving defaults (``EngineArgs.get_batch_defaults``, OpenAI server context): 8192 on GPUs
+#: of at least 70 GiB other than the A100 (H100, H200, MI300), 2048 on the others.
+CPU_TOKEN_BUDGET = 512
+LARGE_GPU_TOKEN_BUDGET = 8192
+GPU_TOKEN_BUDGET = 2048
+LARGE_GPU_BYTES = 70 * 2**30
+
+
+def default_token_budget(device) -> int:
+    """``max_num_batched_tokens`` for an engine on ``device`` (a torch device, or None for the CPU) that was given
+    none. Why it follows the device: a prompt runs in chunks of the budget, and on a GPU a short chunk leaves the
+    MoE GEMMs launch- and tile-bound (on the H200, ``mini``: a 16k-token prompt in chunks of 512 / 2048 / 8192,
+    ``docs/performance.md``), while a decode step sharing the step with a chunk waits for all of it; vLLM takes
+    the same trade with these numbers. On the CPU a step of 512 tokens already keeps the cores busy."""
+    import torch
+
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        return CPU_TOKEN_BUDGET
+    props = torch.cuda.get_device_properties(device)
+    if props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower():
+        return LARGE_GPU_TOKEN_BUDGET
+    return GPU_TOKEN_BUDGET
+
 
 @dataclass
 class ScheduledRequest:

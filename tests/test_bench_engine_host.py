@@ -43,7 +43,8 @@ def test_engine_host_times_speculative_rounds(tmp_path):
 
 def test_long_prefill_runs_every_length_in_chunks(tmp_path):
     out = tmp_path / "lp.json"
-    _run("long_prefill.py", "--device", "cpu", "--lengths", "40,80", "--chunk", "32", "--json", str(out))
+    _run("long_prefill.py", "--device", "cpu", "--lengths", "40,80", "--chunk", "32,64", "--json", str(out))
     res = json.loads(out.read_text())
-    assert [(r["tokens"], r["steps"]) for r in res["rows"]] == [(40, 2), (80, 3)]
+    assert [(r["tokens"], r["chunk"], r["steps"]) for r in res["rows"]] == [(40, 32, 2), (80, 32, 3), (40, 64, 1),
+                                                                            (80, 64, 2)]
     assert all(r["tokens_per_s"] > 0 for r in res["rows"])

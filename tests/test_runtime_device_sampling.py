@@ -289,3 +289,19 @@ def test_engine_penalties_count_the_drafts_a_verify_row_follows(model):
                  drafter=_KnownContinuation(want))
     assert [o.token_ids for o in eng.generate(ps, params)] == [want[tuple(p)] for p in ps]
     assert eng.stats.draft_tokens > 0 and eng.stats.accepted_tokens == eng.stats.draft_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_plain_rows_at_the_vocabulary_size_equal_the_host_definition():
+    """A step whose rows verify no draft (the plain pass: no residuals, no acceptance tests) at M3's vocabulary,
+    on the GPU, against sample() on the CPU; the one-row draw also on a GPU row. As above, a mismatch needs a
+    uniform within float64 rounding of a CDF step: any is a bug."""
+    vocab = 200064
+    params = [p for p in PARAMS if not p.penalised] * 3
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(77)) * 2.0
+    rngs = [PositionalRandom(300 + i) for i in range(len(params))]
+    got = decide(logits.cuda(), [Row(p, rng, 40 + i) for i, (p, rng) in enumerate(zip(params, rngs))])
+    assert [r.token for r in got] == [sample(logits[i], p, rngs[i], 40 + i) for i, p in enumerate(params)]
+    i = next(i for i, p in enumerate(params) if p.top_p < 1)
+    assert sample(logits[i].cuda(), params[i], rngs[i], 40 + i) == got[i].token

@@ -75,6 +75,21 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser, default: str | None 
                         "any")
 
 
+def add_step_budget_argument(p: argparse.ArgumentParser) -> None:
+    """``--max-num-batched-tokens`` (vLLM's flag), the same on every command that creates an engine; None leaves
+    the engine's default for its device (``runtime.scheduler.default_token_budget``)."""
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=None, metavar="N",
+                   help="tokens per engine step at most; a longer prompt is prefilled in chunks of N (default: by "
+                        "device, vLLM's serving defaults: 512 on the CPU, 8192 on GPUs of 70 GiB or more other than "
+                        "the A100, 2048 on other GPUs)")
+
+
+def step_budget_engine_args(args: argparse.Namespace) -> dict:
+    """The engine keyword for ``add_step_budget_argument``'s value: none when it was not given."""
+    n = args.max_num_batched_tokens
+    return {} if n is None else {"max_num_batched_tokens": n}
+
+
 def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size`` / ``--expert-parallel`` (vLLM's names and meaning), on every command that creates
     an engine from a checkpoint (``docs/parallel.md``)."""

@@ -8,8 +8,9 @@ import sys
 from ..dtypes import MODEL_DTYPES
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
 from ..sources import ARTIFACT, BACKENDS, PRESET, default_backend, source_kind
-from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, bounded_int, check_device,
-                        check_parallel, check_text, parallel_engine_args, provider_engine_arg)
+from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, add_step_budget_argument, bounded_int,
+                        check_device, check_parallel, check_text, parallel_engine_args, provider_engine_arg,
+                        step_budget_engine_args)
 from .synth import has_random_weights
 
 NAME = "generate"
@@ -57,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=bounded_int(2),
                    help="longest sequence (prompt + generated) to allow (default: min(4096, the model's limit))")
+    add_step_budget_argument(p)
 
 
 def _engine(args: argparse.Namespace):
@@ -81,7 +83,7 @@ def _engine(args: argparse.Namespace):
     dtype = BY_NAME[args.dtype].torch if args.dtype else None
     sizing = {"num_pages": args.num_pages, "max_model_len": args.max_model_len,
               "num_speculative_tokens": args.speculative, "enforce_eager": args.enforce_eager,
-              "kv_cache_dtype": args.kv_cache_dtype, **parallel_engine_args(args)}
+              "kv_cache_dtype": args.kv_cache_dtype, **parallel_engine_args(args), **step_budget_engine_args(args)}
     provider = provider_engine_arg(args.provider, args.backend)  # a bad name or option fails before any load
     if source_kind(args.artifact) == ARTIFACT:
         return Engine.from_artifact(args.artifact, backend=args.backend, device=args.device, dtype=dtype,

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from ..plugins.onnxruntime.providers import add_argument as add_provider_argument
-from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, check_parallel, parallel_engine_args,
-                        provider_engine_arg)
+from .arguments import (add_kv_cache_dtype_argument, add_parallel_arguments, add_step_budget_argument,
+                        check_parallel, parallel_engine_args, provider_engine_arg, step_budget_engine_args)
 
 NAME = "serve"
 HELP = ("Serve an artifact, checkpoint or preset through an OpenAI-compatible HTTP API (/v1/models, "
@@ -53,8 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest sequence, prompt + generated (default: what fits)")
     p.add_argument("--num-pages", type=int, help="KV-cache pages (default: 4 x max-model-len)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="tokens per engine step at most (default: %(default)s)")
+    add_step_budget_argument(p)
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
@@ -96,7 +95,7 @@ def build_server(args: argparse.Namespace):
         args.model = str(default_model())
     src = resolve_source(args.model, args.backend)
     engine_args = {"num_speculative_tokens": args.speculative, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens, "device": args.device}
+                   "device": args.device, **step_budget_engine_args(args)}
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
     if args.kv_cache_dtype != "auto":
