@@ -32,7 +32,7 @@ import torch
 from .device_drafts import RoundDrafts, fill_tokens, to_host
 from .params import SamplingParams
 from .sampling import (PositionalRandom, Purpose, RowParams, apply_penalties, draw, draw_rows, filtered_probs,
-                       filtered_probs_rows, penalise_rows)
+                       filtered_probs_rows, kernel_draw_rows, penalise_rows, to_device)
 
 
 def accept_greedy(target_logits: torch.Tensor, drafts: list[int]) -> list[int]:
@@ -138,8 +138,9 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     Rows that are all greedy, without penalties or logprobs (greedy speculation), take a shorter pass
     (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. Same tokens as
     ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). A step whose rows
-    verify no draft computes the plain samples only (no residual resample, no acceptance test: on the H200 the pass at one row
-    1.6-2.8x faster, ``docs/performance.md``, thirteenth session). In a batch that
+    verify no draft computes the plain samples only (no residual resample, no acceptance test), on a GPU in one
+    Triton launch (``sampling_kernel``: the same tokens up to float64 rounding; a top-p row it flags, a nucleus
+    beyond its candidates, is redone here with the definitions). In a batch that
     mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
     rows), which keeps the pass free of index copies."""
     r = len(rows)
@@ -168,8 +169,14 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     accepted = token == drafts
     residual = torch.zeros_like(token)
     plain = draft_ids is None and all(w.draft is None for w in rows)  # no row verifies a draft
+    redo = None
     if any(not w.params.greedy for w in rows) and plain:  # a plain sample: no residual, no acceptance test
-        token = torch.where(sampled, draw_rows(filtered_probs_rows(x, params), u[:, 0]), token)
+        if sampling_kernel(dev, [w.params for w in rows]):
+            drawn, redo = kernel_draw_rows(x, params, u[:, 0])
+            redo = redo & sampled
+        else:
+            drawn = draw_rows(filtered_probs_rows(x, params), u[:, 0])
+        token = torch.where(sampled, drawn, token)
     elif any(not w.params.greedy for w in rows):
         probs = filtered_probs_rows(x, params)
         has = drafts >= 0
@@ -187,6 +194,8 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
         accepted = torch.where(sampled, has & (u[:, 1] * p_d_of_d < probs.gather(-1, d)[:, 0]), accepted)
         residual = draw_rows(resid, u[:, 2])
     cols = [token.double(), accepted.double(), residual.double(), drafts.double()]
+    if redo is not None:  # the kernel's flags ride in the residual column, unused without drafts
+        cols[2] = torch.where(redo, -1.0, cols[2])
     top_n = max((w.params.logprobs or 0 for w in rows), default=0)
     if any(w.params.logprobs is not None for w in rows):
         lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
@@ -196,16 +205,52 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
             values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
             cols += list(ids.double().unbind(-1)) + list(values.double().unbind(-1))
     host = to_host(torch.stack(cols, dim=-1), "decide")  # the step's one device-to-host copy
+    redone = _redo(x, rows, [i for i, h in enumerate(host) if h[2] < 0]) if redo is not None else {}
     out = []
     for i, (w, h) in enumerate(zip(rows, host)):
-        tok, acc, res, draft = int(h[0]), bool(h[1]), int(h[2]), (int(h[3]) if h[3] >= 0 else None)
+        tok, acc, res, draft = int(h[0]), bool(h[1]), max(int(h[2]), 0), (int(h[3]) if h[3] >= 0 else None)
+        if i in redone:  # its logprobs below then have no entry of the old token: RowResult.logprobs reads it
+            tok = redone[i]
         cand_lp = top = None
         if w.params.logprobs is not None:
-            cand_lp = {res: h[6], **({draft: h[5]} if draft is not None else {}), tok: h[4]}
+            cand_lp = {res: h[6], **({draft: h[5]} if draft is not None else {})}
+            if i not in redone:
+                cand_lp[tok] = h[4]
             n = len(h) - 7
             top = [(int(i), v) for i, v in zip(h[7:7 + n // 2], h[7 + n // 2:])]
         out.append(RowResult(tok, acc, res, cand_lp, top, None if cand_lp is None else lp[i], draft))
     return out
+
+
+#: Where the sampling kernel is measured faster than the batched definitions (the H200, ``docs/performance.md``,
+#: thirteenth session): steps of 64 rows whose sampled rows all have a top-k within its candidates (top-k 50 and
+#: top-p 0.95: 2.1 against 4.7 ms a step; temperature alone: equal; one row: 1.4 against 0.9 ms, its one program
+#: per row scanning the vocabulary alone; a top-p nucleus past the candidates: redone, slower).
+KERNEL_LEAST_ROWS = 64
+
+
+def sampling_kernel(device: torch.device, params: Sequence[SamplingParams]) -> bool:
+    """Whether ``decide`` draws a step's plain sampled rows in one Triton launch (``sampling.kernel_draw_rows``)
+    rather than with the batched definitions: on a GPU, in the steps where it was measured faster
+    (``KERNEL_LEAST_ROWS``; a top-k within the kernel's candidates bounds every nucleus, so no row is redone). On
+    the CPU never (the definitions are exact to the bit there, as the tests hold ``accept``)."""
+    if device.type != "cuda" or len(params) < KERNEL_LEAST_ROWS:
+        return False
+    from m3export.plugins.kernels import triton_available
+    from m3export.plugins.kernels.sampling import CANDIDATES
+
+    return triton_available() and all(p.greedy or 0 < p.top_k <= CANDIDATES for p in params)
+
+
+def _redo(x: torch.Tensor, rows: Sequence[Row], flagged: list[int]) -> dict[int, int]:
+    """The tokens of the rows the sampling kernel flagged (a top-p nucleus beyond its candidates), drawn with the
+    batched definitions in one pass over those rows: one more device-to-host copy, in steps that have such rows."""
+    if not flagged:
+        return {}
+    sub = [rows[i] for i in flagged]
+    params = RowParams([w.params for w in sub], x.device, [[w.rng.uniform(w.position, Purpose.SAMPLE)] for w in sub])
+    token = draw_rows(filtered_probs_rows(x[to_device(torch.tensor(flagged), x.device)], params), params.extra[:, 0])
+    return dict(zip(flagged, to_host(token, "decide (top-p rows past the kernel's candidates)")))
 
 
 def _decide_greedy(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tuple[int, RoundDrafts, int]]

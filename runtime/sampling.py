@@ -219,6 +219,22 @@ def filtered_probs_rows(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return probs
 
 
+def kernel_draw_rows(x: torch.Tensor, rows: RowParams, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw_rows(filtered_probs_rows(x, rows), u)`` in one Triton launch (``plugins/kernels/sampling.py``; plus a
+    top-k of the logits for the rows' top-k threshold and their top-p candidates): (token [R], redo [R] bool),
+    ``redo`` marking top-p rows whose nucleus the launch could not find among its candidates (the caller draws
+    those with the definitions). The same tokens up to float64 rounding (the kernel module's docstring)."""
+    from m3export.plugins.kernels.sampling import sample_rows
+
+    r, v = x.shape
+    kth = torch.full((r,), float("-inf"), device=x.device)
+    if 0 < min(rows.max_top_k, v) and any(0 < p.top_k < v for p in rows.params):
+        k = rows.top_k.clamp(max=v)
+        top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
+        kth = torch.where((k > 0) & (k < v), top.gather(-1, (k - 1).clamp(min=0)[:, None])[:, 0], kth)
+    return sample_rows(x.float(), rows.temperature, kth, rows.log_min_p, rows.top_p, u, rows.any_top_p)
+
+
 def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [R, V] (need not be normalised) for the uniforms ``u`` [R] float64
     (``draw`` row-wise) -> [R] int64 on the device."""

@@ -25,7 +25,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
          test_runtime_cuda_graph.py:150 test_runtime_step_host_work.py:90 test_runtime_speculative_round_work.py:90
          test_op_conformance.py:240 test_tensorrt_plugins_gpu.py:300 test_moe_gemv_fused.py:200
          test_moe_prefill_round6.py:120 test_sparse_attention_fused_tma.py:200 test_indexer_tma_gpu.py:240
-         test_runtime_verify_staging.py:150 test_moe_prefill_ws.py:150 test_linear_gemv_sweep.py:120}"
+         test_runtime_verify_staging.py:150 test_moe_prefill_ws.py:150 test_linear_gemv_sweep.py:120
+         test_kernels_sampling.py:90 test_runtime_device_sampling.py:90}"
   for spec in $files; do
     f="${spec%%:*}"; secs="${spec##*:}"
     echo "== $f (limit ${secs}s)" | tee -a "$OUT/gpu_tests.txt"
