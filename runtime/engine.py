@@ -35,7 +35,7 @@ from .outputs import RequestOutput
 from .params import SamplingParams
 from .request import Request
 from .sampling import PositionalRandom
-from .scheduler import ScheduledRequest, Scheduler, default_token_budget
+from .scheduler import ScheduledRequest, Scheduler
 from .stats import EngineStats
 from .tokenizer import TextTokenizer, find_tokenizer
 
@@ -103,8 +103,9 @@ class Engine:
         """Pool size: ``num_pages``, or as many pages as ``kv_cache_bytes`` holds (every pool counted: main K/V,
         index keys, MTP modules), or by default four sequences of ``max_model_len``. ``max_model_len`` defaults
         to what the pool holds (min(4096, the model's position limit) when neither is given).
-        ``max_num_batched_tokens`` (tokens per step) defaults by the backend's device
-        (``scheduler.default_token_budget``: 512 on the CPU, 8192 on an H100 / H200, 2048 on smaller GPUs). ``drafter``
+        ``max_num_batched_tokens`` (tokens per step) defaults to the backend's
+        (``Backend.default_max_num_batched_tokens``: 512, and with the torch backend's kernels on a GPU
+        ``scheduler.default_token_budget``: 8192 on an H100 / H200, 2048 on smaller GPUs). ``drafter``
         replaces the MTP drafter (tests, other draft models) when ``num_speculative_tokens`` > 0."""
         cfg: M3Config = backend.config
         self.backend = backend
@@ -113,7 +114,7 @@ class Engine:
         page_size, num_pages, max_model_len = _pool_geometry(backend, page_size, num_pages, max_model_len,
                                                              kv_cache_bytes)
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_token_budget(getattr(backend, "device", None))
+            max_num_batched_tokens = backend.default_max_num_batched_tokens
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if num_speculative_tokens < 0:

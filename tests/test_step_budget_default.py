@@ -40,18 +40,28 @@ def test_gpu_budget_is_vllms_serving_default_for_the_card(monkeypatch, name, gib
     assert seen == [torch.device("cuda:1")]  # the engine's own card, not the current one
 
 
-def test_engine_without_a_budget_takes_its_devices(monkeypatch):
+def test_engine_without_a_budget_takes_its_backends(monkeypatch):
+    """The engine asks its backend: the torch backend takes the device's budget only where the kernels serve
+    (streamed prefill attention), any other backend the CPU's; an explicit budget wins."""
     from m3export.config import preset
     from m3export.model import M3ForCausalLM
     from m3export.runtime import Engine
+    from m3export.runtime.backends.base import Backend
     from m3export.runtime.backends.torch_backend import TorchBackend
 
     torch.manual_seed(0)
-    eng = Engine(TorchBackend(M3ForCausalLM(preset("tiny")).eval()), num_pages=8, max_model_len=16)
+    be = TorchBackend(M3ForCausalLM(preset("tiny")).eval())
+    assert not be.kernels and be.default_max_num_batched_tokens == 512
+    eng = Engine(be, num_pages=8, max_model_len=16)
     assert eng.scheduler.max_num_batched_tokens == 512
     eng = Engine(TorchBackend(M3ForCausalLM(preset("tiny")).eval()), num_pages=8, max_model_len=16,
                  max_num_batched_tokens=7)
     assert eng.scheduler.max_num_batched_tokens == 7
+    monkeypatch.setattr(scheduler, "default_token_budget", lambda device: 8192)  # as on an H200
+    monkeypatch.setattr("m3export.runtime.backends.torch_backend.default_token_budget", lambda device: 8192)
+    be.kernels = True
+    assert be.default_max_num_batched_tokens == 8192
+    assert Backend.default_max_num_batched_tokens.fget(be) == 512  # what the other backends answer
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt-ids", "1,2"]])

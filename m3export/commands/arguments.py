@@ -79,9 +79,9 @@ def add_step_budget_argument(p: argparse.ArgumentParser) -> None:
     """``--max-num-batched-tokens`` (vLLM's flag), the same on every command that creates an engine; None leaves
     the engine's default for its device (``runtime.scheduler.default_token_budget``)."""
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=None, metavar="N",
-                   help="tokens per engine step at most; a longer prompt is prefilled in chunks of N (default: by "
-                        "device, vLLM's serving defaults: 512 on the CPU, 8192 on GPUs of 70 GiB or more other than "
-                        "the A100, 2048 on other GPUs)")
+                   help="tokens per engine step at most; a longer prompt is prefilled in chunks of N (default: 512; "
+                        "the torch backend on a GPU with the Triton kernels takes vLLM's serving defaults: 8192 on "
+                        "GPUs of 70 GiB or more other than the A100, 2048 on other GPUs)")
 
 
 def step_budget_engine_args(args: argparse.Namespace) -> dict:

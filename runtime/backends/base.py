@@ -25,6 +25,17 @@ class Backend(ABC):
     device: torch.device = torch.device("cpu")
 
     @property
+    def default_max_num_batched_tokens(self) -> int:
+        """Tokens per step when the engine is given none: the CPU's budget (``scheduler.CPU_TOKEN_BUDGET``) unless
+        the backend's prefill streams attention on a GPU (the torch backend with the Triton kernels). The ONNX
+        graphs' function bodies hold a chunk's [tokens, heads, context] scores, which ONNX Runtime's CUDA kernels
+        index with 32-bit ints (``docs/ops.md``: 512-token chunks stay below 2^31 elements up to 64k context, 8192
+        would not past 4k); the TensorRT backend is not measured with larger chunks."""
+        from ..scheduler import CPU_TOKEN_BUDGET
+
+        return CPU_TOKEN_BUDGET
+
+    @property
     def batch_device(self) -> torch.device:
         """Where the engine builds a step's batch: ``device`` unless the backend copies batches into buffers of
         its own (CUDA-graph inputs), which then takes them on the host: one host-to-device copy instead of two

@@ -66,6 +66,10 @@ class DistributedBackend(Backend):
         return self.local.supports_media
 
     @property
+    def default_max_num_batched_tokens(self) -> int:
+        return self.local.default_max_num_batched_tokens
+
+    @property
     def batch_device(self) -> torch.device:
         return self.local.batch_device  # the host for CUDA graphs; the broadcast moves the batch to the devices
 

@@ -12,6 +12,7 @@ from m3export.model import M3ForCausalLM, fusion
 from m3export.model.batch import Batch
 from m3export.model.media import place_rows
 
+from ..scheduler import CPU_TOKEN_BUDGET, default_token_budget
 from .base import Backend
 
 
@@ -23,9 +24,17 @@ class TorchBackend(Backend):
         self.config = model.config
         self.device = model.lm_head.weight.device
         self.dtype = cache_dtype or model.lm_head.weight.dtype
-        fusion.serve_on(model, self.device)  # CUDA: the kernels serve the ops, each layer's projections one launch
+        # CUDA: the kernels serve the ops, each layer's projections one launch
+        self.kernels = fusion.serve_on(model, self.device)
         self._caches: list | None = None
         self._mtp_caches: list | None = None
+
+    @property
+    def default_max_num_batched_tokens(self) -> int:
+        """With the Triton kernels on a GPU a prefill chunk streams its attention (memory linear in the chunk), so
+        the step takes the device's budget (``scheduler.default_token_budget``); the reference ops on CUDA hold
+        [heads, chunk, context] scores, and keep the CPU's."""
+        return default_token_budget(self.device) if self.kernels else CPU_TOKEN_BUDGET
 
     @property
     def takes_device_token_ids(self) -> bool:
