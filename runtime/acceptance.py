@@ -136,12 +136,10 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     of each row whose draft is still on the device (``device_drafts``; that row's own ``draft`` field is then
     ignored); the drafts come back with the candidates, in the same one copy, as each result's ``draft``.
     Rows that are all greedy, without penalties or logprobs (greedy speculation), take a shorter pass
-    (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. Same tokens as
-    ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). A step whose rows
-    verify no draft computes the plain samples only (no residual resample, no acceptance test), on a GPU in one
-    Triton launch (``sampling_kernel``: the same tokens up to float64 rounding; a top-p row it flags, a nucleus
-    beyond its candidates, is redone here with the definitions). In a batch that
-    mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
+    (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. A step whose rows
+    verify no draft takes ``_decide_plain``: its samples only (no residual resample, no acceptance test). Same
+    tokens as ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). In a batch
+    that mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
     rows), which keeps the pass free of index copies."""
     r = len(rows)
     if logits.shape[0] != r:
@@ -150,6 +148,8 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
         return []
     if all(w.params.greedy and not w.params.penalised and w.params.logprobs is None for w in rows):
         return _decide_greedy(logits, rows, draft_places)
+    if not draft_places and all(w.draft is None for w in rows):
+        return _decide_plain(logits, rows)
     draft_ids = None
     if draft_places:  # every row's draft (-1: none) where the logits are, the device-held ones filled in there
         draft_ids = fill_tokens(torch.tensor([-1 if w.draft is None else w.draft for w in rows]), draft_places)
@@ -168,16 +168,7 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     token = x.argmax(-1)  # greedy rows; first index on ties, as torch.argmax
     accepted = token == drafts
     residual = torch.zeros_like(token)
-    plain = draft_ids is None and all(w.draft is None for w in rows)  # no row verifies a draft
-    redo = None
-    if any(not w.params.greedy for w in rows) and plain:  # a plain sample: no residual, no acceptance test
-        if sampling_kernel(dev, [w.params for w in rows]):
-            drawn, redo = kernel_draw_rows(x, params, u[:, 0])
-            redo = redo & sampled
-        else:
-            drawn = draw_rows(filtered_probs_rows(x, params), u[:, 0])
-        token = torch.where(sampled, drawn, token)
-    elif any(not w.params.greedy for w in rows):
+    if any(not w.params.greedy for w in rows):
         probs = filtered_probs_rows(x, params)
         has = drafts >= 0
         d = drafts.clamp(min=0)[:, None]
@@ -194,8 +185,6 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
         accepted = torch.where(sampled, has & (u[:, 1] * p_d_of_d < probs.gather(-1, d)[:, 0]), accepted)
         residual = draw_rows(resid, u[:, 2])
     cols = [token.double(), accepted.double(), residual.double(), drafts.double()]
-    if redo is not None:  # the kernel's flags ride in the residual column, unused without drafts
-        cols[2] = torch.where(redo, -1.0, cols[2])
     top_n = max((w.params.logprobs or 0 for w in rows), default=0)
     if any(w.params.logprobs is not None for w in rows):
         lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
@@ -205,17 +194,12 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
             values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
             cols += list(ids.double().unbind(-1)) + list(values.double().unbind(-1))
     host = to_host(torch.stack(cols, dim=-1), "decide")  # the step's one device-to-host copy
-    redone = _redo(x, rows, [i for i, h in enumerate(host) if h[2] < 0]) if redo is not None else {}
     out = []
     for i, (w, h) in enumerate(zip(rows, host)):
-        tok, acc, res, draft = int(h[0]), bool(h[1]), max(int(h[2]), 0), (int(h[3]) if h[3] >= 0 else None)
-        if i in redone:  # its logprobs below then have no entry of the old token: RowResult.logprobs reads it
-            tok = redone[i]
+        tok, acc, res, draft = int(h[0]), bool(h[1]), int(h[2]), (int(h[3]) if h[3] >= 0 else None)
         cand_lp = top = None
         if w.params.logprobs is not None:
-            cand_lp = {res: h[6], **({draft: h[5]} if draft is not None else {})}
-            if i not in redone:
-                cand_lp[tok] = h[4]
+            cand_lp = {res: h[6], **({draft: h[5]} if draft is not None else {}), tok: h[4]}
             n = len(h) - 7
             top = [(int(i), v) for i, v in zip(h[7:7 + n // 2], h[7 + n // 2:])]
         out.append(RowResult(tok, acc, res, cand_lp, top, None if cand_lp is None else lp[i], draft))
@@ -227,6 +211,57 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
 #: top-p 0.95: 2.1 against 4.7 ms a step; temperature alone: equal; one row: 1.4 against 0.9 ms, its one program
 #: per row scanning the vocabulary alone; a top-p nucleus past the candidates: redone, slower).
 KERNEL_LEAST_ROWS = 64
+
+
+def _decide_plain(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
+    """``decide`` for a step whose rows verify no draft: each row's token (its argmax, or its sample from
+    ``filtered_probs_rows`` + ``draw_rows``, on a GPU where measured faster from ``kernel_draw_rows``, whose flagged
+    top-p rows are redone here with the definitions) and, where asked, its logprobs. The general pass's draft,
+    acceptance and residual columns are constants here (none, no, 0) and are not computed: on the GPU each
+    operation is a launch of some 10 us of host time, and a one-row sampled step was launch-bound
+    (``docs/performance.md``, thirteenth session). Same tokens as the general pass."""
+    dev = logits.device
+    sampled = [not w.params.greedy for w in rows]
+    params = RowParams([w.params for w in rows], dev,
+                       [[s, w.rng.uniform(w.position, Purpose.SAMPLE) if s else 0.0] for s, w in zip(sampled, rows)])
+    x = logits.float()
+    if any(w.params.penalised for w in rows):
+        x = penalise_rows(x, params, [w.prompt for w in rows], [w.output for w in rows])
+    redo = None
+    if any(sampled):
+        if sampling_kernel(dev, [w.params for w in rows]):
+            token, redo = kernel_draw_rows(x, params, params.extra[:, 1])
+        else:
+            token = draw_rows(filtered_probs_rows(x, params), params.extra[:, 1])
+        if not all(sampled):  # greedy rows: the argmax, first index on ties
+            token = torch.where(params.extra[:, 0] > 0, token, x.argmax(-1))
+    else:
+        token = x.argmax(-1)
+    cols = [token.double()]
+    if redo is not None:
+        cols.append(redo.double())
+    top_n = max((w.params.logprobs or 0 for w in rows), default=0)
+    lp = None
+    if any(w.params.logprobs is not None for w in rows):
+        lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
+        cols.append(lp.gather(-1, token[:, None])[:, 0].double())
+        if top_n:
+            values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
+            cols += [ids.double(), values.double()]
+    host = to_host(torch.cat([c if c.dim() == 2 else c[:, None] for c in cols], dim=-1), "decide")
+    flagged = [i for i, h in enumerate(host) if redo is not None and h[1]]
+    redone = _redo(x, rows, flagged)
+    out = []
+    for i, (w, h) in enumerate(zip(rows, host)):
+        tok = redone.get(i, int(h[0]))
+        cand_lp = top = None
+        if w.params.logprobs is not None:
+            at = 2 if redo is not None else 1
+            # a redone row's token is not the one whose log-probability came back: RowResult.logprobs reads it
+            cand_lp = {} if i in redone else {tok: h[at]}
+            top = [(int(t), v) for t, v in zip(h[at + 1:at + 1 + top_n], h[at + 1 + top_n:])]
+        out.append(RowResult(tok, False, 0, cand_lp, top, None if cand_lp is None else lp[i], None))
+    return out
 
 
 def sampling_kernel(device: torch.device, params: Sequence[SamplingParams]) -> bool:

@@ -21,6 +21,7 @@ uniforms; the tests hold them to that.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -164,12 +165,22 @@ class RowParams:
                   p.repetition_penalty, p.frequency_penalty, p.presence_penalty] + list(e)
                  for p, e in zip(self.params, extra or [()] * len(self.params))]
         t = to_device(torch.tensor(table, dtype=torch.float64), device)  # the one host-to-device copy
-        self.temperature, self.top_k, self.top_p, self.log_min_p = t[:, 0], t[:, 1].long(), t[:, 2], t[:, 3]
-        self.penalties = t[:, 4:7].float()  # repetition, frequency, presence (float32 like the logits)
+        self._table = t
+        self.temperature, self.top_p, self.log_min_p = t[:, 0], t[:, 2], t[:, 3]
         self.extra = t[:, 7:]
         self.any_min_p = any(p.min_p > 0 for p in self.params)
         self.max_top_k = max((p.top_k for p in self.params), default=0)
         self.any_top_p = any(p.top_p < 1.0 for p in self.params)
+
+    # Converted on first use: each conversion is a device operation (on a GPU a launch), and most steps use neither.
+    @functools.cached_property
+    def top_k(self) -> torch.Tensor:
+        return self._table[:, 1].long()
+
+    @functools.cached_property
+    def penalties(self) -> torch.Tensor:
+        """repetition, frequency, presence (float32 like the logits)."""
+        return self._table[:, 4:7].float()
 
 
 def penalise_rows(logits: torch.Tensor, rows: RowParams, prompts: Sequence[Sequence[int]],
