@@ -98,7 +98,8 @@ def _pool_geometry(backend: Backend, page_size: int | None, num_pages: int | Non
 class Engine:
     def __init__(self, backend: Backend, tokenizer: TextTokenizer | None = None, *, page_size: int | None = None,
                  num_pages: int | None = None, max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, num_speculative_tokens: int = 0, drafter: Drafter | None = None,
+                 max_num_batched_tokens: int | None = None, num_speculative_tokens: int = 0,
+                 drafter: Drafter | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, kv_cache_bytes: int | None = None):
         """Pool size: ``num_pages``, or as many pages as ``kv_cache_bytes`` holds (every pool counted: main K/V,
         index keys, MTP modules), or by default four sequences of ``max_model_len``. ``max_model_len`` defaults

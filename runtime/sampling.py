@@ -206,19 +206,27 @@ def penalise_rows(logits: torch.Tensor, rows: RowParams, prompts: Sequence[Seque
     return x - counts * freq - (counts > 0).float() * pres
 
 
+def top_k_threshold(x: torch.Tensor, rows: RowParams) -> torch.Tensor | None:
+    """Each row's k-th largest value of ``x`` [R, V] (-inf for a row without top-k: its mask keeps everything), or
+    None when no row filters (known on the host: no operation). Ties at the k-th value are all kept."""
+    v = x.shape[-1]
+    if not (0 < min(rows.max_top_k, v) and any(0 < p.top_k < v for p in rows.params)):
+        return None
+    k = rows.top_k.clamp(max=v)
+    top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
+    kth = top.gather(-1, (k - 1).clamp(min=0)[:, None])[:, 0]
+    return torch.where((k > 0) & (k < v), kth, float("-inf"))
+
+
 def filtered_probs_rows(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     """logits [R, V] (penalised) -> each row's sampling distribution [R, V] float64 (``filtered_probs``
     row-wise). Filters a row does not use are no-ops for it: a -inf threshold, or the unfiltered row selected."""
     x = logits.double() / rows.temperature[:, None]
     if rows.any_min_p:
         x = x.masked_fill(x < x.amax(-1, keepdim=True) + rows.log_min_p[:, None], float("-inf"))
-    v = x.shape[-1]
-    if 0 < min(rows.max_top_k, v) and any(0 < p.top_k < v for p in rows.params):
-        k = rows.top_k.clamp(max=v)
-        top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
-        kth = top.gather(-1, (k - 1).clamp(min=0)[:, None])
-        kth = torch.where(((k > 0) & (k < v))[:, None], kth, float("-inf"))
-        x = x.masked_fill(x < kth, float("-inf"))
+    kth = top_k_threshold(x, rows)
+    if kth is not None:
+        x = x.masked_fill(x < kth[:, None], float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if rows.any_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
@@ -237,13 +245,10 @@ def kernel_draw_rows(x: torch.Tensor, rows: RowParams, u: torch.Tensor) -> tuple
     those with the definitions). The same tokens up to float64 rounding (the kernel module's docstring)."""
     from m3export.plugins.kernels.sampling import sample_rows
 
-    r, v = x.shape
-    kth = torch.full((r,), float("-inf"), device=x.device)
-    if 0 < min(rows.max_top_k, v) and any(0 < p.top_k < v for p in rows.params):
-        k = rows.top_k.clamp(max=v)
-        top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
-        kth = torch.where((k > 0) & (k < v), top.gather(-1, (k - 1).clamp(min=0)[:, None])[:, 0], kth)
-    return sample_rows(x.float(), rows.temperature, kth, rows.log_min_p, rows.top_p, u, rows.any_top_p)
+    kth = top_k_threshold(x, rows)  # on the float32 logits: the same tokens as on x / T (the kernel's docstring)
+    if kth is None:
+        kth = torch.full((x.shape[0],), float("-inf"), device=x.device)
+    return sample_rows(x, rows.temperature, kth, rows.log_min_p, rows.top_p, u, rows.any_top_p)
 
 
 def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

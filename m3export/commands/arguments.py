@@ -77,7 +77,7 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser, default: str | None 
 
 def add_step_budget_argument(p: argparse.ArgumentParser) -> None:
     """``--max-num-batched-tokens`` (vLLM's flag), the same on every command that creates an engine; None leaves
-    the engine's default for its device (``runtime.scheduler.default_token_budget``)."""
+    the engine's default, its backend's (``Backend.default_max_num_batched_tokens``)."""
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=None, metavar="N",
                    help="tokens per engine step at most; a longer prompt is prefilled in chunks of N (default: 512; "
                         "the torch backend on a GPU with the Triton kernels takes vLLM's serving defaults: 8192 on "
