@@ -206,13 +206,6 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
     return out
 
 
-#: Where the sampling kernel is measured faster than the batched definitions (the H200, ``docs/performance.md``,
-#: thirteenth session): steps of 64 rows whose sampled rows all have a top-k within its candidates (top-k 50 and
-#: top-p 0.95: 2.1 against 4.7 ms a step; temperature alone: equal; one row: 1.4 against 0.9 ms, its one program
-#: per row scanning the vocabulary alone; a top-p nucleus past the candidates: redone, slower).
-KERNEL_LEAST_ROWS = 64
-
-
 def _decide_plain(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
     """``decide`` for a step whose rows verify no draft: each row's token (its argmax, or its sample from
     ``filtered_probs_rows`` + ``draw_rows``, on a GPU where measured faster from ``kernel_draw_rows``, whose flagged
@@ -222,10 +215,13 @@ def _decide_plain(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
     (``docs/performance.md``, thirteenth session). Same tokens as the general pass."""
     dev = logits.device
     sampled = [not w.params.greedy for w in rows]
-    params = RowParams([w.params for w in rows], dev,
-                       [[s, w.rng.uniform(w.position, Purpose.SAMPLE) if s else 0.0] for s, w in zip(sampled, rows)])
-    x = logits.float()
-    if any(w.params.penalised for w in rows):
+    penalised = any(w.params.penalised for w in rows)
+    params = None  # greedy rows with logprobs only: no parameters to upload
+    if any(sampled) or penalised:
+        uniforms = [[s, w.rng.uniform(w.position, Purpose.SAMPLE) if s else 0.0] for s, w in zip(sampled, rows)]
+        params = RowParams([w.params for w in rows], dev, uniforms)
+    raw = x = logits.float()
+    if penalised:
         x = penalise_rows(x, params, [w.prompt for w in rows], [w.output for w in rows])
     redo = None
     if any(sampled):
@@ -243,7 +239,7 @@ def _decide_plain(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
     top_n = max((w.params.logprobs or 0 for w in rows), default=0)
     lp = None
     if any(w.params.logprobs is not None for w in rows):
-        lp = torch.log_softmax(logits.float(), dim=-1)  # the raw model distribution, as token_logprobs
+        lp = torch.log_softmax(raw, dim=-1)  # the raw model distribution, as token_logprobs
         cols.append(lp.gather(-1, token[:, None])[:, 0].double())
         if top_n:
             values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))
@@ -265,16 +261,18 @@ def _decide_plain(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
 
 
 def sampling_kernel(device: torch.device, params: Sequence[SamplingParams]) -> bool:
-    """Whether ``decide`` draws a step's plain sampled rows in one Triton launch (``sampling.kernel_draw_rows``)
-    rather than with the batched definitions: on a GPU, in the steps where it was measured faster
-    (``KERNEL_LEAST_ROWS``; a top-k within the kernel's candidates bounds every nucleus, so no row is redone). On
-    the CPU never (the definitions are exact to the bit there, as the tests hold ``accept``)."""
-    if device.type != "cuda" or len(params) < KERNEL_LEAST_ROWS:
+    """Whether ``decide`` draws a step's plain sampled rows with the sampling kernels (``sampling.kernel_draw_rows``)
+    rather than with the batched definitions: on a GPU, always. Measured on the H200 (``bench/sampling.py``,
+    ``docs/performance.md``, fourteenth session) as fast as the definitions or faster in every mode from one row
+    to 64 (1.0x with temperature alone at one row, 1.4-3x elsewhere), except rows whose top-p nucleus passes the
+    kernels' 1024 candidates: those are redone with the definitions (0.4-0.8x of the definitions alone; a trained
+    model's nucleus at top-p <= 0.95 is mostly far smaller). On the CPU never (the definitions are exact to the bit
+    there, as the tests hold ``accept``)."""
+    if device.type != "cuda":
         return False
     from m3export.plugins.kernels import triton_available
-    from m3export.plugins.kernels.sampling import CANDIDATES
 
-    return triton_available() and all(p.greedy or 0 < p.top_k <= CANDIDATES for p in params)
+    return triton_available()
 
 
 def _redo(x: torch.Tensor, rows: Sequence[Row], flagged: list[int]) -> dict[int, int]:

@@ -206,14 +206,17 @@ def penalise_rows(logits: torch.Tensor, rows: RowParams, prompts: Sequence[Seque
     return x - counts * freq - (counts > 0).float() * pres
 
 
-def top_k_threshold(x: torch.Tensor, rows: RowParams) -> torch.Tensor | None:
+def top_k_threshold(x: torch.Tensor, rows: RowParams, top: torch.Tensor | None = None) -> torch.Tensor | None:
     """Each row's k-th largest value of ``x`` [R, V] (-inf for a row without top-k: its mask keeps everything), or
-    None when no row filters (known on the host: no operation). Ties at the k-th value are all kept."""
+    None when no row filters (known on the host: no operation). Ties at the k-th value are all kept. ``top``: the
+    rows' largest values of ``x`` in decreasing order, taken already by the caller (``torch.topk``), used where at
+    least as wide as the largest top-k."""
     v = x.shape[-1]
     if not (0 < min(rows.max_top_k, v) and any(0 < p.top_k < v for p in rows.params)):
         return None
     k = rows.top_k.clamp(max=v)
-    top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
+    if top is None or top.shape[-1] < min(rows.max_top_k, v):
+        top = torch.topk(x, min(rows.max_top_k, v), dim=-1).values
     kth = top.gather(-1, (k - 1).clamp(min=0)[:, None])[:, 0]
     return torch.where((k > 0) & (k < v), kth, float("-inf"))
 
@@ -238,17 +241,30 @@ def filtered_probs_rows(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return probs
 
 
-def kernel_draw_rows(x: torch.Tensor, rows: RowParams, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``draw_rows(filtered_probs_rows(x, rows), u)`` in one Triton launch (``plugins/kernels/sampling.py``; plus a
-    top-k of the logits for the rows' top-k threshold and their top-p candidates): (token [R], redo [R] bool),
-    ``redo`` marking top-p rows whose nucleus the launch could not find among its candidates (the caller draws
-    those with the definitions). The same tokens up to float64 rounding (the kernel module's docstring)."""
-    from m3export.plugins.kernels.sampling import sample_rows
+def kernel_draw_rows(x: torch.Tensor, rows: RowParams, u: torch.Tensor, candidates: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``draw_rows(filtered_probs_rows(x, rows), u)`` in two or three Triton launches (``plugins/kernels/sampling.py``;
+    plus, where a row asks for top-k, one ``torch.topk`` of the logits for the thresholds, which also gives the
+    top-p candidates where every top-p row has a top-k within ``candidates``): (token [R], redo [R] bool), ``redo``
+    marking top-p rows whose nucleus the launches could not bound within ``candidates`` tokens (default
+    ``sampling.CANDIDATES``; the caller draws those with the definitions). The same tokens up to float64 rounding
+    (the kernel module's docstring)."""
+    from m3export.plugins.kernels import sampling as kernel
 
-    kth = top_k_threshold(x, rows)  # on the float32 logits: the same tokens as on x / T (the kernel's docstring)
+    v = x.shape[-1]
+    c = min(kernel.CANDIDATES if candidates is None else candidates, v)
+    top_p_k = [p.top_k for p in rows.params if p.top_p < 1.0]
+    # Top-p rows whose top-k bounds the nucleus take the top-k's tokens as candidates (one torch.topk also gives the
+    # thresholds); otherwise the launches pick candidates by threshold.
+    c = max(top_p_k) if top_p_k and all(0 < k <= c for k in top_p_k) else 0
+    top = torch.topk(x, max(c, min(rows.max_top_k, v)), dim=-1) if c else None
+    # on the float32 logits: the same tokens as on x / T (the kernel's docstring)
+    kth = top_k_threshold(x, rows, None if top is None else top.values)
     if kth is None:
         kth = torch.full((x.shape[0],), float("-inf"), device=x.device)
-    return sample_rows(x, rows.temperature, kth, rows.log_min_p, rows.top_p, u, rows.any_top_p)
+    cand = top.indices[:, :c].sort(dim=-1).values if c else None
+    return kernel.sample_rows(x, rows.temperature, kth, rows.log_min_p, rows.top_p, u, cand, rows.any_min_p,
+                              rows.any_top_p, candidates)
 
 
 def draw_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
