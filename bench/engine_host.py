@@ -27,6 +27,12 @@ work is charged to the phase that launched it (this adds a few microseconds per 
   python bench/engine_host.py                          # CPU: batch 1 / 8 / 64; bench/results/engine_host_cpu.json
   python bench/engine_host.py --device cuda            # on the H200: bench/results/engine_host_cuda.json
   python bench/engine_host.py --speculative 0,2        # + speculative rounds of 2 drafts (one MTP module)
+  python bench/engine_host.py --device cuda --device-step-us 1340   # a model step's device time, overlapped
+
+``--device-step-us N`` (GPU): each forward also keeps the device busy for N microseconds (``torch.cuda._sleep``, the
+time of the model's replayed step, e.g. ``bench/decode.py``'s 1.34 ms for ``mini`` at one row and 4k context), and
+the phases are not synchronised: a step's wall time then shows what the engine adds over the model's device time
+once its host work overlaps the device's (``step_us``; ``over_device_us`` = ``step_us`` - N), as in a real step.
 """
 
 from __future__ import annotations
@@ -64,10 +70,11 @@ class NoComputeBackend(Backend):
 
     name = "no-compute"
 
-    def __init__(self, cfg, max_rows: int, device: torch.device, mtp: bool = False):
+    def __init__(self, cfg, max_rows: int, device: torch.device, mtp: bool = False, busy_cycles: int = 0):
         self.config = cfg
         self.device = device
         self.mtp = mtp
+        self.busy_cycles = busy_cycles  # device clock cycles each forward keeps the GPU busy (a model step's time)
         g = torch.Generator().manual_seed(0)
         self._logits = torch.randn(max_rows, cfg.vocab_size, generator=g).to(device)
         self._hidden = torch.zeros(1, cfg.hidden_size, device=device)  # one row, expanded to the step's tokens
@@ -94,6 +101,8 @@ class NoComputeBackend(Backend):
         if self.device.type != "cpu":  # what a graphed step copies into its static inputs
             input_ids, batch, logits_indices = (input_ids.to(self.device), batch.to(self.device),
                                                 logits_indices.to(self.device))
+        if self.busy_cycles:
+            torch.cuda._sleep(self.busy_cycles)
         return self._logits[:logits_indices.shape[0]], self._hidden.expand(input_ids.shape[0], -1)
 
     def mtp_forward(self, module, input_ids, hidden, batch, logits_indices):
@@ -144,11 +153,24 @@ class PhaseTimers:
                     delattr(obj, name)  # the instance attribute goes; the method shows through again
 
 
+def cycles_per_us(device: torch.device) -> float:
+    """The device clock as ``torch.cuda._sleep`` counts it, measured (a 2M-cycle sleep timed with events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000)  # the clock up
+    start.record()
+    torch.cuda._sleep(2_000_000)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2_000_000 / (start.elapsed_time(end) * 1e3)
+
+
 def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer,
-        speculative: int = 0) -> dict:
+        speculative: int = 0, device_step_us: float = 0.0) -> dict:
     from m3export.runtime.device_drafts import HOST_READS
 
-    be = NoComputeBackend(cfg, batch * (1 + speculative), device, mtp=speculative > 0)  # sampled rows per step
+    busy = int(device_step_us * cycles_per_us(device)) if device_step_us else 0
+    be = NoComputeBackend(cfg, batch * (1 + speculative), device, mtp=speculative > 0,  # sampled rows per step
+                          busy_cycles=busy)
     page = 64
     eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 2),
                  max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len),
@@ -159,6 +181,15 @@ def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_t
         params = dataclasses.replace(MODES[mode](i), max_tokens=new_tokens, ignore_eos=True)
         eng.add_request(f"r{i}", prompt, params)
     eng.step()  # the prefill step (all prompts fit one step), and every kernel / allocation warmed up
+    if device_step_us:  # no phase timers (their synchronisations would end the overlap): the steps' wall time
+        torch.cuda.synchronize(device)
+        steps, t = 0, time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+        step_us = (time.perf_counter() - t) / steps * 1e6
+        return dict(batch=batch, mode=mode, speculative=speculative, decode_steps=steps,
+                    device_step_us=device_step_us, step_us=step_us, over_device_us=step_us - device_step_us)
     timers = PhaseTimers(device)
     steps = 0
     reads = HOST_READS.copy()
@@ -188,12 +219,16 @@ def main() -> int:
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json of M3's vocabulary, to time detokenizing")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--speculative", default="0", help="drafts per round, comma-separated (0: no speculation)")
+    ap.add_argument("--device-step-us", type=float, default=0.0,
+                    help="GPU: keep the device busy this long each forward, phases unsynchronised (see above)")
     ap.add_argument("--json", default=None, help="default bench/results/engine_host_<device type>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench/engine_host.py --device cuda needs a CUDA device", file=sys.stderr)
         return 2
+    if args.device_step_us and device.type != "cuda":
+        raise SystemExit("--device-step-us needs --device cuda (it keeps the GPU busy)")
     torch.set_num_threads(args.threads)
     cfg = preset("full")  # the release's vocabulary (200,064) and eos ids; no weights are built
     tokenizer = None
@@ -207,12 +242,20 @@ def main() -> int:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected {', '.join(MODES)})")
         for k in [int(v) for v in args.speculative.split(",")]:
             for b in [int(v) for v in args.batches.split(",")]:
-                rows.append(run(cfg, device, b, mode, args.prompt_len, args.new_tokens, tokenizer, k))
+                rows.append(run(cfg, device, b, mode, args.prompt_len, args.new_tokens, tokenizer, k,
+                                args.device_step_us))
                 print(rows[-1], flush=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "vocab": cfg.vocab_size, "threads": args.threads,
            "tokenizer": args.tokenizer, "rows": rows}
     out = write_results(res, args.json or RESULTS / f"engine_host_{device.type}.json")
+    if args.device_step_us:
+        print(f"\ndecode steps over a device step of {args.device_step_us:.0f} us ({res['device']}); {out}")
+        print(f"{'mode':>8} {'k':>2} {'batch':>5} {'step us':>9} {'over device':>11}")
+        for r in rows:
+            print(f"{r['mode']:>8} {r['speculative']:>2} {r['batch']:>5} {r['step_us']:>9.0f} "
+                  f"{r['over_device_us']:>11.0f}")
+        return 0
     print(f"\nengine work per decode step, microseconds (vocabulary {cfg.vocab_size}, {res['device']}, "
           f"{args.threads} thread(s)); {out}")
     cols = PHASES + ("other",)

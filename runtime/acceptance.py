@@ -132,9 +132,9 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
            ) -> list[RowResult]:
     """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are,
     one host-to-device copy of the rows' parameters and uniforms (plus the drafts' distributions and, with
-    penalties, the token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_places``: (row, round, flat index)
-    of each row whose draft is still on the device (``device_drafts``; that row's own ``draft`` field is then
-    ignored); the drafts come back with the candidates, in the same one copy, as each result's ``draft``.
+    penalties, the token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_places``:
+    (row, round, flat index) of each row whose draft is still on the device (``device_drafts``; that row's own
+    ``draft`` field is then ignored); the drafts come back with the candidates, in the same one copy, as each result's ``draft``.
     Rows that are all greedy, without penalties or logprobs (greedy speculation), take a shorter pass
     (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. A step whose rows
     verify no draft takes ``_decide_plain``: its samples only (no residual resample, no acceptance test). Same

@@ -32,6 +32,13 @@ def test_engine_host_splits_the_step_into_phases(tmp_path):
         assert phases["draft"] == 0 and r["host_reads_per_step"] == 1
 
 
+def test_engine_host_refuses_a_device_step_without_a_gpu():
+    """--device-step-us keeps a GPU busy (torch.cuda._sleep): on the CPU it is refused by name, not ignored."""
+    run = subprocess.run([sys.executable, str(BENCH / "engine_host.py"), "--device-step-us", "1340"],
+                         capture_output=True, text=True, timeout=120, env=ENV)
+    assert run.returncode != 0 and "--device-step-us needs --device cuda" in run.stderr
+
+
 def test_engine_host_times_speculative_rounds(tmp_path):
     out = tmp_path / "eh.json"
     _run("engine_host.py", "--batches", "2", "--modes", "greedy", "--new-tokens", "6", "--speculative", "2",

@@ -256,8 +256,8 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, kth: torch.Tensor, l
                       BLOCK=BLOCK, MIN_P=any_min_p, ROW_MAX=any_min_p or hist, HIST=hist, J=j, num_warps=4)
     if hist:
         _compact[(r, s)](x, x.stride(0), v, kth, temperature, log_min_p, top_p, m, l, s, edges, cnt, mass,
-                         candidates, candidates.stride(0), ncand, candidates.shape[1], BLOCK=BLOCK, SB=next_pow2(s), J=j,
-                         MIN_P=any_min_p, num_warps=4)
+                         candidates, candidates.stride(0), ncand, candidates.shape[1], BLOCK=BLOCK, SB=next_pow2(s),
+                         J=j, MIN_P=any_min_p, num_warps=4)
     cand = token.view(r, 1) if candidates is None else candidates
     c = 1 if candidates is None else candidates.shape[1]
     _draw[(r,)](x, x.stride(0), v, kth, temperature, log_min_p, top_p, u.double().contiguous(), m, l, s, cand,
