@@ -265,7 +265,7 @@ def sampling_kernel(device: torch.device, params: Sequence[SamplingParams]) -> b
     rather than with the batched definitions: on a GPU, always. Measured on the H200 (``bench/sampling.py``,
     ``docs/performance.md``, fourteenth session) as fast as the definitions or faster in every mode from one row
     to 64 (1.0x with temperature alone at one row, 1.4-3x elsewhere), except rows whose top-p nucleus passes the
-    kernels' 1024 candidates: those are redone with the definitions (0.4-0.8x of the definitions alone; a trained
+    kernels' 2048 candidates: those are redone with the definitions (0.4-0.8x of the definitions alone; a trained
     model's nucleus at top-p <= 0.95 is mostly far smaller). On the CPU never (the definitions are exact to the bit
     there, as the tests hold ``accept``)."""
     if device.type != "cuda":

@@ -47,14 +47,16 @@ from ._batch import next_pow2
 #: one-row step spreads over most of the H200's 132 multiprocessors, and ``_draw`` reads at most one slice.
 BLOCK = 2048
 #: Top-p candidates per row (a nucleus of at most this many tokens, the usual case at top-p <= 0.95 on a trained
-#: model, is found in the launch; a larger one is flagged), and candidates per step of the mass-before sum.
-CANDIDATES = 1024
+#: model, is found in the launch; a larger one is flagged), and candidates per step of the mass-before sum. 2048
+#: rather than 1024: on the H200 (``bench/sampling.py``, 64 rows of 300-900-token nuclei) 4 rows a step were redone
+#: with 1024 (1738 us of device time) and none with 2048 (909 us); a one-row step's device time 72 against 64 us.
+CANDIDATES = 2048
 CANDIDATE_STEP = 16
 #: The threshold candidates' edges, in ``d = max / T - x / T`` (a token's log-probability below the row's largest):
 #: a top-p row without a top-k within ``CANDIDATES`` takes as candidates the kept tokens of the smallest edge whose
 #: weight passes top_p, so that its nucleus is among them (``_compact``). Steps of 0.25-0.5 up to 10: where the
 #: tokens thicken with d (N(0, 16) logits at temperature 0.8: 300-700-token nuclei), the next edge must not hold
-#: more than ``CANDIDATES`` (with steps of 2 a third of such rows were redone on the H200, with these 1 in 32).
+#: more than ``CANDIDATES`` (with steps of 2 and 1024 candidates, a third of such rows were redone on the H200).
 EDGES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 8.5,
          9.0, 9.5, 10.0, 11.0, 12.0, 13.0, 14.0, 16.0, 18.0, 20.0, 24.0)
 
