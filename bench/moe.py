@@ -270,6 +270,11 @@ PREFILL_WS = {
     # (bench/results/moe_h200_prefill_ws_half.json): 22.15 against s4c2's 23.15 ms, the same bits; WS_TILE since.
     "prefill_ws_bm256_down128_s4c2_half": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8,
                                                num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1),
+    # FAST_CONVERT: weights checked free of NaN codes with scale bytes <= 134 convert without the NaN flag and with
+    # one multiply (moe_prefill_ws.fast_convert_ok): the converter loop's instructions per K step 392 -> ~270.
+    "prefill_ws_bm256_down128_s4c2_half_fast": dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64,
+                                                    GROUP_M=8, num_warps=8, STAGES=4, CONV_STAGES=2, MX_MODE=3,
+                                                    WS=1, HALF_TAIL=1, FAST_CONVERT=1),
     # Removed after the H200 call of 2026-12-02 ~13:08 UTC (bench/moe_prefill_ab.py, ten interleaved rounds of ten
     # calls, bench/results/moe_prefill_ab_s23_quarter{,_8k}.json): QUARTER_TAIL, a routed block whose rows from 64 on
     # are padding as a 64-row wgmma (the two MMA warpgroups side by side along N), 22.94 against 22.90 ms at 16k and

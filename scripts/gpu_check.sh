@@ -44,5 +44,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
       | grep -v '^{'
   timeout 200 python3 bench/decode_profile.py --shapes 1x4096,8x32768 --steps 5 2>&1 | tee "$OUT/decode_profile.log" \
       | grep -v '^{'
+  timeout 120 python3 bench/sampling.py --device cuda --batches 1,8,64 --json "$OUT/sampling_h200.json" 2>&1 \
+      | tee "$OUT/sampling.log" | tail -20
 fi
 exit "$status"

@@ -28,7 +28,7 @@ from m3export.plugins.kernels import moe_mxfp8 as moe_mxfp8_kernel  # noqa: E402
 from m3export.plugins.kernels import moe_prefill_ws  # noqa: E402
 from m3export.plugins.kernels import moe_routing  # noqa: E402
 from m3export.plugins.kernels import mxfp8_linear as linear_kernel  # noqa: E402
-from m3export.plugins.kernels.moe import _e4m3_tile_bf16  # noqa: E402
+from m3export.plugins.kernels.moe import _E4M3_BF16_NO_NAN_ASM, _e4m3_tile_bf16  # noqa: E402
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0 in this process: CPU tensors cannot run")
@@ -604,6 +604,61 @@ def test_gpu_e4m3_integer_conversion_is_exact_for_every_code_and_scale():
     # The integer conversion's PTX (four codes per register, prmt / shifts / masks) for every code times every
     # scale byte, roundings to bf16 subnormals and overflow to inf included.
     _e4m3_codes_times_scales(list(range(256)), "cuda")
+
+
+@triton.jit
+def _convert_tile_fast(w_ptr, s_ptr, out_ptr, BN: tl.constexpr, BK: tl.constexpr):
+    """``moe_prefill_ws``'s FAST_CONVERT conversion (its PTX and its folded factor) in a Triton kernel."""
+    r = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
+    g = tl.arange(0, BK // 32)
+    w = tl.load(w_ptr + r[:, None] * BK + k[None, :]).to(tl.uint8, bitcast=True)
+    s = tl.load(s_ptr + r[:, None] * (BK // 32) + g[None, :]).to(tl.uint16)
+    v = tl.inline_asm_elementwise(_E4M3_BF16_NO_NAN_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
+    f = ((s + 120) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    out = tl.reshape(tl.reshape(v, (BN, BK // 32, 32)) * f[:, :, None], (BN, BK))
+    tl.store(out_ptr + r[:, None] * BK + k[None, :], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA and compiled kernels")
+def test_gpu_fast_conversion_is_exact_for_every_code_but_nan_and_scales_to_134():
+    # FAST_CONVERT (moe_prefill_ws): no NaN flag, one multiply by 2^(s - 7); for every non-NaN code and every scale
+    # byte it admits (0-134, bf16 subnormal results included), the reference's bits.
+    from m3export.plugins.kernels.moe_prefill_ws import FAST_SCALE_MOST
+
+    scale_bytes = list(range(FAST_SCALE_MOST + 1))
+    codes = torch.arange(256, dtype=torch.uint8).repeat(len(scale_bytes), 1)
+    w = codes.view(torch.float8_e4m3fn).cuda()
+    s = torch.tensor(scale_bytes, dtype=torch.uint8)[:, None].repeat(1, 8).cuda()
+    out = torch.empty(w.shape, dtype=torch.bfloat16, device="cuda")
+    _convert_tile_fast[(len(scale_bytes),)](w, s, out, BN=1, BK=256)
+    want = mxfp8.dequantize(w, s, torch.float32).to(torch.bfloat16)
+    ok = (codes.cuda() & 0x7F) != 0x7F
+    assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))  # bit for bit, +-0 and subnormals
+
+
+def test_fast_convert_is_taken_only_by_weights_without_nan_codes_or_large_scales(monkeypatch):
+    from m3export.plugins.kernels.moe_prefill_ws import FAST_SCALE_MOST, fast_convert_ok
+
+    class Stack:
+        def __init__(self, w, s):
+            self.w, self.s = w, s
+
+    w, s = mxfp8.quantize(torch.randn(4, 64, 64))
+    stack = Stack(w, s)
+    assert fast_convert_ok(stack)
+    w.view(torch.uint8)[1, 2, 3] = 0xFF  # a NaN code: the answer follows the tensor's new version
+    assert not fast_convert_ok(stack)
+    w3, s3 = mxfp8.quantize(torch.randn(8, 64, 64))
+    w3.view(torch.uint8)[7, 63, 63] = 0x7F  # in the last of several scan steps
+    monkeypatch.setattr("m3export.plugins.kernels.moe_prefill_ws._FAST_SCAN_BYTES", 1000)
+    assert not fast_convert_ok(Stack(w3, s3))
+    w2, s2 = mxfp8.quantize(torch.randn(2, 32, 64))
+    s2[1, 5, 0] = FAST_SCALE_MOST + 1
+    assert not fast_convert_ok(Stack(w2, s2))
+    s2[1, 5, 0] = FAST_SCALE_MOST
+    assert fast_convert_ok(Stack(w2, s2))
 
 
 def test_moe_tma_rejects_scale_gather_mode_and_unaligned_rows():

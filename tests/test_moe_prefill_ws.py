@@ -92,7 +92,7 @@ def _compile_sm90(cfg: dict, gate_up: bool, routed: bool):
                   HALF_TAIL=half, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
                   BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"],
                   CONV_STAGES=cfg["CONV_STAGES"], CONV_WARPS=ws.CONVERTER_WARPS,
-                  num_warps=cfg["num_warps"])
+                  FAST_CONVERT=bool(cfg.get("FAST_CONVERT")), num_warps=cfg["num_warps"])
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(ws._gemm_ws, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg["num_warps"], maxnreg=ws.maxnreg(cfg["num_warps"])))

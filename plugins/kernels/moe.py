@@ -79,6 +79,12 @@ def _e4m3_pair_asm(out: int, codes: str, nans: str) -> str:
 # all-ones exponent over the code's non-zero mantissa).
 _E4M3_BF16_ASM = tl.constexpr("{ .reg .b32 f, a, t, n; and.b32 f, $2, 0x7F7F7F7F; add.u32 f, f, 0x01010101;\n"
                               + _e4m3_pair_asm(0, "0x1404", "0x9988") + _e4m3_pair_asm(1, "0x3424", "0xBBAA") + "}")
+# The same bits for codes that are not NaN (0x7F / 0xFF), without the NaN flag: per output register the placing
+# prmt, the shift and the two masks. Only for weights checked free of NaN codes (``moe_prefill_ws.FAST_CONVERT``).
+_E4M3_BF16_NO_NAN_ASM = tl.constexpr(
+    "{ .reg .b32 a, t;\n" + "".join(f"prmt.b32 a, $2, 0, {sel}; shr.u32 t, a, 4; and.b32 a, a, 0x80008000;"
+                                     f" and.b32 t, t, 0x07F007F0; or.b32 ${out}, a, t;\n"
+                                     for out, sel in ((0, "0x1404"), (1, "0x3424"))) + "}")
 
 
 @triton.jit

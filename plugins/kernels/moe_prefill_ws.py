@@ -10,7 +10,8 @@ that meet through shared-memory rings guarded by mbarriers:
   E4M3 weight tile [rows, BLOCK_K] of each K step into a ring of ``STAGES`` slots;
 * the converter (one warpgroup) reads a weight tile and its UE8M0 scales and writes the bf16 tile into a second
   ring of ``CONV_STAGES`` slots (``_e4m3_bf16``: the integer conversion of ``moe._e4m3_tile_bf16``, MX_MODE 3,
-  times the power-of-two scale, one rounding: exact as the reference);
+  times the power-of-two scale, one rounding: exact as the reference; with ``FAST_CONVERT``, for weights checked
+  free of NaN codes and large scales, without the NaN flag and with one multiply: the same bits);
 * the default partition (``num_warps`` warps) issues ``warpgroup_mma`` on the two shared-memory tiles, keeps the
   accumulator in registers and runs the epilogue of the Triton kernel it replaces: SwiGLU-OAI for gate-up
   (``moe._gate_up``), the routing weight and the slot store for down (``moe._down``); their roundings are the same.
@@ -66,8 +67,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # side along N) was tried on the H200 on 2026-12-02 (bench/moe_prefill_ab.py, interleaved rounds, the same bits):
 # 22.94 against 22.90 ms at 16k, 13.13 against 13.07 at 8k; removed. Such a block still loads and converts whole
 # weight tiles, which is what its time follows, not its rows.
+# FAST_CONVERT since the H200 call of 2026-12-02 ~18:45 UTC (bench/moe_prefill_ab.py, eight interleaved rounds of six
+# calls, the same bits): 16k tokens 20.34 against 22.61 ms (457 against 411 TFLOP/s), 8k 11.65 against 13.29.
 WS_TILE = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_N_DOWN=128, BLOCK_K=64, GROUP_M=8, num_warps=8, STAGES=4,
-               CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1)
+               CONV_STAGES=2, MX_MODE=3, WS=1, HALF_TAIL=1, FAST_CONVERT=1)
 CONVERTER_WARPS = 4
 LOADER_WARPS = gl.constexpr(1)
 # Registers per thread asked for the worker partitions (setmaxnreg); the MMA warps get what is left of the 64K
@@ -84,9 +87,15 @@ def maxnreg(num_warps: int) -> int:
 
 # ``moe._E4M3_BF16_ASM``'s bits: four E4M3 codes in one register ($2) to two registers of two bf16 each, the value
 # times 2^-120 (sign << 15 | exponent and mantissa << 4), NaN codes 0x7F / 0xFF with an all-ones exponent.
-from .moe import _E4M3_BF16_ASM  # noqa: E402  (one owner of the PTX)
+from .moe import _E4M3_BF16_ASM, _E4M3_BF16_NO_NAN_ASM  # noqa: E402  (one owner of the PTX)
 
 _ASM = gl.constexpr(_E4M3_BF16_ASM.value)
+_ASM_NO_NAN = gl.constexpr(_E4M3_BF16_NO_NAN_ASM.value)
+# FAST_CONVERT (a config key): weights whose codes hold no NaN and whose scale bytes are at most 134 (checked once per
+# weight by the launcher, ``fast_convert_ok``) take the conversion without the NaN flag and one multiply by the
+# folded factor 2^(s - 7) = 2^120 x 2^(s - 127), a bf16 normal for s <= 134: the same bits (the product is the
+# same exact value, rounded once), fewer instructions in the converter warpgroup.
+FAST_SCALE_MOST = 134
 
 
 @gluon.jit
@@ -176,19 +185,26 @@ def _load_a(desc, slot, ready, row, col):
 
 
 @gluon.jit
-def _scale_factor(scales):
+def _scale_factor(scales, FAST: gl.constexpr):
     """UE8M0 scale bytes as the bf16 power of two 2^(s - 127), built in the exponent field: byte 0 is the subnormal
-    2^-127, byte 255 +inf (``docs/ops.md`` §8), as ``moe._e4m3_tile_bf16``."""
+    2^-127, byte 255 +inf (``docs/ops.md`` §8), as ``moe._e4m3_tile_bf16``. FAST: 2^(s - 7), the scale times the
+    conversion's 2^120 (exponent field s + 120: bytes up to ``FAST_SCALE_MOST`` only)."""
     b = scales.to(gl.uint16)
+    if FAST:
+        return ((b + 120) << 7).to(gl.uint16).to(gl.bfloat16, bitcast=True)
     return gl.where(b == 0, 0x0040, b << 7).to(gl.uint16).to(gl.bfloat16, bitcast=True)
 
 
 @gluon.jit
-def _e4m3_bf16(codes, factor):
+def _e4m3_bf16(codes, factor, FAST: gl.constexpr):
     """E4M3 codes (uint8, four consecutive per thread) times their scale factors (bf16, broadcast) as bf16, exactly
     the bits of ``moe._e4m3_tile_bf16`` (MX_MODE 3): the integer conversion gives the code's value times 2^-120
     (normal, subnormal, zero; NaN codes stay NaN); times 2^120 (exact) and times the scale: one rounding, as the
-    reference's fp32 product rounded to bf16."""
+    reference's fp32 product rounded to bf16. FAST (``FAST_CONVERT``): no NaN flag, and one multiply by the folded
+    factor of ``_scale_factor``: the same exact product, rounded once."""
+    if FAST:
+        v = gl.inline_asm_elementwise(_ASM_NO_NAN, "=r,=r,r", [codes], dtype=gl.bfloat16, is_pure=True, pack=4)
+        return v * factor
     v = gl.inline_asm_elementwise(_ASM, "=r,=r,r", [codes], dtype=gl.bfloat16, is_pure=True, pack=4)
     v = v * gl.full(v.shape, 0x7B80, gl.uint16, v.type.layout).to(gl.bfloat16, bitcast=True)  # 2^120
     return v * factor
@@ -198,7 +214,8 @@ def _e4m3_bf16(codes, factor):
 def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
                first_tile, tile_step, N_OUT: gl.constexpr, K: gl.constexpr, N_TILES: gl.constexpr,
                GROUP_M: gl.constexpr, ROUTED: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr,
-               BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+               BK: gl.constexpr, STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr,
+               FAST: gl.constexpr):
     """One warpgroup: per K step, the E4M3 tile of the load ring and its scales (plain loads, issued before the
     wait on the tile) to the bf16 tile of the converted ring (``_convert_tile``)."""
     it = 0
@@ -207,14 +224,14 @@ def _converter(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, 
         e = _expert(block_expert_ptr, pid_m, ROUTED)
         if e >= 0:
             _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr + e.to(gl.int64) * ss_e, ss_n,
-                          pid_n, it, N_OUT, K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS)
+                          pid_n, it, N_OUT, K, K_STEPS, G, BN, BK, STAGES, CONV_STAGES, WARPS, FAST)
             it += K_STEPS
 
 
 @gluon.jit
 def _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_base, ss_n, pid_n, it, N_OUT: gl.constexpr,
                   K: gl.constexpr, K_STEPS: gl.constexpr, G: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                  STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr):
+                  STAGES: gl.constexpr, CONV_STAGES: gl.constexpr, WARPS: gl.constexpr, FAST: gl.constexpr):
     """One tile's K steps of conversion, the expert's scales [W_E, K / 32] at ``s_base``. Each thread holds runs of
     32 codes along K (one scale group): the tile is seen as [rows, BK / 32, 32] and each thread loads its group's
     scale byte once."""
@@ -233,13 +250,13 @@ def _convert_tile(w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_base, ss
         c = (it + k) % CONV_STAGES
         kg = k * GROUPS + grp
         sc = gl.load(s_base + row[:, None] + kg[None, :], mask=row_ok[:, None] & (kg < K // 32)[None, :], other=0)
-        factor = gl.expand_dims(_scale_factor(sc), 2)
+        factor = gl.expand_dims(_scale_factor(sc, FAST), 2)
         mbarrier.wait(w_ready.index(s), ((it + k) // STAGES) & 1)
         codes = w_bufs.index(s).load(flat)
         fence_async_shared()  # the read is ordered before the loader's next copy into this slot
         mbarrier.arrive(w_empty.index(s), count=1)
         codes = gl.convert_layout(gl.reshape(codes, [NW, GROUPS, 32]), grouped, assert_trivial=True)
-        vals = gl.reshape(_e4m3_bf16(codes, factor), [NW, BK])
+        vals = gl.reshape(_e4m3_bf16(codes, factor, FAST), [NW, BK])
         mbarrier.wait(c_empty.index(c), (((it + k) // CONV_STAGES) & 1) ^ 1)
         c_bufs.index(c).store(vals)
         fence_async_shared()  # the generic-proxy store is visible to the wgmma (async proxy) reading it
@@ -330,7 +347,7 @@ def _gemm_ws(
     N_OUT: gl.constexpr, K: gl.constexpr, W_E: gl.constexpr, TOP_K: gl.constexpr, ROUTED: gl.constexpr,
     GATE_UP: gl.constexpr, HALF_TAIL: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr, num_warps: gl.constexpr,
+    CONV_STAGES: gl.constexpr, CONV_WARPS: gl.constexpr, FAST_CONVERT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of (row block: one expert's rows, or BLOCK_M tokens for the shared expert) x BLOCK_N output columns,
     ``num_m`` row blocks; program p takes tiles p, p + grid, p + 2 grid, ... (one tile each when the grid covers
@@ -379,7 +396,7 @@ def _gemm_ws(
                    K_STEPS, G, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         (_converter, (w_bufs, c_bufs, w_ready, w_empty, c_ready, c_empty, s_ptr, ss_e, ss_n, block_expert_ptr, num_m,
                       first_tile, tile_step, N_OUT, K, N_TILES, GROUP_M, ROUTED, K_STEPS, G, BLOCK_N, BLOCK_K,
-                      STAGES, CONV_STAGES, CONV_WARPS)),
+                      STAGES, CONV_STAGES, CONV_WARPS, FAST_CONVERT)),
     ], [LOADER_WARPS, CONV_WARPS], [LOADER_REGS, CONVERTER_REGS])
 
 
@@ -482,6 +499,30 @@ def _programs(tiles: int, device: torch.device, persistent: bool) -> int:
     return max(1, min(tiles, torch.cuda.get_device_properties(device).multi_processor_count))
 
 
+_FAST_OK: dict = {}
+# Bytes of weights one step of ``fast_convert_ok``'s scan compares at a time (its temporary mask's size).
+_FAST_SCAN_BYTES = 1 << 26
+
+
+def fast_convert_ok(w) -> bool:
+    """Whether MXFP8 weight stack ``w`` may take ``FAST_CONVERT``: no NaN code (magnitude 0x7F) among its E4M3 bytes
+    and no scale byte above ``FAST_SCALE_MOST``. Scanned on the device once per stack, 64 MB at a time (a layer of
+    the release's experts is 7 GB), with one host read at the end, at the stack's first prefill; the answer is kept
+    for the stack's storage and version, so a launch never changes what it computes. While a CUDA graph is being
+    captured (no host read allowed) an unscanned stack takes the NaN-exact conversion."""
+    key = (w.w.data_ptr(), w.w._version, w.s.data_ptr(), w.s._version, w.w.numel())
+    if key not in _FAST_OK:
+        if w.w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        codes = w.w.view(torch.uint8)  # [E, rows, K]: whole experts per scan step, never a copy of the stack
+        step = max(1, _FAST_SCAN_BYTES // max(1, codes[0].numel()))
+        bad = w.s.view(torch.uint8).max() > FAST_SCALE_MOST
+        for e in range(0, codes.shape[0], step):
+            bad = bad | ((codes[e:e + step] & 0x7F) == 0x7F).any()
+        _FAST_OK[key] = not bool(bad)
+    return _FAST_OK[key]
+
+
 def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, num_m, n_out, k, top_k,
             routed, gate_up, bn, cfg):
     bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
@@ -499,7 +540,8 @@ def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r
         num_m, alpha, limit, w.s.stride(0), w.s.stride(1), so_r, so_s,
         N_OUT=n_out, K=k, W_E=w.w.shape[1], TOP_K=top_k, ROUTED=routed, GATE_UP=gate_up, HALF_TAIL=half_tail,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8), STAGES=cfg.get("STAGES", 4),
-        CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS, num_warps=cfg["num_warps"],
+        CONV_STAGES=cfg.get("CONV_STAGES", 2), CONV_WARPS=CONVERTER_WARPS,
+        FAST_CONVERT=bool(cfg.get("FAST_CONVERT")) and fast_convert_ok(w), num_warps=cfg["num_warps"],
         maxnreg=maxnreg(cfg["num_warps"]),
     )
 
