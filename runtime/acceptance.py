@@ -208,8 +208,9 @@ def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tup
 
 def _decide_plain(logits: torch.Tensor, rows: Sequence[Row]) -> list[RowResult]:
     """``decide`` for a step whose rows verify no draft: each row's token (its argmax, or its sample from
-    ``filtered_probs_rows`` + ``draw_rows``, on a GPU where measured faster from ``kernel_draw_rows``, whose flagged
-    top-p rows are redone here with the definitions) and, where asked, its logprobs. The general pass's draft,
+    ``filtered_probs_rows`` + ``draw_rows``, on a GPU from the sampling kernels, ``kernel_draw_rows``, whose flagged
+    top-p rows are redone here with the definitions) and, where asked, its logprobs; greedy rows without penalties
+    upload no sampling parameters. The general pass's draft,
     acceptance and residual columns are constants here (none, no, 0) and are not computed: on the GPU each
     operation is a launch of some 10 us of host time, and a one-row sampled step was launch-bound
     (``docs/performance.md``, thirteenth session). Same tokens as the general pass."""
