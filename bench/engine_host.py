@@ -165,10 +165,11 @@ def cycles_per_us(device: torch.device) -> float:
 
 
 def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer,
-        speculative: int = 0, device_step_us: float = 0.0) -> dict:
+        speculative: int = 0, device_step_us: float = 0.0, clock: float = 0.0) -> dict:
+    """One table row. ``clock``: ``cycles_per_us(device)``, measured once by the caller (with ``device_step_us``)."""
     from m3export.runtime.device_drafts import HOST_READS
 
-    busy = int(device_step_us * cycles_per_us(device)) if device_step_us else 0
+    busy = int(device_step_us * clock) if device_step_us else 0
     be = NoComputeBackend(cfg, batch * (1 + speculative), device, mtp=speculative > 0,  # sampled rows per step
                           busy_cycles=busy)
     page = 64
@@ -237,13 +238,14 @@ def main() -> int:
 
         tokenizer = TextTokenizer.from_file(args.tokenizer)
     rows = []
+    clock = cycles_per_us(device) if args.device_step_us else 0.0
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected {', '.join(MODES)})")
         for k in [int(v) for v in args.speculative.split(",")]:
             for b in [int(v) for v in args.batches.split(",")]:
                 rows.append(run(cfg, device, b, mode, args.prompt_len, args.new_tokens, tokenizer, k,
-                                args.device_step_us))
+                                args.device_step_us, clock))
                 print(rows[-1], flush=True)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "vocab": cfg.vocab_size, "threads": args.threads,

@@ -130,17 +130,16 @@ class RowResult:
 
 def decide(logits: torch.Tensor, rows: Sequence[Row], draft_places: Sequence[tuple[int, RoundDrafts, int]] = ()
            ) -> list[RowResult]:
-    """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are,
-    one host-to-device copy of the rows' parameters and uniforms (plus the drafts' distributions and, with
-    penalties, the token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_places``:
-    (row, round, flat index) of each row whose draft is still on the device (``device_drafts``; that row's own
-    ``draft`` field is then ignored); the drafts come back with the candidates, in the same one copy, as each result's ``draft``.
-    Rows that are all greedy, without penalties or logprobs (greedy speculation), take a shorter pass
-    (``_decide_greedy``): their argmax and the drafts' rounds in one copy, compared on the host. A step whose rows
-    verify no draft takes ``_decide_plain``: its samples only (no residual resample, no acceptance test). Same
-    tokens as ``accept`` for the same uniforms (the batched functions are the one-row ones row-wise). In a batch
-    that mixes greedy and sampled rows every row goes through the sampled path too (its results ignored for greedy
-    rows), which keeps the pass free of index copies."""
+    """logits [R, V] (any device) -> each row's candidates: all rows in one batched pass where the logits are, one
+    host-to-device copy of the rows' parameters and uniforms (plus the drafts' distributions and, with penalties, the
+    token ids) and one device-to-host copy of [R, 4 + 3 + 2 * top-N] numbers. ``draft_places``: (row, round, flat index)
+    of each row whose draft is still on the device (``device_drafts``; that row's own ``draft`` field is then ignored);
+    the drafts come back with the candidates, in the same one copy, as each result's ``draft``. Rows that are all
+    greedy, without penalties or logprobs (greedy speculation), take a shorter pass (``_decide_greedy``): their argmax
+    and the drafts' rounds in one copy, compared on the host. A step whose rows verify no draft takes ``_decide_plain``:
+    its samples only (no residual resample, no acceptance test). Same tokens as ``accept`` for the same uniforms (the
+    batched functions are the one-row ones row-wise). In a batch that mixes greedy and sampled rows every row goes
+    through the sampled path too (its results ignored for greedy rows), which keeps the pass free of index copies."""
     r = len(rows)
     if logits.shape[0] != r:
         raise ValueError(f"decide: {logits.shape[0]} logits rows for {r} rows")

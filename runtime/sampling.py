@@ -252,11 +252,11 @@ def kernel_draw_rows(x: torch.Tensor, rows: RowParams, u: torch.Tensor, candidat
     from m3export.plugins.kernels import sampling as kernel
 
     v = x.shape[-1]
-    c = min(kernel.CANDIDATES if candidates is None else candidates, v)
+    most = min(kernel.CANDIDATES if candidates is None else candidates, v)
     top_p_k = [p.top_k for p in rows.params if p.top_p < 1.0]
     # Top-p rows whose top-k bounds the nucleus take the top-k's tokens as candidates (one torch.topk also gives the
-    # thresholds); otherwise the launches pick candidates by threshold.
-    c = max(top_p_k) if top_p_k and all(0 < k <= c for k in top_p_k) else 0
+    # thresholds); otherwise (c = 0) the launches pick candidates by threshold.
+    c = max(top_p_k) if top_p_k and all(0 < k <= most for k in top_p_k) else 0
     top = torch.topk(x, max(c, min(rows.max_top_k, v)), dim=-1) if c else None
     # on the float32 logits: the same tokens as on x / T (the kernel's docstring)
     kth = top_k_threshold(x, rows, None if top is None else top.values)

@@ -39,8 +39,9 @@ def default_token_budget(device) -> int:
     none, whose backend streams prefill attention there (``Backend.default_max_num_batched_tokens``: the torch
     backend with the Triton kernels; other backends keep the CPU's). Why it follows the device: a prompt runs in
     chunks of the budget, and on a GPU a short chunk leaves the MoE GEMMs launch- and tile-bound (on the H200,
-    ``mini``: a 16k-token prompt in chunks of 512 / 2048 / 8192, ``docs/performance.md``), while a decode step sharing the step with a chunk waits for all of it; vLLM takes
-    the same trade with these numbers. On the CPU a step of 512 tokens already keeps the cores busy."""
+    ``mini``: a 16k-token prompt in chunks of 512 / 2048 / 8192, ``docs/performance.md``), while a decode step
+    sharing the step with a chunk waits for all of it; vLLM takes the same trade with these numbers. On the CPU a
+    step of 512 tokens already keeps the cores busy."""
     import torch
 
     device = torch.device("cpu" if device is None else device)

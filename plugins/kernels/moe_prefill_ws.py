@@ -504,23 +504,36 @@ _FAST_OK: dict = {}
 _FAST_SCAN_BYTES = 1 << 26
 
 
+def _stack_key(t: torch.Tensor) -> tuple:
+    """What identifies a weight tensor's bytes across launches (each launch wraps the same parameters anew): its
+    storage (``fast_convert_ok`` keeps a weak reference to it, so a freed storage's address is never taken for
+    another while the entry lives), where in it, and its version (an in-place write changes it)."""
+    return t.untyped_storage()._cdata, t.storage_offset(), t.numel(), t._version
+
+
 def fast_convert_ok(w) -> bool:
     """Whether MXFP8 weight stack ``w`` may take ``FAST_CONVERT``: no NaN code (magnitude 0x7F) among its E4M3 bytes
     and no scale byte above ``FAST_SCALE_MOST``. Scanned on the device once per stack, 64 MB at a time (a layer of
     the release's experts is 7 GB), with one host read at the end, at the stack's first prefill; the answer is kept
     for the stack's storage and version, so a launch never changes what it computes. While a CUDA graph is being
     captured (no host read allowed) an unscanned stack takes the NaN-exact conversion."""
-    key = (w.w.data_ptr(), w.w._version, w.s.data_ptr(), w.s._version, w.w.numel())
-    if key not in _FAST_OK:
-        if w.w.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        codes = w.w.view(torch.uint8)  # [E, rows, K]: whole experts per scan step, never a copy of the stack
-        step = max(1, _FAST_SCAN_BYTES // max(1, codes[0].numel()))
-        bad = w.s.view(torch.uint8).max() > FAST_SCALE_MOST
-        for e in range(0, codes.shape[0], step):
-            bad = bad | ((codes[e:e + step] & 0x7F) == 0x7F).any()
-        _FAST_OK[key] = not bool(bad)
-    return _FAST_OK[key]
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    key = _stack_key(w.w) + _stack_key(w.s)
+    entry = _FAST_OK.get(key)
+    if entry is not None and not any(ref.expired() for ref in entry[0]):
+        return entry[1]
+    if w.w.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    codes = w.w.view(torch.uint8)  # [E, rows, K]: whole experts per scan step, never a copy of the stack
+    step = max(1, _FAST_SCAN_BYTES // max(1, codes[0].numel()))
+    bad = w.s.view(torch.uint8).max() > FAST_SCALE_MOST
+    for e in range(0, codes.shape[0], step):
+        bad = bad | ((codes[e:e + step] & 0x7F) == 0x7F).any()
+    for k in [k for k, (refs, _) in _FAST_OK.items() if any(ref.expired() for ref in refs)]:
+        del _FAST_OK[k]  # stacks freed since: their entries go
+    _FAST_OK[key] = ((StorageWeakRef(w.w.untyped_storage()), StorageWeakRef(w.s.untyped_storage())), not bool(bad))
+    return _FAST_OK[key][1]
 
 
 def _launch(a, w, out, rows, block_expert, route_w, num_rows, alpha, limit, so_r, so_s, num_m, n_out, k, top_k,
