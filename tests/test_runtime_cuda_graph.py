@@ -7,7 +7,7 @@ import torch
 
 from m3export.model.batch import Batch
 from m3export.runtime import Engine, SamplingParams
-from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, mtp_step_shape, step_shape
+from m3export.runtime.backends.cuda_graph import GraphedTorchBackend, collector_paused, mtp_step_shape, step_shape
 from tests.runtime_fixtures import model, prompts, reference, tiny_model  # noqa: F401  (fixtures)
 
 PAGE = 4
@@ -185,6 +185,61 @@ def test_failed_captures_fall_back_to_eager_steps(model, monkeypatch):
     logits, _ = be.forward(ids, step, torch.arange(2))
     assert not be.use_graphs and be.batch_device == be.device and be.replays == 0
     assert logits.shape == (2, model.config.vocab_size)
+
+
+def test_capture_runs_with_the_garbage_collector_off(model, monkeypatch):
+    """The capture itself (not the warm-up before it) runs with Python's cyclic collector off, and the collector is
+    back on after it, whether the capture ends or raises: a collection inside a capture can run a finalizer whose
+    CUDA call is illegal while a stream captures, which aborts the process (``collector_paused``). The CUDA
+    calls are stood in for (no CUDA here); the step reports the collector's state in each of its two runs."""
+    import contextlib
+    import gc
+
+    class Fake:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Fake)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Fake())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    be = GraphedTorchBackend(model, use_graphs=True, buckets=(4,))
+    seen = []
+
+    def step():
+        seen.append(gc.isenabled())
+        return "outs"
+
+    assert gc.isenabled()
+    graph, outs = be._capture(step)
+    assert seen == [True, False] and outs == "outs" and gc.isenabled()
+
+    def failing():
+        seen.append(gc.isenabled())
+        if len(seen) > 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="capturing"):
+        be._capture(failing)
+    assert seen[2:] == [True, False] and gc.isenabled()
+
+
+def test_collector_paused_leaves_a_disabled_collector_disabled():
+    """A caller that turned the collector off keeps it off after the block."""
+    import gc
+
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_capture_shapes_captures_every_decode_shape_on_padding_alone(model, monkeypatch):

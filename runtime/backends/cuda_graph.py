@@ -41,6 +41,8 @@ reference ops are not (they read lengths on the host), and a failed capture turn
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 
@@ -56,6 +58,24 @@ from .torch_backend import TorchBackend
 log = logging.getLogger("m3export.runtime")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for the block (as it was after), for a CUDA-graph capture. A
+    collection is triggered by whatever Python allocation crosses its threshold, so inside a capture it can finalize
+    garbage made anywhere before (CUDA tensors, pinned host blocks, events): a finalizer whose CUDA call is
+    illegal while a stream captures (a query, a synchronisation) fails in a destructor and aborts the process (the
+    H200 saw it once, mid-capture of an MTP step: ``Fatal Python error: Aborted`` under ``Garbage-collecting``).
+    ``torch.cuda.graph`` collects once before capture begins; what is made during the capture waits for the
+    collector's next run after it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def step_shape(input_ids: torch.Tensor, batch: Batch, logits_indices: torch.Tensor, buckets: tuple[int, ...],
@@ -692,6 +712,6 @@ class GraphedTorchBackend(TorchBackend):
             graph = torch.cuda.CUDAGraph()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with collector_paused(), torch.cuda.graph(graph, pool=self._pool):
                 outs = step()
         return graph, outs
