@@ -28,6 +28,14 @@ work is charged to the phase that launched it (this adds a few microseconds per 
   python bench/engine_host.py --device cuda            # on the H200: bench/results/engine_host_cuda.json
   python bench/engine_host.py --speculative 0,2        # + speculative rounds of 2 drafts (one MTP module)
   python bench/engine_host.py --device cuda --device-step-us 1340   # a model step's device time, overlapped
+  python bench/engine_host.py --batches 32 --modes greedy,logprobs --new-tokens 8192 --windows 1024 \
+      --tokenizer m3export/embedded/code-tiny/tokenizer.json     # engine us a step as the outputs grow
+
+``--windows W``: the engine's whole host time a decode step (phases not split, nothing synchronised) averaged over
+each W steps of one long generation per batch and mode, to show whether a step's cost grows with what the requests
+already generated (it should not: ``runtime.outputs.Deferred``). With ``--tokenizer`` the vocabulary is the
+tokenizer's, and fixed logits rows whose token decodes to a split character (which never completes, so its decode
+window would grow without end: not what a model emits) take a clean row's.
 
 ``--device-step-us N`` (GPU): each forward also keeps the device busy for N microseconds (``torch.cuda._sleep``, the
 time of the model's replayed step, e.g. ``bench/decode.py``'s 1.34 ms for ``mini`` at one row and 4k context), and
@@ -210,6 +218,36 @@ def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_t
                 host_reads_per_step=reads / steps)
 
 
+def growth(cfg, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer, window: int) -> dict:
+    """One long generation: engine us a step (everything ``Engine.step`` does around an instant backend) averaged
+    over each ``window`` decode steps, in order."""
+    be = NoComputeBackend(cfg, batch, torch.device("cpu"))
+    if tokenizer is not None:
+        ids = be._logits.argmax(-1).tolist()
+        clean = [i for i, t in enumerate(ids) if "\ufffd" not in tokenizer.decode([t])]
+        for i, t in enumerate(ids):
+            if i not in clean:
+                be._logits[i] = be._logits[clean[i % len(clean)]]
+    page = 64
+    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 2),
+                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len),
+                 max_model_len=prompt_len + new_tokens + 1)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
+        eng.add_request(f"r{i}", prompt, dataclasses.replace(MODES[mode](i), max_tokens=new_tokens, ignore_eos=True))
+    eng.step()
+    us, steps, t = [], 0, time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps % window == 0:
+            now = time.perf_counter()
+            us.append((now - t) / window * 1e6)
+            t = now
+    return dict(batch=batch, mode=mode, new_tokens=new_tokens, window=window, engine_us_per_step=us)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -222,6 +260,8 @@ def main() -> int:
     ap.add_argument("--speculative", default="0", help="drafts per round, comma-separated (0: no speculation)")
     ap.add_argument("--device-step-us", type=float, default=0.0,
                     help="GPU: keep the device busy this long each forward, phases unsynchronised (see above)")
+    ap.add_argument("--windows", type=int, default=0,
+                    help="CPU: engine us a step over each this many steps of one long generation (see above)")
     ap.add_argument("--json", default=None, help="default bench/results/engine_host_<device type>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -237,6 +277,22 @@ def main() -> int:
         from m3export.runtime.tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer.from_file(args.tokenizer)
+    if args.windows:
+        if device.type != "cpu":
+            raise SystemExit("--windows times the engine's host work alone: run it with --device cpu")
+        if tokenizer is not None:
+            cfg = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, tokenizer.vocab_size))
+        rows = [growth(cfg, b, mode, args.prompt_len, args.new_tokens, tokenizer, args.windows)
+                for mode in args.modes.split(",") for b in [int(v) for v in args.batches.split(",")]]
+        out = write_results({"device": "cpu", "torch": torch.__version__, "vocab": cfg.vocab_size,
+                             "threads": args.threads, "tokenizer": args.tokenizer, "rows": rows},
+                            args.json or RESULTS / "engine_host_growth_cpu.json")
+        print(f"engine us a decode step, averaged over each {args.windows} steps (vocabulary {cfg.vocab_size}); {out}")
+        print(f"{'mode':>8} {'batch':>5} " + " ".join(f"{(i + 1) * args.windows:>7}" for i in
+                                                    range(len(rows[0]['engine_us_per_step']))))
+        for r in rows:
+            print(f"{r['mode']:>8} {r['batch']:>5} " + " ".join(f"{v:>7.0f}" for v in r["engine_us_per_step"]))
+        return 0
     rows = []
     clock = cycles_per_us(device) if args.device_step_us else 0.0
     for mode in args.modes.split(","):

@@ -4,7 +4,9 @@ Byte-level tokens can split a UTF-8 character; decoding such a prefix gives U+FF
 only once it decodes cleanly, and decoding works on a short trailing window of ids (not the whole output) so each
 token costs O(1). With stop strings, the last ``len(longest stop) - 1`` characters are held back until the
 request ends, so streamed deltas never contain text that a later stop match removes: the deltas of a request
-always add up to its final text.
+always add up to its final text. The text lives as the released pieces plus a short unreleased tail, never as one
+growing string: a string grown by ``+=`` (or sliced whole for each output) is copied at every token, which made a
+step's host work grow with the output's length.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._text = ""  # everything decoded cleanly so far (after stop truncation)
-        self._released = 0  # characters of _text already reported
+        self._released: list[str] = []  # the text already reported, one piece per release (final: never cut)
+        self._released_len = 0
+        self._pending = ""  # decoded cleanly (after stop truncation), not yet reported: the holdback and the new text
         self._stopped = False
 
     def append(self, token_id: int) -> bool:
@@ -34,15 +37,17 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
-        before = len(self._text)
-        self._text += full[len(prefix):]
+        before = len(self._pending)
+        self._pending += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if not self._stop:
             return False
+        # A match may start in the last holdback characters before this token's text, all of them unreported
+        # (a release keeps them back), so it is found within the pending text.
         start = max(0, before - self._holdback)
-        hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        hits = [i for i in (self._pending.find(s, start) for s in self._stop) if i >= 0]
         if hits:
-            self._text = self._text[:min(hits)]
+            self._pending = self._pending[:min(hits)]
             self._stopped = True
         return self._stopped
 
@@ -53,7 +58,18 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        return self._text[:self._released]
+        """The text reported so far (joined when read)."""
+        return self.released_text(self._released_len)
+
+    def released_text(self, length: int) -> str:
+        """The first ``length`` characters of the reported text (which a later token never changes)."""
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]  # joined once for every later read
+        return self._released[0][:length] if self._released else ""
+
+    @property
+    def released_length(self) -> int:
+        return self._released_len
 
     def release(self, finished: bool) -> str:
         """The new text since the previous call. Once the request is finished that is all of it, including a
@@ -61,9 +77,11 @@ class IncrementalDetokenizer:
         ended it, so a finished text equals decoding all its tokens at once."""
         if finished and not self._stopped and self._read_offset < len(self._ids):
             done = self._decode(self._ids[self._prefix_offset:self._read_offset])
-            self._text += self._decode(self._ids[self._prefix_offset:])[len(done):]
+            self._pending += self._decode(self._ids[self._prefix_offset:])[len(done):]
             self._prefix_offset = self._read_offset = len(self._ids)
-        end = len(self._text) if finished else max(self._released, len(self._text) - self._holdback)
-        delta = self._text[self._released:end]
-        self._released = end
+        end = len(self._pending) if finished else max(0, len(self._pending) - self._holdback)
+        delta, self._pending = self._pending[:end], self._pending[end:]
+        if delta:
+            self._released.append(delta)
+            self._released_len += len(delta)
         return delta

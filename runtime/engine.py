@@ -31,7 +31,7 @@ from .detokenizer import IncrementalDetokenizer
 from .device_drafts import fill_tokens
 from .drafter import Drafter, DraftJob, MTPDrafter
 from .media import MediaCache, MediaItem, attach_media
-from .outputs import RequestOutput
+from .outputs import Deferred, RequestOutput
 from .params import SamplingParams
 from .request import Request
 from .sampling import PositionalRandom
@@ -479,7 +479,9 @@ class Engine:
         for i, tok in enumerate(emitted):
             req.append_token(tok)
             if req.logprobs is not None:
-                req.logprobs.append(results[i].logprobs(tok, p.logprobs))
+                lp = results[i].logprobs(tok, p.logprobs)
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[tok]
             # A stop token ends the request without becoming text (it may be a special token that
             # skip_special_tokens=False would otherwise spell out).
             stopped = tok not in stop_ids and req.detokenizer.append(tok)
@@ -512,17 +514,24 @@ class Engine:
         st.preemptions = self.scheduler.num_preemptions
 
     def _output(self, req: Request) -> RequestOutput:
-        new_ids = req.output_token_ids[req.reported_tokens:]
-        req.reported_tokens = len(req.output_token_ids)
+        """The request's output now: its deltas, and its cumulative ids, text and logprobs as ``Deferred`` copies
+        of what it holds (its lists only grow and its reported text is final), made only if they are read."""
+        n, first = len(req.output_token_ids), req.reported_tokens
+        new_ids = req.output_token_ids[first:]
+        req.reported_tokens = n
         new_text = req.detokenizer.release(req.finished)
+        ids, detok, lps = req.output_token_ids, req.detokenizer, req.logprobs
+        chars = detok.released_length
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,  # shared, never mutated: a copy per step cost O(context)
-            token_ids=list(req.output_token_ids),
-            text=req.detokenizer.text,
+            token_ids=Deferred(lambda: ids[:n]),
+            text=Deferred(lambda: detok.released_text(chars)),
             new_token_ids=new_ids,
             new_text=new_text,
             finished=req.finished,
             finish_reason=req.finish_reason,
-            logprobs=None if req.logprobs is None else list(req.logprobs),
+            logprobs=None if lps is None else Deferred(lambda: lps[:n]),
+            new_logprobs=None if lps is None else lps[first:n],
+            cumulative_logprob=req.cumulative_logprob,
         )

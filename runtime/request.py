@@ -34,6 +34,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs, kept with ``logprobs``
     status: Status = Status.WAITING
     finish_reason: str | None = None
     # Cache coverage: main/index K/V hold positions [0, num_computed); each MTP module's cache holds final
@@ -59,6 +60,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and self.cumulative_logprob is None:
+            self.cumulative_logprob = sum(next(iter(lp.values())) for lp in self.logprobs)
         self._tokens = list(self.prompt_token_ids) + self.output_token_ids
         self._drafts: list[int] = []
         self._pending: PendingDrafts | None = None  # drafts whose values are still only on the device

@@ -24,6 +24,11 @@ class TextTokenizer:
         """Special tokens (BOS/EOS/PAD, role markers) are dropped by default: they are control, not text."""
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids this tokenizer knows, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def special_tokens(self) -> frozenset[str]:
         """The text of every special token (those ``decode`` drops by default)."""
         return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)

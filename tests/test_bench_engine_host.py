@@ -55,3 +55,19 @@ def test_long_prefill_runs_every_length_in_chunks(tmp_path):
     assert [(r["tokens"], r["chunk"], r["steps"]) for r in res["rows"]] == [(40, 32, 2), (80, 32, 3), (40, 64, 1),
                                                                             (80, 64, 2)]
     assert all(r["tokens_per_s"] > 0 for r in res["rows"])
+
+
+def test_engine_host_windows_report_a_step_cost_per_window(tmp_path):
+    """--windows: one long generation per batch and mode, the engine's us a step per window of steps, with the
+    embedded tokenizer's vocabulary."""
+    out = tmp_path / "growth.json"
+    tok = Path(__file__).resolve().parents[1] / "m3export" / "embedded" / "code-tiny" / "tokenizer.json"
+    _run("engine_host.py", "--batches", "2", "--modes", "greedy,logprobs", "--new-tokens", "9", "--windows", "4",
+         "--tokenizer", str(tok), "--json", str(out))
+    res = json.loads(out.read_text())
+    from tokenizers import Tokenizer
+
+    assert res["vocab"] == Tokenizer.from_file(str(tok)).get_vocab_size(with_added_tokens=True) < 200064
+    assert [(r["mode"], r["batch"], len(r["engine_us_per_step"])) for r in res["rows"]] == [("greedy", 2, 2),
+                                                                                          ("logprobs", 2, 2)]
+    assert all(v > 0 for r in res["rows"] for v in r["engine_us_per_step"])

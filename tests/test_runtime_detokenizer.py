@@ -63,3 +63,14 @@ def test_special_tokens_kept_on_request():
         for t in data:
             det.append(t)
     assert kept.release(True) == "a<300>b" and dropped.release(True) == "ab"
+
+
+def test_unreported_text_stays_short():
+    """The detokenizer keeps the reported text in pieces and only the held-back tail unreported, so a token costs
+    the same whatever came before (a text grown by += was copied whole at every token); the pieces join to the
+    text."""
+    det = IncrementalDetokenizer(ByteTokenizer(), ("STOPPING",))
+    data = b"word " * 400
+    deltas, stopped = _feed(det, data)
+    assert not stopped and len(det._pending) <= len("STOPPING") - 1
+    assert "".join(deltas) + det.release(True) == det.text == data.decode()

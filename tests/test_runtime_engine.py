@@ -180,6 +180,27 @@ def test_text_streaming_and_stop_strings(model, reference):
     assert "".join(o.new_text for o in outs) == text[:j]
 
 
+def test_outputs_are_snapshots_made_when_read(model):
+    """Each output's cumulative ids, text and logprobs are what the request had at that step, whenever they are
+    read (the engine defers the copies, ``runtime.outputs.Deferred``: copying them at every step made a step's
+    host work grow with the output's length); until read they are not made; the deltas add up to them, and the
+    running ``cumulative_logprob`` equals the sum over the logprobs, in the same order."""
+    from m3export.runtime.outputs import Deferred
+
+    tok = CharTokenizer()
+    eng = Engine(TorchBackend(model), tok, page_size=4, num_pages=64)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, stop=["never!"])
+    outs = list(eng.stream("abcdefgh", params))
+    assert len(outs) == 10
+    assert all(isinstance(o._token_ids, Deferred) and isinstance(o._text, Deferred) for o in outs)
+    ids, text, lps = [], "", []
+    for o in outs:  # read only now, after the request finished
+        ids, text, lps = ids + o.new_token_ids, text + o.new_text, lps + o.new_logprobs
+        assert o.token_ids == ids and o.text == text and o.logprobs == lps
+        assert o.cumulative_logprob == sum(next(iter(lp.values())) for lp in o.logprobs)
+    assert text == tok.decode(ids) and outs[-1].finished
+
+
 def test_stream_closed_early_aborts(model):
     eng = engine(model, num_pages=32)
     it = eng.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))

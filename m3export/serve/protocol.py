@@ -306,15 +306,15 @@ def chunk_for(request: GenerateRequest, out, prompt: str) -> Chunk | None:
     ``prompt`` is the prompt's text (see ``prompt_text``), used only when the prompt is included.
     """
     reason = out.finish_reason if out.finished else None
-    cumulative = None if out.logprobs is None else sum(next(iter(lp.values())) for lp in out.logprobs)
-    info = {"finish_reason": reason, "num_input_tokens": len(out.prompt_token_ids), "cumulative_logprob": cumulative}
+    # The running sum and the deltas the output carries: reading its cumulative fields at every step would copy
+    # the whole generation each time (``runtime.outputs.Deferred``).
+    info = {"finish_reason": reason, "num_input_tokens": len(out.prompt_token_ids),
+            "cumulative_logprob": out.cumulative_logprob}
     if request.stream:
         if not (out.new_token_ids or out.new_text or out.finished):
             return None
-        new = len(out.new_token_ids)
-        logprobs = None if out.logprobs is None else out.logprobs[len(out.logprobs) - new:]
-        return Chunk(out.new_text, list(out.new_token_ids), out.finished, num_output_tokens=new,
-                     logprobs=logprobs, **info)
+        return Chunk(out.new_text, list(out.new_token_ids), out.finished, num_output_tokens=len(out.new_token_ids),
+                     logprobs=out.new_logprobs, **info)
     if not out.finished:
         return None
     info.update(num_output_tokens=len(out.token_ids), logprobs=out.logprobs)
