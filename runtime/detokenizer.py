@@ -62,10 +62,9 @@ class IncrementalDetokenizer:
         return self.released_text(self._released_len)
 
     def released_text(self, length: int) -> str:
-        """The first ``length`` characters of the reported text (which a later token never changes)."""
-        if len(self._released) > 1:
-            self._released[:] = ["".join(self._released)]  # joined once for every later read
-        return self._released[0][:length] if self._released else ""
+        """The first ``length`` characters of the reported text (which a later token never changes). Joined at each
+        read, never cached in place: an output may be read on another thread while the engine releases more."""
+        return "".join(self._released)[:length]
 
     @property
     def released_length(self) -> int:
