@@ -43,3 +43,29 @@ def test_generate_validates_params(capsys, flag, value, field):
     """Through the command line: a bad sampling parameter is exit code 2 and one message naming the field."""
     assert main(["generate", "tiny", "--prompt-ids", "1,2", flag, value]) == 2
     assert f"SamplingParams.{field}" in capsys.readouterr().err
+
+
+def test_generate_reports_mxfp8_weights_kept_as_they_are(tmp_path, capsys):
+    """On an MXFP8 checkpoint ``generate`` says what the model holds by dtype against the checkpoint's bytes: the
+    experts stay E4M3 values + UE8M0 scales (about the checkpoint's bytes, not a bf16 copy's 2x)."""
+    import re
+
+    from m3export.checkpoint.writer import write_checkpoint
+    from m3export.config import preset
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", preset("tiny"), fmt="mxfp8", progress=False)
+    assert main(["generate", str(ckpt), "--prompt-ids", "1,2,3", "--temperature", "0", "--max-tokens", "2",
+                 "--dtype", "bfloat16"]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("weights:"))
+    size = r"([\d.]+ (?:GB|MB|kB|B))"
+    m = re.fullmatch(rf"weights: {size} resident on cpu \((.*)\); the source's safetensors: {size}", line)
+    assert m, line
+
+    def num(text):
+        value, unit = text.split()
+        return float(value) * {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}[unit]
+
+    parts = {name: num(v) for name, v in (p.split(" ", 1) for p in m[2].split(", "))}
+    assert parts["float8_e4m3fn"] > 0 and parts["uint8"] > 0
+    disk = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    assert num(m[3]) == pytest.approx(disk, rel=1e-3) and num(m[1]) <= 1.1 * disk

@@ -113,10 +113,48 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # the engine's own checks of its sizes (pool, length limit, speculation)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    report = weights_report(engine, args.artifact)
+    if report:
+        print(report, file=sys.stderr)
     try:
         return _generate(args, engine, prompt, params)
     finally:
         engine.close()  # worker processes stop, ONNX Runtime sessions close (before CUDA shuts down at exit)
+
+
+def weights_report(engine, source) -> str | None:
+    """What the torch backend's model holds, by dtype, against the source's safetensors bytes: an MXFP8
+    checkpoint's experts stay E4M3 values + UE8M0 scales where the model runs (about the checkpoint's bytes, not
+    the 2x of a bf16 copy). None for backends that hold no torch model (ONNX Runtime, TensorRT, parallel ranks)."""
+    from pathlib import Path
+
+    model = getattr(engine.backend, "model", None)
+    if model is None:
+        return None
+    by_dtype, seen, device = {}, set(), None
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type == "meta" or (t.data_ptr(), t.dtype) in seen:
+            continue
+        seen.add((t.data_ptr(), t.dtype))
+        device = device or t.device
+        name = str(t.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + t.numel() * t.element_size()
+    total = sum(by_dtype.values())
+    parts = ", ".join(f"{name} {_size(n)}" for name, n in sorted(by_dtype.items(), key=lambda kv: -kv[1]))
+    line = f"weights: {_size(total)} resident on {device} ({parts})"
+    src = Path(str(source))
+    files = sorted(src.glob("*.safetensors")) if src.is_dir() else []
+    if files:
+        line += f"; the source's safetensors: {_size(sum(f.stat().st_size for f in files))}"
+    return line
+
+
+def _size(n: int) -> str:
+    """Bytes in decimal units, three significant digits at least."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n} B"
 
 
 def _generate(args: argparse.Namespace, engine, prompt, params) -> int:
