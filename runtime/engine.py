@@ -45,6 +45,17 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_PAGE_SIZE = 16
 
 
+def checkpoint_dtype(device, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The model dtype a checkpoint or preset is loaded in: ``dtype`` when given; else bfloat16 on a GPU (vLLM's
+    ``auto`` for a 16-bit model: M3 ships bf16 weights beside its MXFP8 experts, and float32 copies would double
+    their bytes and run the kernels on fp32 activations; a `mini` MXFP8 checkpoint took 14.9 GB on the H200 in
+    float32 against its 9.8 GB of safetensors), None (the loader's float32) on the CPU, where the reference ops
+    run."""
+    if dtype is not None or torch.device(device).type == "cpu":
+        return dtype
+    return torch.bfloat16
+
+
 def default_page_size(cfg: M3Config) -> int:
     """16 tokens, or for a model with sparse layers the largest page of at most 16 tokens that divides the index
     block (16 for M3's blocks of 128; 4 for the tiny preset's blocks of 4)."""
@@ -157,7 +168,9 @@ class Engine:
         replayed from CUDA graphs on a CUDA device unless ``enforce_eager``); ``kv_cache_dtype``: ``auto``,
         ``bf16`` or ``fp8`` (vLLM's ``--kv-cache-dtype``). ``tensor_parallel_size`` > 1 (and ``expert_parallel``,
         vLLM's names) runs one process per device over the model's shards (``docs/parallel.md``); ``close()`` the
-        engine to stop them."""
+        engine to stop them. ``dtype`` None: float32 on the CPU (where the reference ops run), bfloat16 elsewhere
+        (``checkpoint_dtype``)."""
+        dtype = checkpoint_dtype(device, dtype)
         if tensor_parallel_size != 1:
             from .backends.distributed_backend import launch_backend
 

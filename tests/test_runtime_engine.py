@@ -258,3 +258,26 @@ def test_speculation_without_mtp_weights_is_off_and_says_so(caplog):
         eng = engine(m, num_speculative_tokens=3)
     assert eng.num_speculative_tokens == 0 and "no MTP weights" in caplog.text
     assert len(eng.generate([[5, 6, 7]], GREEDY)[0].token_ids) == 12
+
+
+def test_checkpoints_load_in_bf16_on_a_gpu_unless_asked(monkeypatch):
+    """``Engine.from_checkpoint`` without a dtype loads float32 on the CPU (the loader's default, as the reference
+    ops run) and bfloat16 on any other device (vLLM's ``auto`` for M3's bf16 weights: float32 copies doubled the
+    non-expert bytes on the H200); a given dtype is kept. The load is stood in for (no GPU here)."""
+    import m3export
+    from m3export.runtime.engine import checkpoint_dtype
+
+    assert checkpoint_dtype("cpu", None) is None and checkpoint_dtype("cuda", None) == torch.bfloat16
+    assert checkpoint_dtype("cuda:1", torch.float32) == torch.float32 and checkpoint_dtype("cpu", torch.float16) == \
+        torch.float16
+    seen = []
+
+    def load(source, device="cpu", dtype=None, **kw):
+        seen.append((device, dtype))
+        raise RuntimeError("stand-in")
+
+    monkeypatch.setattr(m3export, "load_model", load)
+    for device, dtype in (("cpu", None), ("cuda", None), ("cuda", torch.float32)):
+        with pytest.raises(RuntimeError, match="stand-in"):
+            Engine.from_checkpoint("tiny", device=device, dtype=dtype)
+    assert seen == [("cpu", None), ("cuda", torch.bfloat16), ("cuda", torch.float32)]
