@@ -172,6 +172,22 @@ def cycles_per_us(device: torch.device) -> float:
     return 2_000_000 / (start.elapsed_time(end) * 1e3)
 
 
+def prefilled_engine(cfg, be: Backend, tokenizer, batch: int, mode: str, prompt_len: int, new_tokens: int,
+                     **engine_kwargs) -> Engine:
+    """An engine on ``be`` holding ``batch`` random prompts of ``prompt_len`` tokens (``mode``'s parameters, each to
+    ``new_tokens`` tokens, EOS ignored), after its prefill step (all prompts fit one step; every kernel and
+    allocation warmed up)."""
+    page = 64
+    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 2),
+                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len), **engine_kwargs)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
+        eng.add_request(f"r{i}", prompt, dataclasses.replace(MODES[mode](i), max_tokens=new_tokens, ignore_eos=True))
+    eng.step()
+    return eng
+
+
 def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_tokens: int, tokenizer,
         speculative: int = 0, device_step_us: float = 0.0, clock: float = 0.0) -> dict:
     """One table row. ``clock``: ``cycles_per_us(device)``, measured once by the caller (with ``device_step_us``)."""
@@ -180,16 +196,7 @@ def run(cfg, device: torch.device, batch: int, mode: str, prompt_len: int, new_t
     busy = int(device_step_us * clock) if device_step_us else 0
     be = NoComputeBackend(cfg, batch * (1 + speculative), device, mtp=speculative > 0,  # sampled rows per step
                           busy_cycles=busy)
-    page = 64
-    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 2),
-                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len),
-                 num_speculative_tokens=speculative)
-    g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
-        params = dataclasses.replace(MODES[mode](i), max_tokens=new_tokens, ignore_eos=True)
-        eng.add_request(f"r{i}", prompt, params)
-    eng.step()  # the prefill step (all prompts fit one step), and every kernel / allocation warmed up
+    eng = prefilled_engine(cfg, be, tokenizer, batch, mode, prompt_len, new_tokens, num_speculative_tokens=speculative)
     if device_step_us:  # no phase timers (their synchronisations would end the overlap): the steps' wall time
         torch.cuda.synchronize(device)
         steps, t = 0, time.perf_counter()
@@ -224,19 +231,12 @@ def growth(cfg, batch: int, mode: str, prompt_len: int, new_tokens: int, tokeniz
     be = NoComputeBackend(cfg, batch, torch.device("cpu"))
     if tokenizer is not None:
         ids = be._logits.argmax(-1).tolist()
-        clean = [i for i, t in enumerate(ids) if "\ufffd" not in tokenizer.decode([t])]
-        for i, t in enumerate(ids):
-            if i not in clean:
-                be._logits[i] = be._logits[clean[i % len(clean)]]
-    page = 64
-    eng = Engine(be, tokenizer, page_size=page, num_pages=batch * (-(-(prompt_len + new_tokens) // page) + 2),
-                 max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt_len),
-                 max_model_len=prompt_len + new_tokens + 1)
-    g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
-        eng.add_request(f"r{i}", prompt, dataclasses.replace(MODES[mode](i), max_tokens=new_tokens, ignore_eos=True))
-    eng.step()
+        split = [i for i, t in enumerate(ids) if "\ufffd" in tokenizer.decode([t])]
+        clean = [i for i in range(len(ids)) if i not in set(split)]
+        for i in split:
+            be._logits[i] = be._logits[clean[i % len(clean)]]
+    eng = prefilled_engine(cfg, be, tokenizer, batch, mode, prompt_len, new_tokens,
+                           max_model_len=prompt_len + new_tokens + 1)
     us, steps, t = [], 0, time.perf_counter()
     while eng.has_unfinished():
         eng.step()

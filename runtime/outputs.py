@@ -20,6 +20,12 @@ class Deferred:
 
 
 
+def sampled_logprob_sum(logprobs: list[dict[int, float]]) -> float:
+    """The sum of the sampled tokens' logprobs (each dict's first value), in order: the one definition of a
+    request's ``cumulative_logprob``, which the engine keeps running by the same additions."""
+    return sum(next(iter(lp.values())) for lp in logprobs)
+
+
 class RequestOutput:
     """Cumulative state plus the delta since the previous output of the same request.
 
@@ -56,7 +62,7 @@ class RequestOutput:
             new_logprobs = logprobs[len(logprobs) - len(new_token_ids):]
         self.new_logprobs = new_logprobs
         if cumulative_logprob is None and isinstance(logprobs, list):
-            cumulative_logprob = sum(next(iter(lp.values())) for lp in logprobs)
+            cumulative_logprob = sampled_logprob_sum(logprobs)
         self.cumulative_logprob = cumulative_logprob
 
     def _read(self, slot: str):

@@ -15,6 +15,7 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .device_drafts import PendingDrafts
 from .media import RequestMedia
+from .outputs import sampled_logprob_sum
 from .params import SamplingParams
 from .sampling import PositionalRandom
 
@@ -61,7 +62,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and self.cumulative_logprob is None:
-            self.cumulative_logprob = sum(next(iter(lp.values())) for lp in self.logprobs)
+            self.cumulative_logprob = sampled_logprob_sum(self.logprobs)
         self._tokens = list(self.prompt_token_ids) + self.output_token_ids
         self._drafts: list[int] = []
         self._pending: PendingDrafts | None = None  # drafts whose values are still only on the device

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_provider_argument(p, default=None)
     add_kv_cache_dtype_argument(p)
     add_parallel_arguments(p)
-    p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype for the torch backend (default: an artifact's own; a checkpoint's or preset's "
+    p.add_argument("--dtype", choices=MODEL_DTYPES,
+                   help="model dtype for the torch backend (default: an artifact's own; a checkpoint's or preset's "
                         "float32 on the CPU, bfloat16 on a GPU)")
     p.add_argument("--num-pages", type=bounded_int(1), help="KV-cache pages to allocate (default: 4 x max-model-len)")
     p.add_argument("--max-model-len", type=bounded_int(2),

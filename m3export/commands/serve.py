@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch backend on CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     add_kv_cache_dtype_argument(p)
     add_parallel_arguments(p)
-    p.add_argument("--dtype", choices=DTYPES, help="model dtype for the torch backend (default: an artifact's own; a checkpoint's or preset's "
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="model dtype for the torch backend (default: an artifact's own; a checkpoint's or preset's "
                         "float32 on the CPU, bfloat16 on a GPU)")
     add_provider_argument(p, default=None)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
