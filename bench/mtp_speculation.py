@@ -117,7 +117,11 @@ def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threa
             from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
             from m3export.runtime.tokenizer import find_tokenizer
 
-            model = engines[KS[0]].backend.model if engines else load_model(ckpt, device=device)  # one copy
+            from m3export.runtime.engine import checkpoint_dtype
+
+            # one copy, in the dtype the torch rows' Engine.from_checkpoint loads (bf16 on a GPU)
+            model = (engines[KS[0]].backend.model if engines
+                     else load_model(ckpt, device=device, dtype=checkpoint_dtype(device, None)))
             be = GraphedTorchBackend(model, use_graphs=False, pad_eagerly=True)
             if backend == "torch-replayed":  # every pass over the prompts must make the same calls: no prefix cache
                 GraphTape(be)

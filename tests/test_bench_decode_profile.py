@@ -207,14 +207,19 @@ def test_attention_part_sums_the_batch_1_rows_per_settings():
     """The issue's last attention target reads the indexer scan + top-k + sparse attention of a batch-1 step at
     each context over the shortest; rows of other batches are left out, each settings on its own."""
     def row(settings, b, ctx, scan, topk, sparse):
-        fams = {"indexer scan": {"us": scan}, "top-k": {"us": topk}, "sparse attention": {"us": sparse},
-                "lm_head": {"us": 500.0}}
+        fams = {"indexer scan": {"us": scan, "bytes": ctx * 100}, "top-k": {"us": topk, "bytes": None},
+                "sparse attention": {"us": sparse, "bytes": 7_000_000}, "lm_head": {"us": 500.0, "bytes": 10**9}}
         return {"settings": settings, "batch": b, "context": ctx, "families": fams}
 
     rows = [row("default", 1, 4096, 10.0, 5.0, 30.0), row("default", 1, 131072, 30.0, 20.0, 30.0),
             row("default", 8, 4096, 99.0, 99.0, 99.0), row("g16", 1, 131072, 30.0, 10.0, 30.0),
             row("g16", 1, 4096, 10.0, 5.0, 30.0)]
-    part = dp.attention_part(rows)
+    part = dp.attention_part(rows, bandwidth=4e12)
     assert part["default"]["us"] == {4096: 45.0, 131072: 80.0}
     assert part["default"]["over_shortest"][131072] == pytest.approx(80.0 / 45.0)
     assert part["g16"]["over_shortest"] == {4096: 1.0, 131072: pytest.approx(70.0 / 45.0)}
+    # the least ratio: the 4k part plus the longer context's extra index keys (the sparse attention's bytes, the
+    # lm_head's and the batch-8 row's are not the difference) at 4 TB/s: 127k x 100 bytes = 3.175 us
+    extra_us = (131072 - 4096) * 100 / 4e12 * 1e6
+    assert part["default"]["least_over_shortest"] == {4096: 1.0, 131072: pytest.approx((45.0 + extra_us) / 45.0)}
+    assert part["g16"]["least_over_shortest"] == part["default"]["least_over_shortest"]
