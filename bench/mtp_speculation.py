@@ -115,9 +115,8 @@ def build_engines(backend: str, ckpt: Path, art: Path | None, device: str, threa
         elif backend in ("torch-padded", "torch-replayed"):
             from m3export import load_model
             from m3export.runtime.backends.cuda_graph import GraphedTorchBackend
-            from m3export.runtime.tokenizer import find_tokenizer
-
             from m3export.runtime.engine import checkpoint_dtype
+            from m3export.runtime.tokenizer import find_tokenizer
 
             # one copy, in the dtype the torch rows' Engine.from_checkpoint loads (bf16 on a GPU)
             model = (engines[KS[0]].backend.model if engines

@@ -26,9 +26,8 @@ def load_model(path_or_preset, device="cpu", dtype=None, **kwargs):
     per process; the references stay the CPU implementation and the definition of truth), and each attention
     layer's input projections share one weight buffer (``M3ForCausalLM.fuse_projections``).
 
-    ``dtype`` None loads float32 (the reference ops' dtype) on every device; on a GPU pass ``torch.bfloat16``, the
-    dtype ``Engine.from_checkpoint`` and the CLI load there by default (``runtime.engine.checkpoint_dtype``): float32
-    doubles the bytes of every non-expert weight and runs the kernels on float32 activations."""
+    ``dtype`` None loads float32 on every device; on a GPU pass ``torch.bfloat16``, what ``Engine.from_checkpoint``
+    and the CLI load there by default (``runtime.engine.checkpoint_dtype`` says why)."""
     from .checkpoint.loader import load_model as _load
     from .model import fusion
 
